@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One-time machine and project set-up: Debian -dev packages, the project virtualenv with the
+# torch==2.13.0 CPU wheel (its include/ and CMake config are our C++ SDK) and the Python packages
+# used by reference tests and benchmarks. Idempotent: a stamp file skips work already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(cmake ninja-build g++ ccache libtomlplusplus-dev nlohmann-json3-dev libcli11-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev fortunes)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY_STAMP=.venv/.loom-setup-v1
+if [ ! -f "$PY_STAMP" ]; then
+  echo "setup: creating .venv with torch==2.13.0 (CPU) and reference packages"
+  python3 -m venv .venv
+  .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
+  touch "$PY_STAMP"
+fi
+
+# The default corpus: English text from Debian's `fortunes` package (BSD licence, see README).
+if [ ! -f data/default/corpus.txt ] || [ ! -s data/default/tokenizer.json ]; then
+  scripts/make_default_data.sh
+fi

@@ -1,0 +1,26 @@
+// Minimal rank-aware logging to stderr/stdout. Rank is set once by the dist layer; messages from
+// rank 0 go to stdout by default, other ranks log only warnings unless LOOM_LOG_ALL_RANKS=1.
+#pragma once
+#include <c10/util/StringUtil.h>
+
+#include <string>
+
+namespace loom::log {
+
+enum class Level { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
+
+void set_rank(int rank);
+int rank();
+void set_level(Level level);
+void write(Level level, const std::string& message);
+
+template <typename... Args>
+void info(const Args&... args) { write(Level::kInfo, c10::str(args...)); }
+template <typename... Args>
+void warn(const Args&... args) { write(Level::kWarn, c10::str(args...)); }
+template <typename... Args>
+void error(const Args&... args) { write(Level::kError, c10::str(args...)); }
+template <typename... Args>
+void debug(const Args&... args) { write(Level::kDebug, c10::str(args...)); }
+
+}  // namespace loom::log

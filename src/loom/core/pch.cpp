@@ -1,0 +1,2 @@
+// Anchor TU for the shared precompiled header.
+#include "loom/core/pch.h"
