@@ -1,0 +1,199 @@
+#include "loom/data/loader.h"
+
+#include <algorithm>
+
+#include "loom/core/error.h"
+#include "loom/core/logging.h"
+#include "loom/core/timer.h"
+
+namespace loom::data {
+
+// ---- TokenCorpus ------------------------------------------------------------------------------
+
+void TokenCorpus::add_memory_document(const std::vector<int64_t>& tokens) {
+  if (tokens.empty()) return;
+  if (shards_.empty() || shards_.back().file) {
+    shards_.emplace_back();
+    shards_.back().first_doc = num_documents();
+  }
+  std::vector<uint32_t>& memory = shards_.back().memory;
+  for (int64_t id : tokens) {
+    TORCH_CHECK(id >= 0 && id <= UINT32_MAX, "token id ", id, " does not fit in uint32");
+    memory.push_back(static_cast<uint32_t>(id));
+  }
+  memory.push_back(static_cast<uint32_t>(eos_id_));
+  doc_start_.push_back(doc_start_.back() + static_cast<int64_t>(tokens.size()) + 2);
+}
+
+void TokenCorpus::add_token_file(std::shared_ptr<const TokenFile> file) {
+  if (file->size() == 0) return;
+  Shard shard;
+  shard.first_doc = num_documents();
+  // Index the documents: each ends at an EOS; in the stream it gains a BOS in front.
+  int64_t doc_begin = 0;
+  for (int64_t i = 0; i < file->size(); ++i) {
+    if ((*file)[i] == eos_id_) {
+      doc_start_.push_back(doc_start_.back() + (i + 1 - doc_begin) + 1);
+      doc_begin = i + 1;
+    }
+  }
+  shard.file = std::move(file);
+  shards_.push_back(std::move(shard));
+}
+
+std::shared_ptr<const TokenCorpus> TokenCorpus::from_documents(const std::vector<std::vector<int64_t>>& documents,
+                                                               int64_t bos_id, int64_t eos_id) {
+  LOOM_REQUIRE(bos_id >= 0 && eos_id >= 0, "packing needs BOS and EOS ids, got ", bos_id, " and ", eos_id);
+  auto corpus = std::shared_ptr<TokenCorpus>(new TokenCorpus());
+  corpus->bos_id_ = bos_id;
+  corpus->eos_id_ = eos_id;
+  for (const auto& doc : documents) corpus->add_memory_document(doc);
+  return corpus;
+}
+
+std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::string>& inputs,
+                                                     const Tokenizer* tokenizer, const SourceOptions& options) {
+  Timer timer;
+  const std::vector<std::string> files = resolve_inputs(inputs);
+  auto corpus = std::shared_ptr<TokenCorpus>(new TokenCorpus());
+  int64_t vocab_size = -1;
+  std::string ids_from;  // what set vocab_size/BOS/EOS, for error messages
+  if (tokenizer) {
+    LOOM_REQUIRE(tokenizer->bos_id() >= 0 && tokenizer->eos_id() >= 0, "tokenizer '", tokenizer->path(),
+                 "' has no BOS/EOS tokens (<|begin_of_text|>/<|end_of_text|> or <s>/</s>); the loader marks ",
+                 "document boundaries with them");
+    corpus->bos_id_ = tokenizer->bos_id();
+    corpus->eos_id_ = tokenizer->eos_id();
+    vocab_size = tokenizer->vocab_size();
+    ids_from = c10::str("tokenizer '", tokenizer->path(), "'");
+  }
+  for (const std::string& path : files) {
+    const SourceFormat format = detect_format(path);
+    if (format == SourceFormat::kTokens) {
+      auto file = std::make_shared<const TokenFile>(path);
+      const TokenFileHeader& h = file->header();
+      if (vocab_size < 0) {
+        LOOM_REQUIRE(h.bos_id >= 0, "token file '", path, "' records no BOS id; pass the tokenizer too");
+        corpus->bos_id_ = h.bos_id;
+        corpus->eos_id_ = h.eos_id;
+        vocab_size = h.vocab_size;
+        ids_from = c10::str("token file '", path, "'");
+      }
+      LOOM_REQUIRE(h.vocab_size == vocab_size && h.eos_id == corpus->eos_id_ &&
+                       (h.bos_id == corpus->bos_id_ || h.bos_id < 0),
+                   "token file '", path, "' was written for vocab size ", h.vocab_size, ", BOS ", h.bos_id,
+                   ", EOS ", h.eos_id, " but ", ids_from, " has vocab size ", vocab_size, ", BOS ",
+                   corpus->bos_id_, ", EOS ", corpus->eos_id_, "; re-run 'loom tokenizer pretokenize'");
+      corpus->add_token_file(std::move(file));
+    } else {
+      LOOM_REQUIRE(tokenizer, source_format_name(format), " input '", path,
+                   "' needs a tokenizer (or pre-tokenize it with 'loom tokenizer pretokenize')");
+      for_each_text_document(path, options, [&](std::string_view text) {
+        corpus->add_memory_document(tokenizer->encode(text));
+      });
+    }
+  }
+  LOOM_REQUIRE(corpus->num_documents() > 0, "the data inputs (", files.size(), " files) hold no documents");
+  log::info("data: ", corpus->num_documents(), " documents, ", corpus->num_tokens(), " tokens from ",
+            files.size(), files.size() == 1 ? " file" : " files", " (", timer.seconds(), " s)");
+  return corpus;
+}
+
+void TokenCorpus::read_stream(int64_t start, int64_t count, int64_t* tokens, int64_t* positions,
+                              int64_t* documents) const {
+  TORCH_CHECK(start >= 0 && count >= 0 && start + count <= stream_length(), "stream read [", start, ", ",
+              start + count, ") outside [0, ", stream_length(), ")");
+  int64_t doc = std::upper_bound(doc_start_.begin(), doc_start_.end(), start) - doc_start_.begin() - 1;
+  auto shard_of = [&](int64_t d) {
+    auto it = std::upper_bound(shards_.begin(), shards_.end(), d,
+                               [](int64_t v, const Shard& s) { return v < s.first_doc; });
+    return &*(it - 1);
+  };
+  int64_t p = start;
+  const int64_t end = start + count;
+  int64_t out = 0;
+  while (p < end) {
+    const Shard* shard = shard_of(doc);
+    // The document's tokens sit in its shard right after those of the shard's earlier
+    // documents, each of which occupies its stream length minus the BOS.
+    const int64_t shard_offset = (doc_start_[doc] - doc_start_[shard->first_doc]) - (doc - shard->first_doc);
+    const int64_t stop = std::min(end, doc_start_[doc + 1]);
+    for (int64_t o = p - doc_start_[doc]; p < stop; ++p, ++o, ++out) {
+      tokens[out] = o == 0 ? bos_id_ : shard->token(shard_offset + o - 1);
+      positions[out] = o;
+      documents[out] = doc;
+    }
+    ++doc;
+  }
+}
+
+// ---- SequencePacker ---------------------------------------------------------------------------
+
+SequencePacker::SequencePacker(std::shared_ptr<const TokenCorpus> corpus, int64_t seq_len)
+    : corpus_(std::move(corpus)), seq_len_(seq_len) {
+  LOOM_REQUIRE_USAGE(seq_len_ >= 1, "seq_len must be at least 1, got ", seq_len_);
+  rows_per_epoch_ = corpus_->stream_length() / (seq_len_ + 1);
+  LOOM_REQUIRE(rows_per_epoch_ > 0, "the corpus packs into ", corpus_->stream_length(),
+               " tokens, fewer than one row of seq_len + 1 = ", seq_len_ + 1, "; use more data or a shorter seq_len");
+}
+
+void SequencePacker::read_row(int64_t row, int64_t* tokens, int64_t* positions, int64_t* document_ids) const {
+  const int64_t row_len = seq_len_ + 1;
+  corpus_->read_stream((row % rows_per_epoch_) * row_len, row_len, tokens, positions, document_ids);
+  const int64_t first = document_ids[0];
+  for (int64_t i = 0; i < row_len; ++i) document_ids[i] -= first;
+}
+
+// ---- DataLoader -------------------------------------------------------------------------------
+
+DataLoader::DataLoader(std::shared_ptr<const TokenCorpus> corpus, DataLoaderOptions options)
+    : packer_(std::move(corpus), options.seq_len), options_(options) {
+  LOOM_REQUIRE_USAGE(options_.local_batch_size >= 1, "local batch size must be at least 1, got ",
+                     options_.local_batch_size);
+  LOOM_REQUIRE_USAGE(options_.dp_world_size >= 1 && options_.dp_rank >= 0 &&
+                         options_.dp_rank < options_.dp_world_size,
+                     "data-parallel rank ", options_.dp_rank, " is not in [0, ", options_.dp_world_size, ")");
+}
+
+Batch DataLoader::next() {
+  const int64_t B = options_.local_batch_size, L = packer_.seq_len();
+  const auto opts = torch::TensorOptions().dtype(torch::kInt64);
+  Batch batch{torch::empty({B, L}, opts), torch::empty({B, L}, opts), torch::empty({B, L}, opts),
+              torch::empty({B, L}, opts)};
+  std::vector<int64_t> tokens(L + 1), positions(L + 1), documents(L + 1);
+  const int64_t first_row = rows_consumed_ + options_.dp_rank * B;
+  for (int64_t b = 0; b < B; ++b) {
+    packer_.read_row(first_row + b, tokens.data(), positions.data(), documents.data());
+    const size_t bytes = static_cast<size_t>(L) * sizeof(int64_t);
+    std::memcpy(batch.inputs.data_ptr<int64_t>() + b * L, tokens.data(), bytes);
+    std::memcpy(batch.labels.data_ptr<int64_t>() + b * L, tokens.data() + 1, bytes);
+    std::memcpy(batch.positions.data_ptr<int64_t>() + b * L, positions.data(), bytes);
+    std::memcpy(batch.document_ids.data_ptr<int64_t>() + b * L, documents.data(), bytes);
+  }
+  rows_consumed_ += global_batch_size();
+  return batch;
+}
+
+nlohmann::json DataLoader::state_dict() const {
+  return {{"rows_consumed", rows_consumed_},
+          {"seq_len", packer_.seq_len()},
+          {"stream_tokens", packer_.corpus().stream_length()}};
+}
+
+void DataLoader::load_state_dict(const nlohmann::json& state) {
+  LOOM_REQUIRE(state.is_object() && state.contains("rows_consumed") && state.contains("seq_len") &&
+                   state.contains("stream_tokens"),
+               "data loader state ", state.dump(), " lacks rows_consumed / seq_len / stream_tokens");
+  const auto seq_len = state.at("seq_len").get<int64_t>();
+  const auto stream_tokens = state.at("stream_tokens").get<int64_t>();
+  const auto rows = state.at("rows_consumed").get<int64_t>();
+  LOOM_REQUIRE(seq_len == packer_.seq_len(), "data loader state was saved with seq_len ", seq_len,
+               " but this run uses ", packer_.seq_len(), "; rows would not line up");
+  LOOM_REQUIRE(stream_tokens == packer_.corpus().stream_length(), "data loader state was saved for a corpus of ",
+               stream_tokens, " packed tokens but this corpus has ", packer_.corpus().stream_length(),
+               "; resume with the same data inputs and tokenizer");
+  LOOM_REQUIRE(rows >= 0, "data loader state has negative rows_consumed ", rows);
+  rows_consumed_ = rows;
+}
+
+}  // namespace loom::data

@@ -1,0 +1,362 @@
+#include "loom/data/sources.h"
+
+#include <fcntl.h>
+#include <glob.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <unordered_set>
+
+#include "loom/core/error.h"
+
+namespace loom::data {
+
+namespace fs = std::filesystem;
+
+// The token file stores little-endian integers and is read by mapping it: the host must match.
+static_assert(std::endian::native == std::endian::little, "token files assume a little-endian host");
+
+const char* source_format_name(SourceFormat format) {
+  switch (format) {
+    case SourceFormat::kText: return "text";
+    case SourceFormat::kJsonl: return "jsonl";
+    case SourceFormat::kTokens: return "tokens";
+  }
+  return "?";
+}
+
+namespace {
+
+bool is_hidden(const fs::path& p) {
+  const std::string name = p.filename().string();
+  return !name.empty() && name[0] == '.';
+}
+
+void add_directory(const fs::path& dir, std::vector<std::string>& out) {
+  std::vector<std::string> files;
+  for (auto it = fs::recursive_directory_iterator(dir, fs::directory_options::follow_directory_symlink);
+       it != fs::recursive_directory_iterator(); ++it) {
+    if (is_hidden(it->path())) {
+      if (it->is_directory()) it.disable_recursion_pending();
+      continue;
+    }
+    if (it->is_regular_file()) files.push_back(it->path().string());
+  }
+  std::sort(files.begin(), files.end());
+  out.insert(out.end(), files.begin(), files.end());
+}
+
+}  // namespace
+
+std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs) {
+  LOOM_REQUIRE_USAGE(!specs.empty(), "no data input given: pass files, directories or globs");
+  std::vector<std::string> files;
+  for (const std::string& spec : specs) {
+    const size_t before = files.size();
+    std::error_code ec;
+    if (fs::is_directory(spec, ec)) {
+      add_directory(spec, files);
+    } else if (fs::exists(spec, ec)) {
+      files.push_back(spec);
+    } else if (spec.find_first_of("*?[") != std::string::npos) {
+      glob_t g{};
+      const int rc = ::glob(spec.c_str(), 0, nullptr, &g);
+      if (rc == 0) {
+        std::vector<std::string> matches(g.gl_pathv, g.gl_pathv + g.gl_pathc);
+        std::sort(matches.begin(), matches.end());
+        for (const std::string& m : matches) {
+          if (fs::is_directory(m, ec)) {
+            add_directory(m, files);
+          } else if (!is_hidden(m)) {
+            files.push_back(m);
+          }
+        }
+      }
+      globfree(&g);
+    } else {
+      fail("data input '", spec, "' does not exist");
+    }
+    LOOM_REQUIRE(files.size() > before, "data input '", spec, "' names no file");
+  }
+  std::unordered_set<std::string> seen;
+  std::vector<std::string> unique;
+  for (std::string& f : files) {
+    if (seen.insert(fs::weakly_canonical(f).string()).second) unique.push_back(std::move(f));
+  }
+  return unique;
+}
+
+SourceFormat detect_format(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[sizeof(kTokenFileMagic)] = {};
+  if (in.read(magic, sizeof(magic)) && std::memcmp(magic, kTokenFileMagic, sizeof(magic)) == 0) {
+    return SourceFormat::kTokens;
+  }
+  const std::string ext = fs::path(path).extension().string();
+  if (ext == ".jsonl" || ext == ".ndjson") return SourceFormat::kJsonl;
+  return SourceFormat::kText;
+}
+
+std::string read_file(const std::string& path, const char* what) {
+  std::error_code ec;
+  LOOM_REQUIRE(!fs::is_directory(path, ec), "cannot read ", what, " '", path, "': it is a directory");
+  std::ifstream in(path, std::ios::binary);
+  LOOM_REQUIRE(in, "cannot read ", what, " '", path, "': ", std::strerror(errno));
+  std::string data;
+  in.seekg(0, std::ios::end);
+  data.resize(static_cast<size_t>(in.tellg()));
+  in.seekg(0);
+  in.read(data.data(), static_cast<std::streamsize>(data.size()));
+  LOOM_REQUIRE(in, "cannot read ", what, " '", path, "': read failed");
+  return data;
+}
+
+void for_each_text_document(const std::string& path, const SourceOptions& options,
+                            const std::function<void(std::string_view)>& fn) {
+  const SourceFormat format = detect_format(path);
+  LOOM_REQUIRE(format != SourceFormat::kTokens, "'", path,
+               "' is a pre-tokenized token file, not text; use it as loader input directly");
+  if (format == SourceFormat::kText) {
+    const std::string text = read_file(path, "text file");
+    if (options.text_separator.empty()) {
+      if (!text.empty()) fn(text);
+      return;
+    }
+    std::string_view rest = text;
+    while (!rest.empty()) {
+      const size_t p = rest.find(options.text_separator);
+      const std::string_view doc = rest.substr(0, p);
+      if (!doc.empty()) fn(doc);
+      if (p == std::string_view::npos) break;
+      rest.remove_prefix(p + options.text_separator.size());
+    }
+    return;
+  }
+  std::ifstream in(path, std::ios::binary);
+  LOOM_REQUIRE(in, "cannot read JSONL file '", path, "': ", std::strerror(errno));
+  std::string line;
+  for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json record;
+    try {
+      record = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      std::string m = e.what();
+      if (const size_t close = m.find("] "); m[0] == '[' && close != std::string::npos) m = m.substr(close + 2);
+      fail(path, ":", line_no, ": not valid JSON: ", m);
+    }
+    auto field = record.is_object() ? record.find(options.jsonl_field) : record.end();
+    LOOM_REQUIRE(record.is_object() && field != record.end() && field->is_string(), path, ":", line_no,
+                 ": no string field '", options.jsonl_field, "' (each JSONL line must be an object with the",
+                 " document text in that field; choose the field with the jsonl_field option)");
+    const std::string& text = field->get_ref<const std::string&>();
+    if (!text.empty()) fn(text);
+  }
+}
+
+// ---- token files ------------------------------------------------------------------------------
+
+namespace {
+
+void put_u32(char* p, uint32_t v) { std::memcpy(p, &v, sizeof(v)); }
+void put_i64(char* p, int64_t v) { std::memcpy(p, &v, sizeof(v)); }
+uint32_t get_u32(const unsigned char* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+int64_t get_i64(const unsigned char* p) {
+  int64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+void encode_header(const TokenFileHeader& h, char* out) {
+  std::memset(out, 0, kTokenFileHeaderBytes);
+  std::memcpy(out, kTokenFileMagic, sizeof(kTokenFileMagic));
+  put_u32(out + 8, kTokenFileVersion);
+  put_u32(out + 12, h.bytes_per_token);
+  put_i64(out + 16, h.num_tokens);
+  put_i64(out + 24, h.num_documents);
+  put_i64(out + 32, h.vocab_size);
+  put_i64(out + 40, h.bos_id);
+  put_i64(out + 48, h.eos_id);
+}
+
+constexpr size_t kWriteBufferBytes = 1 << 20;
+
+}  // namespace
+
+TokenFileWriter::TokenFileWriter(const std::string& path, int64_t vocab_size, int64_t bos_id, int64_t eos_id)
+    : path_(path), tmp_path_(path + ".tmp") {
+  LOOM_REQUIRE(vocab_size > 0 && vocab_size <= (int64_t{1} << 32), "token file '", path,
+               "': vocab size ", vocab_size, " does not fit in uint32 ids");
+  LOOM_REQUIRE(eos_id >= 0 && eos_id < vocab_size, "token file '", path, "': EOS id ", eos_id,
+               " is not in [0, ", vocab_size, "); documents are delimited by EOS, so the tokenizer needs one");
+  LOOM_REQUIRE(bos_id >= -1 && bos_id < vocab_size, "token file '", path, "': BOS id ", bos_id,
+               " is not in [0, ", vocab_size, ") or -1");
+  header_.bytes_per_token = vocab_size <= 65536 ? 2 : 4;
+  header_.vocab_size = vocab_size;
+  header_.bos_id = bos_id;
+  header_.eos_id = eos_id;
+  const fs::path p(path);
+  if (p.has_parent_path()) {
+    std::error_code ec;
+    fs::create_directories(p.parent_path(), ec);
+  }
+  file_ = std::fopen(tmp_path_.c_str(), "wb");
+  LOOM_REQUIRE(file_, "cannot write token file '", path, "': ", std::strerror(errno));
+  char header[kTokenFileHeaderBytes];
+  encode_header(header_, header);
+  buffer_.assign(header, header + kTokenFileHeaderBytes);
+  buffer_.reserve(kWriteBufferBytes + 8);
+}
+
+TokenFileWriter::~TokenFileWriter() {
+  if (file_) {
+    std::fclose(file_);
+    std::remove(tmp_path_.c_str());
+  }
+}
+
+void TokenFileWriter::flush() {
+  if (!buffer_.empty() && std::fwrite(buffer_.data(), 1, buffer_.size(), file_) != buffer_.size()) {
+    fail("cannot write token file '", path_, "': ", std::strerror(errno));
+  }
+  buffer_.clear();
+}
+
+void TokenFileWriter::add_document(const std::vector<int64_t>& tokens) {
+  LOOM_REQUIRE(file_, "token file '", path_, "' is already closed");
+  if (tokens.empty()) return;
+  auto append = [&](int64_t id) {
+    LOOM_REQUIRE(id >= 0 && id < header_.vocab_size, "token file '", path_, "': token id ", id,
+                 " is not in [0, ", header_.vocab_size, ")");
+    if (header_.bytes_per_token == 2) {
+      const auto v = static_cast<uint16_t>(id);
+      buffer_.insert(buffer_.end(), reinterpret_cast<const char*>(&v), reinterpret_cast<const char*>(&v) + 2);
+    } else {
+      const auto v = static_cast<uint32_t>(id);
+      buffer_.insert(buffer_.end(), reinterpret_cast<const char*>(&v), reinterpret_cast<const char*>(&v) + 4);
+    }
+  };
+  for (int64_t id : tokens) {
+    append(id);
+    if (buffer_.size() >= kWriteBufferBytes) flush();
+  }
+  append(header_.eos_id);
+  header_.num_tokens += static_cast<int64_t>(tokens.size()) + 1;
+  header_.num_documents += 1;
+}
+
+void TokenFileWriter::close() {
+  LOOM_REQUIRE(file_, "token file '", path_, "' is already closed");
+  flush();
+  char header[kTokenFileHeaderBytes];
+  encode_header(header_, header);
+  const bool ok = std::fseek(file_, 0, SEEK_SET) == 0 &&
+                  std::fwrite(header, 1, kTokenFileHeaderBytes, file_) == kTokenFileHeaderBytes;
+  const bool closed = std::fclose(file_) == 0;
+  file_ = nullptr;
+  if (!ok || !closed) {
+    std::remove(tmp_path_.c_str());
+    fail("cannot write token file '", path_, "': ", std::strerror(errno));
+  }
+  std::error_code ec;
+  fs::rename(tmp_path_, path_, ec);
+  LOOM_REQUIRE(!ec, "cannot move token file into place at '", path_, "': ", ec.message());
+}
+
+TokenFile::TokenFile(const std::string& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  LOOM_REQUIRE(fd >= 0, "cannot read token file '", path, "': ", std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    fail("cannot read token file '", path, "': ", std::strerror(errno));
+  }
+  const auto file_bytes = static_cast<int64_t>(st.st_size);
+  if (file_bytes < kTokenFileHeaderBytes) {
+    ::close(fd);
+    fail("'", path, "' is not a loom token file (", file_bytes, " bytes, shorter than the header)");
+  }
+  mapping_ = ::mmap(nullptr, static_cast<size_t>(file_bytes), PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);  // the mapping keeps the file open
+  LOOM_REQUIRE(mapping_ != MAP_FAILED, "cannot map token file '", path, "': ", std::strerror(errno));
+  mapping_bytes_ = static_cast<size_t>(file_bytes);
+  const auto* base = static_cast<const unsigned char*>(mapping_);
+  auto reject = [&](const auto&... why) {
+    ::munmap(mapping_, mapping_bytes_);
+    mapping_ = nullptr;
+    fail("token file '", path, "' ", why...);
+  };
+  if (std::memcmp(base, kTokenFileMagic, sizeof(kTokenFileMagic)) != 0) {
+    reject("has no LOOMTOK magic: it was not written by 'loom tokenizer pretokenize'");
+  }
+  if (const uint32_t version = get_u32(base + 8); version != kTokenFileVersion) {
+    reject("has format version ", version, "; this build reads version ", kTokenFileVersion);
+  }
+  header_.bytes_per_token = get_u32(base + 12);
+  header_.num_tokens = get_i64(base + 16);
+  header_.num_documents = get_i64(base + 24);
+  header_.vocab_size = get_i64(base + 32);
+  header_.bos_id = get_i64(base + 40);
+  header_.eos_id = get_i64(base + 48);
+  if (header_.bytes_per_token != 2 && header_.bytes_per_token != 4) {
+    reject("has ", header_.bytes_per_token, " bytes per token; expected 2 or 4");
+  }
+  if (header_.num_tokens < 0 ||
+      kTokenFileHeaderBytes + header_.num_tokens * header_.bytes_per_token != file_bytes) {
+    reject("is ", file_bytes, " bytes but its header promises ", header_.num_tokens, " tokens of ",
+           header_.bytes_per_token, " bytes: it is truncated or corrupt");
+  }
+  if (header_.eos_id < 0 || header_.eos_id >= header_.vocab_size) {
+    reject("has EOS id ", header_.eos_id, " outside its vocabulary of ", header_.vocab_size);
+  }
+  data_ = base + kTokenFileHeaderBytes;
+  if (header_.num_tokens > 0 && (*this)[header_.num_tokens - 1] != header_.eos_id) {
+    reject("does not end with EOS: it is truncated or corrupt");
+  }
+  ::madvise(mapping_, mapping_bytes_, MADV_WILLNEED);
+}
+
+TokenFile::~TokenFile() {
+  if (mapping_) ::munmap(mapping_, mapping_bytes_);
+}
+
+void TokenFile::read(int64_t start, int64_t count, int64_t* out) const {
+  TORCH_CHECK(start >= 0 && count >= 0 && start + count <= header_.num_tokens, "token file read [", start,
+              ", ", start + count, ") out of range ", header_.num_tokens);
+  if (header_.bytes_per_token == 2) {
+    const auto* p = reinterpret_cast<const uint16_t*>(data_) + start;
+    for (int64_t i = 0; i < count; ++i) out[i] = p[i];
+  } else {
+    const auto* p = reinterpret_cast<const uint32_t*>(data_) + start;
+    for (int64_t i = 0; i < count; ++i) out[i] = p[i];
+  }
+}
+
+std::vector<std::vector<int64_t>> TokenFile::documents() const {
+  std::vector<std::vector<int64_t>> docs;
+  docs.reserve(static_cast<size_t>(header_.num_documents));
+  std::vector<int64_t> current;
+  for (int64_t i = 0; i < header_.num_tokens; ++i) {
+    const int64_t id = (*this)[i];
+    if (id == header_.eos_id) {
+      docs.push_back(std::move(current));
+      current.clear();
+    } else {
+      current.push_back(id);
+    }
+  }
+  return docs;
+}
+
+}  // namespace loom::data

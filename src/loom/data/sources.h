@@ -1,0 +1,129 @@
+// Document sources for tokenizer training and the data loader.
+//
+// An input spec is a file, a directory (every regular file below it, recursively) or a glob
+// ("data/*.jsonl"); the files it names are taken in sorted order so every rank and every run sees
+// the same documents in the same order. A file's format is decided by its content and name:
+//   token file  starts with the magic "LOOMTOK\0" (written by TokenFileWriter / `loom tokenizer
+//               pretokenize`): pre-tokenized documents, memory-mapped;
+//   JSONL       name ends in .jsonl or .ndjson: one JSON object per line, the document is the
+//               string field `jsonl_field` ("text" by default); blank lines are skipped;
+//   text        anything else: the whole file is one document, or, with a `text_separator`
+//               (e.g. "\n\n"), the pieces between separators are (empty pieces are skipped).
+//
+// Token file format (version 1, all integers little-endian):
+//   offset  size  field
+//        0     8  magic "LOOMTOK\0"
+//        8     4  uint32 version = 1
+//       12     4  uint32 bytes per token: 2 (uint16 ids, vocab_size <= 65536) or 4 (uint32)
+//       16     8  uint64 num_tokens     (including the EOS after every document)
+//       24     8  uint64 num_documents
+//       32     8  int64  vocab_size     of the tokenizer that wrote it
+//       40     8  int64  bos_id         (-1 if none)
+//       48     8  int64  eos_id
+//       56     8  reserved, zero
+//       64        num_tokens token ids; every document's tokens are followed by eos_id, so the
+//                 file is the documents' tokens each terminated by EOS (BOS is not stored: the
+//                 loader adds it when packing).
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace loom::data {
+
+enum class SourceFormat { kText, kJsonl, kTokens };
+const char* source_format_name(SourceFormat format);
+
+struct SourceOptions {
+  std::string text_separator;        // empty: one text file is one document
+  std::string jsonl_field = "text";  // the JSONL field holding a document's text
+};
+
+// The files named by input specs (file, directory or glob), sorted within each spec, in spec
+// order, without duplicates. Throws loom::Error for a spec that names no file.
+std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs);
+
+SourceFormat detect_format(const std::string& path);
+
+// Calls fn(document) for every document of a text or JSONL file, in file order. Throws loom::Error
+// naming file:line for a JSONL line that is not an object with a string field `jsonl_field`, and
+// for a token file (which holds ids, not text).
+void for_each_text_document(const std::string& path, const SourceOptions& options,
+                            const std::function<void(std::string_view)>& fn);
+
+// The whole file as bytes; `what` names the file's role in the error message.
+std::string read_file(const std::string& path, const char* what);
+
+inline constexpr char kTokenFileMagic[8] = {'L', 'O', 'O', 'M', 'T', 'O', 'K', '\0'};
+inline constexpr uint32_t kTokenFileVersion = 1;
+inline constexpr int64_t kTokenFileHeaderBytes = 64;
+
+struct TokenFileHeader {
+  uint32_t bytes_per_token = 0;
+  int64_t num_tokens = 0;
+  int64_t num_documents = 0;
+  int64_t vocab_size = 0;
+  int64_t bos_id = -1;
+  int64_t eos_id = -1;
+};
+
+// Streams documents into a token file. The file appears under `path` only when close() succeeds
+// (it is written to "<path>.tmp" and renamed), so a crash never leaves a truncated token file.
+class TokenFileWriter {
+ public:
+  TokenFileWriter(const std::string& path, int64_t vocab_size, int64_t bos_id, int64_t eos_id);
+  ~TokenFileWriter();  // without close(): discards the temporary file
+  TokenFileWriter(const TokenFileWriter&) = delete;
+  TokenFileWriter& operator=(const TokenFileWriter&) = delete;
+
+  // Appends the document's tokens and an EOS. Empty documents are skipped. Throws for an id
+  // outside [0, vocab_size).
+  void add_document(const std::vector<int64_t>& tokens);
+  void close();
+
+  const TokenFileHeader& header() const { return header_; }
+
+ private:
+  void flush();
+
+  std::string path_, tmp_path_;
+  std::FILE* file_ = nullptr;
+  TokenFileHeader header_;
+  std::vector<char> buffer_;
+};
+
+// A token file opened read-only and memory-mapped: the tokens are paged in on demand, never
+// copied, so corpora larger than memory work.
+class TokenFile {
+ public:
+  explicit TokenFile(const std::string& path);  // validates magic, version, dtype and size
+  ~TokenFile();
+  TokenFile(const TokenFile&) = delete;
+  TokenFile& operator=(const TokenFile&) = delete;
+
+  const TokenFileHeader& header() const { return header_; }
+  const std::string& path() const { return path_; }
+  int64_t size() const { return header_.num_tokens; }
+  int64_t operator[](int64_t i) const {
+    return header_.bytes_per_token == 2 ? static_cast<int64_t>(reinterpret_cast<const uint16_t*>(data_)[i])
+                                        : static_cast<int64_t>(reinterpret_cast<const uint32_t*>(data_)[i]);
+  }
+  // Copies tokens [start, start + count) into out.
+  void read(int64_t start, int64_t count, int64_t* out) const;
+  // The documents, each as its tokens without the EOS (scans the file once).
+  std::vector<std::vector<int64_t>> documents() const;
+
+ private:
+  std::string path_;
+  TokenFileHeader header_;
+  void* mapping_ = nullptr;
+  size_t mapping_bytes_ = 0;
+  const unsigned char* data_ = nullptr;
+};
+
+}  // namespace loom::data

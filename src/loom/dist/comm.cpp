@@ -1,0 +1,651 @@
+#include "loom/dist/comm.h"
+
+#include <c10/util/StringUtil.h>
+
+#include <algorithm>
+#include <atomic>
+#include <ctime>
+#include <numeric>
+
+#include "loom/core/error.h"
+
+namespace loom::dist {
+namespace {
+
+std::string format_bytes(double bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 4) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f%s" : "%.2f%s", bytes, units[u]);
+  return buf;
+}
+
+std::string format_shape(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+c10d::OpType op_type(CommOp op) {
+  switch (op) {
+    case CommOp::kAllReduce: return c10d::OpType::ALLREDUCE;
+    case CommOp::kAllGather: return c10d::OpType::_ALLGATHER_BASE;
+    case CommOp::kReduceScatter: return c10d::OpType::_REDUCE_SCATTER_BASE;
+    case CommOp::kBroadcast: return c10d::OpType::BROADCAST;
+    case CommOp::kAllToAll: return c10d::OpType::ALLTOALL_BASE;
+    case CommOp::kSend: return c10d::OpType::SEND;
+    case CommOp::kRecv: return c10d::OpType::RECV;
+    case CommOp::kBarrier: return c10d::OpType::BARRIER;
+  }
+  return c10d::OpType::UNKNOWN;
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return c10d::ReduceOp::SUM;
+    case ReduceOp::kAvg: return c10d::ReduceOp::AVG;
+    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+// Wraps the backend's work so that completion (observed through wait() or isCompleted()) runs the
+// collective's post-processing exactly once and closes its flight record.
+class CommWork : public c10d::Work {
+ public:
+  CommWork(int rank, CommOp op, WorkHandle inner, std::function<void()> finalize,
+           uint64_t record_seq)
+      : c10d::Work(rank, op_type(op)),
+        inner_(std::move(inner)),
+        finalize_(std::move(finalize)),
+        record_seq_(record_seq) {}
+
+  // A collective that was complete when issued (groups of one rank).
+  static WorkHandle completed(int rank, CommOp op) {
+    auto work = c10::make_intrusive<CommWork>(rank, op, WorkHandle(), nullptr, 0);
+    work->settle(nullptr);
+    return work;
+  }
+
+  bool isCompleted() override {
+    if (settled_.load()) return true;
+    if (inner_ && !inner_->isCompleted()) return false;
+    settle_from_inner(kNoTimeout);
+    return true;
+  }
+
+  // A timeout that expires counts as a failure: collectives are ordered per group, so a group whose
+  // collective did not finish cannot be used further anyway.
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (!settled_.load()) settle_from_inner(timeout);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (exception_) std::rethrow_exception(exception_);
+    return true;
+  }
+
+  void abort() override {
+    if (inner_) inner_->abort();
+  }
+
+  uint64_t getSequencenumber() const override { return record_seq_; }
+
+ private:
+  void settle_from_inner(std::chrono::milliseconds timeout) {
+    std::exception_ptr error;
+    try {
+      if (inner_) inner_->wait(timeout);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    settle(error);
+  }
+
+  void settle(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(settle_mutex_);
+    if (settled_.load()) return;
+    if (!error && finalize_) {
+      try {
+        finalize_();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    if (record_seq_ != 0) flight_recorder().finish(record_seq_, error == nullptr);
+    finish(error);
+    settled_.store(true);
+  }
+
+  WorkHandle inner_;
+  std::function<void()> finalize_;
+  uint64_t record_seq_;
+  std::mutex settle_mutex_;
+  std::atomic<bool> settled_{false};
+};
+
+void require_dense(const at::Tensor& t, const char* op, const char* what) {
+  LOOM_REQUIRE(t.defined(), op, ": ", what, " tensor is undefined");
+  LOOM_REQUIRE(t.layout() == at::kStrided && t.is_contiguous(), op, ": ", what,
+               " tensor must be dense and contiguous (got sizes ", t.sizes(), ", strides ",
+               t.strides(), "); pass .contiguous()");
+}
+
+void require_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op) {
+  LOOM_REQUIRE(a.scalar_type() == b.scalar_type(), op, ": output dtype ", a.scalar_type(),
+               " differs from input dtype ", b.scalar_type());
+}
+
+void require_avg_dtype(const at::Tensor& t, ReduceOp op, const char* name) {
+  LOOM_REQUIRE(op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), name,
+               ": ReduceOp avg needs a floating-point tensor (got ", t.scalar_type(),
+               "); reduce with sum and divide explicitly");
+}
+
+}  // namespace
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+  }
+  return "?";
+}
+
+const char* to_string(CommOp op) {
+  switch (op) {
+    case CommOp::kAllReduce: return "all_reduce";
+    case CommOp::kAllGather: return "all_gather";
+    case CommOp::kReduceScatter: return "reduce_scatter";
+    case CommOp::kBroadcast: return "broadcast";
+    case CommOp::kAllToAll: return "all_to_all";
+    case CommOp::kSend: return "send";
+    case CommOp::kRecv: return "recv";
+    case CommOp::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accounting
+
+ByteCount ByteCount::fraction(int64_t numerator, int64_t denominator) {
+  TORCH_CHECK(denominator > 0 && numerator >= 0, "ByteCount needs numerator >= 0, denominator > 0");
+  const int64_t g = std::gcd(numerator, denominator);
+  return {numerator / g, denominator / g};
+}
+
+ByteCount& ByteCount::operator+=(const ByteCount& other) {
+  const int64_t l = std::lcm(denominator, other.denominator);
+  *this = fraction(numerator * (l / denominator) + other.numerator * (l / other.denominator), l);
+  return *this;
+}
+
+ByteCount ring_wire_bytes(CommOp op, int64_t payload_bytes, int group_size) {
+  const int64_t w = group_size;
+  if (w <= 1) return {};
+  switch (op) {
+    case CommOp::kAllGather:
+    case CommOp::kReduceScatter:
+    case CommOp::kAllToAll:
+      return ByteCount::fraction(payload_bytes * (w - 1), w);
+    case CommOp::kAllReduce:
+      return ByteCount::fraction(2 * payload_bytes * (w - 1), w);
+    case CommOp::kBroadcast:
+    case CommOp::kSend:
+    case CommOp::kRecv:
+      return ByteCount::exact(payload_bytes);
+    case CommOp::kBarrier:
+      return {};
+  }
+  return {};
+}
+
+CommCounter& CommCounter::operator+=(const CommCounter& other) {
+  calls += other.calls;
+  payload_bytes += other.payload_bytes;
+  wire_bytes += other.wire_bytes;
+  return *this;
+}
+
+CommCounter CommSnapshot::get(CommOp op, const std::string& dim) const {
+  auto it = counters.find({op, dim});
+  return it == counters.end() ? CommCounter{} : it->second;
+}
+
+CommCounter CommSnapshot::total() const {
+  CommCounter sum;
+  for (const auto& [key, c] : counters) sum += c;
+  return sum;
+}
+
+CommCounter CommSnapshot::total_for_dim(const std::string& dim) const {
+  CommCounter sum;
+  for (const auto& [key, c] : counters) {
+    if (key.second == dim) sum += c;
+  }
+  return sum;
+}
+
+std::string CommSnapshot::format() const {
+  std::string out;
+  for (const auto& [key, c] : counters) {
+    out += c10::str(to_string(key.first), "@", key.second, " calls=", c.calls,
+                    " payload=", format_bytes(static_cast<double>(c.payload_bytes)),
+                    " wire=", format_bytes(c.wire_bytes.value()), "\n");
+  }
+  return out;
+}
+
+void CommStats::record(CommOp op, const std::string& dim, int64_t payload_bytes,
+                       ByteCount wire_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& c = current_.counters[{op, dim}];
+  c.calls += 1;
+  c.payload_bytes += payload_bytes;
+  c.wire_bytes += wire_bytes;
+}
+
+CommSnapshot CommStats::snapshot() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return current_;
+}
+
+void CommStats::reset() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  current_.counters.clear();
+}
+
+CommStats& comm_stats() {
+  static CommStats stats;
+  return stats;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flight recorder
+
+FlightRecorder::FlightRecorder(size_t capacity) : capacity_(std::max<size_t>(capacity, 1)) {}
+
+uint64_t FlightRecorder::start(FlightRecord record) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  record.seq = next_seq_++;
+  record.state = FlightRecord::State::kPending;
+  ring_.push_back(std::move(record));
+  while (ring_.size() > capacity_) ring_.pop_front();
+  return ring_.back().seq;
+}
+
+void FlightRecorder::finish(uint64_t seq, bool success) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = ring_.rbegin(); it != ring_.rend(); ++it) {
+    if (it->seq == seq) {
+      it->state = success ? FlightRecord::State::kCompleted : FlightRecord::State::kFailed;
+      it->duration = std::chrono::steady_clock::now() - it->started_steady;
+      return;
+    }
+    if (it->seq < seq) return;  // already rotated out
+  }
+}
+
+std::vector<FlightRecord> FlightRecorder::records() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {ring_.begin(), ring_.end()};
+}
+
+std::optional<FlightRecord> FlightRecorder::oldest_pending() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& r : ring_) {
+    if (r.state == FlightRecord::State::kPending) return r;
+  }
+  return std::nullopt;
+}
+
+std::string FlightRecorder::dump() const {
+  const auto records_copy = records();
+  const auto now = std::chrono::steady_clock::now();
+  std::string out;
+  for (const auto& r : records_copy) {
+    const std::time_t t = std::chrono::system_clock::to_time_t(r.started_at);
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        r.started_at.time_since_epoch()).count() % 1000;
+    std::tm tm{};
+    localtime_r(&t, &tm);
+    char when[32];
+    std::snprintf(when, sizeof(when), "%02d:%02d:%02d.%03d", tm.tm_hour, tm.tm_min, tm.tm_sec,
+                  static_cast<int>(ms));
+    std::string line = c10::str("#", r.seq, " ", to_string(r.op), " ", r.group, " gseq=",
+                                r.group_seq);
+    if (r.peer >= 0) line += c10::str(r.op == CommOp::kBroadcast ? " root=" : " peer=", r.peer);
+    if (r.op != CommOp::kBarrier) {
+      line += c10::str(" in=", format_shape(r.input_shape), " out=", format_shape(r.output_shape),
+                       " ", c10::toString(r.dtype), " ",
+                       format_bytes(static_cast<double>(r.payload_bytes)));
+    }
+    line += c10::str(" started ", when);
+    auto millis = [](std::chrono::steady_clock::duration d) {
+      return std::chrono::duration<double, std::milli>(d).count();
+    };
+    char dur[64];
+    switch (r.state) {
+      case FlightRecord::State::kCompleted:
+        std::snprintf(dur, sizeof(dur), " completed in %.2f ms", millis(*r.duration));
+        break;
+      case FlightRecord::State::kFailed:
+        std::snprintf(dur, sizeof(dur), " FAILED after %.2f ms", millis(*r.duration));
+        break;
+      case FlightRecord::State::kPending:
+        std::snprintf(dur, sizeof(dur), " PENDING for %.2f ms", millis(now - r.started_steady));
+        break;
+    }
+    out += line + dur + "\n";
+  }
+  return out;
+}
+
+void FlightRecorder::set_capacity(size_t capacity) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  capacity_ = std::max<size_t>(capacity, 1);
+  while (ring_.size() > capacity_) ring_.pop_front();
+}
+
+size_t FlightRecorder::capacity() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return capacity_;
+}
+
+void FlightRecorder::clear() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ring_.clear();
+}
+
+FlightRecorder& flight_recorder() {
+  static FlightRecorder recorder;
+  return recorder;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Comm
+
+struct Comm::Issue {
+  CommOp op;
+  int64_t payload_bytes = 0;
+  ByteCount wire_bytes;
+  std::vector<int64_t> input_shape;
+  std::vector<int64_t> output_shape;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  int peer = -1;
+};
+
+Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, std::string name,
+           std::vector<int> world_ranks, int rank)
+    : backend_(std::move(backend)),
+      name_(std::move(name)),
+      world_ranks_(std::move(world_ranks)),
+      rank_(rank) {
+  TORCH_CHECK(!world_ranks_.empty() && rank_ >= 0 && rank_ < size(),
+              "Comm '", name_, "': rank ", rank_, " outside group of ", world_ranks_.size());
+  TORCH_CHECK(size() == 1 || backend_, "Comm '", name_, "' of ", size(), " ranks needs a backend");
+  TORCH_CHECK(!backend_ || (backend_->getSize() == size() && backend_->getRank() == rank_),
+              "Comm '", name_, "': backend is rank ", backend_->getRank(), " of ",
+              backend_->getSize(), " but the group is rank ", rank_, " of ", size());
+}
+
+std::shared_ptr<Comm> Comm::single(std::string name, int world_rank) {
+  return std::make_shared<Comm>(c10::intrusive_ptr<c10d::Backend>(), std::move(name),
+                                std::vector<int>{world_rank}, 0);
+}
+
+int Comm::world_rank_of(int group_rank) const {
+  LOOM_REQUIRE(group_rank >= 0 && group_rank < size(), "group rank ", group_rank,
+               " is outside group ", describe());
+  return world_ranks_[group_rank];
+}
+
+int Comm::group_rank_of(int world_rank) const {
+  auto it = std::find(world_ranks_.begin(), world_ranks_.end(), world_rank);
+  LOOM_REQUIRE(it != world_ranks_.end(), "world rank ", world_rank, " is not a member of group ",
+               describe());
+  return static_cast<int>(it - world_ranks_.begin());
+}
+
+std::string Comm::describe() const {
+  std::string s = name_ + "[";
+  for (size_t i = 0; i < world_ranks_.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(world_ranks_[i]);
+  }
+  return s + "]";
+}
+
+void Comm::check_peer(int peer, const char* what) const {
+  LOOM_REQUIRE(peer >= 0 && peer < size(), what, " ", peer, " is outside group ", describe(),
+               " of ", size(), " ranks");
+}
+
+WorkHandle Comm::launch(Issue issue, const std::function<WorkHandle()>& run,
+                        std::function<void()> finalize) {
+  if (size() == 1) {
+    if (finalize) finalize();
+    return CommWork::completed(rank_, issue.op);
+  }
+  comm_stats().record(issue.op, name_, issue.payload_bytes, issue.wire_bytes);
+  FlightRecord record;
+  record.group_seq = ++group_seq_;
+  record.op = issue.op;
+  record.group = describe();
+  record.input_shape = std::move(issue.input_shape);
+  record.output_shape = std::move(issue.output_shape);
+  record.dtype = issue.dtype;
+  record.payload_bytes = issue.payload_bytes;
+  record.peer = issue.peer;
+  record.started_at = std::chrono::system_clock::now();
+  record.started_steady = std::chrono::steady_clock::now();
+  const uint64_t seq = flight_recorder().start(std::move(record));
+  WorkHandle inner;
+  try {
+    inner = run();
+  } catch (...) {
+    flight_recorder().finish(seq, false);
+    throw;
+  }
+  return c10::make_intrusive<CommWork>(rank_, issue.op, std::move(inner), std::move(finalize), seq);
+}
+
+WorkHandle Comm::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
+  require_dense(tensor, "all_reduce", "the");
+  require_avg_dtype(tensor, op, "all_reduce");
+  const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
+  Issue issue{CommOp::kAllReduce, bytes, ring_wire_bytes(CommOp::kAllReduce, bytes, size()),
+              tensor.sizes().vec(), tensor.sizes().vec(), tensor.scalar_type()};
+  return launch(std::move(issue), [&] {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    return backend_->allreduce(tensors, opts);
+  }, nullptr);
+}
+
+WorkHandle Comm::all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input) {
+  require_dense(output, "all_gather_into_tensor", "output");
+  require_dense(input, "all_gather_into_tensor", "input");
+  require_same_dtype(output, input, "all_gather_into_tensor");
+  LOOM_REQUIRE(output.numel() == input.numel() * size(), "all_gather_into_tensor on ", describe(),
+               ": output has ", output.numel(), " elements, expected ", size(), " x ",
+               input.numel());
+  const int64_t bytes = static_cast<int64_t>(output.nbytes());
+  Issue issue{CommOp::kAllGather, bytes, ring_wire_bytes(CommOp::kAllGather, bytes, size()),
+              input.sizes().vec(), output.sizes().vec(), input.scalar_type()};
+  // Flat views: the backend splits the output along dim 0 into one chunk per rank.
+  at::Tensor flat_out = output.view({-1});
+  at::Tensor flat_in = input.view({-1});
+  std::function<void()> finalize;
+  if (size() == 1) finalize = [flat_out, flat_in] { flat_out.copy_(flat_in); };
+  return launch(std::move(issue), [&] {
+    return backend_->_allgather_base(flat_out, flat_in);
+  }, std::move(finalize));
+}
+
+WorkHandle Comm::reduce_scatter_tensor_async(const at::Tensor& output, const at::Tensor& input,
+                                             ReduceOp op) {
+  require_dense(output, "reduce_scatter_tensor", "output");
+  require_dense(input, "reduce_scatter_tensor", "input");
+  require_same_dtype(output, input, "reduce_scatter_tensor");
+  require_avg_dtype(input, op, "reduce_scatter_tensor");
+  LOOM_REQUIRE(input.numel() == output.numel() * size(), "reduce_scatter_tensor on ", describe(),
+               ": input has ", input.numel(), " elements, expected ", size(), " x ",
+               output.numel());
+  const int64_t bytes = static_cast<int64_t>(input.nbytes());
+  Issue issue{CommOp::kReduceScatter, bytes,
+              ring_wire_bytes(CommOp::kReduceScatter, bytes, size()), input.sizes().vec(),
+              output.sizes().vec(), input.scalar_type()};
+  at::Tensor flat_out = output.view({-1});
+  at::Tensor flat_in = input.view({-1});
+  if (size() == 1) {
+    return launch(std::move(issue), nullptr, [flat_out, flat_in] { flat_out.copy_(flat_in); });
+  }
+  if (backend_->getBackendName() != "gloo") {
+    return launch(std::move(issue), [&] {
+      c10d::ReduceScatterOptions opts;
+      opts.reduceOp = to_c10d(op);
+      return backend_->_reduce_scatter_base(flat_out, flat_in, opts);
+    }, nullptr);
+  }
+  // Gloo has no native reduce-scatter: its _reduce_scatter_base all-reduces a clone of the input
+  // and returns a work whose isCompleted() stays false even after wait() (torch 2.13), which breaks
+  // polling. Do the same all-reduce here under our own work so completion is observable.
+  at::Tensor scratch = flat_in.clone();
+  const int64_t chunk = flat_out.numel();
+  const int64_t offset = chunk * rank_;
+  return launch(std::move(issue), [&] {
+    std::vector<at::Tensor> tensors{scratch};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    return backend_->allreduce(tensors, opts);
+  }, [flat_out, scratch, offset, chunk] { flat_out.copy_(scratch.narrow(0, offset, chunk)); });
+}
+
+WorkHandle Comm::broadcast_async(const at::Tensor& tensor, int root) {
+  require_dense(tensor, "broadcast", "the");
+  check_peer(root, "broadcast root");
+  const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
+  Issue issue{CommOp::kBroadcast, bytes, ring_wire_bytes(CommOp::kBroadcast, bytes, size()),
+              tensor.sizes().vec(), tensor.sizes().vec(), tensor.scalar_type(), root};
+  return launch(std::move(issue), [&] {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    return backend_->broadcast(tensors, opts);
+  }, nullptr);
+}
+
+WorkHandle Comm::all_to_all_async(const at::Tensor& output, const at::Tensor& input,
+                                  std::vector<int64_t> output_split_sizes,
+                                  std::vector<int64_t> input_split_sizes) {
+  require_dense(output, "all_to_all", "output");
+  require_dense(input, "all_to_all", "input");
+  require_same_dtype(output, input, "all_to_all");
+  LOOM_REQUIRE(input.dim() >= 1 && output.dim() >= 1,
+               "all_to_all needs tensors with at least one dimension (splits count dim-0 rows)");
+  LOOM_REQUIRE(input.sizes().slice(1) == output.sizes().slice(1), "all_to_all on ", describe(),
+               ": input rows ", input.sizes().slice(1), " and output rows ",
+               output.sizes().slice(1), " differ in shape");
+  auto check_splits = [&](const std::vector<int64_t>& splits, const at::Tensor& t,
+                          const char* which) {
+    if (splits.empty()) {
+      LOOM_REQUIRE(t.size(0) % size() == 0, "all_to_all on ", describe(), ": ", which, " has ",
+                   t.size(0), " rows, not divisible by the group size ", size(),
+                   "; pass explicit split sizes");
+      return;
+    }
+    LOOM_REQUIRE(static_cast<int>(splits.size()) == size(), "all_to_all on ", describe(), ": ",
+                 which, " split sizes have ", splits.size(), " entries, expected ", size());
+    int64_t sum = 0;
+    for (int64_t s : splits) {
+      LOOM_REQUIRE(s >= 0, "all_to_all: negative ", which, " split size ", s);
+      sum += s;
+    }
+    LOOM_REQUIRE(sum == t.size(0), "all_to_all on ", describe(), ": ", which,
+                 " split sizes sum to ", sum, " but the tensor has ", t.size(0), " rows");
+  };
+  check_splits(input_split_sizes, input, "input");
+  check_splits(output_split_sizes, output, "output");
+  const int64_t row_bytes = input.size(0) == 0 ? 0 : input.nbytes() / input.size(0);
+  const int64_t bytes = static_cast<int64_t>(input.nbytes());
+  const int64_t local_rows =
+      input_split_sizes.empty() ? input.size(0) / size() : input_split_sizes[rank_];
+  // Exact bytes leaving this rank: everything except the chunk it keeps.
+  const ByteCount wire = size() == 1 ? ByteCount{} : ByteCount::exact(bytes - local_rows * row_bytes);
+  Issue issue{CommOp::kAllToAll, bytes, wire, input.sizes().vec(), output.sizes().vec(),
+              input.scalar_type()};
+  std::function<void()> finalize;
+  if (size() == 1) {
+    LOOM_REQUIRE(output.numel() == input.numel(), "all_to_all on ", describe(),
+                 ": output has ", output.numel(), " elements, input ", input.numel());
+    finalize = [output, input] { output.copy_(input); };
+  }
+  return launch(std::move(issue), [&] {
+    at::Tensor out = output;
+    at::Tensor in = input;
+    return backend_->alltoall_base(out, in, output_split_sizes, input_split_sizes);
+  }, std::move(finalize));
+}
+
+WorkHandle Comm::send_async(const at::Tensor& tensor, int dst, int tag) {
+  require_dense(tensor, "send", "the");
+  check_peer(dst, "send destination");
+  LOOM_REQUIRE(dst != rank_, "send on ", describe(), ": rank ", rank_, " cannot send to itself");
+  const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
+  Issue issue{CommOp::kSend, bytes, ring_wire_bytes(CommOp::kSend, bytes, size()),
+              tensor.sizes().vec(), {}, tensor.scalar_type(), dst};
+  return launch(std::move(issue), [&] {
+    std::vector<at::Tensor> tensors{tensor};
+    return backend_->send(tensors, dst, tag);
+  }, nullptr);
+}
+
+WorkHandle Comm::recv_async(const at::Tensor& tensor, int src, int tag) {
+  require_dense(tensor, "recv", "the");
+  check_peer(src, "recv source");
+  LOOM_REQUIRE(src != rank_, "recv on ", describe(), ": rank ", rank_,
+               " cannot receive from itself");
+  const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
+  Issue issue{CommOp::kRecv, bytes, ring_wire_bytes(CommOp::kRecv, bytes, size()), {},
+              tensor.sizes().vec(), tensor.scalar_type(), src};
+  return launch(std::move(issue), [&] {
+    std::vector<at::Tensor> tensors{tensor};
+    return backend_->recv(tensors, src, tag);
+  }, nullptr);
+}
+
+WorkHandle Comm::barrier_async() {
+  Issue issue{CommOp::kBarrier};
+  return launch(std::move(issue), [&] { return backend_->barrier(); }, nullptr);
+}
+
+void Comm::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  all_reduce_async(tensor, op)->wait();
+}
+void Comm::all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input) {
+  all_gather_into_tensor_async(output, input)->wait();
+}
+void Comm::reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+  reduce_scatter_tensor_async(output, input, op)->wait();
+}
+void Comm::broadcast(const at::Tensor& tensor, int root) { broadcast_async(tensor, root)->wait(); }
+void Comm::all_to_all(const at::Tensor& output, const at::Tensor& input,
+                      std::vector<int64_t> output_split_sizes,
+                      std::vector<int64_t> input_split_sizes) {
+  all_to_all_async(output, input, std::move(output_split_sizes), std::move(input_split_sizes))
+      ->wait();
+}
+void Comm::send(const at::Tensor& tensor, int dst, int tag) { send_async(tensor, dst, tag)->wait(); }
+void Comm::recv(const at::Tensor& tensor, int src, int tag) { recv_async(tensor, src, tag)->wait(); }
+void Comm::barrier() { barrier_async()->wait(); }
+
+}  // namespace loom::dist

@@ -1,0 +1,209 @@
+// The one door every collective in Loom goes through. A Comm is a communication group serving one
+// mesh dimension (or the world): a c10d backend plus the dimension's name and this rank's place in
+// it. Besides issuing the collective it
+//   - counts, per (op, mesh dim), the calls, payload bytes and ring-model wire bytes (CommStats),
+//   - records the last N collectives of this process in a ring buffer (FlightRecorder), so a
+//     watchdog can name the collective a stalled rank is stuck in.
+// A group of one rank needs no backend: every collective is a local no-op/copy and nothing is
+// counted or recorded, so single-process runs work without any network.
+//
+// Tensors must be contiguous and live where the backend expects them (CPU for Gloo). In-place
+// collectives (all_reduce, broadcast, recv) write into the given tensor's storage.
+#pragma once
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace loom::dist {
+
+enum class ReduceOp { kSum, kAvg, kMax };
+enum class CommOp { kAllReduce, kAllGather, kReduceScatter, kBroadcast, kAllToAll, kSend, kRecv,
+                    kBarrier };
+const char* to_string(ReduceOp op);
+const char* to_string(CommOp op);
+
+// ---------------------------------------------------------------------------------------------
+// Accounting
+
+// An exact non-negative byte count numerator/denominator, kept in lowest terms: ring-model wire
+// bytes such as 2(W-1)/W x size are not integers in general, and per-step totals must not drift.
+struct ByteCount {
+  int64_t numerator = 0;
+  int64_t denominator = 1;
+
+  static ByteCount exact(int64_t bytes) { return {bytes, 1}; }
+  static ByteCount fraction(int64_t numerator, int64_t denominator);
+  double value() const { return static_cast<double>(numerator) / static_cast<double>(denominator); }
+  ByteCount& operator+=(const ByteCount& other);
+  friend bool operator==(const ByteCount& a, const ByteCount& b) {
+    return a.numerator == b.numerator && a.denominator == b.denominator;
+  }
+};
+
+// Ring-model bytes one rank sends for a collective over `group_size` ranks, given its payload:
+//   all_gather / reduce_scatter: (W-1)/W x full (gathered / pre-scatter) size
+//   all_reduce:                  2(W-1)/W x size (a reduce-scatter followed by an all-gather)
+//   all_to_all:                  (W-1)/W x input size (everything but the local chunk, even splits)
+//   broadcast:                   size (pipelined chain: each rank forwards the tensor once)
+//   send / recv:                 size;  barrier: 0.
+// Groups of one rank send nothing.
+ByteCount ring_wire_bytes(CommOp op, int64_t payload_bytes, int group_size);
+
+struct CommCounter {
+  int64_t calls = 0;
+  int64_t payload_bytes = 0;  // tensor bytes: the full tensor for all_gather / reduce_scatter
+  ByteCount wire_bytes;       // ring model, see ring_wire_bytes
+  CommCounter& operator+=(const CommCounter& other);
+};
+
+struct CommSnapshot {
+  // Keyed by (op, mesh dim name).
+  std::map<std::pair<CommOp, std::string>, CommCounter> counters;
+
+  CommCounter get(CommOp op, const std::string& dim) const;  // zeros when never issued
+  CommCounter total() const;
+  CommCounter total_for_dim(const std::string& dim) const;
+  // One line per (op, dim): "all_gather@dp_shard calls=4 payload=1.50MiB wire=768.00KiB".
+  std::string format() const;
+};
+
+// Process-wide counters; thread-safe. The trainer takes snapshot() and reset() once per step.
+class CommStats {
+ public:
+  void record(CommOp op, const std::string& dim, int64_t payload_bytes, ByteCount wire_bytes);
+  CommSnapshot snapshot() const;
+  void reset();
+
+ private:
+  mutable std::mutex mutex_;
+  CommSnapshot current_;
+};
+CommStats& comm_stats();
+
+// ---------------------------------------------------------------------------------------------
+// Flight recorder
+
+inline constexpr size_t kDefaultFlightRecorderCapacity = 64;
+
+struct FlightRecord {
+  enum class State { kPending, kCompleted, kFailed };
+  uint64_t seq = 0;        // process-wide issue order
+  uint64_t group_seq = 0;  // n-th collective on its group: equal across the group's ranks
+  CommOp op = CommOp::kBarrier;
+  std::string group;       // "dp_shard[0,2]": mesh dim name and member world ranks
+  std::vector<int64_t> input_shape;
+  std::vector<int64_t> output_shape;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  int64_t payload_bytes = 0;
+  int peer = -1;  // group rank of the root (broadcast) or peer (send/recv), else -1
+  std::chrono::system_clock::time_point started_at;
+  std::chrono::steady_clock::time_point started_steady;
+  std::optional<std::chrono::steady_clock::duration> duration;  // set once finished
+  State state = State::kPending;
+};
+
+// Ring buffer of the last `capacity` collectives issued by this process; thread-safe.
+class FlightRecorder {
+ public:
+  explicit FlightRecorder(size_t capacity = kDefaultFlightRecorderCapacity);
+  // Returns the record's seq, used to mark it finished.
+  uint64_t start(FlightRecord record);
+  void finish(uint64_t seq, bool success);
+  std::vector<FlightRecord> records() const;  // oldest first
+  std::optional<FlightRecord> oldest_pending() const;
+  // One line per record, oldest first, with the age of pending ones:
+  //   "#12 all_gather dp_shard[0,2] gseq=3 in=[1024] out=[2048] Float 8.00KiB
+  //    started 12:00:01.123 completed in 0.41 ms"
+  std::string dump() const;
+  void set_capacity(size_t capacity);
+  size_t capacity() const;
+  void clear();
+
+ private:
+  mutable std::mutex mutex_;
+  size_t capacity_;
+  uint64_t next_seq_ = 1;
+  std::deque<FlightRecord> ring_;
+};
+FlightRecorder& flight_recorder();
+
+// ---------------------------------------------------------------------------------------------
+// Comm
+
+using WorkHandle = c10::intrusive_ptr<c10d::Work>;
+
+class Comm {
+ public:
+  // `world_ranks`: the members' world ranks in group-rank order; `rank`: this process's group rank.
+  Comm(c10::intrusive_ptr<c10d::Backend> backend, std::string name, std::vector<int> world_ranks,
+       int rank);
+  // A group of just this process (world rank `world_rank`): no backend, no network.
+  static std::shared_ptr<Comm> single(std::string name, int world_rank);
+
+  const std::string& name() const { return name_; }
+  int size() const { return static_cast<int>(world_ranks_.size()); }
+  int rank() const { return rank_; }
+  const std::vector<int>& world_ranks() const { return world_ranks_; }
+  int world_rank_of(int group_rank) const;
+  int group_rank_of(int world_rank) const;  // throws when not a member
+  const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
+  std::string describe() const;  // "dp_shard[0,2]"
+
+  // In place: every rank ends with the reduction of all ranks' `tensor`. kAvg needs floating point.
+  void all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // output (numel = size() x input numel) = concatenation of every rank's input, in rank order.
+  void all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input);
+  // output (numel = input numel / size()) = this rank's chunk of the reduction of all inputs.
+  void reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
+                             ReduceOp op = ReduceOp::kSum);
+  // In place: every rank ends with group rank `root`'s tensor.
+  void broadcast(const at::Tensor& tensor, int root);
+  // Rank r's input rows [offset_j, offset_j + input_split_sizes[j]) go to rank j, which places them
+  // at its output rows for source r. Split sizes count dim-0 rows; empty = even split.
+  void all_to_all(const at::Tensor& output, const at::Tensor& input,
+                  std::vector<int64_t> output_split_sizes = {},
+                  std::vector<int64_t> input_split_sizes = {});
+  void send(const at::Tensor& tensor, int dst, int tag = 0);  // dst/src: group ranks
+  void recv(const at::Tensor& tensor, int src, int tag = 0);
+  void barrier();
+
+  // Asynchronous variants: the collective is issued (counted and recorded) now; the returned work's
+  // wait() blocks until the result is in place (including any post-processing such as the kAvg
+  // division) and marks the flight record completed. Tensors must stay alive and untouched until then.
+  WorkHandle all_reduce_async(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  WorkHandle all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input);
+  WorkHandle reduce_scatter_tensor_async(const at::Tensor& output, const at::Tensor& input,
+                                         ReduceOp op = ReduceOp::kSum);
+  WorkHandle broadcast_async(const at::Tensor& tensor, int root);
+  WorkHandle all_to_all_async(const at::Tensor& output, const at::Tensor& input,
+                              std::vector<int64_t> output_split_sizes = {},
+                              std::vector<int64_t> input_split_sizes = {});
+  WorkHandle send_async(const at::Tensor& tensor, int dst, int tag = 0);
+  WorkHandle recv_async(const at::Tensor& tensor, int src, int tag = 0);
+  WorkHandle barrier_async();
+
+ private:
+  struct Issue;  // bookkeeping of one collective (defined in comm.cpp)
+  WorkHandle launch(Issue issue, const std::function<WorkHandle()>& run,
+                    std::function<void()> finalize);
+  void check_peer(int peer, const char* what) const;
+
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  std::string name_;
+  std::vector<int> world_ranks_;
+  int rank_;
+  uint64_t group_seq_ = 0;
+};
+
+}  // namespace loom::dist

@@ -1,0 +1,397 @@
+#include "loom/dist/launcher.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <set>
+
+#include "loom/core/error.h"
+
+extern char** environ;
+
+namespace loom::dist {
+namespace {
+
+// ----------------------------------------------------------------------------------------------
+// Signals reach the monitor loop through a self-pipe: handlers only write the signal number, so
+// they work whatever threads the process has, and poll() wakes at once on a child's exit.
+
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int sig) {
+  const int saved = errno;
+  const unsigned char byte = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t n = write(g_signal_pipe[1], &byte, 1);
+  errno = saved;
+}
+
+class SignalScope {
+ public:
+  SignalScope() {
+    if (pipe2(g_signal_pipe, O_NONBLOCK | O_CLOEXEC) != 0) {
+      fail("loom launch: cannot create a pipe: ", std::strerror(errno));
+    }
+    for (int sig : kSignals) {
+      struct sigaction sa {};
+      sa.sa_handler = on_signal;
+      sigemptyset(&sa.sa_mask);
+      sa.sa_flags = SA_RESTART | (sig == SIGCHLD ? SA_NOCLDSTOP : 0);
+      sigaction(sig, &sa, &previous_[sig]);
+    }
+  }
+  ~SignalScope() {
+    for (int sig : kSignals) sigaction(sig, &previous_[sig], nullptr);
+    close(g_signal_pipe[0]);
+    close(g_signal_pipe[1]);
+    g_signal_pipe[0] = g_signal_pipe[1] = -1;
+  }
+  SignalScope(const SignalScope&) = delete;
+  SignalScope& operator=(const SignalScope&) = delete;
+
+  // Waits up to `timeout_ms` (-1: forever) for a signal; returns the launcher-directed signals
+  // (SIGINT/SIGTERM) received, ignoring SIGCHLD wake-ups.
+  std::vector<int> wait(int timeout_ms) {
+    pollfd pfd{g_signal_pipe[0], POLLIN, 0};
+    const int rc = poll(&pfd, 1, timeout_ms);
+    std::vector<int> received;
+    if (rc <= 0) return received;
+    unsigned char buf[64];
+    ssize_t n;
+    while ((n = read(g_signal_pipe[0], buf, sizeof(buf))) > 0) {
+      for (ssize_t i = 0; i < n; ++i) {
+        if (buf[i] != SIGCHLD) received.push_back(buf[i]);
+      }
+    }
+    return received;
+  }
+
+ private:
+  static constexpr int kSignals[] = {SIGCHLD, SIGINT, SIGTERM};
+  struct sigaction previous_[NSIG] {};
+};
+
+std::string describe_signal(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return c10::str(sig, " (", abbrev ? std::string("SIG") + abbrev : std::string("unknown"), ")");
+}
+
+// ----------------------------------------------------------------------------------------------
+
+struct ResolvedLaunch {
+  LaunchOptions options;
+  std::string program;  // absolute path, or a name looked up in PATH (--exec)
+  std::vector<std::string> argv;
+  int master_port = 0;
+};
+
+struct RankProcess {
+  int rank = 0;
+  int local_rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int wait_status = 0;
+};
+
+struct GroupOutcome {
+  enum class Kind { kSucceeded, kRankFailed, kInterrupted } kind = Kind::kSucceeded;
+  RankProcess failed;     // kRankFailed
+  int launcher_signal = 0;  // kInterrupted
+  int stopped = 0;        // ranks still running that had to be stopped
+};
+
+std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
+  const RankProcess& r = o.failed;
+  std::string who = c10::str("rank ", r.rank, " (");
+  if (opts.nnodes > 1) who += c10::str("node ", opts.node_rank, ", ");
+  who += c10::str("local rank ", r.local_rank, ", pid ", r.pid, ")");
+  std::string what = WIFSIGNALED(r.wait_status)
+                         ? c10::str("was killed by signal ", describe_signal(WTERMSIG(r.wait_status)))
+                         : c10::str("exited with code ", WEXITSTATUS(r.wait_status));
+  return c10::str(who, " ", what, "; stopped the other ", o.stopped, " running rank(s)");
+}
+
+// The local ranks of one attempt. The destructor kills whatever still runs, so no rank outlives
+// the launcher even when it unwinds through an exception.
+class WorkerGroup {
+ public:
+  WorkerGroup(const ResolvedLaunch& plan, int restart_count)
+      : plan_(plan), restart_count_(restart_count) {}
+  ~WorkerGroup() {
+    for (auto& p : procs_) {
+      if (p.running) {
+        kill_rank(p, SIGKILL);
+        waitpid(p.pid, &p.wait_status, 0);
+        p.running = false;
+      }
+    }
+  }
+  WorkerGroup(const WorkerGroup&) = delete;
+  WorkerGroup& operator=(const WorkerGroup&) = delete;
+
+  void start() {
+    const auto& o = plan_.options;
+    for (int local = 0; local < o.nproc_per_node; ++local) {
+      RankProcess p;
+      p.local_rank = local;
+      p.rank = o.node_rank * o.nproc_per_node + local;
+      p.pid = spawn(p);
+      p.running = true;
+      procs_.push_back(p);
+    }
+  }
+
+  GroupOutcome monitor(SignalScope& signals) {
+    while (true) {
+      if (auto failed = reap()) {
+        GroupOutcome out;
+        out.kind = GroupOutcome::Kind::kRankFailed;
+        out.failed = *failed;
+        out.stopped = stop_all(SIGTERM, signals);
+        return out;
+      }
+      if (running_count() == 0) return {};
+      const auto received = signals.wait(-1);
+      if (!received.empty()) {
+        GroupOutcome out;
+        out.kind = GroupOutcome::Kind::kInterrupted;
+        out.launcher_signal = received.front();
+        out.stopped = stop_all(received.front(), signals);
+        return out;
+      }
+    }
+  }
+
+ private:
+  int running_count() const {
+    int n = 0;
+    for (const auto& p : procs_) n += p.running ? 1 : 0;
+    return n;
+  }
+
+  static void kill_rank(const RankProcess& p, int sig) {
+    if (kill(-p.pid, sig) != 0) kill(p.pid, sig);  // whole process group, else the rank itself
+  }
+
+  // Collects exited ranks; returns the first failure seen (lowest rank among simultaneous ones).
+  std::optional<RankProcess> reap() {
+    std::optional<RankProcess> failed;
+    for (auto& p : procs_) {
+      if (!p.running) continue;
+      int status = 0;
+      const pid_t r = waitpid(p.pid, &status, WNOHANG);
+      if (r != p.pid) continue;
+      p.running = false;
+      p.wait_status = status;
+      const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!ok && !failed) failed = p;
+    }
+    return failed;
+  }
+
+  // Sends `sig` to every running rank, waits up to the grace period (a further SIGINT/SIGTERM to
+  // the launcher cuts it short), then SIGKILLs the rest. Returns how many ranks were running.
+  int stop_all(int sig, SignalScope& signals) {
+    const int running = running_count();
+    for (const auto& p : procs_) {
+      if (p.running) kill_rank(p, sig);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + plan_.options.stop_grace;
+    while (running_count() > 0) {
+      reap();
+      if (running_count() == 0) break;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;
+      if (!signals.wait(static_cast<int>(std::min<int64_t>(left.count(), 100))).empty()) break;
+    }
+    for (auto& p : procs_) {
+      if (!p.running) continue;
+      kill_rank(p, SIGKILL);
+      waitpid(p.pid, &p.wait_status, 0);
+      p.running = false;
+    }
+    return running;
+  }
+
+  std::vector<std::string> environment(const RankProcess& p) const {
+    const auto& o = plan_.options;
+    const std::vector<std::pair<std::string, std::string>> vars = {
+        {"RANK", std::to_string(p.rank)},
+        {"LOCAL_RANK", std::to_string(p.local_rank)},
+        {"WORLD_SIZE", std::to_string(o.nnodes * o.nproc_per_node)},
+        {"LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node)},
+        {"GROUP_RANK", std::to_string(o.node_rank)},
+        {"NODE_RANK", std::to_string(o.node_rank)},
+        {"GROUP_WORLD_SIZE", std::to_string(o.nnodes)},
+        {"ROLE_RANK", std::to_string(p.rank)},
+        {"ROLE_WORLD_SIZE", std::to_string(o.nnodes * o.nproc_per_node)},
+        {"MASTER_ADDR", o.master_addr},
+        {"MASTER_PORT", std::to_string(plan_.master_port)},
+        {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_)},
+        {"TORCHELASTIC_MAX_RESTARTS", "0"},
+    };
+    std::set<std::string> ours;
+    for (const auto& [k, v] : vars) ours.insert(k);
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string entry(*e);
+      const std::string key = entry.substr(0, entry.find('='));
+      if (!ours.count(key)) env.push_back(entry);
+    }
+    for (const auto& [k, v] : vars) env.push_back(k + "=" + v);
+    return env;
+  }
+
+  pid_t spawn(const RankProcess& p) {
+    // Everything the child needs is prepared before fork: after it, only async-signal-safe calls.
+    std::vector<std::string> env_strings = environment(p);
+    std::vector<char*> envp;
+    for (auto& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> arg_strings = plan_.argv;
+    std::vector<char*> argv;
+    for (auto& s : arg_strings) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    const char* program = plan_.program.c_str();
+    const bool search_path = plan_.options.exec;
+
+    // exec failures come back as the child's errno through a close-on-exec pipe.
+    int err_pipe[2];
+    if (pipe2(err_pipe, O_CLOEXEC) != 0) fail("loom launch: cannot create a pipe: ", std::strerror(errno));
+    const pid_t parent = getpid();
+    const pid_t pid = fork();
+    if (pid < 0) {
+      close(err_pipe[0]);
+      close(err_pipe[1]);
+      fail("loom launch: cannot fork rank ", p.rank, ": ", std::strerror(errno));
+    }
+    if (pid == 0) {
+      close(err_pipe[0]);
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(1);  // the launcher died before prctl took effect
+      sigset_t none;
+      sigemptyset(&none);
+      sigprocmask(SIG_SETMASK, &none, nullptr);
+      signal(SIGINT, SIG_DFL);
+      signal(SIGTERM, SIG_DFL);
+      signal(SIGCHLD, SIG_DFL);
+      if (search_path) {
+        execvpe(program, argv.data(), envp.data());
+      } else {
+        execve(program, argv.data(), envp.data());
+      }
+      const int err = errno;
+      [[maybe_unused]] ssize_t n = write(err_pipe[1], &err, sizeof(err));
+      _exit(127);
+    }
+    setpgid(pid, pid);  // also from the parent, so signals sent right away reach the group
+    close(err_pipe[1]);
+    int child_errno = 0;
+    ssize_t n;
+    do {
+      n = read(err_pipe[0], &child_errno, sizeof(child_errno));
+    } while (n < 0 && errno == EINTR);
+    close(err_pipe[0]);
+    if (n == static_cast<ssize_t>(sizeof(child_errno))) {
+      int status = 0;
+      waitpid(pid, &status, 0);
+      fail("loom launch: cannot execute '", plan_.program, "' for rank ", p.rank, ": ",
+           std::strerror(child_errno));
+    }
+    return pid;
+  }
+
+  const ResolvedLaunch& plan_;
+  int restart_count_;
+  std::vector<RankProcess> procs_;
+};
+
+ResolvedLaunch resolve(const LaunchOptions& o) {
+  LOOM_REQUIRE_USAGE(o.nproc_per_node >= 1, "--nproc ", o.nproc_per_node, " must be >= 1");
+  LOOM_REQUIRE_USAGE(o.nnodes >= 1, "--nnodes ", o.nnodes, " must be >= 1");
+  LOOM_REQUIRE_USAGE(o.node_rank >= 0 && o.node_rank < o.nnodes, "--node-rank ", o.node_rank,
+                     " must be in [0, --nnodes ", o.nnodes, ")");
+  LOOM_REQUIRE_USAGE(!o.command.empty(), "loom launch needs a command after '--', e.g. "
+                     "'loom launch --nproc 2 -- train --config c.toml'");
+  LOOM_REQUIRE_USAGE(o.stop_grace.count() >= 0, "the stop grace period must be >= 0");
+  if (o.master_port) {
+    LOOM_REQUIRE_USAGE(*o.master_port >= 1 && *o.master_port <= 65535, "--master-port ",
+                       *o.master_port, " is not a TCP port; use 1..65535");
+  }
+  LOOM_REQUIRE_USAGE(o.nnodes == 1 || o.master_port.has_value(),
+                     "--nnodes ", o.nnodes, " needs --master-port (the same free port on every "
+                     "node; it cannot be picked automatically across nodes)");
+  LOOM_REQUIRE_USAGE(o.nnodes == 1 || o.master_addr != "127.0.0.1",
+                     "--nnodes ", o.nnodes, " needs --master-addr set to node 0's address "
+                     "(reachable from every node), not the loopback default");
+  ResolvedLaunch plan;
+  plan.options = o;
+  plan.master_port = o.master_port ? *o.master_port : pick_free_port();
+  if (o.exec) {
+    plan.program = o.command.front();
+    plan.argv = o.command;
+  } else {
+    std::error_code ec;
+    const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+    LOOM_REQUIRE(!ec, "loom launch: cannot resolve /proc/self/exe: ", ec.message());
+    plan.program = self.string();
+    plan.argv.push_back(plan.program);
+    plan.argv.insert(plan.argv.end(), o.command.begin(), o.command.end());
+  }
+  return plan;
+}
+
+}  // namespace
+
+int pick_free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  LOOM_REQUIRE(fd >= 0, "cannot open a socket to pick a free port: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int err = errno;
+  close(fd);
+  LOOM_REQUIRE(ok, "cannot bind a socket to pick a free port: ", std::strerror(err),
+               "; pass --master-port");
+  return ntohs(addr.sin_port);
+}
+
+int launch(const LaunchOptions& options) {
+  const ResolvedLaunch plan = resolve(options);
+  SignalScope signals;
+  // One iteration per attempt: start every local rank, monitor until they finish or one fails.
+  // Elastic restarts (--max-restarts) will continue this loop after a failure, with every rank
+  // resuming from the latest checkpoint.
+  for (int restart = 0;; ++restart) {
+    WorkerGroup group(plan, restart);
+    group.start();
+    const GroupOutcome outcome = group.monitor(signals);
+    switch (outcome.kind) {
+      case GroupOutcome::Kind::kSucceeded:
+        return 0;
+      case GroupOutcome::Kind::kInterrupted:
+        throw Error(c10::str("loom launch interrupted by signal ",
+                             describe_signal(outcome.launcher_signal), "; stopped ",
+                             outcome.stopped, " running rank(s)"),
+                    128 + outcome.launcher_signal);
+      case GroupOutcome::Kind::kRankFailed:
+        throw Error(failure_message(outcome, plan.options));
+    }
+  }
+}
+
+}  // namespace loom::dist

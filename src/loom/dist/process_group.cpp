@@ -1,0 +1,192 @@
+#include "loom/dist/process_group.h"
+
+#include <ATen/Parallel.h>
+#include <sched.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <charconv>
+#include <cstdlib>
+#include <set>
+#include <thread>
+
+#include "loom/core/error.h"
+#include "loom/core/logging.h"
+
+namespace loom::dist {
+namespace {
+
+std::optional<int> positive_env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  const std::string text(v);
+  int value = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  LOOM_REQUIRE_USAGE(ec == std::errc() && ptr == text.data() + text.size() && value >= 1, name,
+                     "='", text, "' is not a positive integer; set it to the intra-op thread count");
+  return value;
+}
+
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// Store prefix for a group: identical on every member, distinct for distinct rank lists.
+std::string group_prefix(const std::vector<int>& ranks) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the ordered rank list
+  for (int r : ranks) {
+    for (int b = 0; b < 4; ++b) {
+      h ^= static_cast<uint64_t>((static_cast<uint32_t>(r) >> (8 * b)) & 0xff);
+      h *= 1099511628211ull;
+    }
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+  return c10::str("loom/group/", ranks.size(), "/", ranks.front(), "/", hex, "/");
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s;
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? "," : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+void check_backend_available(BackendKind kind) {
+#ifndef USE_C10D_NCCL
+  LOOM_REQUIRE_USAGE(kind != BackendKind::kNccl,
+                     "the NCCL backend is not compiled into this Loom build (libtorch without "
+                     "USE_C10D_NCCL); use the gloo backend on CPU");
+#else
+  (void)kind;
+#endif
+}
+
+}  // namespace
+
+int intra_op_threads(const LaunchEnv& env) {
+  if (auto n = positive_env_int("LOOM_NUM_THREADS")) return *n;
+  if (auto n = positive_env_int("OMP_NUM_THREADS")) return *n;
+  return std::max(1, usable_cpus() / std::max(1, env.local_world_size));
+}
+
+Distributed::Distributed(LaunchEnv env, std::chrono::milliseconds timeout, BackendKind backend,
+                         c10::intrusive_ptr<c10d::Store> store)
+    : env_(std::move(env)), timeout_(timeout), backend_kind_(backend), store_(std::move(store)) {
+  LOOM_REQUIRE(env_.world_size == 1 || store_, "a world of ", env_.world_size,
+               " ranks needs a rendezvous store");
+  std::vector<int> all(env_.world_size);
+  for (int r = 0; r < env_.world_size; ++r) all[r] = r;
+  world_ = new_group(all, "world");
+}
+
+Distributed::~Distributed() = default;
+
+c10::intrusive_ptr<c10d::Backend> Distributed::make_backend(const std::vector<int>& ranks,
+                                                            int group_rank) {
+  auto store = c10::make_intrusive<c10d::PrefixStore>(group_prefix(ranks), store_);
+  const int size = static_cast<int>(ranks.size());
+  switch (backend_kind_) {
+    case BackendKind::kGloo: {
+      // One node: loopback. Across nodes: the interface named by GLOO_SOCKET_IFNAME, else the
+      // address this host's name resolves to.
+      if (!gloo_device_) {
+        if (env_.single_node()) {
+          gloo_device_ = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+        } else if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+          gloo_device_ = c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+        } else {
+          gloo_device_ = c10d::ProcessGroupGloo::createDefaultDevice();
+        }
+      }
+      auto options = c10d::ProcessGroupGloo::Options::create(timeout_);
+      options->devices.push_back(gloo_device_);
+      return c10::make_intrusive<c10d::ProcessGroupGloo>(store, group_rank, size, options);
+    }
+    case BackendKind::kNccl: {
+#ifdef USE_C10D_NCCL
+      auto options = c10d::ProcessGroupNCCL::Options::create();
+      options->timeout = timeout_;
+      return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, group_rank, size, options);
+#else
+      check_backend_available(backend_kind_);
+#endif
+    }
+  }
+  TORCH_CHECK(false, "unknown backend kind");
+}
+
+std::shared_ptr<Comm> Distributed::new_group(const std::vector<int>& ranks,
+                                             const std::string& name) {
+  LOOM_REQUIRE(!ranks.empty(), "group '", name, "' has no ranks");
+  std::set<int> distinct(ranks.begin(), ranks.end());
+  LOOM_REQUIRE(distinct.size() == ranks.size(), "group '", name, "' lists a rank twice: [",
+               rank_list(ranks), "]");
+  LOOM_REQUIRE(*distinct.begin() >= 0 && *distinct.rbegin() < world_size(), "group '", name,
+               "' ranks [", rank_list(ranks), "] fall outside the world of ", world_size());
+  auto self = std::find(ranks.begin(), ranks.end(), rank());
+  LOOM_REQUIRE(self != ranks.end(), "rank ", rank(), " is not a member of group '", name, "' [",
+               rank_list(ranks), "]; only members create a group");
+  const int group_rank = static_cast<int>(self - ranks.begin());
+  if (ranks.size() == 1) return Comm::single(name, rank());
+
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = backends_.find(ranks);
+  if (it == backends_.end()) {
+    c10::intrusive_ptr<c10d::Backend> backend;
+    try {
+      backend = make_backend(ranks, group_rank);
+    } catch (const c10::Error& e) {
+      fail("creating process group '", name, "' over ranks [", rank_list(ranks), "] failed on rank ",
+           rank(), ": ", e.what_without_backtrace(), "; check that every member rank is alive");
+    }
+    it = backends_.emplace(ranks, std::move(backend)).first;
+  }
+  return std::make_shared<Comm>(it->second, name, ranks, group_rank);
+}
+
+void Distributed::shutdown() {
+  if (world_ && world_->size() > 1) world_->barrier();
+  std::lock_guard<std::mutex> lock(mutex_);
+  backends_.clear();
+}
+
+std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
+                                              std::chrono::milliseconds timeout,
+                                              BackendKind backend) {
+  check_backend_available(backend);
+  LOOM_REQUIRE_USAGE(timeout.count() > 0, "distributed timeout must be positive (got ",
+                     timeout.count(), " ms)");
+  log::set_rank(env.rank);
+  at::set_num_threads(intra_op_threads(env));
+  if (env.world_size == 1) return std::make_shared<Distributed>(env, timeout, backend, nullptr);
+
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(env.master_port);
+  options.isServer = env.rank == 0;
+  options.numWorkers = static_cast<size_t>(env.world_size);
+  options.waitWorkers = true;
+  options.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+  } catch (const c10::Error& e) {
+    fail("rendezvous at ", env.master_addr, ":", env.master_port, " failed on rank ", env.rank,
+         " of ", env.world_size, ": ", e.what_without_backtrace(),
+         "; check MASTER_ADDR/MASTER_PORT and that all ", env.world_size, " ranks were started");
+  }
+  try {
+    return std::make_shared<Distributed>(env, timeout, backend, std::move(store));
+  } catch (const c10::Error& e) {
+    fail("creating the world process group failed on rank ", env.rank, " of ", env.world_size,
+         ": ", e.what_without_backtrace());
+  }
+}
+
+}  // namespace loom::dist

@@ -1,0 +1,79 @@
+// Process-group setup: rendezvous through a c10d::TCPStore hosted by rank 0, the world group, and
+// sub-groups over subsets of ranks. CPU runs use Gloo; NCCL exists only in builds with
+// USE_C10D_NCCL. World size 1 needs no store and no network: every group is a local Comm.
+#pragma once
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "loom/dist/comm.h"
+#include "loom/dist/launch_env.h"
+
+namespace gloo::transport {
+class Device;
+}
+
+namespace loom::dist {
+
+enum class BackendKind { kGloo, kNccl };
+
+inline constexpr std::chrono::milliseconds kDefaultDistTimeout = std::chrono::minutes(10);
+
+class Distributed {
+ public:
+  Distributed(LaunchEnv env, std::chrono::milliseconds timeout, BackendKind backend,
+              c10::intrusive_ptr<c10d::Store> store);
+  ~Distributed();
+  Distributed(const Distributed&) = delete;
+  Distributed& operator=(const Distributed&) = delete;
+
+  const LaunchEnv& env() const { return env_; }
+  int rank() const { return env_.rank; }
+  int world_size() const { return env_.world_size; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  BackendKind backend_kind() const { return backend_kind_; }
+  const std::shared_ptr<Comm>& world() const { return world_; }
+  // The rendezvous store; null when the world has one rank.
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+
+  // A Comm named `name` over `ranks` (world ranks in group-rank order, distinct, containing this
+  // rank). The backend for a given rank list is created once, rendezvousing under a store prefix
+  // derived from the list, and shared by every Comm over the same ranks (a flattened mesh dim that
+  // equals a real one reuses its connections). Only member ranks call this, and they must create
+  // groups in the same relative order (construction blocks until all members arrive).
+  std::shared_ptr<Comm> new_group(const std::vector<int>& ranks, const std::string& name);
+
+  // Waits for every rank at a world barrier, then releases all groups. Call once before a normal
+  // exit so rank 0's store outlives the other ranks' last use of it.
+  void shutdown();
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> make_backend(const std::vector<int>& ranks, int group_rank);
+
+  LaunchEnv env_;
+  std::chrono::milliseconds timeout_;
+  BackendKind backend_kind_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  // One Gloo transport device (one I/O loop) serves every group of this process.
+  std::shared_ptr<gloo::transport::Device> gloo_device_;
+  std::shared_ptr<Comm> world_;
+  std::mutex mutex_;
+  std::map<std::vector<int>, c10::intrusive_ptr<c10d::Backend>> backends_;
+};
+
+// Rendezvous and world-group creation. Also sets loom::log's rank and the intra-op thread count
+// (see intra_op_threads). Throws loom::Error naming the rendezvous address when it times out.
+std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
+                                              std::chrono::milliseconds timeout = kDefaultDistTimeout,
+                                              BackendKind backend = BackendKind::kGloo);
+
+// Intra-op threads for one rank: LOOM_NUM_THREADS, else OMP_NUM_THREADS, else the CPUs this
+// process may run on divided by the ranks on this node (at least 1), so ranks do not oversubscribe.
+int intra_op_threads(const LaunchEnv& env);
+
+}  // namespace loom::dist

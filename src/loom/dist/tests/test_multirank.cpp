@@ -1,0 +1,174 @@
+// Multi-rank tests: real processes started by `loom launch`, running the scenarios of
+// loom_dist_worker (tests/worker/dist_worker.cpp), plus the launcher's own contract (environment,
+// failure propagation, signal forwarding). Binaries are found next to this test binary.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <regex>
+#include <string>
+
+namespace {
+
+std::string bin_dir() {
+  return std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
+}
+
+struct RunResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr interleaved
+  double seconds = 0;
+};
+
+// Runs a shell command with a hard time limit so a hang fails the test instead of blocking ctest.
+RunResult run(const std::string& command, int limit_seconds = 60) {
+  const std::string full = "timeout -k 5 " + std::to_string(limit_seconds) + " " + command + " 2>&1";
+  const auto start = std::chrono::steady_clock::now();
+  RunResult result;
+  FILE* pipe = popen(full.c_str(), "r");
+  if (pipe == nullptr) return result;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) result.output.append(buf.data(), n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  result.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+std::string loom_launch(int nproc) {
+  return bin_dir() + "/loom launch --nproc " + std::to_string(nproc);
+}
+
+RunResult run_worker(int nproc, const std::string& scenario) {
+  return run(loom_launch(nproc) + " --exec -- " + bin_dir() + "/loom_dist_worker " + scenario);
+}
+
+int count(const std::string& haystack, const std::string& needle) {
+  int n = 0;
+  for (size_t pos = haystack.find(needle); pos != std::string::npos;
+       pos = haystack.find(needle, pos + 1)) {
+    ++n;
+  }
+  return n;
+}
+
+void expect_all_ranks_ok(const RunResult& r, int nproc, const std::string& scenario) {
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < nproc; ++rank) {
+    const std::string line = "rank " + std::to_string(rank) + "/" + std::to_string(nproc) + " " +
+                             scenario + ": ok";
+    EXPECT_EQ(count(r.output, line), 1) << "missing '" << line << "' in:\n" << r.output;
+  }
+}
+
+class Collectives : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(Collectives, CorrectOnEveryRank) {
+  const auto& [scenario, nproc] = GetParam();
+  const RunResult r = run_worker(nproc, scenario);
+  expect_all_ranks_ok(r, nproc, scenario);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Dist, Collectives,
+    ::testing::Combine(::testing::Values("all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                                         "all_to_all", "send_recv"),
+                       ::testing::Values(2, 4)),
+    [](const auto& info) {
+      return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "ranks";
+    });
+
+TEST(MultiRank, Mesh2x2SubGroupsAndFlattenedDims) {
+  expect_all_ranks_ok(run_worker(4, "mesh_2x2"), 4, "mesh_2x2");
+}
+
+TEST(MultiRank, ByteAccountingMatchesRingFormulas) {
+  expect_all_ranks_ok(run_worker(2, "accounting"), 2, "accounting");
+  expect_all_ranks_ok(run_worker(4, "accounting"), 4, "accounting");
+}
+
+TEST(MultiRank, FlightRecorderNamesPendingCollective) {
+  const RunResult r = run_worker(2, "flight_recorder");
+  expect_all_ranks_ok(r, 2, "flight_recorder");
+  EXPECT_NE(r.output.find("barrier world[0,1]"), std::string::npos) << r.output;
+}
+
+TEST(Launcher, FailingRankStopsTheOthersAndIsNamed) {
+  const RunResult r = run_worker(2, "fail_rank1");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("error: rank 1 (local rank 1, pid "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(") exited with code 3; stopped the other 1 running rank(s)"),
+            std::string::npos)
+      << r.output;
+  // Rank 0 blocks for an hour unless the launcher stops it; SIGTERM ends it at once.
+  EXPECT_LT(r.seconds, 15.0) << r.output;
+}
+
+TEST(Launcher, RankKilledBySignalIsReported) {
+  const RunResult r = run(loom_launch(3) +
+                          " --exec -- sh -c 'if [ \"$RANK\" = 2 ]; then kill -9 $$; fi; sleep 30'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("error: rank 2 (local rank 2, pid "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("was killed by signal 9 (SIGKILL); stopped the other 2 running rank(s)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_LT(r.seconds, 10.0);
+}
+
+TEST(Launcher, SetsTorchrunEnvironment) {
+  const RunResult r = run(loom_launch(3) + " --master-port 29612 --exec -- sh -c "
+                          "'echo \"R=$RANK L=$LOCAL_RANK W=$WORLD_SIZE LW=$LOCAL_WORLD_SIZE "
+                          "G=$GROUP_RANK N=$NODE_RANK A=$MASTER_ADDR P=$MASTER_PORT\"'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string line = "R=" + std::to_string(rank) + " L=" + std::to_string(rank) +
+                             " W=3 LW=3 G=0 N=0 A=127.0.0.1 P=29612";
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
+  }
+}
+
+TEST(Launcher, PicksAFreePortAndRunsItselfWithoutExec) {
+  // Without --exec each rank runs this loom binary with the given arguments.
+  const RunResult r = run(loom_launch(2) + " -- launch --help");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "--nproc"), 2) << r.output;
+  const RunResult port = run(loom_launch(1) + " --exec -- sh -c 'echo port=$MASTER_PORT'");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(port.output, m, std::regex("port=([0-9]+)"))) << port.output;
+  EXPECT_GT(std::stoi(m[1]), 0);
+}
+
+TEST(Launcher, ForwardsSigtermAndExitsWith143) {
+  const RunResult r = run(
+      "sh -c '" + loom_launch(2) + " --exec -- sh -c \"trap \\\"echo got-term-\\$RANK; exit 0\\\" "
+      "TERM; sleep 30 & wait\" & pid=$!; sleep 1; kill -TERM $pid; wait $pid; echo launcher=$?'");
+  EXPECT_NE(r.output.find("launcher=143"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("interrupted by signal 15 (SIGTERM); stopped 2 running rank(s)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("got-term-0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("got-term-1"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 10.0);
+}
+
+TEST(Launcher, UsageErrorsAreOneLine) {
+  RunResult r = run(loom_launch(0) + " --exec -- true");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("error: --nproc 0 must be >= 1"), std::string::npos) << r.output;
+  r = run(bin_dir() + "/loom launch --nproc 2 --nnodes 2 --node-rank 0 --exec -- true");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("needs --master-port"), std::string::npos) << r.output;
+  r = run(loom_launch(1) + " --exec -- /nonexistent/program");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("cannot execute '/nonexistent/program' for rank 0: No such file"),
+            std::string::npos)
+      << r.output;
+}
+
+}  // namespace

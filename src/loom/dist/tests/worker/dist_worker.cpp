@@ -1,0 +1,374 @@
+// Per-rank scenarios for the dist multi-rank tests. Started as
+//   loom launch --nproc N --exec -- loom_dist_worker <scenario>
+// Every rank checks its own results; a failed check exits 1 with one line naming the rank and the
+// mismatch. On success each rank prints "rank R/W <scenario>: ok".
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "loom/core/error.h"
+#include "loom/dist/comm.h"
+#include "loom/dist/device_mesh.h"
+#include "loom/dist/launch_env.h"
+#include "loom/dist/parallel_dims.h"
+#include "loom/dist/process_group.h"
+
+namespace {
+
+using namespace loom::dist;
+
+void expect_equal(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
+  LOOM_REQUIRE(actual.sizes() == expected.sizes() && at::equal(actual, expected), what,
+               ": got ", actual.to(at::kDouble).flatten(), " expected ",
+               expected.to(at::kDouble).flatten());
+}
+
+// rank r contributes (r + 1) * [1, 2, ..., n]
+at::Tensor ramp(int64_t n, int r, at::ScalarType dtype) {
+  return (at::arange(1, n + 1, at::kDouble) * (r + 1)).to(dtype);
+}
+
+void scenario_all_reduce(Distributed& dist) {
+  const auto& world = *dist.world();
+  const int w = world.size(), r = world.rank();
+  const double sum_factor = w * (w + 1) / 2.0;
+  for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kLong, at::kInt}) {
+    at::Tensor t = ramp(6, r, dtype);
+    world.all_reduce(t);
+    expect_equal(t, (at::arange(1, 7, at::kDouble) * sum_factor).to(dtype),
+                 c10::str("all_reduce sum ", dtype));
+    t = ramp(6, r, dtype);
+    world.all_reduce(t, ReduceOp::kMax);
+    expect_equal(t, ramp(6, w - 1, dtype), c10::str("all_reduce max ", dtype));
+  }
+  at::Tensor avg = ramp(5, r, at::kFloat).reshape({5, 1});
+  world.all_reduce(avg, ReduceOp::kAvg);
+  expect_equal(avg, (at::arange(1, 6, at::kDouble) * (sum_factor / w)).to(at::kFloat).reshape({5, 1}),
+               "all_reduce avg");
+  // Async: the result is in place once wait() returns, and the work then reports completion.
+  at::Tensor a = ramp(4, r, at::kFloat);
+  WorkHandle work = world.all_reduce_async(a, ReduceOp::kAvg);
+  work->wait();
+  LOOM_REQUIRE(work->isCompleted() && work->isSuccess(), "async all_reduce not completed after wait");
+  expect_equal(a, (at::arange(1, 5, at::kDouble) * (sum_factor / w)).to(at::kFloat),
+               "async all_reduce avg");
+}
+
+void scenario_all_gather(Distributed& dist) {
+  const auto& world = *dist.world();
+  const int w = world.size(), r = world.rank();
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong}) {
+    at::Tensor in = (at::arange(3, at::kDouble) + 10 * r).to(dtype);
+    at::Tensor out = at::empty({3 * w}, in.options());
+    world.all_gather_into_tensor(out, in);
+    at::Tensor expected = (at::arange(3, at::kDouble).repeat({w}) +
+                           10 * at::arange(w, at::kDouble).repeat_interleave(3)).to(dtype);
+    expect_equal(out, expected, c10::str("all_gather ", dtype));
+  }
+  // 2-D shards gathered along dim 0, asynchronously.
+  at::Tensor in2 = at::full({2, 3}, static_cast<double>(r), at::kFloat);
+  at::Tensor out2 = at::empty({2 * w, 3}, at::kFloat);
+  WorkHandle work = world.all_gather_into_tensor_async(out2, in2);
+  work->wait();
+  LOOM_REQUIRE(work->isCompleted(), "async all_gather not completed after wait");
+  expect_equal(out2, at::arange(w, at::kFloat).repeat_interleave(2).unsqueeze(1).expand({2 * w, 3}),
+               "all_gather 2-D");
+}
+
+void scenario_reduce_scatter(Distributed& dist) {
+  const auto& world = *dist.world();
+  const int w = world.size(), r = world.rank();
+  const double sum_factor = w * (w + 1) / 2.0;
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong}) {
+    at::Tensor in = ramp(4 * w, r, dtype);
+    at::Tensor out = at::empty({4}, in.options());
+    world.reduce_scatter_tensor(out, in);
+    at::Tensor full = at::arange(1, 4 * w + 1, at::kDouble) * sum_factor;
+    expect_equal(out, full.narrow(0, 4 * r, 4).to(dtype), c10::str("reduce_scatter sum ", dtype));
+    world.reduce_scatter_tensor(out, in, ReduceOp::kMax);
+    expect_equal(out, ramp(4 * w, w - 1, dtype).narrow(0, 4 * r, 4),
+                 c10::str("reduce_scatter max ", dtype));
+  }
+  at::Tensor in = ramp(2 * w, r, at::kFloat).reshape({w, 2});
+  at::Tensor out = at::empty({1, 2}, at::kFloat);
+  WorkHandle work = world.reduce_scatter_tensor_async(out, in, ReduceOp::kAvg);
+  work->wait();
+  LOOM_REQUIRE(work->isCompleted(), "async reduce_scatter not completed after wait");
+  expect_equal(out, (at::arange(1, 2 * w + 1, at::kDouble) * (sum_factor / w))
+                        .narrow(0, 2 * r, 2).to(at::kFloat).reshape({1, 2}),
+               "reduce_scatter avg");
+}
+
+void scenario_broadcast(Distributed& dist) {
+  const auto& world = *dist.world();
+  const int w = world.size(), r = world.rank();
+  for (int root : {0, w - 1}) {
+    at::Tensor t = r == root ? at::arange(8, at::kFloat) * (root + 1) : at::zeros({8}, at::kFloat);
+    world.broadcast(t, root);
+    expect_equal(t, at::arange(8, at::kFloat) * (root + 1), c10::str("broadcast from ", root));
+  }
+  at::Tensor t = r == 1 ? at::full({2, 2}, 7, at::kLong) : at::zeros({2, 2}, at::kLong);
+  world.broadcast_async(t, 1)->wait();
+  expect_equal(t, at::full({2, 2}, 7, at::kLong), "async broadcast");
+}
+
+void scenario_all_to_all(Distributed& dist) {
+  const auto& world = *dist.world();
+  const int w = world.size(), r = world.rank();
+  // Even: rank r sends rows {100r + j, 100r + j} to rank j.
+  at::Tensor in = (100 * r + at::arange(w, at::kFloat)).repeat_interleave(2).reshape({w, 2});
+  at::Tensor out = at::empty({w, 2}, at::kFloat);
+  world.all_to_all(out, in);
+  expect_equal(out, (100 * at::arange(w, at::kFloat) + r).repeat_interleave(2).reshape({w, 2}),
+               "all_to_all even");
+  // Uneven: rank r sends r + j + 1 rows of value 100r + j to rank j.
+  std::vector<int64_t> in_splits, out_splits;
+  std::vector<at::Tensor> in_parts, expected_parts;
+  for (int j = 0; j < w; ++j) {
+    in_splits.push_back(r + j + 1);
+    out_splits.push_back(j + r + 1);
+    in_parts.push_back(at::full({r + j + 1, 3}, 100 * r + j, at::kLong));
+    expected_parts.push_back(at::full({j + r + 1, 3}, 100 * j + r, at::kLong));
+  }
+  at::Tensor uneven_in = at::cat(in_parts);
+  at::Tensor expected = at::cat(expected_parts);
+  at::Tensor uneven_out = at::empty_like(expected);
+  world.all_to_all_async(uneven_out, uneven_in, out_splits, in_splits)->wait();
+  expect_equal(uneven_out, expected, "all_to_all uneven");
+}
+
+void scenario_send_recv(Distributed& dist) {
+  const auto& world = *dist.world();
+  const int w = world.size(), r = world.rank();
+  at::Tensor mine = at::full({5}, r, at::kFloat);
+  at::Tensor from_prev = at::empty({5}, at::kFloat);
+  WorkHandle sent = world.send_async(mine, (r + 1) % w, /*tag=*/7);
+  world.recv(from_prev, (r + w - 1) % w, /*tag=*/7);
+  sent->wait();
+  expect_equal(from_prev, at::full({5}, (r + w - 1) % w, at::kFloat), "ring send/recv");
+}
+
+// Checks every named dim of `mesh` against the layout arithmetic: group membership, local rank, and
+// an all_reduce / all_gather over the group.
+void check_mesh_dims(const DeviceMesh& mesh, const std::vector<std::string>& names,
+                     const std::map<std::string, std::vector<int>>& expected_groups) {
+  const int r = mesh.rank();
+  for (const auto& name : names) {
+    const std::vector<int> expected = expected_groups.at(name);
+    const auto& comm = *mesh.comm(name);
+    LOOM_REQUIRE(mesh.group_ranks(name) == expected, "dim ", name, " group ", comm.describe(),
+                 " differs from the expected layout");
+    const int local = static_cast<int>(std::find(expected.begin(), expected.end(), r) - expected.begin());
+    LOOM_REQUIRE(mesh.local_rank(name) == local && mesh.size(name) == static_cast<int>(expected.size()),
+                 "dim ", name, ": local rank ", mesh.local_rank(name), "/", mesh.size(name),
+                 " expected ", local, "/", expected.size());
+    at::Tensor t = at::full({3}, r, at::kLong);
+    comm.all_reduce(t);
+    int64_t sum = 0;
+    for (int m : expected) sum += m;
+    expect_equal(t, at::full({3}, sum, at::kLong), c10::str("all_reduce over ", name));
+    at::Tensor gathered = at::empty({static_cast<int64_t>(expected.size())}, at::kLong);
+    comm.all_gather_into_tensor(gathered, at::full({1}, r, at::kLong));
+    expect_equal(gathered, at::tensor(std::vector<int64_t>(expected.begin(), expected.end())),
+                 c10::str("all_gather over ", name));
+  }
+}
+
+void scenario_mesh_2x2(Distributed& dist) {
+  auto shared = std::shared_ptr<Distributed>(&dist, [](Distributed*) {});
+  const int r = dist.rank();
+  LOOM_REQUIRE(dist.world_size() == 4, "mesh_2x2 needs 4 ranks");
+  // HSDP: dp_replicate=2 x dp_shard=2 -> dims [dp_replicate, dp_shard], flattened dp, dp_shard_cp,
+  // dp_cp. Row-major: dp_shard groups {0,1},{2,3}; dp_replicate groups {0,2},{1,3}.
+  ParallelDims hsdp({.dp_replicate = 2, .dp_shard = 2}, 4, r);
+  DeviceMesh mesh = hsdp.build_mesh(shared);
+  const std::vector<int> inner = r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+  const std::vector<int> outer = r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
+  check_mesh_dims(mesh, {"dp_replicate", "dp_shard", "dp", "dp_shard_cp", "dp_cp"},
+                  {{"dp_replicate", outer}, {"dp_shard", inner}, {"dp", {0, 1, 2, 3}},
+                   {"dp_shard_cp", inner}, {"dp_cp", {0, 1, 2, 3}}});
+  LOOM_REQUIRE(hsdp.dp_rank() == r && mesh.local_rank("dp") == r, "dp rank of ", r, " is ",
+               hsdp.dp_rank());
+  // FSDP x TP: dims [dp_shard, tp]; tp is innermost (neighbouring ranks), reusing the groups above.
+  ParallelDims fsdp_tp({.dp_shard = -1, .tp = 2}, 4, r);
+  DeviceMesh mesh2 = fsdp_tp.build_mesh(shared);
+  check_mesh_dims(mesh2, {"dp_shard", "tp", "dp", "dp_shard_cp", "dp_cp"},
+                  {{"dp_shard", outer}, {"tp", inner}, {"dp", outer}, {"dp_shard_cp", outer},
+                   {"dp_cp", outer}});
+  LOOM_REQUIRE(fsdp_tp.tp_rank() == r % 2 && fsdp_tp.dp_rank() == r / 2, "fsdp x tp ranks of ", r);
+  // A reduce-scatter on one dim then an all-gather on the other compose like the real layouts do.
+  at::Tensor grad = at::arange(4, at::kFloat) + 10 * r;
+  at::Tensor shard = at::empty({2}, at::kFloat);
+  mesh.comm("dp_shard")->reduce_scatter_tensor(shard, grad);
+  mesh.comm("dp_replicate")->all_reduce(shard, ReduceOp::kAvg);
+  at::Tensor full = at::empty({4}, at::kFloat);
+  mesh.comm("dp_shard")->all_gather_into_tensor(full, shard);
+  // sum over dp_shard then mean over dp_replicate == mean over all 4 ranks x 2.
+  expect_equal(full, (at::arange(4, at::kFloat) * 2 + 10 * (0 + 1 + 2 + 3) / 2.0), "HSDP round trip");
+}
+
+void scenario_accounting(Distributed& dist) {
+  const auto& world = *dist.world();
+  const int64_t w = world.size();
+  comm_stats().reset();
+  flight_recorder().clear();
+  // int8 payloads keep byte counts small and make the all-reduce fraction non-integral.
+  at::Tensor ar = at::ones({5}, at::kChar);
+  world.all_reduce(ar);
+  world.all_reduce(ar);
+  at::Tensor ag_in = at::ones({3}, at::kFloat);
+  at::Tensor ag_out = at::empty({3 * w}, at::kFloat);
+  world.all_gather_into_tensor(ag_out, ag_in);
+  at::Tensor rs_in = at::ones({5 * w}, at::kFloat);
+  at::Tensor rs_out = at::empty({5}, at::kFloat);
+  world.reduce_scatter_tensor(rs_out, rs_in);
+  at::Tensor bc = at::ones({7}, at::kDouble);
+  world.broadcast(bc, 0);
+  at::Tensor a2a_in = at::ones({2 * w, 1}, at::kLong);
+  at::Tensor a2a_out = at::empty({2 * w, 1}, at::kLong);
+  world.all_to_all(a2a_out, a2a_in);
+  world.barrier();
+  const CommSnapshot s = comm_stats().snapshot();
+
+  auto expect_counter = [&](CommOp op, int64_t calls, int64_t payload, ByteCount wire) {
+    const CommCounter c = s.get(op, "world");
+    LOOM_REQUIRE(c.calls == calls && c.payload_bytes == payload && c.wire_bytes == wire,
+                 to_string(op), "@world: calls=", c.calls, " payload=", c.payload_bytes, " wire=",
+                 c.wire_bytes.numerator, "/", c.wire_bytes.denominator, "; expected calls=", calls,
+                 " payload=", payload, " wire=", wire.numerator, "/", wire.denominator);
+  };
+  // all_reduce: 2(W-1)/W x 5 bytes per call, two calls -> 20(W-1)/W.
+  expect_counter(CommOp::kAllReduce, 2, 10, ByteCount::fraction(20 * (w - 1), w));
+  // all_gather: (W-1)/W x full size (12W bytes) = 12(W-1).
+  expect_counter(CommOp::kAllGather, 1, 12 * w, ByteCount::exact(12 * (w - 1)));
+  // reduce_scatter: (W-1)/W x input size (20W bytes) = 20(W-1).
+  expect_counter(CommOp::kReduceScatter, 1, 20 * w, ByteCount::exact(20 * (w - 1)));
+  expect_counter(CommOp::kBroadcast, 1, 56, ByteCount::exact(56));
+  // all_to_all: everything but the local 2 rows of 8 bytes.
+  expect_counter(CommOp::kAllToAll, 1, 16 * w, ByteCount::exact(16 * (w - 1)));
+  expect_counter(CommOp::kBarrier, 1, 0, ByteCount{});
+  const CommCounter total = s.total();
+  LOOM_REQUIRE(total.calls == 7, "total calls ", total.calls, " expected 7");
+  // Exact rational sum of the per-op wire bytes.
+  ByteCount expected_total = ByteCount::fraction(20 * (w - 1), w);
+  expected_total += ByteCount::exact(12 * (w - 1) + 20 * (w - 1) + 56 + 16 * (w - 1));
+  LOOM_REQUIRE(total.wire_bytes == expected_total, "total wire ", total.wire_bytes.numerator, "/",
+               total.wire_bytes.denominator);
+  comm_stats().reset();
+  LOOM_REQUIRE(comm_stats().snapshot().counters.empty(), "reset left counters behind");
+
+  // Every collective above is in the flight recorder, completed, in issue order.
+  const auto records = flight_recorder().records();
+  LOOM_REQUIRE(records.size() == 7, "flight recorder holds ", records.size(), " records, expected 7");
+  const CommOp order[] = {CommOp::kAllReduce, CommOp::kAllReduce, CommOp::kAllGather,
+                          CommOp::kReduceScatter, CommOp::kBroadcast, CommOp::kAllToAll,
+                          CommOp::kBarrier};
+  for (size_t i = 0; i < records.size(); ++i) {
+    LOOM_REQUIRE(records[i].op == order[i] && records[i].state == FlightRecord::State::kCompleted,
+                 "flight record ", i, " is ", to_string(records[i].op), " state ",
+                 static_cast<int>(records[i].state));
+    LOOM_REQUIRE(i == 0 || records[i].group_seq == records[i - 1].group_seq + 1,
+                 "group sequence numbers are not consecutive");
+  }
+  LOOM_REQUIRE(records[2].input_shape == std::vector<int64_t>{3} &&
+                   records[2].output_shape == std::vector<int64_t>{3 * w} &&
+                   records[2].dtype == at::kFloat,
+               "all_gather record shapes/dtype wrong");
+}
+
+void scenario_flight_recorder(Distributed& dist) {
+  const auto& world = *dist.world();
+  LOOM_REQUIRE(world.size() == 2, "flight_recorder needs 2 ranks");
+  flight_recorder().clear();
+  flight_recorder().set_capacity(4);
+  at::Tensor t = at::zeros({3}, at::kFloat);
+  at::Tensor go = at::zeros({1}, at::kFloat);
+  if (world.rank() == 0) {
+    // Rank 1 sends only after it hears from us, so this recv is provably pending for now.
+    WorkHandle pending = world.recv_async(t, 1);
+    const auto oldest = flight_recorder().oldest_pending();
+    LOOM_REQUIRE(oldest && oldest->op == CommOp::kRecv && oldest->peer == 1,
+                 "pending recv not reported by the flight recorder");
+    const std::string dump = flight_recorder().dump();
+    LOOM_REQUIRE(dump.find("recv world[0,1]") != std::string::npos &&
+                     dump.find("PENDING") != std::string::npos,
+                 "dump does not name the pending recv: ", dump);
+    LOOM_REQUIRE(!pending->isCompleted(), "recv completed before its send");
+    world.send(go, 1);
+    pending->wait();
+    expect_equal(t, at::full({3}, 5.0, at::kFloat), "recv payload");
+    LOOM_REQUIRE(!flight_recorder().oldest_pending(), "completed recv still pending");
+  } else {
+    world.recv(go, 0);
+    world.send(at::full({3}, 5.0, at::kFloat), 0);
+  }
+  // The ring keeps only the newest `capacity` records.
+  for (int i = 0; i < 6; ++i) world.barrier();
+  const auto records = flight_recorder().records();
+  LOOM_REQUIRE(records.size() == 4 && records.back().op == CommOp::kBarrier,
+               "ring buffer holds ", records.size(), " records, expected the last 4");
+  std::printf("rank %d flight recorder:\n%s", world.rank(), flight_recorder().dump().c_str());
+}
+
+// Rank 1 fails; the others block in a collective that can never complete. The launcher must
+// report rank 1 and stop the rest.
+void scenario_fail_rank1(Distributed& dist) {
+  const auto& world = *dist.world();
+  world.barrier();
+  if (world.rank() == 1) {
+    std::printf("rank 1 exiting with code 3\n");
+    std::fflush(stdout);
+    std::_Exit(3);
+  }
+  at::Tensor t = at::ones({4}, at::kFloat);
+  try {
+    world.all_reduce(t);
+  } catch (const std::exception&) {
+    // Gloo may notice the closed connection; a hung rank would not, so stay blocked like one.
+  }
+  std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+const std::map<std::string, std::function<void(Distributed&)>>& scenarios() {
+  static const std::map<std::string, std::function<void(Distributed&)>> all = {
+      {"all_reduce", scenario_all_reduce},       {"all_gather", scenario_all_gather},
+      {"reduce_scatter", scenario_reduce_scatter}, {"broadcast", scenario_broadcast},
+      {"all_to_all", scenario_all_to_all},       {"send_recv", scenario_send_recv},
+      {"mesh_2x2", scenario_mesh_2x2},           {"accounting", scenario_accounting},
+      {"flight_recorder", scenario_flight_recorder}, {"fail_rank1", scenario_fail_rank1},
+  };
+  return all;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string name = argc > 1 ? argv[1] : "";
+  auto it = scenarios().find(name);
+  if (it == scenarios().end()) {
+    std::string known;
+    for (const auto& [n, f] : scenarios()) known += " " + n;
+    std::fprintf(stderr, "error: unknown scenario '%s'; known:%s\n", name.c_str(), known.c_str());
+    return 2;
+  }
+  int rank = -1;
+  try {
+    const LaunchEnv env = detect_launch_env();
+    rank = env.rank;
+    auto dist = init_distributed(env, std::chrono::seconds(60));
+    it->second(*dist);
+    dist->shutdown();
+    std::printf("rank %d/%d %s: ok\n", env.rank, env.world_size, name.c_str());
+    return 0;
+  } catch (const loom::Error& e) {
+    std::fprintf(stderr, "rank %d %s: error: %s\n", rank, name.c_str(), e.what());
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "rank %d %s: error: %s\n", rank, name.c_str(), e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d %s: error: %s\n", rank, name.c_str(), e.what());
+  }
+  return 1;
+}

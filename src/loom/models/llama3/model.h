@@ -1,0 +1,98 @@
+// The Llama 3 decoder-only transformer, in TorchTitan's module layout:
+//   tok_embeddings, layers.{i}.{attention_norm, attention.{wq,wk,wv,wo}, ffn_norm,
+//   feed_forward.{w1,w2,w3}}, norm, output (untied from tok_embeddings).
+// Build on the meta device to plan or count without memory, then to_empty() + init_weights().
+#pragma once
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "loom/models/llama3/model_args.h"
+#include "loom/nn/attention.h"
+#include "loom/nn/init.h"
+#include "loom/nn/layers.h"
+#include "loom/nn/module.h"
+
+namespace loom::llama3 {
+
+class TransformerBlock : public nn::Module {
+ public:
+  TransformerBlock(int64_t layer_id, const ModelArgs& args, const torch::TensorOptions& options);
+
+  // x: [B, T, dim] -> [B, T, dim]: x + attn(norm(x)), then + ffn(norm(.)).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cache);
+
+  int64_t layer_id() const { return layer_id_; }
+  nn::RMSNorm& attention_norm() { return *attention_norm_; }
+  nn::Attention& attention() { return *attention_; }
+  nn::RMSNorm& ffn_norm() { return *ffn_norm_; }
+  nn::FeedForward& feed_forward() { return *feed_forward_; }
+
+ private:
+  int64_t layer_id_;
+  std::shared_ptr<nn::RMSNorm> attention_norm_;
+  std::shared_ptr<nn::Attention> attention_;
+  std::shared_ptr<nn::RMSNorm> ffn_norm_;
+  std::shared_ptr<nn::FeedForward> feed_forward_;
+};
+
+class Transformer : public nn::Module {
+ public:
+  // Parameters are created (uninitialized) with `options`: pass torch::kMeta as the device to
+  // build any flavor without allocating, then to_empty(device) and init_weights(seed).
+  explicit Transformer(ModelArgs args,
+                       const torch::TensorOptions& options = torch::TensorOptions());
+
+  // tokens [B, T] int64 -> logits [B, T, vocab_size] (in the parameters' dtype).
+  torch::Tensor forward(const torch::Tensor& tokens);
+  // The pieces of forward, for callers that need the hidden states (loss fusion, pipelining).
+  torch::Tensor embed(const torch::Tensor& tokens);
+  torch::Tensor run_layers(torch::Tensor hidden);
+  torch::Tensor head(const torch::Tensor& hidden);  // final norm + output projection
+
+  // Initializes every parameter by name (see parameter_init) from `seed` and recomputes the RoPE
+  // cache. Identical values whatever the device, dtype or later sharding.
+  void init_weights(uint64_t seed);
+  // Recomputes the non-persistent RoPE cache on the current device (after to_empty / to).
+  void reset_buffers();
+
+  const ModelArgs& args() const { return args_; }
+  nn::Embedding& tok_embeddings() { return *tok_embeddings_; }
+  nn::ModuleDict& layers() { return *layers_; }
+  nn::RMSNorm& norm() { return *norm_; }
+  nn::Linear& output() { return *output_; }
+  const torch::Tensor& rope_cache() const { return rope_cache_->tensor; }
+
+ private:
+  ModelArgs args_;
+  std::shared_ptr<nn::Embedding> tok_embeddings_;
+  std::shared_ptr<nn::ModuleDict> layers_;
+  std::shared_ptr<nn::RMSNorm> norm_;
+  std::shared_ptr<nn::Linear> output_;
+  nn::BufferSlot* rope_cache_;  // "freqs": [2, max_seq_len, head_dim], non-persistent
+};
+
+// TorchTitan's initialization of parameter `name` (a dotted name of Transformer):
+//   tok_embeddings: normal(0, 1); norms: ones; wq/wk/wv/w1: trunc_normal(0.02, [-2, 2]);
+//   wo/w2/w3: trunc_normal(0.02 / sqrt(2 (layer_id + 1))) with depth_init, else
+//   0.02 / sqrt(2 n_layers); output: trunc_normal(dim^-0.5, +-3 std).
+// Public so a sharded materialization can draw a parameter's full value on its own.
+nn::ParameterInit parameter_init(const ModelArgs& args, const std::string& name);
+
+struct ParameterCounts {
+  int64_t total = 0;
+  int64_t embedding = 0;      // tok_embeddings only (the untied output head counts as compute)
+  int64_t non_embedding = 0;  // total - embedding: TorchTitan's N in 6N
+};
+ParameterCounts count_parameters(Transformer& model);
+// Same numbers from the shapes alone (no model needed).
+ParameterCounts count_parameters(const ModelArgs& args);
+
+// TorchTitan's training FLOPs per token: 6 N + 12 L H d_head T, N = non-embedding parameters,
+// T = sequence length. The attention term counts the QK^T and AV matmuls of forward and backward
+// (2 + 4 matmuls, 2 FLOPs per multiply-add) and, by convention, ignores causal sparsity.
+double flops_per_token(const ModelArgs& args, int64_t non_embedding_params, int64_t seq_len);
+
+}  // namespace loom::llama3

@@ -1,0 +1,145 @@
+// `loom score`: per-token negative log-likelihood and perplexity of a token sequence under a
+// Llama 3 model directory (Hugging Face or Loom format), optionally saving the logits.
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "loom/apps/commands.h"
+#include "loom/checkpoint/safetensors.h"
+#include "loom/core/error.h"
+#include "loom/core/timer.h"
+#include "loom/data/tokenizer.h"
+#include "loom/models/llama3/model_dir.h"
+
+namespace loom::apps {
+namespace {
+namespace fs = std::filesystem;
+
+struct ScoreOptions {
+  std::string checkpoint;
+  std::string tokens;
+  std::string text_file;
+  std::string tokenizer;
+  std::string logits_out;
+  bool no_bos = false;
+};
+
+std::vector<int64_t> parse_token_list(const std::string& text) {
+  std::vector<int64_t> ids;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    const size_t b = item.find_first_not_of(" \t");
+    const size_t e = item.find_last_not_of(" \t");
+    LOOM_REQUIRE_USAGE(b != std::string::npos, "--tokens has an empty entry in '", text,
+                       "'; give comma-separated ids like 1,2,3");
+    const std::string trimmed = item.substr(b, e - b + 1);
+    size_t used = 0;
+    int64_t id = -1;
+    try {
+      id = std::stoll(trimmed, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    LOOM_REQUIRE_USAGE(used == trimmed.size() && id >= 0, "--tokens entry '", trimmed,
+                       "' is not a non-negative integer id");
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+std::vector<int64_t> tokens_from_text(const ScoreOptions& o) {
+  std::string tokenizer_path = o.tokenizer;
+  if (tokenizer_path.empty()) {
+    tokenizer_path = (fs::path(o.checkpoint) / "tokenizer.json").string();
+    LOOM_REQUIRE_USAGE(fs::exists(tokenizer_path), "--text-file needs a tokenizer: pass "
+                       "--tokenizer tokenizer.json (none found in '", o.checkpoint, "')");
+  }
+  std::ifstream in(o.text_file, std::ios::binary);
+  LOOM_REQUIRE_USAGE(in.good(), "cannot read --text-file '", o.text_file, "'");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  const data::Tokenizer tokenizer = data::Tokenizer::from_file(tokenizer_path);
+  const bool add_bos = !o.no_bos && tokenizer.bos_id() >= 0;
+  return tokenizer.encode(buffer.str(), add_bos, /*add_eos=*/false);
+}
+
+void run_score(const ScoreOptions& o) {
+  const std::vector<int64_t> ids =
+      o.text_file.empty() ? parse_token_list(o.tokens) : tokens_from_text(o);
+  LOOM_REQUIRE_USAGE(ids.size() >= 2, "need at least 2 tokens to score, got ", ids.size());
+  const auto seq_len = static_cast<int64_t>(ids.size());
+
+  Timer load_timer;
+  llama3::LoadOptions load;
+  load.max_seq_len = seq_len;  // the RoPE cache only needs this sequence
+  const auto loaded = llama3::load_model_dir(o.checkpoint, load);
+  llama3::Transformer& model = *loaded.model;
+  model.eval();
+  const int64_t vocab = model.args().vocab_size;
+  for (const int64_t id : ids) {
+    LOOM_REQUIRE_USAGE(id < vocab, "token id ", id, " is outside the model's vocabulary of ",
+                       vocab, "; check the tokenizer matches the checkpoint");
+  }
+  const double load_seconds = load_timer.seconds();
+
+  torch::InferenceMode inference;
+  const torch::Tensor tokens = torch::tensor(ids, torch::kInt64).unsqueeze(0);
+  Timer forward_timer;
+  const torch::Tensor logits = model.forward(tokens).squeeze(0).to(torch::kFloat32);  // [T, V]
+  const double forward_seconds = forward_timer.seconds();
+
+  // NLL of token t+1 given tokens 0..t.
+  const torch::Tensor log_probs = torch::log_softmax(logits.narrow(0, 0, seq_len - 1), -1);
+  const torch::Tensor targets = tokens.squeeze(0).narrow(0, 1, seq_len - 1).unsqueeze(1);
+  const torch::Tensor nll = -log_probs.gather(1, targets).squeeze(1).to(torch::kFloat64);
+  const auto nll_values = nll.accessor<double, 1>();
+
+  std::printf("checkpoint: %s (%s), %s\n", o.checkpoint.c_str(),
+              loaded.format == llama3::ModelDirFormat::kLoom ? "loom" : "huggingface",
+              model.args().summary().c_str());
+  std::printf("%8s %10s %12s\n", "position", "token", "nll");
+  for (int64_t t = 1; t < seq_len; ++t) {
+    std::printf("%8ld %10ld %12.6f\n", static_cast<long>(t), static_cast<long>(ids[t]),
+                nll_values[t - 1]);
+  }
+  const double mean_nll = nll.mean().item<double>();
+  std::printf("tokens scored: %ld  mean NLL: %.8f  perplexity: %.6f\n",
+              static_cast<long>(seq_len - 1), mean_nll, std::exp(mean_nll));
+  std::printf("load: %.3f s  forward: %.3f s\n", load_seconds, forward_seconds);
+
+  if (!o.logits_out.empty()) {
+    checkpoint::save_safetensors(o.logits_out, {{"logits", logits.contiguous()}});
+    std::printf("logits [%ld, %ld] fp32 written to %s\n", static_cast<long>(seq_len),
+                static_cast<long>(vocab), o.logits_out.c_str());
+  }
+}
+}  // namespace
+
+void register_score_command(CLI::App& app) {
+  auto options = std::make_shared<ScoreOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "score", "Per-token NLL and perplexity of a sequence under a model directory");
+  cmd->add_option("--checkpoint", options->checkpoint,
+                  "Model directory (Hugging Face Llama or Loom format)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  auto* tokens = cmd->add_option("--tokens", options->tokens, "Comma-separated token ids, e.g. 1,2,3");
+  auto* text = cmd->add_option("--text-file", options->text_file, "Text to tokenize and score")
+                   ->check(CLI::ExistingFile);
+  tokens->excludes(text);
+  cmd->add_option("--tokenizer", options->tokenizer,
+                  "tokenizer.json for --text-file (default: the checkpoint's)")
+      ->check(CLI::ExistingFile);
+  cmd->add_flag("--no-bos", options->no_bos, "Do not prepend the tokenizer's BOS to --text-file");
+  cmd->add_option("--logits-out", options->logits_out,
+                  "Write the logits [T, V] fp32 as safetensors tensor 'logits'");
+  cmd->callback([options, tokens, text] {
+    LOOM_REQUIRE_USAGE(tokens->count() + text->count() == 1,
+                       "loom score needs exactly one of --tokens or --text-file");
+    run_score(*options);
+  });
+}
+
+}  // namespace loom::apps

@@ -1,0 +1,57 @@
+#include "loom/nn/attention.h"
+
+#include "loom/core/error.h"
+#include "loom/nn/rope.h"
+
+namespace loom::nn {
+
+Attention::Attention(int64_t dim, int64_t n_heads, int64_t n_kv_heads,
+                     const torch::TensorOptions& options)
+    : Module("Attention"), n_heads_(n_heads), n_kv_heads_(n_kv_heads) {
+  LOOM_REQUIRE(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+               "n_heads (", n_heads, ") must be a positive multiple of n_kv_heads (", n_kv_heads,
+               ")");
+  LOOM_REQUIRE(dim % n_heads == 0, "dim (", dim, ") must be divisible by n_heads (", n_heads,
+               ")");
+  head_dim_ = dim / n_heads;
+  wq_ = register_module("wq", std::make_shared<Linear>(dim, n_heads * head_dim_, options));
+  wk_ = register_module("wk", std::make_shared<Linear>(dim, n_kv_heads * head_dim_, options));
+  wv_ = register_module("wv", std::make_shared<Linear>(dim, n_kv_heads * head_dim_, options));
+  wo_ = register_module("wo", std::make_shared<Linear>(n_heads * head_dim_, dim, options));
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Attention::project_qkv(
+    const torch::Tensor& x) {
+  const int64_t batch = x.size(0);
+  const int64_t seq = x.size(1);
+  // Linear outputs are contiguous [B, T, heads * D], so these views are free.
+  torch::Tensor q = wq_->forward(x).view({batch, seq, n_heads_, head_dim_});
+  torch::Tensor k = wk_->forward(x).view({batch, seq, n_kv_heads_, head_dim_});
+  torch::Tensor v = wv_->forward(x).view({batch, seq, n_kv_heads_, head_dim_});
+  return {q, k, v};
+}
+
+torch::Tensor Attention::attend(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v) const {
+  const int64_t batch = q.size(0);
+  const int64_t seq = q.size(1);
+  // SDPA wants [B, heads, T, D]; the transposes are strided views the flash kernel reads directly.
+  torch::Tensor out = at::scaled_dot_product_attention(
+      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), /*attn_mask=*/std::nullopt,
+      /*dropout_p=*/0.0, /*is_causal=*/true, /*scale=*/std::nullopt,
+      /*enable_gqa=*/n_heads_ != n_kv_heads_);
+  // The CPU/CUDA flash kernels allocate the output as [B, T, H, D] and return a transposed view,
+  // so this reshape is a view, not a copy.
+  return out.transpose(1, 2).reshape({batch, seq, n_heads_ * head_dim_});
+}
+
+torch::Tensor Attention::forward(const torch::Tensor& x, const torch::Tensor& rope_cache) {
+  return call_with_hooks(x, [&](const torch::Tensor& in) {
+    auto [q, k, v] = project_qkv(in);
+    q = apply_rotary_embedding(q, rope_cache);
+    k = apply_rotary_embedding(k, rope_cache);
+    return wo_->forward(attend(q, k, v));
+  });
+}
+
+}  // namespace loom::nn

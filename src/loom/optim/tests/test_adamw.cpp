@@ -1,0 +1,309 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "loom/core/error.h"
+#include "loom/optim/adamw.h"
+
+namespace loom::optim {
+namespace {
+
+// torch.optim.AdamW written out with plain per-tensor ops, the definition the fused and foreach
+// kernels must reproduce.
+struct ReferenceAdamW {
+  struct State {
+    torch::Tensor param, exp_avg, exp_avg_sq;
+    double weight_decay;
+    int64_t step = 0;
+  };
+  std::vector<State> states;
+  AdamWOptions o;
+
+  void step(const std::vector<torch::Tensor>& grads) {
+    for (size_t i = 0; i < states.size(); ++i) {
+      State& s = states[i];
+      const torch::Tensor& g = grads[i];
+      s.step += 1;
+      s.param = s.param * (1.0 - o.lr * s.weight_decay);
+      s.exp_avg = o.beta1 * s.exp_avg + (1.0 - o.beta1) * g;
+      s.exp_avg_sq = o.beta2 * s.exp_avg_sq + (1.0 - o.beta2) * g * g;
+      const double bias_correction1 = 1.0 - std::pow(o.beta1, s.step);
+      const double bias_correction2 = 1.0 - std::pow(o.beta2, s.step);
+      const torch::Tensor denom = s.exp_avg_sq.sqrt() / std::sqrt(bias_correction2) + o.eps;
+      s.param = s.param - (o.lr / bias_correction1) * s.exp_avg / denom;
+    }
+  }
+};
+
+NamedTensors make_params(uint64_t seed) {
+  torch::manual_seed(seed);
+  return {{"tok_embeddings.weight", torch::randn({64, 16})},
+          {"layers.0.attention_norm.weight", torch::randn({16})},
+          {"layers.0.attention.wq.weight", torch::randn({16, 16})},
+          {"layers.0.feed_forward.w1.bias", torch::randn({32})},
+          {"output.weight", torch::randn({64, 16})}};
+}
+
+std::vector<torch::Tensor> random_grads(const NamedTensors& params) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& [name, p] : params) grads.push_back(torch::randn_like(p));
+  return grads;
+}
+
+// Splits a flat gradient list (in named-parameter order) into the optimizer's group layout.
+std::vector<std::vector<torch::Tensor>> grads_by_group(const AdamW& opt, const NamedTensors& named,
+                                                       const std::vector<torch::Tensor>& grads) {
+  std::vector<std::vector<torch::Tensor>> out;
+  for (const ParamGroup& group : opt.param_groups()) {
+    auto& g = out.emplace_back();
+    for (const std::string& name : group.param_names) {
+      for (size_t i = 0; i < named.size(); ++i) {
+        if (named[i].first == name) g.push_back(grads[i]);
+      }
+    }
+  }
+  return out;
+}
+
+class AdamWImplementations : public ::testing::TestWithParam<AdamWImplementation> {};
+
+TEST_P(AdamWImplementations, MatchesReferenceOverTenSteps) {
+  NamedTensors named = make_params(1);
+  AdamWOptions options{.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
+                       .implementation = GetParam()};
+  ReferenceAdamW ref{{}, options};
+  for (const auto& [name, p] : named) {
+    ref.states.push_back({p.clone(), torch::zeros_like(p), torch::zeros_like(p),
+                          is_weight_decayed(name, p.sizes()) ? 0.1 : 0.0});
+  }
+  AdamW opt(weight_decay_param_groups(named, 0.1), options);
+  for (int step = 0; step < 10; ++step) {
+    // A changing lr exercises set_lr between steps, as the scheduler does.
+    const double lr = 1e-2 * (1.0 - 0.05 * step);
+    opt.set_lr(lr);
+    ref.o.lr = lr;
+    const std::vector<torch::Tensor> grads = random_grads(named);
+    opt.step(grads_by_group(opt, named, grads));
+    ref.step(grads);
+  }
+  for (size_t i = 0; i < named.size(); ++i) {
+    const auto& [name, p] = named[i];
+    EXPECT_LE((p - ref.states[i].param).abs().max().item<double>(), 1e-6) << name;
+    const AdamWParamState& s = opt.state(name);
+    EXPECT_EQ(s.step.item<double>(), 10.0);
+    EXPECT_LE((s.exp_avg - ref.states[i].exp_avg).abs().max().item<double>(), 1e-6) << name;
+    EXPECT_LE((s.exp_avg_sq - ref.states[i].exp_avg_sq).abs().max().item<double>(), 1e-6) << name;
+  }
+}
+
+TEST_P(AdamWImplementations, FlatBufferStepEqualsPerParameterViews) {
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> layout = {
+      {"tok_embeddings.weight", {32, 8}}, {"layers.0.attention_norm.weight", {8}},
+      {"layers.0.attention.wq.weight", {8, 8}}, {"layers.0.ffn_norm.weight", {8}},
+      {"output.weight", {32, 8}}};
+  int64_t total = 0;
+  for (const auto& [name, shape] : layout) total += c10::multiply_integers(shape);
+  torch::manual_seed(2);
+  const torch::Tensor init = torch::randn({total});
+
+  // Per-parameter optimizer over views into one flat buffer (how FSDP shards look).
+  torch::Tensor flat_a = init.clone();
+  torch::Tensor flat_grad_a = torch::zeros({total});
+  NamedTensors views, grad_views;
+  ElementRanges no_decay;
+  int64_t offset = 0;
+  for (const auto& [name, shape] : layout) {
+    const int64_t n = c10::multiply_integers(shape);
+    views.emplace_back(name, flat_a.slice(0, offset, offset + n).view(shape));
+    grad_views.emplace_back(name, flat_grad_a.slice(0, offset, offset + n).view(shape));
+    if (!is_weight_decayed(name, shape)) no_decay.emplace_back(offset, offset + n);
+    offset += n;
+  }
+  AdamWOptions options{.lr = 3e-3, .implementation = GetParam()};
+  AdamW per_param(weight_decay_param_groups(views, 0.1), options);
+
+  // The same numbers through the flat overload.
+  torch::Tensor flat_b = init.clone();
+  FlatAdamWState flat_state = FlatAdamWState::zeros_like(flat_b);
+
+  for (int step = 0; step < 5; ++step) {
+    const torch::Tensor grad = torch::randn({total});
+    flat_grad_a.copy_(grad);
+    std::vector<torch::Tensor> grads;
+    for (const auto& [name, g] : grad_views) grads.push_back(g);
+    per_param.step(grads_by_group(per_param, views, grads));
+    adamw_step_flat(flat_b, grad, flat_state, options, 0.1, no_decay);
+  }
+  EXPECT_TRUE(torch::equal(flat_a, flat_b));
+  EXPECT_EQ(flat_state.step.item<double>(), 5.0);
+  offset = 0;
+  for (const auto& [name, shape] : layout) {
+    const int64_t n = c10::multiply_integers(shape);
+    EXPECT_TRUE(torch::equal(per_param.state(name).exp_avg.flatten(),
+                             flat_state.exp_avg.slice(0, offset, offset + n)))
+        << name;
+    offset += n;
+  }
+  EXPECT_FALSE(torch::equal(flat_a, init));  // the views really updated the shared buffer
+}
+
+TEST_P(AdamWImplementations, NonContiguousParameterMatchesReference) {
+  // A column slice cannot go through the fused kernel's flat indexing; it must still be right.
+  torch::manual_seed(3);
+  torch::Tensor storage = torch::randn({8, 12});
+  torch::Tensor param = storage.slice(1, 0, 6);
+  ASSERT_FALSE(param.is_contiguous());
+  AdamWOptions options{.lr = 1e-2, .implementation = GetParam()};
+  ReferenceAdamW ref{{{param.clone(), torch::zeros({8, 6}), torch::zeros({8, 6}), 0.1}}, options};
+  AdamW opt({single_param_group({{"w", param}}, 0.1)}, options);
+  for (int step = 0; step < 3; ++step) {
+    const torch::Tensor grad = torch::randn({6, 8}).t();  // non-contiguous gradient too
+    opt.step({{grad}});
+    ref.step({grad});
+  }
+  EXPECT_LE((param - ref.states[0].param).abs().max().item<double>(), 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Optim, AdamWImplementations,
+                         ::testing::Values(AdamWImplementation::kFused,
+                                           AdamWImplementation::kForeach),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+TEST(AdamW, WeightDecayGroupsFollowTorchTitanRule) {
+  EXPECT_TRUE(is_weight_decayed("tok_embeddings.weight", {2048, 256}));
+  EXPECT_TRUE(is_weight_decayed("layers.0.attention.wq.weight", {256, 256}));
+  EXPECT_FALSE(is_weight_decayed("layers.0.attention_norm.weight", {256}));
+  EXPECT_FALSE(is_weight_decayed("norm.weight", {256}));
+  EXPECT_FALSE(is_weight_decayed("proj.bias", {4, 4}));  // every bias, whatever its rank
+  EXPECT_FALSE(is_weight_decayed("bias", {4}));
+  EXPECT_TRUE(is_weight_decayed("unbiased.weight", {4, 4}));
+
+  const NamedTensors named = make_params(4);
+  const std::vector<ParamGroup> groups = weight_decay_param_groups(named, 0.1);
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0].name, "decay");
+  EXPECT_DOUBLE_EQ(groups[0].weight_decay, 0.1);
+  EXPECT_EQ(groups[0].param_names,
+            (std::vector<std::string>{"tok_embeddings.weight", "layers.0.attention.wq.weight",
+                                      "output.weight"}));
+  EXPECT_EQ(groups[1].name, "no_decay");
+  EXPECT_DOUBLE_EQ(groups[1].weight_decay, 0.0);
+  EXPECT_EQ(groups[1].param_names,
+            (std::vector<std::string>{"layers.0.attention_norm.weight",
+                                      "layers.0.feed_forward.w1.bias"}));
+  EXPECT_TRUE(groups[0].params[0].is_same(named[0].second));
+
+  // Only norm scales: the decay group is left out rather than kept empty.
+  const auto only_norms = weight_decay_param_groups({{"norm.weight", torch::ones({4})}}, 0.1);
+  ASSERT_EQ(only_norms.size(), 1u);
+  EXPECT_EQ(only_norms[0].name, "no_decay");
+}
+
+TEST(AdamW, StateDictRoundTripContinuesBitwise) {
+  NamedTensors named = make_params(5);
+  AdamW opt(weight_decay_param_groups(named, 0.1), AdamWOptions{.lr = 5e-3});
+  torch::manual_seed(6);
+  std::vector<std::vector<torch::Tensor>> grads;
+  for (int i = 0; i < 7; ++i) grads.push_back(random_grads(named));
+  for (int i = 0; i < 3; ++i) opt.step(grads_by_group(opt, named, grads[i]));
+
+  // Snapshot parameters and optimizer state after 3 steps, as a checkpoint would.
+  NamedTensors resumed;
+  for (const auto& [name, p] : named) resumed.emplace_back(name, p.clone());
+  TensorDict saved;
+  for (const auto& [key, t] : opt.state_dict()) saved.emplace(key, t.clone());
+  EXPECT_EQ(saved.size(), 3 * named.size());
+  EXPECT_TRUE(saved.count("output.weight.exp_avg_sq"));
+
+  for (int i = 3; i < 7; ++i) opt.step(grads_by_group(opt, named, grads[i]));
+
+  AdamW restored(weight_decay_param_groups(resumed, 0.1), AdamWOptions{.lr = 5e-3});
+  restored.load_state_dict(saved);
+  EXPECT_EQ(restored.state("output.weight").step.item<double>(), 3.0);
+  for (int i = 3; i < 7; ++i) restored.step(grads_by_group(restored, resumed, grads[i]));
+
+  for (size_t i = 0; i < named.size(); ++i) {
+    EXPECT_TRUE(torch::equal(named[i].second, resumed[i].second)) << named[i].first;
+  }
+  const TensorDict a = opt.state_dict(), b = restored.state_dict();
+  for (const auto& [key, t] : a) EXPECT_TRUE(torch::equal(t, b.at(key))) << key;
+}
+
+TEST(AdamW, LoadStateDictRejectsMismatchedCheckpoints) {
+  NamedTensors named = make_params(7);
+  AdamW opt(weight_decay_param_groups(named, 0.1), AdamWOptions{});
+  TensorDict state;
+  for (const auto& [key, t] : opt.state_dict()) state.emplace(key, t.clone());
+
+  TensorDict missing = state;
+  missing.erase("output.weight.exp_avg");
+  try {
+    opt.load_state_dict(missing);
+    FAIL() << "missing entry accepted";
+  } catch (const loom::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "optimizer checkpoint is missing entry 'output.weight.exp_avg'; it was saved for a "
+              "different model or parameter set");
+  }
+  TensorDict extra = state;
+  extra.emplace("ghost.weight.exp_avg", torch::zeros({1}));
+  EXPECT_THROW(opt.load_state_dict(extra), loom::Error);
+  TensorDict reshaped = state;
+  reshaped["output.weight.exp_avg"] = torch::zeros({16, 64});
+  try {
+    opt.load_state_dict(reshaped);
+    FAIL() << "mis-shaped entry accepted";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("has shape [16, 64] but the optimizer expects [64, 16]"),
+              std::string::npos)
+        << e.what();
+  }
+  // A rejected load leaves the state untouched.
+  EXPECT_EQ(opt.state("tok_embeddings.weight").exp_avg.abs().sum().item<double>(), 0.0);
+}
+
+TEST(AdamW, StepReadsAutogradGradientsAndSkipsParametersWithout) {
+  torch::manual_seed(8);
+  torch::Tensor w = torch::randn({4, 4}, torch::requires_grad());
+  torch::Tensor unused = torch::randn({4}, torch::requires_grad());
+  const torch::Tensor w0 = w.detach().clone(), unused0 = unused.detach().clone();
+  AdamW opt({single_param_group({{"w", w}, {"unused", unused}}, 0.0)}, AdamWOptions{.lr = 0.1});
+  (w * torch::randn({4, 4})).sum().backward();
+  opt.step();
+  EXPECT_FALSE(torch::equal(w.detach(), w0));
+  EXPECT_TRUE(torch::equal(unused.detach(), unused0));
+  EXPECT_EQ(opt.state("w").step.item<double>(), 1.0);
+  EXPECT_EQ(opt.state("unused").step.item<double>(), 0.0);
+  opt.zero_grad();
+  EXPECT_FALSE(w.grad().defined());
+}
+
+TEST(AdamW, RejectsBadConstructionAndGradients) {
+  const torch::Tensor a = torch::zeros({2, 2});
+  EXPECT_THROW(AdamW({single_param_group({{"a", a}, {"a", torch::zeros({2})}}, 0.0)}, {}),
+               loom::Error);
+  EXPECT_THROW(AdamW({single_param_group({{"a", a}, {"b", a}}, 0.0)}, {}), loom::Error);
+  EXPECT_THROW(AdamW({single_param_group({{"i", torch::zeros({2}, torch::kLong)}}, 0.0)}, {}),
+               loom::Error);
+  EXPECT_THROW(AdamW({single_param_group({{"a", a}}, 0.0)}, AdamWOptions{.beta2 = 1.0}),
+               loom::Error);
+  AdamW opt({single_param_group({{"a", a}}, 0.0)}, {});
+  try {
+    opt.step({{torch::zeros({4})}});
+    FAIL() << "mis-shaped gradient accepted";
+  } catch (const loom::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "gradient of 'a' has shape [4] but the parameter has shape [2, 2]");
+  }
+  EXPECT_THROW(opt.step({{torch::zeros({2, 2}, torch::kDouble)}}), loom::Error);
+  try {
+    parse_adamw_implementation("for-loop");
+    FAIL() << "unknown implementation accepted";
+  } catch (const loom::UsageError& e) {
+    EXPECT_EQ(e.exit_code(), loom::kExitUsage);
+  }
+}
+
+}  // namespace
+}  // namespace loom::optim

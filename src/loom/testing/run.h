@@ -1,0 +1,77 @@
+// Test support shared by every folder's multi-process tests: run a command with a hard time limit
+// and capture its output, and find the binaries that sit next to the running test binary.
+#pragma once
+#include <sys/wait.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace loom::testing {
+
+struct RunResult {
+  int exit_code = -1;  // -1 when killed by a signal (including the time limit)
+  std::string output;  // stdout and stderr interleaved
+  double seconds = 0;
+};
+
+// <build>/bin: every Loom executable (loom, loom_*_tests, loom_*_worker) lands there.
+inline std::string bin_dir() {
+  return std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
+}
+
+inline std::string loom_bin() { return bin_dir() + "/loom"; }
+
+// Runs `command` through the shell; a hang fails the test instead of blocking ctest.
+inline RunResult run(const std::string& command, int limit_seconds = 120) {
+  const std::string full =
+      "timeout -k 5 " + std::to_string(limit_seconds) + " " + command + " 2>&1";
+  const auto start = std::chrono::steady_clock::now();
+  RunResult result;
+  FILE* pipe = popen(full.c_str(), "r");
+  if (pipe == nullptr) return result;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) result.output.append(buf.data(), n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+// A fresh temporary directory, removed when the object goes out of scope.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix = "loom-test") {
+    std::string templ = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+    path_ = mkdtemp(templ.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::filesystem::path& path() const { return path_; }
+  std::string str() const { return path_.string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Every JSON object of a JSONL file (e.g. metrics.jsonl).
+inline std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path) {
+  std::vector<nlohmann::json> rows;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty()) rows.push_back(nlohmann::json::parse(line));
+  }
+  return rows;
+}
+
+}  // namespace loom::testing

@@ -1,0 +1,591 @@
+#include "loom/train/config.h"
+
+#include <toml++/toml.h>
+
+#include <charconv>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <unordered_map>
+
+#include "loom/core/error.h"
+
+namespace loom::train {
+namespace {
+
+template <auto Section, auto Member>
+ConfigField bind(JobConfig& config) {
+  return &((config.*Section).*Member);
+}
+
+// Expands to the first three ConfigKey fields: section name, key name, field binding.
+#define LOOM_CONFIG_KEY(section, key) \
+  #section, #key, &bind<&JobConfig::section, &decltype(JobConfig::section)::key>
+
+const std::vector<ConfigKey> kSchema = {
+    // [job]
+    {LOOM_CONFIG_KEY(job, dump_folder),
+     "Folder for this run's outputs: config.toml, metrics.jsonl, checkpoints.", {}},
+    {LOOM_CONFIG_KEY(job, description), "Free-text description of the job.", {}},
+    {LOOM_CONFIG_KEY(job, print_config), "Print the resolved config at startup.", {}},
+    // [model]
+    {LOOM_CONFIG_KEY(model, name), "Model family to train.", {"llama3"}},
+    {LOOM_CONFIG_KEY(model, flavor),
+     "Model size within the family (debugmodel, 8B, 70B, 405B, ...).", {}},
+    {LOOM_CONFIG_KEY(model, tokenizer_path), "Hugging Face tokenizer.json to use.", {}},
+    {LOOM_CONFIG_KEY(model, vocab_size),
+     "Embedding rows; 0 = the tokenizer's vocabulary size.", {}},
+    // [optimizer]
+    {LOOM_CONFIG_KEY(optimizer, name), "Optimizer to use.", {"AdamW"}},
+    {LOOM_CONFIG_KEY(optimizer, lr), "Peak learning rate (after warmup).", {}},
+    {LOOM_CONFIG_KEY(optimizer, eps), "AdamW epsilon added to the denominator.", {}},
+    {LOOM_CONFIG_KEY(optimizer, beta1), "AdamW first-moment decay.", {}},
+    {LOOM_CONFIG_KEY(optimizer, beta2), "AdamW second-moment decay.", {}},
+    {LOOM_CONFIG_KEY(optimizer, weight_decay),
+     "Decoupled weight decay for matrices and embeddings; norms and biases get 0.", {}},
+    {LOOM_CONFIG_KEY(optimizer, implementation),
+     "fused = one vectorised kernel per parameter group (fastest); foreach = multi-tensor ops.",
+     {"fused", "foreach"}},
+    // [lr_scheduler]
+    {LOOM_CONFIG_KEY(lr_scheduler, warmup_steps),
+     "Linear warmup steps: step k (1-based) runs at lr * k / warmup_steps.", {}},
+    {LOOM_CONFIG_KEY(lr_scheduler, decay_ratio),
+     "Fraction of steps spent decaying at the end (WSD: stable before it); unset or negative = "
+     "decay over all steps after warmup.",
+     {}},
+    {LOOM_CONFIG_KEY(lr_scheduler, decay_type), "Shape of the decay.",
+     {"linear", "sqrt", "cosine"}},
+    {LOOM_CONFIG_KEY(lr_scheduler, min_lr_factor),
+     "The decay ends at lr * min_lr_factor instead of 0.", {}},
+    // [training]
+    {LOOM_CONFIG_KEY(training, dataset_path), "Training data file.", {}},
+    {LOOM_CONFIG_KEY(training, dataset_format),
+     "jsonl = one {\"text\": ...} object per line; text = plain UTF-8; tokens = pre-tokenized ids.",
+     {"jsonl", "text", "tokens"}},
+    {LOOM_CONFIG_KEY(training, local_batch_size), "Sequences per rank per micro-batch.", {}},
+    {LOOM_CONFIG_KEY(training, global_batch_size),
+     "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree. "
+     "Larger multiples accumulate gradients over global / (local x dp) micro-batches.",
+     {}},
+    {LOOM_CONFIG_KEY(training, seq_len), "Tokens per sequence.", {}},
+    {LOOM_CONFIG_KEY(training, max_norm), "Clip gradients to this global 2-norm.", {}},
+    {LOOM_CONFIG_KEY(training, steps), "Optimizer steps to run.", {}},
+    {LOOM_CONFIG_KEY(training, seed), "Seed for initialization and data order.", {}},
+    {LOOM_CONFIG_KEY(training, deterministic),
+     "Use deterministic algorithms: same seed and layout give bitwise-identical losses.", {}},
+    {LOOM_CONFIG_KEY(training, mixed_precision_param),
+     "Dtype parameters are gathered and computed in (master weights stay float32).",
+     {"float32", "bfloat16"}},
+    {LOOM_CONFIG_KEY(training, mixed_precision_reduce), "Dtype gradients are reduced in.",
+     {"float32", "bfloat16"}},
+    // [parallelism]
+    {LOOM_CONFIG_KEY(parallelism, data_parallel_replicate_degree),
+     "Replicated data-parallel ranks (DDP; HSDP together with sharding).", {}},
+    {LOOM_CONFIG_KEY(parallelism, data_parallel_shard_degree),
+     "Sharded data-parallel ranks (FSDP); -1 = the ranks left over by the other degrees.", {}},
+    {LOOM_CONFIG_KEY(parallelism, fsdp_reshard_after_forward),
+     "Free gathered parameters after forward: default (all but the last group), always, never, or "
+     "an integer world size to reshard to.",
+     {"default", "always", "never"}, /*integer_allowed=*/true},
+    {LOOM_CONFIG_KEY(parallelism, tensor_parallel_degree), "Tensor-parallel ranks.", {}},
+    {LOOM_CONFIG_KEY(parallelism, context_parallel_degree), "Context-parallel ranks.", {}},
+    {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_degree), "Pipeline stages (ranks).", {}},
+    // [activation_checkpoint]
+    {LOOM_CONFIG_KEY(activation_checkpoint, mode),
+     "Recompute activations in backward: none, full (every block), selective.",
+     {"none", "full", "selective"}},
+    // [metrics]
+    {LOOM_CONFIG_KEY(metrics, log_freq), "Log metrics every this many steps.", {}},
+    {LOOM_CONFIG_KEY(metrics, enable_jsonl),
+     "Append one JSON object per logged step to <dump_folder>/metrics.jsonl.", {}},
+    {LOOM_CONFIG_KEY(metrics, enable_tensorboard),
+     "Write TensorBoard event files (not supported by this build; must stay false).", {}},
+    {LOOM_CONFIG_KEY(metrics, peak_flops),
+     "Peak FLOP/s per rank for MFU; 0 = measure this machine's fp32 GEMM peak at startup.", {}},
+    // [checkpoint]
+    {LOOM_CONFIG_KEY(checkpoint, enable), "Save checkpoints.", {}},
+    {LOOM_CONFIG_KEY(checkpoint, folder), "Checkpoint folder, relative to job.dump_folder.", {}},
+    {LOOM_CONFIG_KEY(checkpoint, interval), "Save every this many steps (and at the end).", {}},
+    {LOOM_CONFIG_KEY(checkpoint, keep_latest_k),
+     "Keep only the newest k checkpoints; 0 = keep all (1 is not allowed: the newest may still "
+     "be being written).",
+     {}},
+    {LOOM_CONFIG_KEY(checkpoint, async_mode),
+     "disabled = save in the training loop; async = stage to memory and write in the background.",
+     {"disabled", "async"}},
+    {LOOM_CONFIG_KEY(checkpoint, model_only),
+     "Final save holds model weights only (in export_dtype), not optimizer/trainer state.", {}},
+    {LOOM_CONFIG_KEY(checkpoint, export_dtype), "Dtype of model-only final weights.",
+     {"float32", "bfloat16", "float16"}},
+    {LOOM_CONFIG_KEY(checkpoint, initial_load_path),
+     "Checkpoint to start from when the run's own checkpoint folder is empty; empty = none.", {}},
+    // [comm]
+    {LOOM_CONFIG_KEY(comm, timeout_seconds),
+     "Timeout for rendezvous and each collective, in seconds.", {}},
+};
+
+#undef LOOM_CONFIG_KEY
+
+const std::unordered_map<std::string, const ConfigKey*>& schema_index() {
+  static const auto index = [] {
+    std::unordered_map<std::string, const ConfigKey*> m;
+    for (const ConfigKey& k : kSchema) m.emplace(k.name(), &k);
+    return m;
+  }();
+  return index;
+}
+
+const ConfigKey* find_key(const std::string& name) {
+  const auto& index = schema_index();
+  auto it = index.find(name);
+  return it == index.end() ? nullptr : it->second;
+}
+
+bool is_section(std::string_view name) {
+  for (const ConfigKey& k : kSchema) {
+    if (k.section == name) return true;
+  }
+  return false;
+}
+
+template <typename Range>
+std::string nearest(std::string_view name, const Range& candidates) {
+  std::string best;
+  size_t best_distance = std::numeric_limits<size_t>::max();
+  for (const auto& candidate : candidates) {
+    const size_t d = edit_distance(name, candidate);
+    if (d < best_distance) {
+      best_distance = d;
+      best = std::string(candidate);
+    }
+  }
+  return best;
+}
+
+std::vector<std::string> all_key_names() {
+  std::vector<std::string> names;
+  for (const ConfigKey& k : kSchema) names.push_back(k.name());
+  return names;
+}
+
+std::string toml_string(std::string_view s) {
+  std::ostringstream os;
+  os << toml::value<std::string>(std::string(s));
+  return os.str();
+}
+
+std::string format_double(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[64];
+  const auto result = std::to_chars(buf, buf + sizeof(buf), v);  // shortest exact round trip
+  std::string s(buf, result.ptr);
+  if (s.find_first_of(".e") == std::string::npos) s += ".0";
+  return s;
+}
+
+bool is_positive_integer(std::string_view s) {
+  int64_t v = 0;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  return ec == std::errc() && ptr == s.data() + s.size() && v > 0;
+}
+
+std::string join_choices(const std::vector<std::string_view>& choices) {
+  std::string out;
+  for (size_t i = 0; i < choices.size(); ++i) {
+    if (i > 0) out += i + 1 == choices.size() ? " or " : ", ";
+    out += toml_string(choices[i]);
+  }
+  return out;
+}
+
+// Checks a string value against the key's allowed choices.
+void check_choice(const ConfigKey& key, const std::string& value, const std::string& where) {
+  if (key.choices.empty()) return;
+  for (std::string_view c : key.choices) {
+    if (value == c) return;
+  }
+  if (key.integer_allowed && is_positive_integer(value)) return;
+  fail_usage("config key '", key.name(), "' must be ", join_choices(key.choices),
+             key.integer_allowed ? " or a positive integer" : "", ", got ", toml_string(value), " in ",
+             where, " (did you mean ", toml_string(nearest(value, key.choices)), "?)");
+}
+
+// ---- TOML file values ----
+
+std::string location(const toml::source_region& source, const std::string& origin) {
+  return c10::str(origin, ":", source.begin.line, ":", source.begin.column);
+}
+
+std::string describe_node(const toml::node& node) {
+  switch (node.type()) {
+    case toml::node_type::string: return "string " + toml_string(*node.value<std::string>());
+    case toml::node_type::integer: return c10::str("integer ", *node.value<int64_t>());
+    case toml::node_type::floating_point: return "float " + format_double(*node.value<double>());
+    case toml::node_type::boolean: return *node.value<bool>() ? "boolean true" : "boolean false";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::table: return "a table";
+    case toml::node_type::date: return "a date";
+    case toml::node_type::time: return "a time";
+    case toml::node_type::date_time: return "a date-time";
+    default: return "nothing";
+  }
+}
+
+void set_from_node(JobConfig& config, const ConfigKey& key, const toml::node& node,
+                   const std::string& where) {
+  auto wrong_type = [&] {
+    fail_usage("config key '", key.name(), "' expects ", key.type_description(), ", got ",
+               describe_node(node), " in ", where);
+  };
+  std::visit(
+      [&](auto* field) {
+        using T = std::remove_pointer_t<decltype(field)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          if (!node.is_boolean()) wrong_type();
+          *field = *node.value<bool>();
+        } else if constexpr (std::is_same_v<T, int64_t>) {
+          if (!node.is_integer()) wrong_type();
+          *field = *node.value<int64_t>();
+        } else if constexpr (std::is_same_v<T, double>) {
+          if (!node.is_number()) wrong_type();
+          *field = *node.value<double>();
+        } else if constexpr (std::is_same_v<T, std::optional<double>>) {
+          if (!node.is_number()) wrong_type();
+          const double v = *node.value<double>();
+          *field = v < 0.0 ? std::nullopt : std::optional<double>(v);
+        } else {
+          static_assert(std::is_same_v<T, std::string>);
+          if (node.is_string()) {
+            *field = *node.value<std::string>();
+          } else if (key.integer_allowed && node.is_integer()) {
+            *field = std::to_string(*node.value<int64_t>());
+          } else {
+            wrong_type();
+          }
+          check_choice(key, *field, where);
+        }
+      },
+      key.field(config));
+}
+
+// ---- Command-line values ----
+
+template <typename T>
+bool parse_number(std::string_view s, T& out) {
+  if (s.empty()) return false;
+  const char* begin = s.data();
+  if constexpr (std::is_floating_point_v<T>) {
+    if (*begin == '+') ++begin;  // from_chars takes no leading '+'
+  }
+  const auto [ptr, ec] = std::from_chars(begin, s.data() + s.size(), out);
+  return ec == std::errc() && ptr == s.data() + s.size();
+}
+
+void set_from_string(JobConfig& config, const ConfigKey& key, const std::string& value,
+                     const std::string& where) {
+  auto wrong_type = [&] {
+    fail_usage("config key '", key.name(), "' expects ", key.type_description(), ", got ",
+               toml_string(value), " in ", where);
+  };
+  std::visit(
+      [&](auto* field) {
+        using T = std::remove_pointer_t<decltype(field)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          if (value == "true") {
+            *field = true;
+          } else if (value == "false") {
+            *field = false;
+          } else {
+            wrong_type();
+          }
+        } else if constexpr (std::is_same_v<T, int64_t>) {
+          if (!parse_number(value, *field)) wrong_type();
+        } else if constexpr (std::is_same_v<T, double>) {
+          if (!parse_number(value, *field)) wrong_type();
+        } else if constexpr (std::is_same_v<T, std::optional<double>>) {
+          double v = 0.0;
+          if (value == "none" || value == "null") {
+            *field = std::nullopt;
+          } else if (parse_number(value, v)) {
+            *field = v < 0.0 ? std::nullopt : std::optional<double>(v);
+          } else {
+            wrong_type();
+          }
+        } else {
+          static_assert(std::is_same_v<T, std::string>);
+          check_choice(key, value, where);
+          *field = value;
+        }
+      },
+      key.field(config));
+}
+
+void require(bool ok, const ConfigKey& key, std::string_view requirement, const JobConfig& config) {
+  if (!ok) {
+    fail_usage("config key '", key.name(), "' must be ", requirement, ", got ",
+               key.value_as_toml(config));
+  }
+}
+
+}  // namespace
+
+// ---- ConfigKey ----
+
+std::string ConfigKey::name() const { return c10::str(section, ".", key); }
+
+std::string ConfigKey::type_description() const {
+  JobConfig probe;
+  return std::visit(
+      [&](auto* field) -> std::string {
+        using T = std::remove_pointer_t<decltype(field)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          return "a boolean";
+        } else if constexpr (std::is_same_v<T, int64_t>) {
+          return "an integer";
+        } else if constexpr (std::is_same_v<T, double>) {
+          return "a number";
+        } else if constexpr (std::is_same_v<T, std::optional<double>>) {
+          return "a number or none";
+        } else {
+          return integer_allowed ? "a string or an integer" : "a string";
+        }
+      },
+      field(probe));
+}
+
+std::string ConfigKey::value_as_toml(const JobConfig& config) const {
+  // Reading through the non-const binding is safe: nothing is written.
+  return std::visit(
+      [&](auto* value) -> std::string {
+        using T = std::remove_pointer_t<decltype(value)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          return *value ? "true" : "false";
+        } else if constexpr (std::is_same_v<T, int64_t>) {
+          return std::to_string(*value);
+        } else if constexpr (std::is_same_v<T, double>) {
+          return format_double(*value);
+        } else if constexpr (std::is_same_v<T, std::optional<double>>) {
+          return value->has_value() ? format_double(**value) : "none";
+        } else {
+          return integer_allowed && is_positive_integer(*value) ? *value : toml_string(*value);
+        }
+      },
+      field(const_cast<JobConfig&>(config)));
+}
+
+const std::vector<ConfigKey>& config_schema() { return kSchema; }
+
+std::vector<std::string_view> config_sections() {
+  std::vector<std::string_view> sections;
+  for (const ConfigKey& k : kSchema) {
+    if (sections.empty() || sections.back() != k.section) sections.push_back(k.section);
+  }
+  return sections;
+}
+
+// ---- JobConfig ----
+
+std::string JobConfig::to_toml() const {
+  std::ostringstream os;
+  std::string_view section;
+  for (const ConfigKey& k : kSchema) {
+    if (k.section != section) {
+      os << (section.empty() ? "" : "\n") << "[" << k.section << "]\n";
+      section = k.section;
+    }
+    const std::string value = k.value_as_toml(*this);
+    if (value == "none") {
+      // TOML has no null: an unset optional is written as a comment and read back as unset.
+      os << "# " << k.key << " is unset\n";
+    } else {
+      os << k.key << " = " << value << "\n";
+    }
+  }
+  return os.str();
+}
+
+// ---- Loading ----
+
+JobConfig parse_config_toml(std::string_view toml_text, const std::string& origin) {
+  toml::table root;
+  try {
+    root = toml::parse(toml_text, origin);
+  } catch (const toml::parse_error& e) {
+    fail_usage("malformed TOML in ", location(e.source(), origin), ": ", e.description());
+  }
+  JobConfig config;
+  for (auto&& [section_key, section_node] : root) {
+    const std::string section(section_key.str());
+    const std::string where = location(section_key.source(), origin);
+    if (!section_node.is_table()) {
+      // A bare key outside any [section]: point at the key of the nearest name.
+      std::string suggestion;
+      size_t best = std::numeric_limits<size_t>::max();
+      for (const ConfigKey& k : kSchema) {
+        const size_t d = edit_distance(section, k.key);
+        if (d < best) {
+          best = d;
+          suggestion = k.name();
+        }
+      }
+      fail_usage("config key '", section, "' in ", where, " is outside any [section] (did you mean '",
+                 suggestion, "'?)");
+    }
+    if (!is_section(section)) {
+      fail_usage("unknown config section '", section, "' in ", where, " (did you mean '",
+                 nearest(section, config_sections()), "'?)");
+    }
+    for (auto&& [key, node] : *section_node.as_table()) {
+      const std::string name = section + "." + std::string(key.str());
+      const ConfigKey* spec = find_key(name);
+      if (spec == nullptr) {
+        fail_usage("unknown config key '", name, "' in ", location(key.source(), origin),
+                   " (did you mean '", nearest(name, all_key_names()), "'?)");
+      }
+      set_from_node(config, *spec, node, location(node.source(), origin));
+    }
+  }
+  return config;
+}
+
+JobConfig load_config_file(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    fail_usage("config file '", path, "' not found; pass an existing TOML file, e.g. --config ",
+               "configs/llama3_debug.toml");
+  }
+  std::ifstream in(path, std::ios::binary);
+  LOOM_REQUIRE_USAGE(in.good(), "cannot read config file '", path, "'; check its permissions");
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse_config_toml(text.str(), path);
+}
+
+void apply_overrides(JobConfig& config, const std::vector<std::string>& args) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg.size() < 3 || arg.compare(0, 2, "--") != 0) {
+      fail_usage("unexpected argument '", arg, "'; config overrides look like --section.key=value");
+    }
+    const std::string body = arg.substr(2);
+    const size_t eq = body.find('=');
+    const std::string name = body.substr(0, eq);
+    const ConfigKey* spec = find_key(name);
+    if (spec == nullptr) {
+      fail_usage("unknown config key '", name, "' in command-line override '", arg,
+                 "' (did you mean '", nearest(name, all_key_names()), "'?)");
+    }
+    std::string value;
+    std::string where;
+    if (eq != std::string::npos) {
+      value = body.substr(eq + 1);
+      where = "command-line override '" + arg + "'";
+    } else {
+      const bool is_bool = std::holds_alternative<bool*>(spec->field(config));
+      const bool has_next = i + 1 < args.size() && args[i + 1].compare(0, 2, "--") != 0;
+      if (is_bool && !(has_next && (args[i + 1] == "true" || args[i + 1] == "false"))) {
+        value = "true";  // a bare boolean flag
+      } else if (!has_next) {
+        fail_usage("config override '", arg, "' needs a value: --", name, "=VALUE or --", name,
+                   " VALUE");
+      } else {
+        value = args[++i];
+      }
+      where = "command-line override '" + arg + " " + value + "'";
+    }
+    set_from_string(config, *spec, value, where);
+  }
+}
+
+JobConfig load_job_config(const std::string& path, const std::vector<std::string>& overrides) {
+  JobConfig config = path.empty() ? JobConfig{} : load_config_file(path);
+  apply_overrides(config, overrides);
+  validate(config);
+  return config;
+}
+
+void validate(const JobConfig& c) {
+  auto key = [](const char* name) -> const ConfigKey& {
+    const ConfigKey* k = find_key(name);
+    TORCH_INTERNAL_ASSERT(k != nullptr, "validate() names unknown config key ", name);
+    return *k;
+  };
+  require(!c.job.dump_folder.empty(), key("job.dump_folder"), "a non-empty path", c);
+  require(c.model.vocab_size >= 0, key("model.vocab_size"), ">= 0", c);
+  require(c.optimizer.lr >= 0.0, key("optimizer.lr"), ">= 0", c);
+  require(c.optimizer.eps >= 0.0, key("optimizer.eps"), ">= 0", c);
+  require(c.optimizer.beta1 >= 0.0 && c.optimizer.beta1 < 1.0, key("optimizer.beta1"),
+          "in [0, 1)", c);
+  require(c.optimizer.beta2 >= 0.0 && c.optimizer.beta2 < 1.0, key("optimizer.beta2"),
+          "in [0, 1)", c);
+  require(c.optimizer.weight_decay >= 0.0, key("optimizer.weight_decay"), ">= 0", c);
+  require(c.lr_scheduler.warmup_steps >= 0, key("lr_scheduler.warmup_steps"), ">= 0", c);
+  require(!c.lr_scheduler.decay_ratio || *c.lr_scheduler.decay_ratio <= 1.0,
+          key("lr_scheduler.decay_ratio"), "in [0, 1] or unset", c);
+  require(c.lr_scheduler.min_lr_factor >= 0.0 && c.lr_scheduler.min_lr_factor <= 1.0,
+          key("lr_scheduler.min_lr_factor"), "in [0, 1]", c);
+  require(c.training.local_batch_size > 0, key("training.local_batch_size"), "> 0", c);
+  require(c.training.global_batch_size == -1 ||
+              (c.training.global_batch_size > 0 &&
+               c.training.global_batch_size % c.training.local_batch_size == 0),
+          key("training.global_batch_size"),
+          c10::str("-1 or a positive multiple of training.local_batch_size (",
+                   c.training.local_batch_size, ")"),
+          c);
+  require(c.training.seq_len > 0, key("training.seq_len"), "> 0", c);
+  require(c.training.max_norm > 0.0, key("training.max_norm"), "> 0", c);
+  require(c.training.steps > 0, key("training.steps"), "> 0", c);
+  require(c.parallelism.data_parallel_replicate_degree >= 1,
+          key("parallelism.data_parallel_replicate_degree"), ">= 1", c);
+  require(c.parallelism.data_parallel_shard_degree == -1 ||
+              c.parallelism.data_parallel_shard_degree >= 1,
+          key("parallelism.data_parallel_shard_degree"), "-1 or >= 1", c);
+  require(c.parallelism.tensor_parallel_degree >= 1, key("parallelism.tensor_parallel_degree"),
+          ">= 1", c);
+  require(c.parallelism.context_parallel_degree >= 1, key("parallelism.context_parallel_degree"),
+          ">= 1", c);
+  require(c.parallelism.pipeline_parallel_degree >= 1,
+          key("parallelism.pipeline_parallel_degree"), ">= 1", c);
+  require(c.metrics.log_freq > 0, key("metrics.log_freq"), "> 0", c);
+  require(!c.metrics.enable_tensorboard, key("metrics.enable_tensorboard"),
+          "false (TensorBoard output is not part of this build; use metrics.enable_jsonl)", c);
+  require(c.metrics.peak_flops >= 0.0, key("metrics.peak_flops"), ">= 0 (0 = measure)", c);
+  require(!c.checkpoint.folder.empty(), key("checkpoint.folder"), "a non-empty path", c);
+  require(c.checkpoint.interval > 0, key("checkpoint.interval"), "> 0", c);
+  require(c.checkpoint.keep_latest_k == 0 || c.checkpoint.keep_latest_k >= 2,
+          key("checkpoint.keep_latest_k"), "0 (keep all) or >= 2", c);
+  require(c.comm.timeout_seconds > 0, key("comm.timeout_seconds"), "> 0", c);
+}
+
+int64_t gradient_accumulation_steps(const JobConfig& config, int64_t data_parallel_degree) {
+  LOOM_REQUIRE(data_parallel_degree >= 1, "data-parallel degree must be >= 1, got ",
+               data_parallel_degree);
+  const int64_t global = config.training.global_batch_size;
+  if (global == -1) return 1;
+  const int64_t per_step = config.training.local_batch_size * data_parallel_degree;
+  LOOM_REQUIRE_USAGE(global > 0 && global % per_step == 0, "training.global_batch_size (", global,
+                     ") is not a multiple of training.local_batch_size x data-parallel degree (",
+                     config.training.local_batch_size, " x ", data_parallel_degree, " = ",
+                     per_step, "); set it to a multiple of ", per_step, " or to -1");
+  return global / per_step;
+}
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t substitute = diagonal + (a[i - 1] == b[j - 1] ? 0 : 1);
+      diagonal = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, substitute});
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace loom::train

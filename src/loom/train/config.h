@@ -1,0 +1,173 @@
+// The training job configuration: a typed JobConfig whose sections mirror TorchTitan's job config,
+// loaded from a TOML file and then overridden from the command line (--section.key=value or
+// --section.key value).
+//
+// One schema table (config_schema(): one entry per key with its name, type, field binding, help
+// and allowed values) drives parsing, overrides, validation of choices, printing (to_toml) and the
+// key reference in docs/config.md. Every mistake becomes one loom::UsageError line (exit code 2)
+// that names the key, the problem, where it came from, and the nearest valid name when a key or
+// section is unknown.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+namespace loom::train {
+
+struct JobSection {
+  std::string dump_folder = "outputs";
+  std::string description = "default job";
+  bool print_config = false;
+};
+
+struct ModelSection {
+  std::string name = "llama3";
+  std::string flavor = "debugmodel";
+  std::string tokenizer_path = "data/default/tokenizer.json";
+  int64_t vocab_size = 0;  // 0 = the tokenizer's vocabulary size
+};
+
+struct OptimizerSection {
+  std::string name = "AdamW";
+  double lr = 8e-4;
+  double eps = 1e-8;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double weight_decay = 0.1;
+  std::string implementation = "fused";  // "fused" | "foreach"
+};
+
+struct LRSchedulerSection {
+  int64_t warmup_steps = 200;
+  // Unset (or negative in TOML) = decay over all steps after warmup; otherwise WSD: stable, then
+  // decay over the last decay_ratio of the steps.
+  std::optional<double> decay_ratio;
+  std::string decay_type = "linear";  // "linear" | "sqrt" | "cosine"
+  double min_lr_factor = 0.0;
+};
+
+struct TrainingSection {
+  std::string dataset_path = "data/default/corpus.jsonl";
+  std::string dataset_format = "jsonl";  // "jsonl" | "text" | "tokens"
+  int64_t local_batch_size = 8;
+  int64_t global_batch_size = -1;  // -1 = local_batch_size x data-parallel degree
+  int64_t seq_len = 2048;
+  double max_norm = 1.0;
+  int64_t steps = 10000;
+  int64_t seed = 0;
+  bool deterministic = false;
+  std::string mixed_precision_param = "float32";   // "float32" | "bfloat16"
+  std::string mixed_precision_reduce = "float32";  // "float32" | "bfloat16"
+};
+
+struct ParallelismSection {
+  int64_t data_parallel_replicate_degree = 1;
+  int64_t data_parallel_shard_degree = -1;  // -1 = the ranks left over by the other degrees
+  std::string fsdp_reshard_after_forward = "default";  // "default" | "always" | "never" | int
+  int64_t tensor_parallel_degree = 1;
+  int64_t context_parallel_degree = 1;
+  int64_t pipeline_parallel_degree = 1;
+};
+
+struct ActivationCheckpointSection {
+  std::string mode = "none";  // "none" | "full" | "selective"
+};
+
+struct MetricsSection {
+  int64_t log_freq = 10;
+  bool enable_jsonl = true;
+  bool enable_tensorboard = false;
+  double peak_flops = 0.0;  // FLOP/s per rank for MFU; 0 = measure this machine's fp32 GEMM peak
+};
+
+struct CheckpointSection {
+  bool enable = false;
+  std::string folder = "checkpoint";  // relative to job.dump_folder
+  int64_t interval = 500;
+  int64_t keep_latest_k = 10;  // 0 = keep all
+  std::string async_mode = "disabled";  // "disabled" | "async"
+  bool model_only = false;
+  std::string export_dtype = "float32";  // "float32" | "bfloat16" | "float16"
+  std::string initial_load_path;         // empty = none
+};
+
+struct CommSection {
+  int64_t timeout_seconds = 300;
+};
+
+struct JobConfig {
+  JobSection job;
+  ModelSection model;
+  OptimizerSection optimizer;
+  LRSchedulerSection lr_scheduler;
+  TrainingSection training;
+  ParallelismSection parallelism;
+  ActivationCheckpointSection activation_checkpoint;
+  MetricsSection metrics;
+  CheckpointSection checkpoint;
+  CommSection comm;
+
+  // The resolved configuration as TOML, every key in schema order; parsing it gives back an equal
+  // config. The trainer prints it and saves it as config.toml in the run folder.
+  std::string to_toml() const;
+
+  bool operator==(const JobConfig&) const = default;
+};
+
+// ---- Schema ---------------------------------------------------------------------------------
+
+// A typed pointer to one field of a JobConfig.
+using ConfigField =
+    std::variant<bool*, int64_t*, double*, std::string*, std::optional<double>*>;
+
+struct ConfigKey {
+  std::string_view section;
+  std::string_view key;
+  ConfigField (*field)(JobConfig&);  // binds the key to a config's field
+  std::string_view help;
+  std::vector<std::string_view> choices;  // allowed string values; empty = any
+  bool integer_allowed = false;           // string key that also takes a positive integer
+
+  std::string name() const;  // "section.key"
+  // "a boolean" / "an integer" / "a number" / "a string" / "a number or none" / ...
+  std::string type_description() const;
+  // The value held in `config`, as TOML.
+  std::string value_as_toml(const JobConfig& config) const;
+};
+
+// Every key, grouped by section in a fixed order.
+const std::vector<ConfigKey>& config_schema();
+// Section names in schema order.
+std::vector<std::string_view> config_sections();
+
+// ---- Loading --------------------------------------------------------------------------------
+
+// Parses a TOML file over the defaults. Unknown sections/keys, wrong types, disallowed values,
+// malformed TOML and a missing file are loom::UsageError.
+JobConfig load_config_file(const std::string& path);
+// Same for TOML text; `origin` names it in messages (e.g. a file name).
+JobConfig parse_config_toml(std::string_view toml_text, const std::string& origin);
+
+// Applies command-line overrides in order: "--section.key=value", or "--section.key" "value" as
+// two arguments; a boolean key given without a value is set to true. Values are converted to the
+// key's type ("none" unsets decay_ratio).
+void apply_overrides(JobConfig& config, const std::vector<std::string>& args);
+
+// Defaults, then the file (if `path` is non-empty), then the overrides, then validate().
+JobConfig load_job_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+// Cross-field and range checks that do not depend on the world size (positive sizes, beta ranges,
+// global batch a multiple of the local batch, ...). Throws loom::UsageError.
+void validate(const JobConfig& config);
+
+// Gradient-accumulation steps per optimizer step for `data_parallel_degree` ranks: 1 when
+// training.global_batch_size is -1, else global / (local x dp), which must divide exactly.
+int64_t gradient_accumulation_steps(const JobConfig& config, int64_t data_parallel_degree);
+
+// Levenshtein distance (exposed for tests).
+size_t edit_distance(std::string_view a, std::string_view b);
+
+}  // namespace loom::train

@@ -1,0 +1,139 @@
+#include "loom/train/metrics.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <nlohmann/json.hpp>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include "loom/core/error.h"
+#include "loom/core/logging.h"
+#include "loom/core/timer.h"
+
+namespace loom::train {
+namespace {
+
+constexpr const char* kStandardKeys[] = {"step", "loss", "grad_norm", "lr",
+                                         "tps",  "mfu",  "mem_peak_gib"};
+
+// 12345678 -> "12,345,678"
+std::string with_thousands(double value) {
+  if (!std::isfinite(value)) return c10::str(value);
+  std::string digits = std::to_string(static_cast<int64_t>(std::llround(value)));
+  const size_t first = digits[0] == '-' ? 1 : 0;
+  for (int64_t pos = static_cast<int64_t>(digits.size()) - 3; pos > static_cast<int64_t>(first);
+       pos -= 3) {
+    digits.insert(static_cast<size_t>(pos), ",");
+  }
+  return digits;
+}
+
+std::string printf_string(const char* format, double value) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), format, value);
+  return buf;
+}
+
+}  // namespace
+
+double measure_peak_fp32_flops() {
+  static std::mutex mutex;
+  static std::map<int, double> cache;
+  const int threads = at::get_num_threads();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = cache.find(threads); it != cache.end()) return it->second;
+
+  at::NoGradGuard no_grad;
+  constexpr int64_t n = 1024;
+  constexpr int kMatmulsPerSample = 4;
+  const at::Tensor a = at::full({n, n}, 0.5f);
+  const at::Tensor b = at::full({n, n}, 0.25f);
+  at::Tensor c = at::empty({n, n});
+  at::mm_out(c, a, b);  // warm up the BLAS threads and caches
+  const double flops_per_sample = 2.0 * n * n * n * kMatmulsPerSample;
+  double best = 0.0;
+  const Timer total;
+  do {
+    const Timer sample;
+    for (int i = 0; i < kMatmulsPerSample; ++i) at::mm_out(c, a, b);
+    best = std::max(best, flops_per_sample / sample.seconds());
+  } while (total.seconds() < 0.3);
+  cache.emplace(threads, best);
+  return best;
+}
+
+double tokens_per_second(int64_t tokens, double seconds) {
+  LOOM_REQUIRE(seconds > 0.0, "tokens_per_second needs a positive duration, got ", seconds, " s");
+  return static_cast<double>(tokens) / seconds;
+}
+
+double mfu_percent(double tokens_per_second, double flops_per_token, double peak_flops) {
+  LOOM_REQUIRE(peak_flops > 0.0, "MFU needs a positive peak FLOP/s, got ", peak_flops,
+               "; set metrics.peak_flops or leave it 0 to measure");
+  return 100.0 * tokens_per_second * flops_per_token / peak_flops;
+}
+
+double dense_transformer_flops_per_token(int64_t non_embedding_params, int64_t num_layers,
+                                         int64_t num_heads, int64_t head_dim, int64_t seq_len) {
+  return 6.0 * static_cast<double>(non_embedding_params) +
+         12.0 * static_cast<double>(num_layers) * static_cast<double>(num_heads) *
+             static_cast<double>(head_dim) * static_cast<double>(seq_len);
+}
+
+MetricsLogger::MetricsLogger(MetricsLoggerOptions options)
+    : options_(std::move(options)), jsonl_path_(options_.dump_folder / "metrics.jsonl") {
+  if (options_.rank != 0 || !options_.enable_jsonl) return;
+  std::error_code ec;
+  std::filesystem::create_directories(options_.dump_folder, ec);
+  LOOM_REQUIRE(!ec, "cannot create dump folder '", options_.dump_folder.string(),
+               "': ", ec.message(), "; set job.dump_folder to a writable path");
+  file_.reset(std::fopen(jsonl_path_.c_str(), options_.append ? "a" : "w"));
+  LOOM_REQUIRE(file_ != nullptr, "cannot open '", jsonl_path_.string(), "' for writing: ",
+               std::strerror(errno), "; set job.dump_folder to a writable path");
+}
+
+std::string MetricsLogger::console_line(const StepMetrics& m) {
+  std::string line = c10::str("step: ", printf_string("%5.0f", static_cast<double>(m.step)),
+                              "  loss: ", printf_string("%8.4f", m.loss),
+                              "  grad_norm: ", printf_string("%8.4f", m.grad_norm),
+                              "  lr: ", printf_string("%.2e", m.lr),
+                              "  tps: ", with_thousands(m.tps),
+                              "  mfu: ", printf_string("%.2f", m.mfu), "%",
+                              "  memory: ", printf_string("%.2f", m.mem_peak_gib), "GiB");
+  for (const auto& [key, value] : m.extra) line += c10::str("  ", key, ": ", value);
+  return line;
+}
+
+std::string MetricsLogger::json_line(const StepMetrics& m) {
+  nlohmann::ordered_json j;
+  j["step"] = m.step;
+  j["loss"] = m.loss;
+  j["grad_norm"] = m.grad_norm;
+  j["lr"] = m.lr;
+  j["tps"] = m.tps;
+  j["mfu"] = m.mfu;
+  j["mem_peak_gib"] = m.mem_peak_gib;
+  for (const auto& [key, value] : m.extra) {
+    for (const char* standard : kStandardKeys) {
+      LOOM_REQUIRE(key != standard, "extra metric '", key,
+                   "' collides with a standard metrics key; rename it");
+    }
+    j[key] = value;
+  }
+  return j.dump();  // NaN and inf are written as null
+}
+
+void MetricsLogger::log(const StepMetrics& metrics) {
+  if (options_.rank != 0) return;
+  const std::string json = json_line(metrics);  // validates extra keys before printing anything
+  log::info(console_line(metrics));
+  if (file_ == nullptr) return;
+  const bool ok = std::fputs(json.c_str(), file_.get()) >= 0 && std::fputc('\n', file_.get()) != EOF &&
+                  std::fflush(file_.get()) == 0;
+  LOOM_REQUIRE(ok, "cannot write to '", jsonl_path_.string(), "': ", std::strerror(errno));
+}
+
+}  // namespace loom::train

@@ -1,0 +1,73 @@
+// Training metrics: one console line (rank 0) and one JSON object per line in
+// <dump_folder>/metrics.jsonl for every logged step, plus the throughput arithmetic behind them
+// (tokens/s per rank, model FLOPs utilization against a measured fp32 GEMM peak).
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+
+namespace loom::train {
+
+// Peak fp32 GEMM throughput of this process in FLOP/s at its current intra-op thread count
+// (at::get_num_threads()): the best rate of 1024x1024x1024 matmuls over ~0.3 s. Cached per thread
+// count, so only the first call per count pays. Uses no random numbers (RNG streams untouched).
+double measure_peak_fp32_flops();
+
+// Tokens processed per second on this rank.
+double tokens_per_second(int64_t tokens, double seconds);
+
+// Model FLOPs utilization in percent: tokens/s x FLOPs/token over peak FLOP/s (all per rank).
+double mfu_percent(double tokens_per_second, double flops_per_token, double peak_flops);
+
+// Training FLOPs per token of a dense decoder-only transformer, as TorchTitan counts them:
+// 6 x (parameters excluding the token embedding) for the matmuls of forward + backward, plus
+// 12 x layers x heads x head_dim x seq_len for attention scores and weighted values.
+double dense_transformer_flops_per_token(int64_t non_embedding_params, int64_t num_layers,
+                                         int64_t num_heads, int64_t head_dim, int64_t seq_len);
+
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0.0;
+  double grad_norm = 0.0;
+  double lr = 0.0;
+  double tps = 0.0;           // tokens per second per rank
+  double mfu = 0.0;           // percent
+  double mem_peak_gib = 0.0;  // peak resident memory of this rank since the last log, GiB
+  std::map<std::string, double> extra;  // more JSONL keys, e.g. comm_bytes; printed after the rest
+};
+
+struct MetricsLoggerOptions {
+  std::filesystem::path dump_folder;
+  bool enable_jsonl = true;
+  int rank = 0;         // only rank 0 prints and writes
+  bool append = false;  // keep earlier lines of metrics.jsonl (resuming); otherwise start afresh
+};
+
+class MetricsLogger {
+ public:
+  // Creates dump_folder and opens metrics.jsonl on rank 0; loom::Error if it cannot.
+  explicit MetricsLogger(MetricsLoggerOptions options);
+
+  // Prints the console line and appends + flushes the JSON line (rank 0 only), so a crash loses
+  // nothing already logged. loom::Error if an extra key collides with a standard key.
+  void log(const StepMetrics& metrics);
+
+  // "step:   10  loss:  7.2345  grad_norm:  1.0123  lr: 8.00e-04  tps: 12,345  mfu: 12.34%
+  //  memory:  1.23GiB" followed by any extra keys.
+  static std::string console_line(const StepMetrics& metrics);
+  // {"step":..,"loss":..,"grad_norm":..,"lr":..,"tps":..,"mfu":..,"mem_peak_gib":..,<extra>}.
+  // Non-finite numbers become null (JSON has no NaN/inf).
+  static std::string json_line(const StepMetrics& metrics);
+
+  const std::filesystem::path& jsonl_path() const { return jsonl_path_; }
+
+ private:
+  MetricsLoggerOptions options_;
+  std::filesystem::path jsonl_path_;
+  std::unique_ptr<FILE, int (*)(FILE*)> file_{nullptr, &std::fclose};
+};
+
+}  // namespace loom::train

@@ -1,0 +1,282 @@
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "loom/core/build_paths.h"
+#include "loom/core/error.h"
+#include "loom/train/config.h"
+
+namespace loom::train {
+namespace {
+
+const std::string kSource = loom::kSourceDir;
+
+// Runs `fn`, which must throw loom::UsageError, and returns its message after checking it is one
+// line with exit code 2.
+template <typename Fn>
+std::string usage_error(Fn&& fn) {
+  try {
+    fn();
+  } catch (const loom::UsageError& e) {
+    EXPECT_EQ(e.exit_code(), loom::kExitUsage);
+    const std::string message = e.what();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    return message;
+  }
+  ADD_FAILURE() << "no loom::UsageError thrown";
+  return {};
+}
+
+JobConfig parse(const std::string& text) { return parse_config_toml(text, "configs/x.toml"); }
+
+TEST(Config, DefaultsMirrorTorchTitanAndValidate) {
+  const JobConfig c;
+  EXPECT_EQ(c.model.name, "llama3");
+  EXPECT_EQ(c.model.flavor, "debugmodel");
+  EXPECT_EQ(c.optimizer.name, "AdamW");
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 8e-4);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
+  EXPECT_EQ(c.optimizer.implementation, "fused");
+  EXPECT_EQ(c.lr_scheduler.warmup_steps, 200);
+  EXPECT_FALSE(c.lr_scheduler.decay_ratio.has_value());
+  EXPECT_EQ(c.lr_scheduler.decay_type, "linear");
+  EXPECT_EQ(c.training.dataset_path, "data/default/corpus.jsonl");
+  EXPECT_EQ(c.training.global_batch_size, -1);
+  EXPECT_EQ(c.parallelism.data_parallel_shard_degree, -1);
+  EXPECT_EQ(c.parallelism.fsdp_reshard_after_forward, "default");
+  EXPECT_EQ(c.metrics.peak_flops, 0.0);
+  EXPECT_FALSE(c.checkpoint.enable);
+  EXPECT_NO_THROW(validate(c));
+  EXPECT_EQ(load_job_config(""), c);
+}
+
+TEST(Config, LoadsTheDebugConfig) {
+  const JobConfig c = load_job_config(kSource + "/configs/llama3_debug.toml");
+  EXPECT_EQ(c.model.flavor, "debugmodel");
+  EXPECT_EQ(c.model.tokenizer_path, "data/default/tokenizer.json");
+  EXPECT_EQ(c.model.vocab_size, 0);
+  EXPECT_EQ(c.training.dataset_path, "data/default/corpus.jsonl");
+  EXPECT_EQ(c.training.seq_len, 256);
+  EXPECT_EQ(c.training.local_batch_size, 8);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 8e-4);
+  EXPECT_EQ(c.lr_scheduler.warmup_steps, 10);
+  EXPECT_EQ(c.lr_scheduler.decay_type, "cosine");
+  EXPECT_DOUBLE_EQ(c.training.max_norm, 1.0);
+  EXPECT_EQ(c.metrics.log_freq, 10);
+  EXPECT_EQ(c.parallelism.data_parallel_shard_degree, -1);
+  EXPECT_GT(c.training.steps, 0);
+}
+
+TEST(Config, EveryShippedConfigLoads) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(kSource + "/configs")) {
+    if (entry.path().extension() != ".toml") continue;
+    SCOPED_TRACE(entry.path().string());
+    const JobConfig c = load_job_config(entry.path().string());
+    EXPECT_FALSE(c.model.flavor.empty());
+    ++count;
+  }
+  EXPECT_GE(count, 4);
+  EXPECT_EQ(load_job_config(kSource + "/configs/llama3_70b.toml").parallelism.tensor_parallel_degree,
+            8);
+}
+
+TEST(Config, OverridesOfEveryType) {
+  JobConfig c;
+  apply_overrides(c, {"--training.steps=10", "--training.seq_len", "128",
+                      "--training.global_batch_size", "-1", "--optimizer.lr=3e-4",
+                      "--optimizer.eps", "1", "--job.description=two words",
+                      "--training.deterministic", "--checkpoint.enable", "true",
+                      "--metrics.enable_jsonl=false", "--lr_scheduler.decay_ratio=0.2",
+                      "--parallelism.fsdp_reshard_after_forward=2"});
+  EXPECT_EQ(c.training.steps, 10);
+  EXPECT_EQ(c.training.seq_len, 128);
+  EXPECT_EQ(c.training.global_batch_size, -1);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 3e-4);
+  EXPECT_DOUBLE_EQ(c.optimizer.eps, 1.0);  // integers are accepted for numbers
+  EXPECT_EQ(c.job.description, "two words");
+  EXPECT_TRUE(c.training.deterministic);  // a bare boolean flag means true
+  EXPECT_TRUE(c.checkpoint.enable);
+  EXPECT_FALSE(c.metrics.enable_jsonl);
+  EXPECT_EQ(c.lr_scheduler.decay_ratio, 0.2);
+  EXPECT_EQ(c.parallelism.fsdp_reshard_after_forward, "2");
+
+  // Later overrides win; "none" and negative values unset the optional ratio.
+  apply_overrides(c, {"--lr_scheduler.decay_ratio", "none", "--training.steps=11",
+                      "--parallelism.fsdp_reshard_after_forward", "never"});
+  EXPECT_FALSE(c.lr_scheduler.decay_ratio.has_value());
+  EXPECT_EQ(c.training.steps, 11);
+  EXPECT_EQ(c.parallelism.fsdp_reshard_after_forward, "never");
+  apply_overrides(c, {"--lr_scheduler.decay_ratio=0.5", "--lr_scheduler.decay_ratio=-1"});
+  EXPECT_FALSE(c.lr_scheduler.decay_ratio.has_value());
+
+  // Overrides apply after the file.
+  const JobConfig d = load_job_config(kSource + "/configs/llama3_debug.toml",
+                                      {"--training.steps=3", "--model.flavor=tiny"});
+  EXPECT_EQ(d.training.steps, 3);
+  EXPECT_EQ(d.model.flavor, "tiny");
+  EXPECT_EQ(d.training.seq_len, 256);
+}
+
+TEST(Config, FileValuesOfEveryType) {
+  const JobConfig c = parse(
+      "[training]\nsteps = 7\nmax_norm = 2\ndeterministic = true\ndataset_format = \"text\"\n"
+      "[lr_scheduler]\ndecay_ratio = 0.25\n"
+      "[parallelism]\nfsdp_reshard_after_forward = 4\n");
+  EXPECT_EQ(c.training.steps, 7);
+  EXPECT_DOUBLE_EQ(c.training.max_norm, 2.0);
+  EXPECT_TRUE(c.training.deterministic);
+  EXPECT_EQ(c.training.dataset_format, "text");
+  EXPECT_EQ(c.lr_scheduler.decay_ratio, 0.25);
+  EXPECT_EQ(c.parallelism.fsdp_reshard_after_forward, "4");
+  EXPECT_FALSE(parse("[lr_scheduler]\ndecay_ratio = -1\n").lr_scheduler.decay_ratio.has_value());
+}
+
+TEST(Config, FileErrorsAreOneLineWithLocationAndSuggestion) {
+  EXPECT_EQ(usage_error([] { parse("[training]\nstepz = 10\n"); }),
+            "unknown config key 'training.stepz' in configs/x.toml:2:1 (did you mean "
+            "'training.steps'?)");
+  EXPECT_EQ(usage_error([] { parse("[trainin]\nsteps = 10\n"); }),
+            "unknown config section 'trainin' in configs/x.toml:1:2 (did you mean 'training'?)");
+  EXPECT_EQ(usage_error([] { parse("steps = 10\n"); }),
+            "config key 'steps' in configs/x.toml:1:1 is outside any [section] (did you mean "
+            "'training.steps'?)");
+  EXPECT_EQ(usage_error([] { parse("[training]\nsteps = \"ten\"\n"); }),
+            "config key 'training.steps' expects an integer, got string \"ten\" in "
+            "configs/x.toml:2:9");
+  EXPECT_EQ(usage_error([] { parse("[training]\nsteps = 10.5\n"); }),
+            "config key 'training.steps' expects an integer, got float 10.5 in configs/x.toml:2:9");
+  EXPECT_EQ(usage_error([] { parse("[training]\ndeterministic = 1\n"); }),
+            "config key 'training.deterministic' expects a boolean, got integer 1 in "
+            "configs/x.toml:2:17");
+  EXPECT_EQ(usage_error([] { parse("[model]\nname = [\"llama3\"]\n"); }),
+            "config key 'model.name' expects a string, got an array in configs/x.toml:2:8");
+  EXPECT_EQ(usage_error([] { parse("[lr_scheduler]\ndecay_type = \"cosin\"\n"); }),
+            "config key 'lr_scheduler.decay_type' must be \"linear\", \"sqrt\" or \"cosine\", got "
+            "\"cosin\" in configs/x.toml:2:14 (did you mean \"cosine\"?)");
+  EXPECT_EQ(usage_error([] { parse("[parallelism]\nfsdp_reshard_after_forward = \"sometimes\"\n"); }),
+            "config key 'parallelism.fsdp_reshard_after_forward' must be \"default\", \"always\" or "
+            "\"never\" or a positive integer, got \"sometimes\" in configs/x.toml:2:30 (did you "
+            "mean \"always\"?)");
+
+  const std::string malformed = usage_error([] { parse("[training]\nsteps = = 3\n"); });
+  EXPECT_EQ(malformed.rfind("malformed TOML in configs/x.toml:2:", 0), 0u) << malformed;
+
+  EXPECT_EQ(usage_error([] { load_config_file("configs/does_not_exist.toml"); }),
+            "config file 'configs/does_not_exist.toml' not found; pass an existing TOML file, e.g. "
+            "--config configs/llama3_debug.toml");
+}
+
+TEST(Config, OverrideErrorsAreOneLine) {
+  JobConfig c;
+  EXPECT_EQ(usage_error([&] { apply_overrides(c, {"--training.stepz=5"}); }),
+            "unknown config key 'training.stepz' in command-line override '--training.stepz=5' "
+            "(did you mean 'training.steps'?)");
+  EXPECT_EQ(usage_error([&] { apply_overrides(c, {"--trainin.steps", "5"}); }),
+            "unknown config key 'trainin.steps' in command-line override '--trainin.steps' (did "
+            "you mean 'training.steps'?)");
+  EXPECT_EQ(usage_error([&] { apply_overrides(c, {"--training.steps=ten"}); }),
+            "config key 'training.steps' expects an integer, got \"ten\" in command-line override "
+            "'--training.steps=ten'");
+  EXPECT_EQ(usage_error([&] { apply_overrides(c, {"--optimizer.lr", "fast"}); }),
+            "config key 'optimizer.lr' expects a number, got \"fast\" in command-line override "
+            "'--optimizer.lr fast'");
+  EXPECT_EQ(usage_error([&] { apply_overrides(c, {"--training.deterministic=yes"}); }),
+            "config key 'training.deterministic' expects a boolean, got \"yes\" in command-line "
+            "override '--training.deterministic=yes'");
+  EXPECT_EQ(usage_error([&] { apply_overrides(c, {"--training.steps"}); }),
+            "config override '--training.steps' needs a value: --training.steps=VALUE or "
+            "--training.steps VALUE");
+  EXPECT_EQ(usage_error([&] { apply_overrides(c, {"--training.steps", "--training.seq_len=5"}); }),
+            "config override '--training.steps' needs a value: --training.steps=VALUE or "
+            "--training.steps VALUE");
+  EXPECT_EQ(usage_error([&] { apply_overrides(c, {"steps=5"}); }),
+            "unexpected argument 'steps=5'; config overrides look like --section.key=value");
+  EXPECT_EQ(usage_error([&] { apply_overrides(c, {"--activation_checkpoint.mode=partial"}); }),
+            "config key 'activation_checkpoint.mode' must be \"none\", \"full\" or \"selective\", "
+            "got \"partial\" in command-line override '--activation_checkpoint.mode=partial' (did "
+            "you mean \"full\"?)");
+  EXPECT_EQ(c, JobConfig{});  // a rejected override changes nothing
+}
+
+TEST(Config, ValidateChecksRangesAndCrossFieldRules) {
+  auto invalid = [](const std::vector<std::string>& overrides) {
+    return usage_error([&] { load_job_config("", overrides); });
+  };
+  EXPECT_EQ(invalid({"--training.seq_len=0"}), "config key 'training.seq_len' must be > 0, got 0");
+  EXPECT_EQ(invalid({"--optimizer.beta2=1.0"}),
+            "config key 'optimizer.beta2' must be in [0, 1), got 1.0");
+  EXPECT_EQ(invalid({"--training.local_batch_size=8", "--training.global_batch_size=12"}),
+            "config key 'training.global_batch_size' must be -1 or a positive multiple of "
+            "training.local_batch_size (8), got 12");
+  EXPECT_EQ(invalid({"--parallelism.data_parallel_shard_degree=0"}),
+            "config key 'parallelism.data_parallel_shard_degree' must be -1 or >= 1, got 0");
+  EXPECT_EQ(invalid({"--checkpoint.keep_latest_k=1"}),
+            "config key 'checkpoint.keep_latest_k' must be 0 (keep all) or >= 2, got 1");
+  EXPECT_EQ(invalid({"--lr_scheduler.decay_ratio=1.5"}),
+            "config key 'lr_scheduler.decay_ratio' must be in [0, 1] or unset, got 1.5");
+  EXPECT_EQ(invalid({"--metrics.enable_tensorboard"}),
+            "config key 'metrics.enable_tensorboard' must be false (TensorBoard output is not part "
+            "of this build; use metrics.enable_jsonl), got true");
+
+  JobConfig c;
+  c.training.local_batch_size = 4;
+  EXPECT_EQ(gradient_accumulation_steps(c, 2), 1);  // global = -1
+  c.training.global_batch_size = 32;
+  EXPECT_EQ(gradient_accumulation_steps(c, 2), 4);
+  EXPECT_EQ(gradient_accumulation_steps(c, 8), 1);
+  EXPECT_EQ(usage_error([&] { gradient_accumulation_steps(c, 3); }),
+            "training.global_batch_size (32) is not a multiple of training.local_batch_size x "
+            "data-parallel degree (4 x 3 = 12); set it to a multiple of 12 or to -1");
+}
+
+TEST(Config, ToTomlRoundTrips) {
+  EXPECT_EQ(parse(JobConfig{}.to_toml()), JobConfig{});
+
+  JobConfig c = load_job_config(kSource + "/configs/llama3_debug.toml");
+  apply_overrides(c, {"--job.description=quotes \" and \\ backslash\tand tab",
+                      "--optimizer.lr=0.1", "--optimizer.eps=1e-12", "--training.max_norm=3",
+                      "--lr_scheduler.decay_ratio=0.3", "--parallelism.fsdp_reshard_after_forward=2",
+                      "--training.seed=-7", "--checkpoint.initial_load_path=/tmp/ck/step_10"});
+  const std::string text = c.to_toml();
+  EXPECT_EQ(parse(text), c) << text;
+  EXPECT_NE(text.find("[training]\n"), std::string::npos);
+  EXPECT_NE(text.find("\nlr = 0.1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("\nmax_norm = 3.0\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("\nfsdp_reshard_after_forward = 2\n"), std::string::npos) << text;
+
+  // An unset optional is written as a comment and read back as unset.
+  apply_overrides(c, {"--lr_scheduler.decay_ratio=none"});
+  const std::string unset = c.to_toml();
+  EXPECT_NE(unset.find("# decay_ratio is unset\n"), std::string::npos) << unset;
+  EXPECT_EQ(parse(unset), c);
+
+  // Every schema key is printed exactly once.
+  for (const ConfigKey& key : config_schema()) {
+    if (key.name() == "lr_scheduler.decay_ratio") continue;
+    EXPECT_NE(unset.find("\n" + std::string(key.key) + " = "), std::string::npos) << key.name();
+  }
+}
+
+TEST(Config, DocsDescribeEveryKey) {
+  std::ifstream in(kSource + "/docs/config.md");
+  ASSERT_TRUE(in.good()) << "docs/config.md missing";
+  std::stringstream doc;
+  doc << in.rdbuf();
+  for (const ConfigKey& key : config_schema()) {
+    EXPECT_NE(doc.str().find("`" + key.name() + "`"), std::string::npos)
+        << key.name() << " is not documented in docs/config.md";
+  }
+}
+
+TEST(Config, EditDistance) {
+  EXPECT_EQ(edit_distance("", ""), 0u);
+  EXPECT_EQ(edit_distance("steps", "stepz"), 1u);
+  EXPECT_EQ(edit_distance("kitten", "sitting"), 3u);
+  EXPECT_EQ(edit_distance("abc", ""), 3u);
+}
+
+}  // namespace
+}  // namespace loom::train

@@ -1,0 +1,144 @@
+// End-to-end training through the `loom` binary: DDP parity with the single-process reference,
+// determinism, and the one-line errors of bad input. Runs on the default corpus and tokenizer
+// (made by `make test`'s set-up) with a small debug model so each run takes seconds.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "loom/core/build_paths.h"
+#include "loom/testing/run.h"
+
+namespace {
+using loom::testing::bin_dir;
+using loom::testing::read_jsonl;
+using loom::testing::run;
+using loom::testing::RunResult;
+using loom::testing::TempDir;
+
+std::string src(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
+
+// A quick debug run: seq 64, 20 steps, every step logged.
+std::string train_args(const TempDir& dir, int local_batch, int steps = 20) {
+  return " train --config " + src("configs/llama3_debug.toml") +
+         " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+         " --training.dataset_path=" + src("data/default/corpus.jsonl") +
+         " --job.dump_folder=" + dir.str() + " --training.seq_len=64 --training.steps=" +
+         std::to_string(steps) + " --training.local_batch_size=" + std::to_string(local_batch) +
+         " --lr_scheduler.warmup_steps=2 --metrics.log_freq=1 --metrics.peak_flops=1e11"
+         " --parallelism.data_parallel_shard_degree=1";
+}
+
+std::vector<double> losses(const TempDir& dir) {
+  std::vector<double> out;
+  for (const auto& row : read_jsonl(dir.path() / "metrics.jsonl")) out.push_back(row["loss"]);
+  return out;
+}
+
+}  // namespace
+
+TEST(TrainerE2E, DdpTwoRanksEqualsSingleProcessDoubleBatch) {
+  TempDir single("single"), ddp("ddp");
+  RunResult a = run(bin_dir() + "/loom" + train_args(single, 8), 300);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  RunResult b = run(bin_dir() + "/loom launch --nproc 2 -- " + train_args(ddp, 4) +
+                        " --parallelism.data_parallel_replicate_degree=2",
+                    300);
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  const auto la = losses(single), lb = losses(ddp);
+  ASSERT_EQ(la.size(), 20u);
+  ASSERT_EQ(lb.size(), 20u);
+  double worst = 0;
+  for (size_t i = 0; i < la.size(); ++i) {
+    const double rel = std::abs(la[i] - lb[i]) / std::abs(la[i]);
+    worst = std::max(worst, rel);
+    EXPECT_LE(rel, 1e-5) << "step " << i + 1 << ": single " << la[i] << " vs ddp " << lb[i];
+  }
+  std::printf("DDP(2 x b=4) vs single(b=8), 20 steps: max relative loss difference %.3g\n", worst);
+  EXPECT_LT(la.back(), la.front());  // it trains
+}
+
+TEST(TrainerE2E, DeterministicModeIsBitwiseRepeatable) {
+  TempDir first("det1"), second("det2");
+  const std::string extra = " --training.deterministic=true --training.seed=3";
+  ASSERT_EQ(run(bin_dir() + "/loom" + train_args(first, 4, 8) + extra, 300).exit_code, 0);
+  ASSERT_EQ(run(bin_dir() + "/loom" + train_args(second, 4, 8) + extra, 300).exit_code, 0);
+  const auto a = losses(first), b = losses(second);
+  ASSERT_EQ(a.size(), 8u);
+  EXPECT_EQ(a, b);  // bitwise: doubles printed with full precision
+}
+
+TEST(TrainerE2E, GradientAccumulationEqualsLargerBatch) {
+  TempDir big("big"), accum("accum");
+  ASSERT_EQ(run(bin_dir() + "/loom" + train_args(big, 8, 6), 300).exit_code, 0);
+  RunResult r = run(bin_dir() + "/loom" + train_args(accum, 4, 6) + " --training.global_batch_size=8", 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto a = losses(big), b = losses(accum);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5 * std::abs(a[i])) << i;
+}
+
+TEST(TrainerE2E, MetricsJsonlHasTheDocumentedKeys) {
+  TempDir dir("metrics");
+  ASSERT_EQ(run(bin_dir() + "/loom" + train_args(dir, 2, 2), 300).exit_code, 0);
+  const auto rows = read_jsonl(dir.path() / "metrics.jsonl");
+  ASSERT_EQ(rows.size(), 2u);
+  for (const char* key : {"step", "loss", "grad_norm", "lr", "tps", "mfu", "mem_peak_gib"}) {
+    EXPECT_TRUE(rows[0].contains(key)) << key;
+  }
+  EXPECT_GT(rows[0]["tps"].get<double>(), 0);
+  EXPECT_GT(rows[0]["mem_peak_gib"].get<double>(), 0);
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "config.toml"));
+}
+
+// Each bad input: non-zero exit and a single "error: ..." line naming the problem.
+struct BadInput {
+  const char* name;
+  std::string args;
+  int exit_code;
+  const char* expect;
+};
+
+class TrainerBadInput : public ::testing::TestWithParam<BadInput> {};
+
+TEST_P(TrainerBadInput, OneLineErrorAndNonZeroExit) {
+  const BadInput& c = GetParam();
+  RunResult r = run(bin_dir() + "/loom " + c.args, 120);
+  EXPECT_EQ(r.exit_code, c.exit_code) << r.output;
+  EXPECT_NE(r.output.find(c.expect), std::string::npos) << r.output;
+  // exactly one error line
+  size_t lines = 0;
+  for (size_t p = r.output.find("error:"); p != std::string::npos; p = r.output.find("error:", p + 1)) ++lines;
+  EXPECT_EQ(lines, 1u) << r.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, TrainerBadInput,
+    ::testing::Values(
+        BadInput{"missing_config", "train --config /nonexistent/x.toml", 2, "/nonexistent/x.toml"},
+        BadInput{"unknown_override", "train --config " + src("configs/llama3_debug.toml") +
+                                         " --training.stepz=3", 2, "did you mean 'training.steps'"},
+        BadInput{"bad_type", "train --config " + src("configs/llama3_debug.toml") +
+                                 " --training.steps=ten", 2, "training.steps"},
+        BadInput{"missing_dataset", "train --config " + src("configs/llama3_debug.toml") +
+                                        " --training.dataset_path=/nonexistent/data.jsonl" +
+                                        " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+                                        " --parallelism.data_parallel_shard_degree=1",
+                 1, "/nonexistent/data.jsonl"},
+        BadInput{"missing_tokenizer", "train --config " + src("configs/llama3_debug.toml") +
+                                          " --model.tokenizer_path=/nonexistent/tok.json" +
+                                          " --parallelism.data_parallel_shard_degree=1",
+                 1, "/nonexistent/tok.json"},
+        BadInput{"world_size_mismatch", "train --config " + src("configs/llama3_debug.toml") +
+                                            " --parallelism.data_parallel_replicate_degree=2"
+                                            " --parallelism.data_parallel_shard_degree=1",
+                 2, "world size 1"}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+TEST(TrainerE2E, MalformedTomlIsOneLineError) {
+  TempDir dir("badtoml");
+  const auto path = dir.path() / "bad.toml";
+  std::ofstream(path) << "[training]\nsteps = = 3\n";
+  RunResult r = run(bin_dir() + "/loom train --config " + path.string(), 60);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("bad.toml"), std::string::npos) << r.output;
+}

@@ -1,0 +1,236 @@
+#include "loom/train/trainer.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "loom/core/error.h"
+#include "loom/core/logging.h"
+#include "loom/core/memory.h"
+#include "loom/core/timer.h"
+#include "loom/dist/launch_env.h"
+#include "loom/models/llama3/model_dir.h"
+#include "loom/optim/clip_grad.h"
+#include "loom/optim/optimizer.h"
+
+namespace loom::train {
+namespace fs = std::filesystem;
+
+Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
+  validate(config_);
+  init_distributed();  // 1. world, ParallelDims, mesh
+  // 2. Determinism: same seed + same layout => bitwise-identical losses. CPU kernels are
+  //    deterministic for a fixed thread count; the flag also makes any nondeterministic op fail.
+  torch::manual_seed(static_cast<uint64_t>(config_.training.seed));
+  if (config_.training.deterministic) {
+    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  }
+  init_data();         // 3. tokenizer + this rank's loader
+  build_model();       // 4. meta-device model, counts, FLOPs/token
+  parallelize();       // 5+6. materialize, init, DDP
+  init_optimizer();    // 7. AdamW + LR schedule
+
+  // 8. Run folder: resolved config and metrics.
+  const fs::path dump(config_.job.dump_folder);
+  if (dist_->rank() == 0) {
+    fs::create_directories(dump);
+    std::ofstream(dump / "config.toml") << config_.to_toml();
+    if (config_.job.print_config) log::info("resolved config:\n", config_.to_toml());
+  }
+  metrics_ = std::make_unique<MetricsLogger>(
+      MetricsLoggerOptions{dump, config_.metrics.enable_jsonl, dist_->rank(), /*append=*/false});
+}
+
+Trainer::~Trainer() {
+  if (dist_) dist_->shutdown();
+}
+
+void Trainer::init_distributed() {
+  const dist::LaunchEnv env = dist::detect_launch_env();
+  dist_ = dist::init_distributed(env, std::chrono::seconds(config_.comm.timeout_seconds));
+  const auto& p = config_.parallelism;
+  dist::ParallelDegrees degrees;
+  degrees.dp_replicate = static_cast<int>(p.data_parallel_replicate_degree);
+  degrees.dp_shard = static_cast<int>(p.data_parallel_shard_degree);
+  degrees.cp = static_cast<int>(p.context_parallel_degree);
+  degrees.tp = static_cast<int>(p.tensor_parallel_degree);
+  degrees.pp = static_cast<int>(p.pipeline_parallel_degree);
+  parallel_dims_ = std::make_unique<dist::ParallelDims>(degrees, env.world_size, env.rank);
+  const auto& pd = *parallel_dims_;
+  LOOM_REQUIRE_USAGE(!pd.tp_enabled() && !pd.cp_enabled() && !pd.pp_enabled(),
+                     "tensor, context and pipeline parallelism are not available yet (",
+                     pd.describe(), "); set parallelism.tensor_parallel_degree, "
+                     "context_parallel_degree and pipeline_parallel_degree to 1");
+  LOOM_REQUIRE_USAGE(!pd.dp_shard_enabled(),
+                     "FSDP (data_parallel_shard_degree ", pd.dp_shard(),
+                     ") is not available yet; use --parallelism.data_parallel_replicate_degree=",
+                     pd.world_size(), " --parallelism.data_parallel_shard_degree=1 (DDP)");
+  mesh_ = std::make_unique<dist::DeviceMesh>(pd.build_mesh(dist_));
+  log::info("parallelism: ", pd.describe());
+}
+
+void Trainer::init_data() {
+  const auto& t = config_.training;
+  tokenizer_ = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(config_.model.tokenizer_path));
+  Timer timer;
+  auto corpus = data::TokenCorpus::load({t.dataset_path}, tokenizer_.get());
+  data::DataLoaderOptions options;
+  options.seq_len = t.seq_len;
+  options.local_batch_size = t.local_batch_size;
+  options.dp_rank = parallel_dims_->dp_rank();
+  options.dp_world_size = parallel_dims_->dp_degree();
+  loader_ = std::make_unique<data::DataLoader>(corpus, options);
+  grad_accum_steps_ = gradient_accumulation_steps(config_, parallel_dims_->dp_degree());
+  log::info("data: ", t.dataset_path, ": ", corpus->num_documents(), " documents, ",
+            corpus->num_tokens(), " tokens, ", loader_->packer().rows_per_epoch(),
+            " rows of ", t.seq_len, " per epoch (", timer.seconds(), " s); global batch ",
+            loader_->global_batch_size() * grad_accum_steps_, " rows, ", grad_accum_steps_,
+            " micro-batch(es) per step");
+}
+
+void Trainer::build_model() {
+  const int64_t tokenizer_vocab = tokenizer_->vocab_size();
+  const int64_t vocab = config_.model.vocab_size > 0 ? config_.model.vocab_size : tokenizer_vocab;
+  LOOM_REQUIRE_USAGE(vocab >= tokenizer_vocab, "model.vocab_size ", vocab,
+                     " is smaller than the tokenizer's vocabulary (", tokenizer_vocab,
+                     "); raise it or set 0 to use the tokenizer's");
+  LOOM_REQUIRE_USAGE(config_.model.name == "llama3", "unknown model.name '", config_.model.name,
+                     "'; available: llama3");
+  llama3::ModelArgs args = llama3::flavor(config_.model.flavor, vocab);
+  args.max_seq_len = std::max(args.max_seq_len, config_.training.seq_len);
+  model_ = std::make_shared<llama3::Transformer>(args, torch::TensorOptions().device(torch::kMeta));
+  const auto counts = llama3::count_parameters(args);
+  flops_per_token_ = llama3::flops_per_token(args, counts.non_embedding, config_.training.seq_len);
+  log::info("model: llama3 ", config_.model.flavor, " (", args.summary(), "): ", counts.total,
+            " parameters, ", counts.non_embedding, " non-embedding, ", flops_per_token_ / 1e6,
+            " MFLOP/token");
+}
+
+void Trainer::parallelize() {
+  // Materialize then initialize every parameter from the seed: the values are the same whatever
+  // the layout, so any parallel run starts from the single-process reference's weights.
+  model_->to_empty(torch::kCPU);
+  model_->init_weights(static_cast<uint64_t>(config_.training.seed));
+  if (config_.training.mixed_precision_param != "float32") {
+    fail_usage("training.mixed_precision_param '", config_.training.mixed_precision_param,
+               "' needs FSDP's mixed-precision policy, which is not available yet; use float32");
+  }
+  if (parallel_dims_->dp_replicate_enabled()) {
+    ddp_ = std::make_unique<ddp::DataParallel>(*model_, mesh_->comm("dp_replicate"));
+  }
+  for (const auto& p : model_->named_parameters()) {
+    if (p.slot->requires_grad) trainable_params_.push_back(p.slot->tensor);
+  }
+}
+
+void Trainer::init_optimizer() {
+  const auto& o = config_.optimizer;
+  LOOM_REQUIRE_USAGE(o.name == "AdamW", "unknown optimizer.name '", o.name, "'; available: AdamW");
+  optim::NamedTensors named;
+  for (const auto& p : model_->named_parameters()) {
+    if (p.slot->requires_grad) named.emplace_back(p.name, p.slot->tensor);
+  }
+  optim::AdamWOptions options;
+  options.lr = o.lr;
+  options.beta1 = o.beta1;
+  options.beta2 = o.beta2;
+  options.eps = o.eps;
+  options.implementation = optim::parse_adamw_implementation(o.implementation);
+  optimizer_ = std::make_unique<optim::AdamW>(optim::weight_decay_param_groups(named, o.weight_decay),
+                                              options);
+  optim::LRScheduleOptions schedule;
+  schedule.warmup_steps = config_.lr_scheduler.warmup_steps;
+  schedule.decay_ratio = config_.lr_scheduler.decay_ratio;
+  schedule.decay_type = optim::parse_decay_type(config_.lr_scheduler.decay_type);
+  schedule.min_lr_factor = config_.lr_scheduler.min_lr_factor;
+  lr_scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, schedule, config_.training.steps);
+}
+
+double Trainer::global_mean_loss(double local_loss) {
+  if (!parallel_dims_->dp_enabled()) return local_loss;
+  torch::Tensor t = torch::tensor({local_loss}, torch::kFloat64);
+  mesh_->comm("dp")->all_reduce(t, dist::ReduceOp::kAvg);
+  return t.item<double>();
+}
+
+StepResult Trainer::train_step() {
+  Timer timer;
+  ++step_;
+  if (ddp_) {
+    ddp_->zero_grad();
+  } else {
+    optimizer_->zero_grad(/*set_to_none=*/true);
+  }
+  double local_loss = 0.0;
+  for (int64_t micro = 0; micro < grad_accum_steps_; ++micro) {
+    data::Batch batch = loader_->next();
+    const bool last = micro + 1 == grad_accum_steps_;
+    if (ddp_) ddp_->set_gradient_sync(last);
+    torch::Tensor logits = model_->forward(batch.inputs);
+    torch::Tensor loss = torch::nn::functional::cross_entropy(
+        logits.flatten(0, 1), batch.labels.flatten(0, 1));
+    local_loss += loss.item<double>() / static_cast<double>(grad_accum_steps_);
+    // Mean over micro-batches: each contributes 1/k of the step's gradient.
+    (grad_accum_steps_ > 1 ? loss / static_cast<double>(grad_accum_steps_) : loss).backward();
+  }
+  if (ddp_) ddp_->finish_gradient_sync();
+
+  std::vector<torch::Tensor> grads;
+  grads.reserve(trainable_params_.size());
+  for (const auto& p : trainable_params_) grads.push_back(p.grad());
+  const double grad_norm = optim::clip_grad_norm_(grads, config_.training.max_norm).item<double>();
+  StepResult result;
+  result.step = step_;
+  result.lr = optimizer_->lr();
+  optimizer_->step();
+  lr_scheduler_->step();
+  result.grad_norm = grad_norm;
+  result.seconds = timer.seconds();
+  result.loss = global_mean_loss(local_loss);
+  return result;
+}
+
+std::vector<StepResult> Trainer::train() {
+  const auto& t = config_.training;
+  const double peak_flops =
+      config_.metrics.peak_flops > 0 ? config_.metrics.peak_flops : measure_peak_fp32_flops();
+  log::info("training ", t.steps, " steps; MFU against a peak of ", peak_flops / 1e9,
+            " GFLOP/s per rank");
+  std::vector<StepResult> results;
+  const int64_t tokens_per_step = t.local_batch_size * t.seq_len * grad_accum_steps_;
+  double window_seconds = 0.0;
+  int64_t window_steps = 0;
+  memory::reset_peak_rss();
+  dist::comm_stats().reset();
+  while (step_ < t.steps) {
+    StepResult r = train_step();
+    results.push_back(r);
+    window_seconds += r.seconds;
+    ++window_steps;
+    if (step_ == 1 || step_ % config_.metrics.log_freq == 0 || step_ == t.steps) {
+      StepMetrics m;
+      m.step = r.step;
+      m.loss = r.loss;
+      m.grad_norm = r.grad_norm;
+      m.lr = r.lr;
+      m.tps = tokens_per_second(tokens_per_step * window_steps, window_seconds);
+      m.mfu = mfu_percent(m.tps, flops_per_token_, peak_flops);
+      m.mem_peak_gib = static_cast<double>(memory::peak_rss_bytes()) / (1024.0 * 1024.0 * 1024.0);
+      const auto comm = dist::comm_stats().snapshot().total();
+      m.extra["comm_bytes"] = comm.wire_bytes.value() / static_cast<double>(window_steps);
+      metrics_->log(m);
+      window_seconds = 0.0;
+      window_steps = 0;
+      memory::reset_peak_rss();
+      dist::comm_stats().reset();
+    }
+  }
+  if (config_.checkpoint.enable && dist_->rank() == 0) {
+    const fs::path dir = fs::path(config_.job.dump_folder) / config_.checkpoint.folder /
+                         c10::str("step-", step_);
+    llama3::save_model_dir(*model_, dir);
+    log::info("saved model to ", dir.string());
+  }
+  return results;
+}
+
+}  // namespace loom::train

@@ -1,0 +1,80 @@
+// The training loop, TorchTitan-style: the constructor spells out the build order, train() runs
+// the steps. Parallelism is applied to the model from outside (parallelize()), the model code
+// itself knows nothing of ranks.
+//
+// Build order:
+//   1. distributed world (launch env -> rendezvous -> ParallelDims -> DeviceMesh)
+//   2. determinism and seeds
+//   3. tokenizer, then the data loader for this rank's data-parallel slice
+//   4. model on the meta device (no memory), parameter count and FLOPs/token
+//   5. parallelize (DDP over dp_replicate; FSDP/TP/PP plug in here)
+//   6. materialize on the device and initialize every parameter from the seed
+//   7. optimizer (AdamW, weight-decay groups) and LR schedule
+//   8. metrics (console + metrics.jsonl) and the resolved config saved in the run folder
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "loom/data/loader.h"
+#include "loom/data/tokenizer.h"
+#include "loom/ddp/ddp.h"
+#include "loom/dist/device_mesh.h"
+#include "loom/dist/parallel_dims.h"
+#include "loom/dist/process_group.h"
+#include "loom/models/llama3/model.h"
+#include "loom/optim/adamw.h"
+#include "loom/optim/lr_scheduler.h"
+#include "loom/train/config.h"
+#include "loom/train/metrics.h"
+
+namespace loom::train {
+
+// What one optimizer step produced (rank-local view; loss is the global mean over the DP group).
+struct StepResult {
+  int64_t step = 0;
+  double loss = 0.0;
+  double grad_norm = 0.0;
+  double lr = 0.0;
+  double seconds = 0.0;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(JobConfig config);
+  ~Trainer();
+
+  // Runs training.steps steps; returns every step's result (loss etc.), identical on all ranks.
+  std::vector<StepResult> train();
+  StepResult train_step();
+
+  llama3::Transformer& model() { return *model_; }
+  const dist::ParallelDims& parallel_dims() const { return *parallel_dims_; }
+  const JobConfig& config() const { return config_; }
+  int64_t step() const { return step_; }
+
+ private:
+  void init_distributed();
+  void init_data();
+  void build_model();
+  void parallelize();
+  void init_optimizer();
+  double global_mean_loss(double local_loss_sum);
+
+  JobConfig config_;
+  std::shared_ptr<dist::Distributed> dist_;
+  std::unique_ptr<dist::ParallelDims> parallel_dims_;
+  std::unique_ptr<dist::DeviceMesh> mesh_;
+  std::unique_ptr<data::Tokenizer> tokenizer_;
+  std::unique_ptr<data::DataLoader> loader_;
+  std::shared_ptr<llama3::Transformer> model_;
+  std::unique_ptr<ddp::DataParallel> ddp_;
+  std::unique_ptr<optim::AdamW> optimizer_;
+  std::unique_ptr<optim::LRScheduler> lr_scheduler_;
+  std::unique_ptr<MetricsLogger> metrics_;
+  std::vector<torch::Tensor> trainable_params_;
+  int64_t grad_accum_steps_ = 1;
+  double flops_per_token_ = 0.0;
+  int64_t step_ = 0;
+};
+
+}  // namespace loom::train
