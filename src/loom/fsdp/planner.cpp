@@ -36,27 +36,28 @@ int64_t round_up(int64_t value, int64_t align, const std::string& group) {
 
 // Greedy feasibility check for shard size S: walk the tensors in `order`, packing granules into
 // the current rank; a granule that would straddle the rank's end starts the next rank instead (the
-// rest of the rank is padding). Feasible iff it needs at most W ranks. Each step of the inner loop
-// either finishes a tensor or moves to the next rank, so one check is O(T + W).
+// rest of the rank is padding). Feasible iff it needs at most W ranks. A tensor spanning many ranks
+// is handled in O(1): after topping up the current rank, its remaining granules fill fresh ranks at
+// floor(S / G) each. So one check is O(T) for T tensors, independent of W.
 bool fits(const std::vector<Item>& items, const std::vector<size_t>& order, int64_t world_size,
           int64_t shard) {
   int64_t rank = 0;
   int64_t fill = 0;
   for (size_t idx : order) {
     const Item& item = items[idx];
+    if (item.units == 0) continue;
     if (item.granule > shard) return false;
-    int64_t left = item.units;
-    while (left > 0) {
-      const int64_t fit = (shard - fill) / item.granule;
-      if (fit == 0) {
-        if (++rank == world_size) return false;
-        fill = 0;
-        continue;
-      }
-      const int64_t take = std::min(fit, left);
-      fill += take * item.granule;
-      left -= take;
+    const int64_t fit = (shard - fill) / item.granule;
+    if (fit >= item.units) {
+      fill += item.units * item.granule;
+      continue;
     }
+    const int64_t left = item.units - fit;  // granules for fresh ranks
+    const int64_t per_rank = shard / item.granule;
+    const int64_t fresh = ceil_div(left, per_rank);
+    if (fresh >= world_size - rank) return false;
+    rank += fresh;
+    fill = (left - (fresh - 1) * per_rank) * item.granule;
   }
   return true;
 }
