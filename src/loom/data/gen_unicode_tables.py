@@ -1,14 +1,21 @@
 #!/usr/bin/env python3
 """Regenerates unicode_tables.inc: the Unicode general-category ranges the byte-level pre-tokenizer
-needs (\\p{L}, \\p{N} and the word characters of \\w), from Python's unicodedata.
+needs (\\p{L}, \\p{N} and the word characters of \\w).
 
-Run from anywhere:  python3 src/loom/data/gen_unicode_tables.py
-The Unicode version is recorded in the output; keep it close to the one compiled into the
-Hugging Face `tokenizers` regex engine (Oniguruma) so pre-tokenization matches it character for
-character.
+The tables must follow the Unicode version of the regex engine (Oniguruma) inside Hugging Face
+`tokenizers`, or pre-tokenization differs on recently assigned characters: tokenizers 0.23 uses
+Unicode 16.0 (checked character by character against its \\p{L} / \\p{N}). Python's own
+unicodedata is older, so the data comes from the `unicodedata2` backport of that version:
+
+  pip install --target /tmp/ud2 unicodedata2==16.0.0
+  PYTHONPATH=/tmp/ud2 python3 src/loom/data/gen_unicode_tables.py
 """
 import os
-import unicodedata
+
+try:
+    import unicodedata2 as unicodedata
+except ImportError:  # falls back to the interpreter's (older) Unicode version
+    import unicodedata
 
 # Category codes shared with byte_level.cpp (enum UnicodeClass).
 CLASSES = {"L": 1, "M": 2, "Nd": 3, "Nl": 4, "No": 5, "Pc": 6}

@@ -126,14 +126,14 @@ void for_each_text_document(const std::string& path, const SourceOptions& option
   if (format == SourceFormat::kText) {
     const std::string text = read_file(path, "text file");
     if (options.text_separator.empty()) {
-      if (!text.empty()) fn(text);
+      if (!text.empty() || !options.skip_empty) fn(text);
       return;
     }
     std::string_view rest = text;
     while (!rest.empty()) {
       const size_t p = rest.find(options.text_separator);
       const std::string_view doc = rest.substr(0, p);
-      if (!doc.empty()) fn(doc);
+      if (!doc.empty() || !options.skip_empty) fn(doc);
       if (p == std::string_view::npos) break;
       rest.remove_prefix(p + options.text_separator.size());
     }
@@ -157,7 +157,7 @@ void for_each_text_document(const std::string& path, const SourceOptions& option
                  ": no string field '", options.jsonl_field, "' (each JSONL line must be an object with the",
                  " document text in that field; choose the field with the jsonl_field option)");
     const std::string& text = field->get_ref<const std::string&>();
-    if (!text.empty()) fn(text);
+    if (!text.empty() || !options.skip_empty) fn(text);
   }
 }
 

@@ -42,6 +42,7 @@ const char* source_format_name(SourceFormat format);
 struct SourceOptions {
   std::string text_separator;        // empty: one text file is one document
   std::string jsonl_field = "text";  // the JSONL field holding a document's text
+  bool skip_empty = true;            // false: empty documents are passed on too (as "")
 };
 
 // The files named by input specs (file, directory or glob), sorted within each spec, in spec

@@ -61,7 +61,7 @@ std::vector<int64_t> parse_ids(const std::string& text, const std::string& where
 struct SourceArgs {
   std::string text_separator;
   std::string jsonl_field = "text";
-  data::SourceOptions options() const { return {text_separator, jsonl_field}; }
+  data::SourceOptions options() const { return {text_separator, jsonl_field, true}; }
 };
 
 void add_source_options(CLI::App* cmd, SourceArgs& args) {
@@ -142,6 +142,7 @@ void register_encode(CLI::App* parent) {
     if (jsonl->count()) {
       data::SourceOptions options;
       options.jsonl_field = args->field;
+      options.skip_empty = false;  // one output line per input line
       LOOM_REQUIRE_USAGE(data::detect_format(args->jsonl) == data::SourceFormat::kJsonl, "--jsonl '",
                          args->jsonl, "' must be a .jsonl file");
       data::for_each_text_document(args->jsonl, options, [&](std::string_view doc) {

@@ -2,7 +2,10 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <charconv>
+#include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -170,18 +173,42 @@ std::vector<std::string> all_key_names() {
   return names;
 }
 
+// A TOML basic string: double quotes, backslash escapes for quotes, backslashes and controls.
 std::string toml_string(std::string_view s) {
-  std::ostringstream os;
-  os << toml::value<std::string>(std::string(s));
-  return os.str();
+  std::string out = "\"";
+  for (const char ch : s) {
+    switch (ch) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\b': out += "\\b"; break;
+      case '\t': out += "\\t"; break;
+      case '\n': out += "\\n"; break;
+      case '\f': out += "\\f"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04X",
+                        static_cast<unsigned>(static_cast<unsigned char>(ch)));
+          out += buf;
+        } else {
+          out += ch;
+        }
+    }
+  }
+  return out + "\"";
 }
 
+// The shortest %g form that reads back to exactly `v` ("0.0008", "1e-08", "3.0"), as TOML.
 std::string format_double(double v) {
   if (std::isnan(v)) return "nan";
   if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
   char buf[64];
-  const auto result = std::to_chars(buf, buf + sizeof(buf), v);  // shortest exact round trip
-  std::string s(buf, result.ptr);
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::string s(buf);
   if (s.find_first_of(".e") == std::string::npos) s += ".0";
   return s;
 }
@@ -192,11 +219,15 @@ bool is_positive_integer(std::string_view s) {
   return ec == std::errc() && ptr == s.data() + s.size() && v > 0;
 }
 
-std::string join_choices(const std::vector<std::string_view>& choices) {
+// "a", "b" or "c" (with `last` as a final unquoted alternative when non-empty).
+std::string join_choices(const std::vector<std::string_view>& choices, std::string_view last = {}) {
+  std::vector<std::string> items;
+  for (std::string_view c : choices) items.push_back(toml_string(c));
+  if (!last.empty()) items.emplace_back(last);
   std::string out;
-  for (size_t i = 0; i < choices.size(); ++i) {
-    if (i > 0) out += i + 1 == choices.size() ? " or " : ", ";
-    out += toml_string(choices[i]);
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i > 0) out += i + 1 == items.size() ? " or " : ", ";
+    out += items[i];
   }
   return out;
 }
@@ -208,8 +239,9 @@ void check_choice(const ConfigKey& key, const std::string& value, const std::str
     if (value == c) return;
   }
   if (key.integer_allowed && is_positive_integer(value)) return;
-  fail_usage("config key '", key.name(), "' must be ", join_choices(key.choices),
-             key.integer_allowed ? " or a positive integer" : "", ", got ", toml_string(value), " in ",
+  fail_usage("config key '", key.name(), "' must be ",
+             join_choices(key.choices, key.integer_allowed ? "a positive integer" : ""), ", got ",
+             toml_string(value), " in ",
              where, " (did you mean ", toml_string(nearest(value, key.choices)), "?)");
 }
 
@@ -414,7 +446,9 @@ JobConfig parse_config_toml(std::string_view toml_text, const std::string& origi
   try {
     root = toml::parse(toml_text, origin);
   } catch (const toml::parse_error& e) {
-    fail_usage("malformed TOML in ", location(e.source(), origin), ": ", e.description());
+    std::string description(e.description());
+    std::replace(description.begin(), description.end(), '\n', ' ');  // keep the error one line
+    fail_usage("malformed TOML in ", location(e.source(), origin), ": ", description);
   }
   JobConfig config;
   for (auto&& [section_key, section_node] : root) {
@@ -571,6 +605,23 @@ int64_t gradient_accumulation_steps(const JobConfig& config, int64_t data_parall
                      config.training.local_batch_size, " x ", data_parallel_degree, " = ",
                      per_step, "); set it to a multiple of ", per_step, " or to -1");
   return global / per_step;
+}
+
+optim::AdamWOptions adamw_options(const JobConfig& config) {
+  const OptimizerSection& o = config.optimizer;
+  return optim::AdamWOptions{.lr = o.lr,
+                             .beta1 = o.beta1,
+                             .beta2 = o.beta2,
+                             .eps = o.eps,
+                             .implementation = optim::parse_adamw_implementation(o.implementation)};
+}
+
+optim::LRScheduleOptions lr_schedule_options(const JobConfig& config) {
+  const LRSchedulerSection& s = config.lr_scheduler;
+  return optim::LRScheduleOptions{.warmup_steps = s.warmup_steps,
+                                  .decay_ratio = s.decay_ratio,
+                                  .decay_type = optim::parse_decay_type(s.decay_type),
+                                  .min_lr_factor = s.min_lr_factor};
 }
 
 size_t edit_distance(std::string_view a, std::string_view b) {

@@ -15,12 +15,17 @@
 #include <variant>
 #include <vector>
 
+#include "loom/optim/adamw.h"
+#include "loom/optim/lr_scheduler.h"
+
 namespace loom::train {
 
 struct JobSection {
   std::string dump_folder = "outputs";
   std::string description = "default job";
   bool print_config = false;
+
+  bool operator==(const JobSection&) const = default;
 };
 
 struct ModelSection {
@@ -28,6 +33,8 @@ struct ModelSection {
   std::string flavor = "debugmodel";
   std::string tokenizer_path = "data/default/tokenizer.json";
   int64_t vocab_size = 0;  // 0 = the tokenizer's vocabulary size
+
+  bool operator==(const ModelSection&) const = default;
 };
 
 struct OptimizerSection {
@@ -38,6 +45,8 @@ struct OptimizerSection {
   double beta2 = 0.95;
   double weight_decay = 0.1;
   std::string implementation = "fused";  // "fused" | "foreach"
+
+  bool operator==(const OptimizerSection&) const = default;
 };
 
 struct LRSchedulerSection {
@@ -47,6 +56,8 @@ struct LRSchedulerSection {
   std::optional<double> decay_ratio;
   std::string decay_type = "linear";  // "linear" | "sqrt" | "cosine"
   double min_lr_factor = 0.0;
+
+  bool operator==(const LRSchedulerSection&) const = default;
 };
 
 struct TrainingSection {
@@ -61,6 +72,8 @@ struct TrainingSection {
   bool deterministic = false;
   std::string mixed_precision_param = "float32";   // "float32" | "bfloat16"
   std::string mixed_precision_reduce = "float32";  // "float32" | "bfloat16"
+
+  bool operator==(const TrainingSection&) const = default;
 };
 
 struct ParallelismSection {
@@ -70,10 +83,14 @@ struct ParallelismSection {
   int64_t tensor_parallel_degree = 1;
   int64_t context_parallel_degree = 1;
   int64_t pipeline_parallel_degree = 1;
+
+  bool operator==(const ParallelismSection&) const = default;
 };
 
 struct ActivationCheckpointSection {
   std::string mode = "none";  // "none" | "full" | "selective"
+
+  bool operator==(const ActivationCheckpointSection&) const = default;
 };
 
 struct MetricsSection {
@@ -81,6 +98,8 @@ struct MetricsSection {
   bool enable_jsonl = true;
   bool enable_tensorboard = false;
   double peak_flops = 0.0;  // FLOP/s per rank for MFU; 0 = measure this machine's fp32 GEMM peak
+
+  bool operator==(const MetricsSection&) const = default;
 };
 
 struct CheckpointSection {
@@ -92,10 +111,14 @@ struct CheckpointSection {
   bool model_only = false;
   std::string export_dtype = "float32";  // "float32" | "bfloat16" | "float16"
   std::string initial_load_path;         // empty = none
+
+  bool operator==(const CheckpointSection&) const = default;
 };
 
 struct CommSection {
   int64_t timeout_seconds = 300;
+
+  bool operator==(const CommSection&) const = default;
 };
 
 struct JobConfig {
@@ -166,6 +189,11 @@ void validate(const JobConfig& config);
 // Gradient-accumulation steps per optimizer step for `data_parallel_degree` ranks: 1 when
 // training.global_batch_size is -1, else global / (local x dp), which must divide exactly.
 int64_t gradient_accumulation_steps(const JobConfig& config, int64_t data_parallel_degree);
+
+// The optimizer and LR-schedule options a config asks for. Weight decay is per parameter group:
+// pass optimizer.weight_decay to optim::weight_decay_param_groups.
+optim::AdamWOptions adamw_options(const JobConfig& config);
+optim::LRScheduleOptions lr_schedule_options(const JobConfig& config);
 
 // Levenshtein distance (exposed for tests).
 size_t edit_distance(std::string_view a, std::string_view b);

@@ -265,8 +265,8 @@ TEST(Tokenizer, RoundTripsTrickyText) {
   EXPECT_EQ(gpt2.eos_id(), 598);
   EXPECT_EQ(gpt2.bos_id(), 597);
   EXPECT_EQ(gpt2.pad_id(), 599);
-  // The merges compress: fewer tokens than bytes on English text.
-  EXPECT_LT(gpt2.encode(head).size() * 2, head.size());
+  // 341 merges already compress English text to under 2/3 of a token per byte.
+  EXPECT_LT(gpt2.encode(head).size() * 3, head.size() * 2);
 }
 
 TEST(Tokenizer, RejectsBadFiles) {

@@ -157,9 +157,9 @@ TEST(Config, FileErrorsAreOneLineWithLocationAndSuggestion) {
             "config key 'lr_scheduler.decay_type' must be \"linear\", \"sqrt\" or \"cosine\", got "
             "\"cosin\" in configs/x.toml:2:14 (did you mean \"cosine\"?)");
   EXPECT_EQ(usage_error([] { parse("[parallelism]\nfsdp_reshard_after_forward = \"sometimes\"\n"); }),
-            "config key 'parallelism.fsdp_reshard_after_forward' must be \"default\", \"always\" or "
+            "config key 'parallelism.fsdp_reshard_after_forward' must be \"default\", \"always\", "
             "\"never\" or a positive integer, got \"sometimes\" in configs/x.toml:2:30 (did you "
-            "mean \"always\"?)");
+            "mean \"never\"?)");
 
   const std::string malformed = usage_error([] { parse("[training]\nsteps = = 3\n"); });
   EXPECT_EQ(malformed.rfind("malformed TOML in configs/x.toml:2:", 0), 0u) << malformed;
@@ -245,6 +245,8 @@ TEST(Config, ToTomlRoundTrips) {
   EXPECT_NE(text.find("[training]\n"), std::string::npos);
   EXPECT_NE(text.find("\nlr = 0.1\n"), std::string::npos) << text;
   EXPECT_NE(text.find("\nmax_norm = 3.0\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("\neps = 1e-12\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("\nbeta2 = 0.95\n"), std::string::npos) << text;
   EXPECT_NE(text.find("\nfsdp_reshard_after_forward = 2\n"), std::string::npos) << text;
 
   // An unset optional is written as a comment and read back as unset.
@@ -269,6 +271,22 @@ TEST(Config, DocsDescribeEveryKey) {
     EXPECT_NE(doc.str().find("`" + key.name() + "`"), std::string::npos)
         << key.name() << " is not documented in docs/config.md";
   }
+}
+
+TEST(Config, OptimizerAndScheduleOptions) {
+  const JobConfig c = load_job_config(kSource + "/configs/llama3_debug.toml",
+                                      {"--optimizer.implementation=foreach",
+                                       "--lr_scheduler.decay_ratio=0.3"});
+  const optim::AdamWOptions adamw = adamw_options(c);
+  EXPECT_DOUBLE_EQ(adamw.lr, 8e-4);
+  EXPECT_DOUBLE_EQ(adamw.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(adamw.eps, 1e-8);
+  EXPECT_EQ(adamw.implementation, optim::AdamWImplementation::kForeach);
+  const optim::LRScheduleOptions schedule = lr_schedule_options(c);
+  EXPECT_EQ(schedule.warmup_steps, 10);
+  EXPECT_EQ(schedule.decay_ratio, 0.3);
+  EXPECT_EQ(schedule.decay_type, optim::DecayType::kCosine);
+  EXPECT_DOUBLE_EQ(schedule.min_lr_factor, 0.1);
 }
 
 TEST(Config, EditDistance) {

@@ -32,7 +32,7 @@ at::Tensor ramp(int64_t n, int r, at::ScalarType dtype) {
 }
 
 void scenario_all_reduce(Distributed& dist) {
-  const auto& world = *dist.world();
+  Comm& world = *dist.world();
   const int w = world.size(), r = world.rank();
   const double sum_factor = w * (w + 1) / 2.0;
   for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kLong, at::kInt}) {
@@ -58,7 +58,7 @@ void scenario_all_reduce(Distributed& dist) {
 }
 
 void scenario_all_gather(Distributed& dist) {
-  const auto& world = *dist.world();
+  Comm& world = *dist.world();
   const int w = world.size(), r = world.rank();
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong}) {
     at::Tensor in = (at::arange(3, at::kDouble) + 10 * r).to(dtype);
@@ -79,7 +79,7 @@ void scenario_all_gather(Distributed& dist) {
 }
 
 void scenario_reduce_scatter(Distributed& dist) {
-  const auto& world = *dist.world();
+  Comm& world = *dist.world();
   const int w = world.size(), r = world.rank();
   const double sum_factor = w * (w + 1) / 2.0;
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong}) {
@@ -103,7 +103,7 @@ void scenario_reduce_scatter(Distributed& dist) {
 }
 
 void scenario_broadcast(Distributed& dist) {
-  const auto& world = *dist.world();
+  Comm& world = *dist.world();
   const int w = world.size(), r = world.rank();
   for (int root : {0, w - 1}) {
     at::Tensor t = r == root ? at::arange(8, at::kFloat) * (root + 1) : at::zeros({8}, at::kFloat);
@@ -116,7 +116,7 @@ void scenario_broadcast(Distributed& dist) {
 }
 
 void scenario_all_to_all(Distributed& dist) {
-  const auto& world = *dist.world();
+  Comm& world = *dist.world();
   const int w = world.size(), r = world.rank();
   // Even: rank r sends rows {100r + j, 100r + j} to rank j.
   at::Tensor in = (100 * r + at::arange(w, at::kFloat)).repeat_interleave(2).reshape({w, 2});
@@ -141,7 +141,7 @@ void scenario_all_to_all(Distributed& dist) {
 }
 
 void scenario_send_recv(Distributed& dist) {
-  const auto& world = *dist.world();
+  Comm& world = *dist.world();
   const int w = world.size(), r = world.rank();
   at::Tensor mine = at::full({5}, r, at::kFloat);
   at::Tensor from_prev = at::empty({5}, at::kFloat);
@@ -158,7 +158,7 @@ void check_mesh_dims(const DeviceMesh& mesh, const std::vector<std::string>& nam
   const int r = mesh.rank();
   for (const auto& name : names) {
     const std::vector<int> expected = expected_groups.at(name);
-    const auto& comm = *mesh.comm(name);
+    Comm& comm = *mesh.comm(name);
     LOOM_REQUIRE(mesh.group_ranks(name) == expected, "dim ", name, " group ", comm.describe(),
                  " differs from the expected layout");
     const int local = static_cast<int>(std::find(expected.begin(), expected.end(), r) - expected.begin());
@@ -211,7 +211,7 @@ void scenario_mesh_2x2(Distributed& dist) {
 }
 
 void scenario_accounting(Distributed& dist) {
-  const auto& world = *dist.world();
+  Comm& world = *dist.world();
   const int64_t w = world.size();
   comm_stats().reset();
   flight_recorder().clear();
@@ -280,7 +280,7 @@ void scenario_accounting(Distributed& dist) {
 }
 
 void scenario_flight_recorder(Distributed& dist) {
-  const auto& world = *dist.world();
+  Comm& world = *dist.world();
   LOOM_REQUIRE(world.size() == 2, "flight_recorder needs 2 ranks");
   flight_recorder().clear();
   flight_recorder().set_capacity(4);
@@ -316,7 +316,7 @@ void scenario_flight_recorder(Distributed& dist) {
 // Rank 1 fails; the others block in a collective that can never complete. The launcher must
 // report rank 1 and stop the rest.
 void scenario_fail_rank1(Distributed& dist) {
-  const auto& world = *dist.world();
+  Comm& world = *dist.world();
   world.barrier();
   if (world.rank() == 1) {
     std::printf("rank 1 exiting with code 3\n");

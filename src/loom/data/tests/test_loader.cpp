@@ -1,0 +1,319 @@
+// Document sources, token files, packing and the data-parallel loader.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "loom/core/error.h"
+#include "loom/data/bpe_trainer.h"
+#include "loom/data/loader.h"
+#include "loom/data/sources.h"
+#include "loom/data/tokenizer.h"
+
+namespace fs = std::filesystem;
+using namespace loom::data;
+
+namespace {
+
+fs::path temp_dir() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  fs::path dir = fs::temp_directory_path() /
+                 c10::str("loom_data_", ::getpid(), "_", info->test_suite_name(), "_", info->name());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+void write(const fs::path& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
+
+template <typename Fn>
+void expect_error(Fn&& fn, std::initializer_list<std::string> parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "no loom::Error thrown";
+  } catch (const loom::Error& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    for (const std::string& p : parts) EXPECT_NE(message.find(p), std::string::npos) << message << " lacks " << p;
+  }
+}
+
+constexpr int64_t kBos = 1000, kEos = 1001;
+
+// Documents of random lengths 1..max_len with ids in [0, 1000).
+std::vector<std::vector<int64_t>> random_documents(int count, int max_len, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int64_t>> docs(count);
+  for (auto& d : docs) {
+    d.resize(1 + rng() % max_len);
+    for (auto& t : d) t = rng() % 1000;
+  }
+  return docs;
+}
+
+std::vector<int64_t> packed_stream(const std::vector<std::vector<int64_t>>& docs) {
+  std::vector<int64_t> s;
+  for (const auto& d : docs) {
+    s.push_back(kBos);
+    s.insert(s.end(), d.begin(), d.end());
+    s.push_back(kEos);
+  }
+  return s;
+}
+
+// Runs `steps` steps of `world` ranks, each with local batch `batch`, and returns the global
+// batch of each step: the ranks' rows concatenated in rank order, [world*batch, seq_len].
+std::vector<torch::Tensor> global_batches(const std::shared_ptr<const TokenCorpus>& corpus, int64_t seq_len,
+                                          int64_t world, int64_t batch, int steps,
+                                          const nlohmann::json* resume = nullptr) {
+  std::vector<DataLoader> ranks;
+  for (int64_t r = 0; r < world; ++r) {
+    ranks.emplace_back(corpus, DataLoaderOptions{seq_len, batch, r, world});
+    if (resume) ranks.back().load_state_dict(*resume);
+  }
+  std::vector<torch::Tensor> out;
+  for (int s = 0; s < steps; ++s) {
+    std::vector<torch::Tensor> parts;
+    for (auto& loader : ranks) {
+      const Batch b = loader.next();
+      parts.push_back(torch::stack({b.inputs, b.labels, b.positions, b.document_ids}));
+    }
+    out.push_back(torch::cat(parts, 1));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(Packing, RowsFollowTheDocumentStream) {
+  const auto docs = random_documents(30, 40, 1);
+  const auto stream = packed_stream(docs);
+  const auto corpus = TokenCorpus::from_documents(docs, kBos, kEos);
+  EXPECT_EQ(corpus->num_documents(), 30);
+  EXPECT_EQ(corpus->stream_length(), static_cast<int64_t>(stream.size()));
+  const int64_t seq_len = 16;
+  DataLoader loader(corpus, {seq_len, 3, 0, 1});
+  const int64_t rows = static_cast<int64_t>(stream.size()) / (seq_len + 1);
+  EXPECT_EQ(loader.packer().rows_per_epoch(), rows);
+  // Position of every stream token in its document, to check the positions.
+  std::vector<int64_t> position;
+  for (const auto& d : docs) {
+    for (size_t i = 0; i < d.size() + 2; ++i) position.push_back(static_cast<int64_t>(i));
+  }
+  int64_t row = 0;
+  while (row + 3 <= rows) {
+    const Batch b = loader.next();
+    ASSERT_EQ(b.inputs.sizes(), (std::vector<int64_t>{3, seq_len}));
+    ASSERT_EQ(b.inputs.scalar_type(), torch::kInt64);
+    for (int64_t i = 0; i < 3; ++i, ++row) {
+      const int64_t base = row * (seq_len + 1);
+      int64_t doc = 0;
+      for (int64_t t = 0; t < seq_len; ++t) {
+        EXPECT_EQ(b.inputs[i][t].item<int64_t>(), stream[base + t]);
+        EXPECT_EQ(b.labels[i][t].item<int64_t>(), stream[base + t + 1]);
+        EXPECT_EQ(b.positions[i][t].item<int64_t>(), position[base + t]);
+        if (t > 0 && stream[base + t] == kBos) ++doc;
+        EXPECT_EQ(b.document_ids[i][t].item<int64_t>(), doc);
+      }
+    }
+  }
+}
+
+TEST(Loader, DataParallelSlicesEqualOneProcess) {
+  const auto corpus = TokenCorpus::from_documents(random_documents(200, 60, 2), kBos, kEos);
+  // 2 ranks x batch 3 == 1 rank x batch 6, row for row, over more than one epoch.
+  const int steps = static_cast<int>(corpus->stream_length() / (33 * 6)) + 5;
+  const auto one = global_batches(corpus, 32, 1, 6, steps);
+  const auto two = global_batches(corpus, 32, 2, 3, steps);
+  const auto three = global_batches(corpus, 32, 3, 2, steps);
+  for (int s = 0; s < steps; ++s) {
+    ASSERT_TRUE(torch::equal(one[s], two[s])) << "step " << s;
+    ASSERT_TRUE(torch::equal(one[s], three[s])) << "step " << s;
+  }
+}
+
+TEST(Loader, EpochsRepeatTheRows) {
+  const auto corpus = TokenCorpus::from_documents(random_documents(10, 20, 3), kBos, kEos);
+  DataLoader loader(corpus, {8, 1, 0, 1});
+  const int64_t rows = loader.packer().rows_per_epoch();
+  std::vector<torch::Tensor> first;
+  for (int64_t r = 0; r < rows; ++r) first.push_back(loader.next().inputs);
+  EXPECT_EQ(loader.epoch(), 1);
+  for (int64_t r = 0; r < rows; ++r) ASSERT_TRUE(torch::equal(loader.next().inputs, first[r])) << r;
+  EXPECT_EQ(loader.epoch(), 2);
+  EXPECT_EQ(loader.rows_consumed(), 2 * rows);
+}
+
+TEST(Loader, ResumesExactlyAndAcrossLayouts) {
+  const auto corpus = TokenCorpus::from_documents(random_documents(100, 50, 4), kBos, kEos);
+  const auto reference = global_batches(corpus, 24, 1, 4, 12);
+  // Save after 5 steps with 2 ranks x 2.
+  std::vector<DataLoader> ranks;
+  for (int64_t r = 0; r < 2; ++r) ranks.emplace_back(corpus, DataLoaderOptions{24, 2, r, 2});
+  for (int s = 0; s < 5; ++s) {
+    for (auto& l : ranks) l.next();
+  }
+  const nlohmann::json state = ranks[0].state_dict();
+  EXPECT_EQ(state, ranks[1].state_dict());
+  EXPECT_EQ(state.at("rows_consumed").get<int64_t>(), 20);
+  // The state goes through its text form, as in a checkpoint.
+  const nlohmann::json restored = nlohmann::json::parse(state.dump());
+  for (auto [world, batch] : {std::pair<int64_t, int64_t>{2, 2}, {1, 4}, {4, 1}}) {
+    const auto resumed = global_batches(corpus, 24, world, batch, 7, &restored);
+    for (int s = 0; s < 7; ++s) ASSERT_TRUE(torch::equal(resumed[s], reference[5 + s])) << world << "x" << batch;
+  }
+  DataLoader other_len(corpus, {16, 2, 0, 1});
+  expect_error([&] { other_len.load_state_dict(restored); }, {"seq_len 24", "16"});
+  const auto other_data = TokenCorpus::from_documents(random_documents(10, 50, 5), kBos, kEos);
+  DataLoader other(other_data, {24, 2, 0, 1});
+  expect_error([&] { other.load_state_dict(restored); }, {"corpus of", "same data"});
+}
+
+TEST(Loader, RejectsBadOptions) {
+  const auto corpus = TokenCorpus::from_documents({{1, 2, 3}}, kBos, kEos);
+  expect_error([&] { DataLoader(corpus, {64, 1, 0, 1}); }, {"fewer than one row", "65"});
+  expect_error([&] { DataLoader(corpus, {2, 1, 2, 2}); }, {"rank 2", "[0, 2)"});
+  expect_error([&] { DataLoader(corpus, {2, 0, 0, 1}); }, {"batch size"});
+}
+
+TEST(TokenFile, RoundTripsBothWidths) {
+  const fs::path dir = temp_dir();
+  for (int64_t vocab : {int64_t{1002}, int64_t{100000}}) {
+    auto docs = random_documents(50, 30, 6);
+    if (vocab > 65536) docs[0].push_back(99999);  // needs 32 bits
+    const std::string path = (dir / c10::str("tokens_", vocab, ".bin")).string();
+    {
+      TokenFileWriter writer(path, vocab, kBos, kEos);
+      for (const auto& d : docs) writer.add_document(d);
+      writer.add_document({});  // skipped
+      writer.close();
+    }
+    TokenFile file(path);
+    EXPECT_EQ(file.header().bytes_per_token, vocab > 65536 ? 4u : 2u);
+    EXPECT_EQ(file.header().num_documents, 50);
+    EXPECT_EQ(file.header().bos_id, kBos);
+    EXPECT_EQ(file.header().eos_id, kEos);
+    EXPECT_EQ(file.documents(), docs);
+    EXPECT_EQ(fs::file_size(path), static_cast<uintmax_t>(64 + file.size() * file.header().bytes_per_token));
+    // A corpus over the mapped file packs exactly like the same documents in memory.
+    const auto mapped = TokenCorpus::load({path}, nullptr);
+    const auto memory = TokenCorpus::from_documents(docs, kBos, kEos);
+    ASSERT_EQ(mapped->stream_length(), memory->stream_length());
+    DataLoader a(mapped, {20, 4, 0, 1}), b(memory, {20, 4, 0, 1});
+    for (int s = 0; s < 10; ++s) {
+      const Batch x = a.next(), y = b.next();
+      ASSERT_TRUE(torch::equal(x.inputs, y.inputs) && torch::equal(x.positions, y.positions) &&
+                  torch::equal(x.document_ids, y.document_ids));
+    }
+  }
+  {
+    TokenFileWriter writer((dir / "bad.bin").string(), 1002, kBos, kEos);
+    expect_error([&] { writer.add_document({5, 2000}); }, {"token id 2000", "[0, 1002)"});
+  }
+  EXPECT_FALSE(fs::exists(dir / "bad.bin"));  // never closed: nothing left behind
+  EXPECT_FALSE(fs::exists(dir / "bad.bin.tmp"));
+  fs::remove_all(dir);
+}
+
+TEST(TokenFile, RejectsCorruptFiles) {
+  const fs::path dir = temp_dir();
+  const std::string good = (dir / "good.bin").string();
+  {
+    TokenFileWriter writer(good, 1002, kBos, kEos);
+    writer.add_document({1, 2, 3});
+    writer.close();
+  }
+  std::string bytes;
+  {
+    std::ifstream in(good, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  write(dir / "truncated.bin", bytes.substr(0, bytes.size() - 2));
+  expect_error([&] { TokenFile((dir / "truncated.bin").string()); }, {"truncated.bin", "truncated or corrupt"});
+  std::string wrong_magic = bytes;
+  wrong_magic[0] = 'X';
+  write(dir / "magic.bin", wrong_magic);
+  expect_error([&] { TokenFile((dir / "magic.bin").string()); }, {"magic.bin", "no LOOMTOK magic"});
+  std::string newer = bytes;
+  newer[8] = 9;
+  write(dir / "newer.bin", newer);
+  expect_error([&] { TokenFile((dir / "newer.bin").string()); }, {"newer.bin", "version 9"});
+  write(dir / "short.bin", "LOOM");
+  expect_error([&] { TokenFile((dir / "short.bin").string()); }, {"short.bin", "shorter than the header"});
+  fs::remove_all(dir);
+}
+
+TEST(Sources, TextJsonlAndInputSpecs) {
+  const fs::path dir = temp_dir();
+  fs::create_directories(dir / "sub");
+  write(dir / "a.txt", "first doc\n\nsecond doc\n\n");
+  write(dir / "sub/b.jsonl", "{\"content\": \"x\\ny\", \"id\": 1}\n\n{\"content\": \"z\"}\n");
+  write(dir / "sub/.hidden", "ignored");
+  auto documents = [](const std::string& path, const SourceOptions& o) {
+    std::vector<std::string> docs;
+    for_each_text_document(path, o, [&](std::string_view d) { docs.emplace_back(d); });
+    return docs;
+  };
+  EXPECT_EQ(documents((dir / "a.txt").string(), {}), (std::vector<std::string>{"first doc\n\nsecond doc\n\n"}));
+  EXPECT_EQ(documents((dir / "a.txt").string(), {"\n\n", "text"}),
+            (std::vector<std::string>{"first doc", "second doc"}));
+  EXPECT_EQ(documents((dir / "sub/b.jsonl").string(), {"", "content"}), (std::vector<std::string>{"x\ny", "z"}));
+  expect_error([&] { documents((dir / "sub/b.jsonl").string(), {}); }, {"b.jsonl:1", "no string field 'text'"});
+  write(dir / "bad.jsonl", "{\"text\": \"ok\"}\n{\"text\": \"ok\"}\n{\"txt\": \"oops\"}\n");
+  expect_error([&] { documents((dir / "bad.jsonl").string(), {}); }, {"bad.jsonl:3", "no string field 'text'"});
+  write(dir / "broken.jsonl", "{\"text\": \"ok\"}\n{\"text\": \n");
+  expect_error([&] { documents((dir / "broken.jsonl").string(), {}); }, {"broken.jsonl:2", "not valid JSON"});
+
+  const auto all = resolve_inputs({dir.string()});
+  EXPECT_EQ(all, (std::vector<std::string>{(dir / "a.txt").string(), (dir / "bad.jsonl").string(),
+                                           (dir / "broken.jsonl").string(), (dir / "sub/b.jsonl").string()}));
+  EXPECT_EQ(resolve_inputs({(dir / "*.txt").string(), (dir / "a.txt").string()}),
+            (std::vector<std::string>{(dir / "a.txt").string()}));
+  expect_error([&] { resolve_inputs({(dir / "nope.txt").string()}); }, {"nope.txt", "does not exist"});
+  expect_error([&] { resolve_inputs({(dir / "*.parquet").string()}); }, {"*.parquet", "names no file"});
+  EXPECT_EQ(detect_format((dir / "a.txt").string()), SourceFormat::kText);
+  EXPECT_EQ(detect_format((dir / "sub/b.jsonl").string()), SourceFormat::kJsonl);
+  fs::remove_all(dir);
+}
+
+TEST(Sources, CorpusFromTextJsonlAndTokenFiles) {
+  const fs::path dir = temp_dir();
+  BpeTrainerOptions options;
+  options.vocab_size = 300;
+  BpeTrainer trainer(options);
+  const std::vector<std::string> texts = {"the cat sat on the mat", "the dog sat on the log", "a cat and a dog"};
+  for (const auto& t : texts) trainer.add_text(t);
+  trainer.train();
+  trainer.save((dir / "tokenizer.json").string());
+  const Tokenizer tok = Tokenizer::from_file((dir / "tokenizer.json").string());
+
+  write(dir / "0.jsonl", "{\"text\": \"" + texts[0] + "\"}\n{\"text\": \"" + texts[1] + "\"}\n");
+  {
+    TokenFileWriter writer((dir / "1.bin").string(), tok.vocab_size(), tok.bos_id(), tok.eos_id());
+    writer.add_document(tok.encode(texts[2]));
+    writer.close();
+  }
+  const auto corpus = TokenCorpus::load({dir.string() + "/*.jsonl", (dir / "1.bin").string()}, &tok);
+  ASSERT_EQ(corpus->num_documents(), 3);
+  std::vector<int64_t> expected;
+  for (const auto& t : texts) {
+    const auto ids = tok.encode(t, true, true);
+    expected.insert(expected.end(), ids.begin(), ids.end());
+  }
+  std::vector<int64_t> tokens(expected.size()), positions(expected.size()), docs(expected.size());
+  corpus->read_stream(0, static_cast<int64_t>(expected.size()), tokens.data(), positions.data(), docs.data());
+  EXPECT_EQ(tokens, expected);
+  EXPECT_EQ(docs.back(), 2);
+
+  expect_error([&] { TokenCorpus::load({(dir / "0.jsonl").string()}, nullptr); }, {"0.jsonl", "needs a tokenizer"});
+  {
+    TokenFileWriter writer((dir / "other.bin").string(), 5000, 1, 2);
+    writer.add_document({7});
+    writer.close();
+  }
+  expect_error([&] { TokenCorpus::load({(dir / "other.bin").string()}, &tok); },
+               {"other.bin", "vocab size 5000", "pretokenize"});
+  fs::remove_all(dir);
+}

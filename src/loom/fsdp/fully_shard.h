@@ -1,0 +1,221 @@
+// fully_shard: Loom's FSDP, applied from outside the model like PyTorch FSDP2's fully_shard, with
+// veScale-FSDP's flat, planner-laid-out buffers underneath (one DistributedBuffer per group, see
+// distributed_buffer.h and param_group.h).
+//
+// Usage (TorchTitan's apply_fsdp, see models/llama3/parallelize.h):
+//   FSDPMesh mesh = make_fsdp_mesh(device_mesh, policy);
+//   for (block : model.layers) fully_shard(block, mesh, policy);
+//   auto fsdp = fully_shard(model, mesh, policy);   // the root: owns what the blocks do not
+//   ... forward / backward as usual ...
+//   fsdp->finalize_backward();   // waits for the reduce-scatters (the optimizer calls it too)
+//
+// Each fully_shard call makes one group out of the module's parameters not owned by an
+// already-sharded descendant. Its forward pre-hook all-gathers the group (and prefetches the next
+// group's all-gather), its forward post-hook frees the unsharded parameters (ZeRO-3), keeps them
+// (ZeRO-2) or keeps a 1/N shard (hpZ) and registers a hook on the output's gradient that
+// re-gathers the group before its backward (prefetching the group whose backward comes next).
+// Gradients accumulate straight into the flat unsharded gradient buffer; when the group's last
+// gradient has arrived its reduce-scatter is issued asynchronously and overlaps the backward of
+// the groups before it. The outermost FSDP module is the root: its parameters stay unsharded from
+// forward to backward (they are needed first), it casts the output to fp32 under mixed precision,
+// and at the end of backward it issues anything still outstanding.
+//
+// Model code must run forward through the modules' forward() (call_with_hooks); calling pieces
+// of a model directly bypasses the hooks: use unshard()/reshard() explicitly then.
+#pragma once
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loom/dist/device_mesh.h"
+#include "loom/fsdp/param_group.h"
+#include "loom/fsdp/planner.h"
+#include "loom/nn/module.h"
+#include "loom/optim/optimizer.h"
+
+namespace loom::fsdp {
+
+// What happens to a group's parameters after its forward:
+//   always()       free them; backward all-gathers again over the W shard ranks (ZeRO-3);
+//   never()        keep them unsharded until after backward (ZeRO-2);
+//   degree(N)      keep a 1/N shard, so backward all-gathers over N ranks only (hpZ); N must
+//                  divide W (N = W is always(), N = 1 is never()).
+class ReshardAfterForward {
+ public:
+  static ReshardAfterForward always() { return ReshardAfterForward(-1); }
+  static ReshardAfterForward never() { return ReshardAfterForward(0); }
+  static ReshardAfterForward degree(int n);
+  // "true" | "false" | "always" | "never" | an integer N >= 1.
+  static ReshardAfterForward parse(const std::string& text);
+
+  bool is_degree() const { return value_ > 0; }
+  int degree() const { return value_; }
+  std::string str() const;
+  friend bool operator==(const ReshardAfterForward&, const ReshardAfterForward&) = default;
+
+ private:
+  explicit ReshardAfterForward(int value) : value_(value) {}
+  int value_;  // -1 always, 0 never, N > 0 degree
+};
+
+struct MixedPrecisionPolicy {
+  // All-gathered parameters and the forward/backward compute use param_dtype; gradients are
+  // accumulated and reduced in reduce_dtype. The shards (and the optimizer) keep the parameters'
+  // own dtype.
+  c10::ScalarType param_dtype = torch::kFloat32;
+  c10::ScalarType reduce_dtype = torch::kFloat32;
+  // The root casts floating-point outputs back to float32.
+  bool cast_root_output = true;
+};
+
+struct FSDPPolicy {
+  // Mesh dims (real or flattened) to shard over and, for HSDP, to replicate over. A dim absent
+  // from the mesh has size 1 when it is one ParallelDims drops at degree 1 (dp_shard,
+  // dp_shard_cp, dp_replicate); any other absent name is an error.
+  std::string shard_dim = "dp_shard";
+  std::string replicate_dim = "dp_replicate";
+  // The unit the planner must not cut across ranks (element, row, k-row block, whole).
+  tensor::Granularity granularity = tensor::Granularity::element();
+  PlannerOptions planner;
+  ReshardAfterForward reshard_after_forward = ReshardAfterForward::always();
+  MixedPrecisionPolicy mixed_precision;
+  // Gradients are summed over all data-parallel ranks and divided by this; default: their number
+  // (shard x replicate size), i.e. the mean, as DDP and FSDP2 do.
+  std::optional<double> gradient_divide_factor;
+  // Issue the next group's all-gather when a group starts its forward / backward (from the second
+  // forward on: the order is recorded during the first).
+  bool forward_prefetch = true;
+  bool backward_prefetch = true;
+};
+
+// The FSDP communication groups of `mesh` for `policy`; creates the hpZ sub-groups when the policy
+// asks for reshard_after_forward = N (every rank must call it, in the same order relative to other
+// group creation). Throws loom::UsageError for a dim the mesh lacks, for shard and replicate groups
+// that overlap (the mesh does not match the data-parallel degrees), or for an N not dividing the
+// shard size.
+FSDPMesh make_fsdp_mesh(const dist::DeviceMesh& mesh, const FSDPPolicy& policy);
+
+// One tensor of a sharded state dict: this rank's contiguous run of a tensor's row-major
+// elements, with what a checkpoint needs to place it.
+struct ShardedTensor {
+  std::string name;                   // e.g. "layers.0.attention.wq.weight" or "...exp_avg"
+  torch::Tensor local;                // a view into the shard (empty when this rank holds none)
+  std::vector<int64_t> global_shape;  // the full tensor's shape
+  int64_t global_offset = 0;          // row-major flat index in the full tensor of local's first element
+};
+
+class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
+ public:
+  ~FSDPModule();
+  FSDPModule(const FSDPModule&) = delete;
+  FSDPModule& operator=(const FSDPModule&) = delete;
+
+  nn::Module& module() const { return *module_; }
+  // Dotted path of the module from the outermost FSDP module ("" for it).
+  const std::string& fqn() const { return fqn_; }
+  // No FSDP module above this one.
+  bool is_root() const { return root_.expired(); }
+  // Null when every parameter of the module belongs to a descendant's group.
+  FSDPParamGroup* param_group() const { return group_.get(); }
+  // This module then every FSDP module below it, in module order.
+  std::vector<std::shared_ptr<FSDPModule>> states();
+  // The groups of states() that have parameters.
+  std::vector<FSDPParamGroup*> param_groups();
+  const FSDPPolicy& policy() const { return policy_; }
+  const FSDPMesh& mesh() const { return mesh_; }
+  // Fully qualified parameter name (from the outermost FSDP module) of `p` of `group`.
+  std::string param_fqn(const FSDPParamGroup& group, const FSDPParamGroup::Param& p);
+
+  // ---- Explicit control (whole subtree) ----
+  // All-gathers every group (all issued before any is waited for) and keeps them unsharded until
+  // reshard() or the next post-forward / post-backward reshard.
+  void unshard();
+  void reshard();
+  // Off: backward accumulates the unsharded gradients locally and issues no reduce-scatter
+  // (gradient accumulation without resync; the micro-batch with sync on reduces the sum).
+  void set_requires_gradient_sync(bool enabled);
+  bool requires_gradient_sync() const;
+
+  // ---- Training step ----
+  // Waits for every outstanding reduce-scatter (and HSDP all-reduce) and leaves every group
+  // resharded. Called by the sharded optimizer and clip_grad_norm_ too; cheap when nothing is
+  // outstanding.
+  void finalize_backward();
+  // Zeroes the gradient shards and drops unsharded gradients still accumulating.
+  void zero_grad();
+  // Global 2-norm of the gradients (shards summed over the shard group; HSDP replicas hold
+  // identical shards and are not counted twice), then scales them by min(1, max_norm / norm).
+  // Returns the norm before clipping.
+  torch::Tensor clip_grad_norm_(double max_norm);
+  // Same norm without clipping.
+  torch::Tensor grad_norm();
+
+  // ---- Values ----
+  // Every parameter's full value (the shards' dtype, normally fp32) by fully qualified name.
+  // Collective: every rank of the shard group must call it.
+  optim::TensorDict full_state_dict();
+  // Writes this rank's piece of every parameter named in `full` (fully qualified names; every
+  // parameter must be present). No communication.
+  void load_full_state_dict(const optim::TensorDict& full);
+  // Draws each parameter's full value with `fill(fqn, full)` (a CPU fp32 tensor of its shape, one
+  // at a time) and keeps this rank's piece: initialization without materializing the model.
+  void init_parameters(const std::function<void(const std::string& fqn, torch::Tensor& full)>& fill);
+  // This rank's piece of every parameter, with offsets.
+  std::vector<ShardedTensor> sharded_state_dict();
+
+  // ---- Memory (this rank) ----
+  int64_t sharded_bytes();              // parameter + gradient shards
+  int64_t unsharded_bytes_allocated();  // unsharded buffers held right now
+
+ private:
+  friend std::shared_ptr<FSDPModule> fully_shard(nn::Module&, const FSDPMesh&, const FSDPPolicy&,
+                                                 const std::string&);
+  struct RootContext;
+
+  FSDPModule(nn::Module& module, FSDPMesh mesh, FSDPPolicy policy);
+  void attach(std::vector<std::pair<std::string, std::shared_ptr<FSDPModule>>> descendants);
+  std::shared_ptr<FSDPModule> root();
+  RootContext& context();
+
+  torch::Tensor pre_forward(torch::Tensor input);
+  torch::Tensor post_forward(torch::Tensor output);
+  void pre_backward();
+  void post_backward();
+  void root_pre_forward();
+  void root_post_backward_callback();
+  void drain_reduces(FSDPParamGroup* through, FSDPParamGroup::Progress progress);
+  void poll_reduces();
+
+  nn::Module* module_;
+  FSDPMesh mesh_;
+  FSDPPolicy policy_;
+  std::string fqn_;
+  std::unique_ptr<FSDPParamGroup> group_;
+  std::weak_ptr<FSDPModule> root_;  // the outermost FSDP module above, unless this is it
+  // Every FSDP module below (with paths relative to this module), in module order.
+  std::vector<std::pair<std::string, std::shared_ptr<FSDPModule>>> descendants_;
+  std::unique_ptr<RootContext> context_;  // runtime state of the root's forward/backward
+  bool requires_gradient_sync_ = true;
+  bool in_backward_ = false;  // pre-backward ran, post-backward not yet
+  bool post_backward_done_ = false;
+  nn::HookHandle pre_hook_;
+  nn::HookHandle post_hook_;
+};
+
+// Shards `module`'s parameters not already owned by an FSDP descendant (shard those first) and
+// hooks its forward. Returns the handle; the module's hooks keep it alive, so dropping it is fine.
+// `name` labels the group in plans and errors (default: the module's type name). Throws
+// loom::Error / UsageError for a module sharded twice, parameters of different dtypes, a
+// granularity that does not divide a parameter, or a policy the mesh cannot serve.
+std::shared_ptr<FSDPModule> fully_shard(nn::Module& module, const FSDPMesh& mesh,
+                                        const FSDPPolicy& policy = {},
+                                        const std::string& name = "");
+
+// The FSDP handle of `module`, or null when it was not fully_shard-ed.
+std::shared_ptr<FSDPModule> fsdp_state(const nn::Module& module);
+
+}  // namespace loom::fsdp
