@@ -23,6 +23,7 @@ import tempfile
 import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
 
 LOGIT_TOLERANCE = 1e-4
 NLL_TOLERANCE = 1e-5
@@ -120,6 +121,7 @@ def check(label, checkpoint, reference_logits, tokens, workdir, failures):
 
 def main():
     torch.set_num_threads(2)
+    hf_logging.disable_progress_bar()
     failures = []
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 301, (SEQ_LEN,), generator=generator).tolist()
@@ -146,10 +148,17 @@ def main():
             failures.append("save_pretrained did not shard; the index path went untested")
         check("sharded", sharded, reference, tokens, workdir, failures)
 
+        # Reference: the bf16-rounded weights computed in fp32, as loom does. (Rounding through
+        # model.to() would also round transformers' inv_freq buffer, so load a state dict.)
         bf16_dir = os.path.join(workdir, "bf16")
-        model.to(torch.bfloat16).save_pretrained(bf16_dir, safe_serialization=True)
-        model.to(torch.float32)  # the bf16-rounded values, computed in fp32 like loom does
-        check("bf16 weights", bf16_dir, hf_logits(model, tokens), tokens, workdir, failures)
+        random_model(make_config(), seed=0).to(torch.bfloat16).save_pretrained(
+            bf16_dir, safe_serialization=True
+        )
+        rounded = random_model(make_config(), seed=0)
+        rounded.load_state_dict(
+            {k: v.to(torch.bfloat16).to(torch.float32) for k, v in model.state_dict().items()}
+        )
+        check("bf16 weights", bf16_dir, hf_logits(rounded, tokens), tokens, workdir, failures)
 
         tied = random_model(make_config(tie_word_embeddings=True), seed=2)
         tied_dir = os.path.join(workdir, "tied")

@@ -63,6 +63,7 @@ POOLS = [
     "²³¹¼½¾ⅠⅡⅫ١٢٣٤",
     "😀😂👍🏽🚀🇩🇪✨",
     "\U00010400\U0001d400\U00020000",  # astral letters
+    "\U0001e4d0\U00011f04\U000105c0\U00016d70",  # letters and a digit new in Unicode 15 and 16
 ]
 
 

@@ -15,16 +15,18 @@ namespace {
 
 // Clears every launcher variable for the test's duration, sets the given ones, and restores the
 // original environment afterwards (tests may themselves run under a launcher).
+using Vars = std::map<std::string, std::string>;
+
 class ScopedEnv {
  public:
-  explicit ScopedEnv(const std::map<std::string, std::string>& vars) {
+  explicit ScopedEnv(const Vars& vars) {
     for (const char* name : kManaged) {
       const char* v = std::getenv(name);
       saved_[name] = v ? std::optional<std::string>(v) : std::nullopt;
       unsetenv(name);
     }
     for (const auto& [k, v] : vars) {
-      ASSERT_TRUE(saved_.count(k)) << k << " is not a managed variable";
+      EXPECT_TRUE(saved_.count(k)) << k << " is not a managed variable";
       setenv(k.c_str(), v.c_str(), 1);
     }
   }
@@ -58,7 +60,7 @@ std::string usage_error_of(const std::function<void()>& fn) {
 }
 
 TEST(LaunchEnv, NoVariablesIsSingleProcess) {
-  ScopedEnv env({});
+  ScopedEnv env(Vars{});
   const LaunchEnv e = detect_launch_env();
   EXPECT_EQ(e.launcher, LauncherKind::kSingleProcess);
   EXPECT_EQ(e.rank, 0);
@@ -70,7 +72,7 @@ TEST(LaunchEnv, NoVariablesIsSingleProcess) {
 }
 
 TEST(LaunchEnv, Torchrun) {
-  ScopedEnv env({{"RANK", "5"}, {"LOCAL_RANK", "1"}, {"WORLD_SIZE", "8"},
+  ScopedEnv env(Vars{{"RANK", "5"}, {"LOCAL_RANK", "1"}, {"WORLD_SIZE", "8"},
                  {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_RANK", "1"}, {"MASTER_ADDR", "node0"},
                  {"MASTER_PORT", "1234"}});
   const LaunchEnv e = detect_launch_env();
@@ -86,7 +88,7 @@ TEST(LaunchEnv, Torchrun) {
 }
 
 TEST(LaunchEnv, TorchrunWinsOverSlurmAllocation) {
-  ScopedEnv env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"},
+  ScopedEnv env(Vars{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"},
                  {"LOCAL_WORLD_SIZE", "2"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}});
   const LaunchEnv e = detect_launch_env();
   EXPECT_EQ(e.launcher, LauncherKind::kTorchrun);
@@ -97,7 +99,7 @@ TEST(LaunchEnv, TorchrunWinsOverSlurmAllocation) {
 }
 
 TEST(LaunchEnv, PlainEnvInitMeansOneNode) {
-  ScopedEnv env({{"RANK", "2"}, {"WORLD_SIZE", "3"}});
+  ScopedEnv env(Vars{{"RANK", "2"}, {"WORLD_SIZE", "3"}});
   const LaunchEnv e = detect_launch_env();
   EXPECT_EQ(e.local_rank, 2);
   EXPECT_EQ(e.local_world_size, 3);
@@ -105,7 +107,7 @@ TEST(LaunchEnv, PlainEnvInitMeansOneNode) {
 }
 
 TEST(LaunchEnv, Mpirun) {
-  ScopedEnv env({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+  ScopedEnv env(Vars{{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
                  {"OMPI_COMM_WORLD_LOCAL_RANK", "3"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
   const LaunchEnv e = detect_launch_env();
   EXPECT_EQ(e.launcher, LauncherKind::kMpirun);
@@ -118,7 +120,7 @@ TEST(LaunchEnv, Mpirun) {
 }
 
 TEST(LaunchEnv, MpirunAcrossNodesNeedsMasterAddr) {
-  ScopedEnv env({{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "8"},
+  ScopedEnv env(Vars{{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "8"},
                  {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
   EXPECT_NE(usage_error_of([] { detect_launch_env(); }).find("MASTER_ADDR is not set"),
             std::string::npos);
@@ -131,7 +133,7 @@ TEST(LaunchEnv, MpirunAcrossNodesNeedsMasterAddr) {
 }
 
 TEST(LaunchEnv, Srun) {
-  ScopedEnv env({{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "7"}, {"SLURM_LOCALID", "2"},
+  ScopedEnv env(Vars{{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "7"}, {"SLURM_LOCALID", "2"},
                  {"SLURM_NODEID", "1"}, {"SLURM_STEP_TASKS_PER_NODE", "4,3"},
                  {"MASTER_ADDR", "n0"}, {"MASTER_PORT", "4000"}});
   const LaunchEnv e = detect_launch_env();
@@ -144,7 +146,7 @@ TEST(LaunchEnv, Srun) {
 }
 
 TEST(LaunchEnv, SrunSingleNodeWithNtasksPerNode) {
-  ScopedEnv env({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "1"},
+  ScopedEnv env(Vars{{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "1"},
                  {"SLURM_NTASKS_PER_NODE", "2"}});
   const LaunchEnv e = detect_launch_env();
   EXPECT_EQ(e.world_size, 2);
@@ -166,7 +168,7 @@ TEST(LaunchEnv, SlurmTasksPerNodeList) {
 
 TEST(LaunchEnv, InconsistentValuesAreOneLineErrors) {
   struct Case {
-    std::map<std::string, std::string> vars;
+    Vars vars;
     std::string message;
   };
   const std::vector<Case> cases = {
@@ -205,21 +207,21 @@ TEST(IntraOpThreads, DividesCoresAmongLocalRanksUnlessOverridden) {
   LaunchEnv e;
   e.world_size = e.local_world_size = 64;  // more ranks than cores: still one thread each
   {
-    ScopedEnv env({});
+    ScopedEnv env(Vars{});
     EXPECT_EQ(intra_op_threads(e), 1);
     e.local_world_size = 1;
     EXPECT_GE(intra_op_threads(e), 1);
   }
   {
-    ScopedEnv env({{"OMP_NUM_THREADS", "3"}});
+    ScopedEnv env(Vars{{"OMP_NUM_THREADS", "3"}});
     EXPECT_EQ(intra_op_threads(e), 3);
   }
   {
-    ScopedEnv env({{"OMP_NUM_THREADS", "3"}, {"LOOM_NUM_THREADS", "5"}});
+    ScopedEnv env(Vars{{"OMP_NUM_THREADS", "3"}, {"LOOM_NUM_THREADS", "5"}});
     EXPECT_EQ(intra_op_threads(e), 5);
   }
   {
-    ScopedEnv env({{"LOOM_NUM_THREADS", "0"}});
+    ScopedEnv env(Vars{{"LOOM_NUM_THREADS", "0"}});
     EXPECT_NE(usage_error_of([&] { intra_op_threads(e); }).find("LOOM_NUM_THREADS='0'"),
               std::string::npos);
   }

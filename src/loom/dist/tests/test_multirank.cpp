@@ -137,7 +137,7 @@ TEST(Launcher, PicksAFreePortAndRunsItselfWithoutExec) {
   // Without --exec each rank runs this loom binary with the given arguments.
   const RunResult r = run(loom_launch(2) + " -- launch --help");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "--nproc"), 2) << r.output;
+  EXPECT_EQ(count(r.output, "Ranks to start on this node"), 2) << r.output;
   const RunResult port = run(loom_launch(1) + " --exec -- sh -c 'echo port=$MASTER_PORT'");
   std::smatch m;
   ASSERT_TRUE(std::regex_search(port.output, m, std::regex("port=([0-9]+)"))) << port.output;

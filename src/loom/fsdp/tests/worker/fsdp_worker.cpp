@@ -1,1 +1,388 @@
-int main() { return 0; }
+// Per-rank scenarios of the FSDP multi-rank tests, started by `loom launch --exec`:
+//   loom_fsdp_worker fsdp   FSDP over all ranks: ZeRO-3 and ZeRO-2, each with the granularities
+//                           element, row and 32-row block, gradient accumulation over 2
+//                           micro-batches with and without resync (+ bf16 mixed precision on 2 ranks)
+//   loom_fsdp_worker hpz    reshard_after_forward = 2 (hpZ) over all ranks
+//   loom_fsdp_worker hsdp   HSDP 2 x (world / 2), then the bad-policy errors
+// Each configuration trains a tiny Llama for 30 steps (AdamW, clipping) and checks on every rank:
+//   - the per-step loss (mean over the data-parallel ranks) equals the single-process reference
+//     (the unwrapped model on the union of all ranks' batches, optim::AdamW) within 1e-5 relative;
+//   - the bytes counted per (op, mesh dim) equal what the ANCHORS formulas give for the mode,
+//     padding included (Psi = W x S of each group), exactly;
+//   - no unsharded buffer is held after the step;
+//   - the gathered parameters after the last step equal the reference's within 1e-5.
+// Rank 0 prints one line per configuration with the measured figures; exit code 0 = all passed.
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "loom/core/error.h"
+#include "loom/dist/launch_env.h"
+#include "loom/dist/parallel_dims.h"
+#include "loom/dist/process_group.h"
+#include "loom/fsdp/fully_shard.h"
+#include "loom/fsdp/sharded_optimizer.h"
+#include "loom/models/llama3/parallelize.h"
+#include "loom/optim/adamw.h"
+#include "loom/optim/clip_grad.h"
+
+namespace {
+using namespace loom;
+using dist::ByteCount;
+using dist::CommOp;
+
+constexpr uint64_t kSeed = 11;
+constexpr int kMicroBatches = 2;
+constexpr int64_t kBatch = 2;
+constexpr int64_t kSeqLen = 16;
+constexpr int64_t kVocab = 128;
+constexpr double kWeightDecay = 0.1;
+constexpr double kMaxNorm = 1.0;
+
+llama3::ModelArgs tiny_args() {
+  llama3::ModelArgs a = llama3::flavor("debugmodel", kVocab);
+  a.dim = 64;
+  a.n_layers = 2;
+  a.n_heads = 4;
+  a.n_kv_heads = 2;
+  a.multiple_of = 32;  // ffn 192: every weight has a multiple of 32 rows
+  a.max_seq_len = kSeqLen;
+  return a;
+}
+
+optim::AdamWOptions adamw_options() {
+  optim::AdamWOptions o;
+  o.lr = 3e-3;
+  return o;
+}
+
+// Data-parallel rank `dp_rank`'s micro-batch: [kBatch, kSeqLen + 1] tokens.
+torch::Tensor batch_of(int dp_rank, int step, int micro) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + 31 * dp_rank + 7 * micro + 101 * step);
+  return torch::randint(0, kVocab, {kBatch, kSeqLen + 1}, gen);
+}
+
+torch::Tensor loss_of(llama3::Transformer& m, const torch::Tensor& tokens) {
+  const int64_t t = tokens.size(1) - 1;
+  auto logits = m.forward(tokens.narrow(1, 0, t));
+  return torch::nn::functional::cross_entropy(logits.flatten(0, 1), tokens.narrow(1, 1, t).flatten());
+}
+
+struct Reference {
+  std::vector<double> losses;
+  optim::TensorDict params;
+};
+
+// The single-process run every layout must reproduce: the same model unwrapped, each micro-batch
+// the union of all data-parallel ranks' batches, optim::AdamW.
+Reference reference_run(int dp_size, int steps) {
+  auto model = std::make_shared<llama3::Transformer>(tiny_args());
+  model->init_weights(kSeed);
+  optim::NamedTensors named;
+  for (const auto& p : model->named_parameters()) named.emplace_back(p.name, p.tensor());
+  optim::AdamW optimizer(optim::weight_decay_param_groups(named, kWeightDecay), adamw_options());
+  Reference ref;
+  for (int step = 0; step < steps; ++step) {
+    optimizer.zero_grad();
+    double loss_sum = 0;
+    for (int micro = 0; micro < kMicroBatches; ++micro) {
+      std::vector<torch::Tensor> parts;
+      for (int r = 0; r < dp_size; ++r) parts.push_back(batch_of(r, step, micro));
+      torch::Tensor loss = loss_of(*model, torch::cat(parts));
+      loss_sum += loss.item<double>() / kMicroBatches;
+      (loss / kMicroBatches).backward();
+    }
+    optim::clip_grad_norm_(model->parameters(), kMaxNorm);
+    optimizer.step();
+    ref.losses.push_back(loss_sum);
+  }
+  for (const auto& p : model->named_parameters()) ref.params[p.name] = p.tensor().detach().clone();
+  return ref;
+}
+
+struct Config {
+  std::string label;
+  fsdp::ReshardAfterForward reshard = fsdp::ReshardAfterForward::always();
+  tensor::Granularity granularity = tensor::Granularity::element();
+  bool resync = true;  // reduce-scatter every micro-batch (else only the last)
+  c10::ScalarType param_dtype = torch::kFloat32;
+  int steps = 30;
+  double loss_rtol = 1e-5;
+  double param_atol = 1e-5;
+};
+
+struct Layout {
+  std::shared_ptr<dist::Distributed> world;
+  std::unique_ptr<dist::ParallelDims> dims;
+  std::unique_ptr<dist::DeviceMesh> mesh;
+};
+
+[[noreturn]] void mismatch(const std::string& what) { throw Error(what); }
+
+using Counters = std::map<std::pair<CommOp, std::string>, dist::CommCounter>;
+
+// The bytes a step must move, per (op, dim), from each group's mode (see docs: ANCHORS formulas).
+Counters expected_counters(fsdp::FSDPModule& root, const Config& cfg, ByteCount& formula_wire) {
+  Counters out;
+  auto add = [&](CommOp op, const std::string& dim, int size, int64_t payload, int calls) {
+    if (size <= 1 || calls == 0) return;
+    auto& c = out[{op, dim}];
+    for (int i = 0; i < calls; ++i) {
+      c.calls += 1;
+      c.payload_bytes += payload;
+      c.wire_bytes += dist::ring_wire_bytes(op, payload, size);
+    }
+  };
+  const auto& mesh = root.mesh();
+  const int W = mesh.shard_size(), R = mesh.replicate_size();
+  const int N = mesh.post_forward ? mesh.post_forward->size() : 0;
+  const int64_t bp = c10::elementSize(cfg.param_dtype);
+  const int64_t br = 4;
+  const int k = kMicroBatches;
+  formula_wire = ByteCount{};
+  for (fsdp::FSDPParamGroup* g : root.param_groups()) {
+    const int64_t psi = g->plan().buffer_elems();
+    const bool is_root = g == root.param_group();
+    const bool zero3 = cfg.reshard == fsdp::ReshardAfterForward::always() && !is_root;
+    const bool hpz = N > 1 && !is_root;
+    const int ag_shard = k * (zero3 ? 2 : 1);  // forward, plus backward when resharded fully
+    const int ag_hpz = hpz ? k : 0;            // hpZ: backward all-gather over N ranks
+    const int rs = cfg.resync ? k : 1;
+    add(CommOp::kAllGather, mesh.shard->name(), W, psi * bp, ag_shard);
+    if (hpz) add(CommOp::kAllGather, mesh.post_forward->name(), N, psi * bp, ag_hpz);
+    add(CommOp::kReduceScatter, mesh.shard->name(), W, psi * br, rs);
+    add(CommOp::kAllReduce, mesh.replicate->name(), R, psi / W * br, rs);
+    // ANCHORS: ZeRO-3 (W-1)/W Psi (2 bp + br); ZeRO-2 (W-1)/W Psi (bp + br); hpZ's backward
+    // all-gather over N; HSDP adds 2 (R-1)/R (Psi/W) br; k micro-batches repeat what they repeat.
+    if (W > 1) formula_wire += ByteCount::fraction((W - 1) * psi * (ag_shard * bp + rs * br), W);
+    if (hpz) formula_wire += ByteCount::fraction((N - 1) * psi * ag_hpz * bp, N);
+    if (R > 1) formula_wire += ByteCount::fraction(2 * (R - 1) * (psi / W) * rs * br, R);
+  }
+  add(CommOp::kAllReduce, mesh.shard->name(), W, 4, 1);  // clipping's sum of squares
+  return out;
+}
+
+void check_counters(const Counters& want, const dist::CommSnapshot& got, const std::string& where) {
+  for (const auto& [key, c] : want) {
+    const auto g = got.get(key.first, key.second);
+    if (g.calls != c.calls || g.payload_bytes != c.payload_bytes || !(g.wire_bytes == c.wire_bytes)) {
+      mismatch(c10::str(where, ": ", dist::to_string(key.first), "@", key.second, " measured ",
+                        g.calls, " calls / ", g.payload_bytes, " B / wire ", g.wire_bytes.value(),
+                        ", expected ", c.calls, " / ", c.payload_bytes, " / ", c.wire_bytes.value()));
+    }
+  }
+  for (const auto& [key, c] : got.counters) {
+    if (!want.count(key)) {
+      mismatch(c10::str(where, ": unexpected ", dist::to_string(key.first), "@", key.second, " x",
+                        c.calls));
+    }
+  }
+}
+
+double run_config(Layout& L, const Config& cfg, const Reference& ref) {
+  const int rank = L.world->rank();
+  const int dp_rank = L.dims->dp_rank();
+  auto model = std::make_shared<llama3::Transformer>(tiny_args());
+  model->init_weights(kSeed);
+  fsdp::FSDPPolicy policy;
+  policy.granularity = cfg.granularity;
+  policy.reshard_after_forward = cfg.reshard;
+  policy.mixed_precision.param_dtype = cfg.param_dtype;
+  auto root = llama3::apply_fsdp(*model, *L.mesh, policy);
+  fsdp::ShardedAdamW optimizer(root, adamw_options(), kWeightDecay);
+
+  ByteCount formula;
+  const Counters want = expected_counters(*root, cfg, formula);
+  ByteCount per_step_wire;
+  double worst_loss = 0;
+  for (int step = 0; step < cfg.steps; ++step) {
+    dist::comm_stats().reset();
+    optimizer.zero_grad();
+    double local = 0;
+    for (int micro = 0; micro < kMicroBatches; ++micro) {
+      root->set_requires_gradient_sync(cfg.resync || micro + 1 == kMicroBatches);
+      torch::Tensor loss = loss_of(*model, batch_of(dp_rank, step, micro));
+      local += loss.item<double>() / kMicroBatches;
+      (loss / kMicroBatches).backward();
+    }
+    root->clip_grad_norm_(kMaxNorm);
+    optimizer.step();
+    const dist::CommSnapshot snap = dist::comm_stats().snapshot();
+    const std::string where = c10::str(cfg.label, " step ", step);
+    check_counters(want, snap, where);
+    ByteCount fsdp_wire;  // everything but clipping's 4-byte all-reduce
+    for (const auto& [key, c] : snap.counters) {
+      if (!(key.first == CommOp::kAllReduce && key.second == root->mesh().shard->name())) {
+        fsdp_wire += c.wire_bytes;
+      }
+    }
+    if (!(fsdp_wire == formula)) {
+      mismatch(c10::str(where, ": wire bytes ", fsdp_wire.value(), " != ANCHORS formula ",
+                        formula.value()));
+    }
+    per_step_wire = fsdp_wire;
+    if (root->unsharded_bytes_allocated() != 0) {
+      mismatch(c10::str(where, ": ", root->unsharded_bytes_allocated(),
+                        " unsharded bytes still held after the step"));
+    }
+    torch::Tensor global = torch::tensor({local}, torch::kFloat64);
+    L.world->world()->all_reduce(global, dist::ReduceOp::kAvg);
+    const double got = global.item<double>(), want_loss = ref.losses[step];
+    const double rel = std::abs(got - want_loss) / std::abs(want_loss);
+    worst_loss = std::max(worst_loss, rel);
+    if (!(rel <= cfg.loss_rtol)) {
+      mismatch(c10::str(where, ": loss ", got, " vs reference ", want_loss, " (relative ", rel, ")"));
+    }
+  }
+  double worst_param = 0;
+  for (const auto& [name, value] : root->full_state_dict()) {
+    const double diff = (value - ref.params.at(name)).abs().max().item<double>();
+    worst_param = std::max(worst_param, diff);
+    if (!(diff <= cfg.param_atol)) {
+      mismatch(c10::str(cfg.label, ": parameter ", name, " differs from the reference by ", diff));
+    }
+  }
+  int64_t psi = 0, numel = 0, shard = 0;
+  for (fsdp::FSDPParamGroup* g : root->param_groups()) {
+    psi += g->plan().buffer_elems();
+    numel += g->plan().total_numel();
+    shard += g->plan().shard_elems;
+  }
+  if (rank == 0) {
+    std::printf("%-34s %d steps ok: loss rel diff max %.2e, param diff max %.2e, wire/step %.0f B "
+                "(= ANCHORS), Psi %lld (padding %.2f%%), shard %lld elems/rank\n",
+                cfg.label.c_str(), cfg.steps, worst_loss, worst_param, per_step_wire.value(),
+                static_cast<long long>(psi), 100.0 * static_cast<double>(psi - numel) / psi,
+                static_cast<long long>(shard));
+    std::fflush(stdout);
+  }
+  return worst_loss;
+}
+
+Layout make_layout(int dp_replicate) {
+  Layout L;
+  L.world = dist::init_distributed(dist::detect_launch_env());
+  dist::ParallelDegrees degrees;
+  degrees.dp_replicate = dp_replicate;
+  L.dims = std::make_unique<dist::ParallelDims>(degrees, L.world->world_size(), L.world->rank());
+  L.mesh = std::make_unique<dist::DeviceMesh>(L.dims->build_mesh(L.world));
+  return L;
+}
+
+std::vector<Config> granularity_sweep(const std::string& prefix, fsdp::ReshardAfterForward reshard,
+                                      bool first_resync) {
+  const std::vector<std::pair<std::string, tensor::Granularity>> grans = {
+      {"element", tensor::Granularity::element()},
+      {"row", tensor::Granularity::row()},
+      {"32-row", tensor::Granularity::row_block(32)}};
+  std::vector<Config> out;
+  bool resync = first_resync;
+  for (const auto& [name, g] : grans) {
+    Config c;
+    c.label = c10::str(prefix, " ", name, resync ? " resync" : " no-resync");
+    c.reshard = reshard;
+    c.granularity = g;
+    c.resync = resync;
+    out.push_back(c);
+    resync = !resync;
+  }
+  return out;
+}
+
+// Runs `body`, which must throw a one-line loom::Error whose text contains `needle`.
+template <typename F>
+void expect_error(const std::string& what, const std::string& needle, F&& body) {
+  try {
+    body();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    if (msg.find('\n') != std::string::npos || msg.find(needle) == std::string::npos) {
+      mismatch(c10::str(what, ": unexpected error text: ", msg));
+    }
+    return;
+  }
+  mismatch(what + ": no error");
+}
+
+void check_bad_policies(Layout& L) {
+  auto model = std::make_shared<llama3::Transformer>(tiny_args());
+  fsdp::FSDPPolicy p;
+  p.reshard_after_forward = fsdp::ReshardAfterForward::degree(3);
+  expect_error("hpZ degree not dividing W", "does not divide",
+               [&] { fsdp::make_fsdp_mesh(*L.mesh, p); });
+  p = {};
+  p.shard_dim = "dp";  // both replicas and shards: overlaps dp_replicate
+  expect_error("mesh/degree mismatch", "mesh mismatch", [&] { fsdp::make_fsdp_mesh(*L.mesh, p); });
+  p = {};
+  p.shard_dim = "dp_shrad";
+  expect_error("unknown mesh dim", "not a dim of the mesh",
+               [&] { fsdp::make_fsdp_mesh(*L.mesh, p); });
+  p = {};
+  p.granularity = tensor::Granularity::row_block(24);  // 24 does not divide 64 rows
+  expect_error("granularity not dividing a tensor", "24",
+               [&] { llama3::apply_fsdp(*model, *L.mesh, p); });
+  if (L.world->rank() == 0) std::printf("bad policies: one-line errors ok\n");
+}
+
+int run(const std::string& scenario) {
+  const bool hsdp = scenario == "hsdp";
+  Layout L = make_layout(hsdp ? 2 : 1);
+  const int world = L.world->world_size();
+  const Reference ref = reference_run(L.dims->dp_degree(), 30);
+  std::vector<Config> configs;
+  const std::string w = c10::str("W=", L.dims->dp_shard());
+  if (scenario == "fsdp") {
+    for (auto& c : granularity_sweep("zero3 " + w, fsdp::ReshardAfterForward::always(), false)) {
+      configs.push_back(c);
+    }
+    for (auto& c : granularity_sweep("zero2 " + w, fsdp::ReshardAfterForward::never(), true)) {
+      configs.push_back(c);
+    }
+  } else if (scenario == "hpz") {
+    for (auto& c : granularity_sweep("hpz2 " + w, fsdp::ReshardAfterForward::degree(2), true)) {
+      configs.push_back(c);
+    }
+  } else if (hsdp) {
+    check_bad_policies(L);
+    const std::string rxs = c10::str("hsdp ", L.dims->dp_replicate(), "x", L.dims->dp_shard());
+    for (auto& c : granularity_sweep(rxs + " zero3", fsdp::ReshardAfterForward::always(), true)) {
+      configs.push_back(c);
+    }
+    Config z2;
+    z2.label = rxs + " zero2 element no-resync";
+    z2.reshard = fsdp::ReshardAfterForward::never();
+    z2.resync = false;
+    configs.push_back(z2);
+  } else {
+    std::fprintf(stderr, "unknown scenario '%s' (fsdp | hpz | hsdp)\n", scenario.c_str());
+    return 2;
+  }
+  for (const Config& c : configs) run_config(L, c, ref);
+  if (scenario == "fsdp" && world == 2) {
+    // bf16 all-gather and compute, fp32 reduction: bytes exact (b_p = 2), loss close to fp32.
+    Config mp;
+    mp.label = "zero3 " + w + " element bf16-params";
+    mp.param_dtype = torch::kBFloat16;
+    mp.steps = 10;
+    mp.loss_rtol = 3e-2;
+    mp.param_atol = 5e-2;
+    run_config(L, mp, ref);
+  }
+  if (L.world->rank() == 0) std::printf("fsdp scenario %s passed\n", scenario.c_str());
+  L.world->shutdown();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc > 1 ? argv[1] : "");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    std::fflush(stderr);
+    return 1;
+  }
+}

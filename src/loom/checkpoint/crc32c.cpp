@@ -1,0 +1,72 @@
+#include "loom/checkpoint/crc32c.h"
+
+#include <array>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+#endif
+
+namespace loom::checkpoint {
+namespace {
+
+constexpr uint32_t kReflectedPolynomial = 0x82F63B78u;
+
+constexpr std::array<uint32_t, 256> make_table() {
+  std::array<uint32_t, 256> table{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1u) ? (c >> 1) ^ kReflectedPolynomial : c >> 1;
+    table[i] = c;
+  }
+  return table;
+}
+constexpr std::array<uint32_t, 256> kTable = make_table();
+
+uint32_t extend_portable(uint32_t crc, const uint8_t* p, size_t n) {
+  uint32_t c = ~crc;
+  for (size_t i = 0; i < n; ++i) c = kTable[(c ^ p[i]) & 0xFFu] ^ (c >> 8);
+  return ~c;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) uint32_t extend_sse42(uint32_t crc, const uint8_t* p, size_t n) {
+  uint64_t c = ~crc & 0xFFFFFFFFu;
+  while (n > 0 && (reinterpret_cast<uintptr_t>(p) & 7u) != 0) {
+    c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
+    --n;
+  }
+  while (n >= 8) {
+    uint64_t word;
+    std::memcpy(&word, p, 8);
+    c = _mm_crc32_u64(c, word);
+    p += 8;
+    n -= 8;
+  }
+  while (n > 0) {
+    c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
+    --n;
+  }
+  return ~static_cast<uint32_t>(c);
+}
+
+bool have_sse42() {
+  static const bool have = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("sse4.2") != 0;
+  }();
+  return have;
+}
+#endif
+
+}  // namespace
+
+uint32_t crc32c_extend(uint32_t crc, const void* data, size_t size) {
+  const auto* p = static_cast<const uint8_t*>(data);
+#if defined(__x86_64__)
+  if (have_sse42()) return extend_sse42(crc, p, size);
+#endif
+  return extend_portable(crc, p, size);
+}
+
+}  // namespace loom::checkpoint

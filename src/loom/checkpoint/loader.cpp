@@ -1,0 +1,178 @@
+#include "loom/checkpoint/loader.h"
+
+#include <algorithm>
+#include <exception>
+#include <unordered_map>
+
+#include "loom/checkpoint/metadata.h"
+#include "loom/core/error.h"
+#include "loom/core/logging.h"
+#include "loom/core/timer.h"
+
+namespace loom::checkpoint {
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// Saved chunks opened and checksummed on first use; each is verified once however many
+// destination chunks it feeds.
+class ChunkReader {
+ public:
+  ChunkReader(fs::path dir, const CheckpointMetadata& metadata)
+      : dir_(std::move(dir)), metadata_(metadata) {}
+
+  const torch::Tensor& data(const SavedChunk& chunk, c10::ScalarType dtype) {
+    auto it = chunks_.find(chunk.key);
+    if (it != chunks_.end()) return it->second;
+    auto file = files_.find(chunk.file);
+    if (file == files_.end()) {
+      file = files_
+                 .emplace(chunk.file, std::make_unique<RankFile>(
+                                          open_rank_file(dir_, chunk.file, metadata_)))
+                 .first;
+    }
+    torch::Tensor t = read_saved_chunk(*file->second, chunk, dtype, /*check_crc=*/true);
+    bytes_read_ += static_cast<int64_t>(t.nbytes());
+    return chunks_.emplace(chunk.key, std::move(t)).first->second;
+  }
+  int64_t bytes_read() const { return bytes_read_; }
+
+ private:
+  fs::path dir_;
+  const CheckpointMetadata& metadata_;
+  std::unordered_map<std::string, std::unique_ptr<RankFile>> files_;
+  std::unordered_map<std::string, torch::Tensor> chunks_;
+  int64_t bytes_read_ = 0;
+};
+
+void copy_overlaps(const SavedTensor& saved, const LocalChunk& dest, ChunkReader& reader) {
+  const bool in_place = dest.data.is_contiguous();
+  torch::Tensor flat = in_place ? dest.data.view(-1) : torch::empty({dest.data.numel()},
+                                                                     dest.data.options());
+  // The first saved chunk ending after dest.begin, then every one starting before dest.end().
+  auto it = std::upper_bound(saved.chunks.begin(), saved.chunks.end(), dest.begin,
+                             [](int64_t v, const SavedChunk& c) { return v < c.end; });
+  for (; it != saved.chunks.end() && it->begin < dest.end(); ++it) {
+    const int64_t lo = std::max(dest.begin, it->begin);
+    const int64_t hi = std::min(dest.end(), it->end);
+    const torch::Tensor& src = reader.data(*it, saved.dtype);
+    flat.narrow(0, lo - dest.begin, hi - lo).copy_(src.narrow(0, lo - it->begin, hi - lo));
+  }
+  if (!in_place) dest.data.copy_(flat.view(dest.data.sizes()));
+}
+
+}  // namespace
+
+LoadResult load_checkpoint(const fs::path& dir, const ShardedStateDict& dest, int rank,
+                           const LoadOptions& options) {
+  std::error_code ec;
+  LOOM_REQUIRE_USAGE(fs::is_directory(dir, ec), "checkpoint '", dir.string(),
+                     "' does not exist; check the checkpoint folder and step");
+  const CheckpointMetadata metadata = verify_checkpoint(dir, Verification::kStructure);
+  LoadResult result;
+  result.step = metadata.step;
+  result.path = dir;
+  result.saved_world_size = metadata.world_size;
+  result.model_only = metadata.model_only;
+  result.json = metadata.json;
+  if (rank >= 0 && rank < static_cast<int>(metadata.rank_json.size())) {
+    result.rank_json = metadata.rank_json[static_cast<size_t>(rank)];
+  }
+  ChunkReader reader(dir, metadata);
+  for (const auto& [name, t] : dest.tensors()) {
+    const auto it = metadata.tensors.find(name);
+    if (it == metadata.tensors.end()) {
+      if (!options.strict) {
+        result.missing.push_back(name);
+        continue;
+      }
+      if (metadata.model_only) {
+        fail("tensor '", name, "' is not in checkpoint '", dir.string(),
+             "', which holds model weights only; load just the model state "
+             "(ShardedStateDict::only(\"model\")) or load non-strictly");
+      }
+      fail("tensor '", name, "' is not in checkpoint '", dir.string(), "' (", metadata.tensors.size(),
+           " tensors saved); it was saved from another model or configuration");
+    }
+    const SavedTensor& saved = it->second;
+    LOOM_REQUIRE(saved.shape == t.shape, "tensor '", name, "' has shape ", shape_text(saved.shape),
+                 " in checkpoint '", dir.string(), "' but ", shape_text(t.shape),
+                 " here; it was saved from another model configuration");
+    for (const LocalChunk& chunk : t.chunks) copy_overlaps(saved, chunk, reader);
+  }
+  result.bytes_read = reader.bytes_read();
+  return result;
+}
+
+std::optional<LoadResult> load_latest(const fs::path& folder, const ShardedStateDict& dest,
+                                      CheckpointGroup& group, const LoadOptions& options) {
+  // Rank 0's listing decides, so no two ranks can pick different checkpoints.
+  Json steps = Json::array();
+  if (group.rank() == 0) {
+    for (const CheckpointInfo& info : list_complete_checkpoints(folder)) steps.push_back(info.step);
+  }
+  steps = Json::parse(group.all_gather(steps.dump())[0]);
+  for (const auto& step_json : steps) {
+    const auto step = step_json.get<int64_t>();
+    const fs::path dir = folder / step_dir_name(step);
+    Timer timer;
+    std::optional<LoadResult> result;
+    std::exception_ptr error;
+    int code = 0;  // 0 loaded, 1 corrupt (try an earlier one), 2 unusable here (stop)
+    try {
+      result = load_checkpoint(dir, dest, group.rank(), options);
+    } catch (const CorruptCheckpointError& e) {
+      code = 1;
+      log::warn("checkpoint '", dir.string(), "' is unusable: ", e.what());
+    } catch (const std::exception&) {
+      code = 2;
+      error = std::current_exception();
+    }
+    const int64_t worst = group.all_reduce_max(code);
+    if (worst == 0) {
+      if (group.rank() == 0) {
+        log::info("loaded checkpoint '", dir.string(), "' (saved by ", result->saved_world_size,
+                  " ranks; ", result->bytes_read >> 20, " MiB read on rank 0 in ", timer.seconds(),
+                  " s)");
+      }
+      return result;
+    }
+    if (worst == 2) {
+      if (error) std::rethrow_exception(error);
+      fail("loading checkpoint '", dir.string(), "' failed on another rank (see its log)");
+    }
+    if (group.rank() == 0) {
+      log::warn("skipping corrupt checkpoint '", dir.string(), "'; falling back to an earlier one");
+    }
+  }
+  LOOM_REQUIRE(steps.empty(), "none of the ", steps.size(), " complete checkpoints in '",
+               folder.string(), "' could be loaded (see the warnings above); move them away to "
+               "start from scratch");
+  return std::nullopt;
+}
+
+LoadResult load_step(const fs::path& folder, int64_t step, const ShardedStateDict& dest,
+                     CheckpointGroup& group, const LoadOptions& options) {
+  const fs::path dir = folder / step_dir_name(step);
+  std::optional<LoadResult> result;
+  std::exception_ptr error;
+  try {
+    result = load_checkpoint(dir, dest, group.rank(), options);
+  } catch (const std::exception&) {
+    error = std::current_exception();
+  }
+  if (group.all_reduce_max(error ? 1 : 0) != 0) {
+    if (error) std::rethrow_exception(error);
+    fail("loading checkpoint '", dir.string(), "' failed on another rank (see its log)");
+  }
+  return std::move(*result);
+}
+
+}  // namespace loom::checkpoint

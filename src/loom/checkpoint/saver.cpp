@@ -1,0 +1,802 @@
+#include "loom/checkpoint/saver.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+#include "loom/checkpoint/crc32c.h"
+#include "loom/checkpoint/metadata.h"
+#include "loom/checkpoint/safetensors.h"
+#include "loom/core/error.h"
+#include "loom/core/logging.h"
+#include "loom/core/timer.h"
+
+namespace loom::checkpoint {
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+namespace {
+
+// Non-CPU or dtype-converted chunks of a synchronous save go through host memory in pieces of
+// this size, so converting a large tensor never doubles its footprint.
+constexpr int64_t kConvertPieceBytes = int64_t{64} << 20;
+constexpr auto kFinalizePollInterval = std::chrono::milliseconds(20);
+constexpr const char* kFailedSuffix = ".failed";
+
+std::string errno_text() { return std::strerror(errno); }
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+void fsync_dir(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  LOOM_REQUIRE(fd >= 0, "cannot open directory '", dir.string(), "' to flush it: ", errno_text());
+  const int rc = ::fsync(fd);
+  const std::string why = errno_text();
+  ::close(fd);
+  LOOM_REQUIRE(rc == 0, "cannot flush directory '", dir.string(), "': ", why);
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+fs::path tmp_dir_of(const fs::path& folder, int64_t step) {
+  return folder / (step_dir_name(step) + ".tmp");
+}
+
+std::string failed_marker_name(int rank) { return c10::str("rank-", rank, kFailedSuffix); }
+
+// Appends to one rank file with plain write(2) calls; finish() fsyncs.
+class RankFileWriter {
+ public:
+  RankFileWriter(fs::path path, const std::string& header) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    LOOM_REQUIRE(fd_ >= 0, "cannot create checkpoint file '", path_.string(), "': ", errno_text(),
+                 "; check that the checkpoint folder is writable");
+    write(header.data(), header.size());
+  }
+  ~RankFileWriter() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  RankFileWriter(const RankFileWriter&) = delete;
+  RankFileWriter& operator=(const RankFileWriter&) = delete;
+
+  void write(const void* data, size_t size) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    while (size > 0) {
+      const ssize_t n = ::write(fd_, p, size);
+      if (n < 0 && errno == EINTR) continue;
+      LOOM_REQUIRE(n > 0, "cannot write checkpoint file '", path_.string(), "': ", errno_text());
+      p += n;
+      size -= static_cast<size_t>(n);
+    }
+  }
+
+  void finish() {
+    LOOM_REQUIRE(::fsync(fd_) == 0, "cannot flush checkpoint file '", path_.string(), "': ",
+                 errno_text());
+    const int rc = ::close(fd_);
+    fd_ = -1;
+    LOOM_REQUIRE(rc == 0, "cannot close checkpoint file '", path_.string(), "': ", errno_text());
+  }
+
+ private:
+  fs::path path_;
+  int fd_ = -1;
+};
+
+struct GlobalTensor {
+  std::string component;
+  std::vector<int64_t> shape;
+  c10::ScalarType dtype = c10::kFloat;  // as stored
+  friend bool operator==(const GlobalTensor&, const GlobalTensor&) = default;
+};
+
+struct WriteEntry {
+  std::string tensor;
+  std::string key;
+  int64_t begin = 0;
+  int64_t end = 0;
+  torch::Tensor source;  // the live chunk; released once staged
+  c10::ScalarType dtype = c10::kFloat;  // as stored
+  int64_t byte_begin = 0;               // absolute offset in the rank file
+  uint32_t crc = 0;
+  int64_t nbytes() const { return (end - begin) * static_cast<int64_t>(c10::elementSize(dtype)); }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// One save in progress
+
+struct ShardedSaver::Job {
+  int rank = 0;
+  int world = 1;
+  int64_t step = 0;
+  fs::path folder, tmp_dir, final_dir;
+  SaveOptions options;
+  SaverOptions saver;
+  std::map<std::string, GlobalTensor> global;  // every rank's tensors
+  std::vector<WriteEntry> entries;             // this rank's, in file order
+  std::string header;                          // length prefix + JSON
+  int64_t file_bytes = 0;
+  Json global_json, rank_json;
+  std::exception_ptr error;
+  double write_seconds = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Staging: a few fixed host buffers ("slots"), filled in file order by the training thread and
+// drained by the writer. Each slot is one contiguous run of the rank file, so the writer issues one
+// write per slot. Slots are allocated on first use and kept for later saves.
+
+class ShardedSaver::Staging {
+ public:
+  static constexpr int kSlots = 4;
+  struct Segment {
+    size_t entry;
+    int64_t bytes;
+  };
+  struct Slot {
+    torch::Tensor buffer;
+    uint8_t* data = nullptr;
+    int64_t used = 0;
+    std::vector<Segment> segments;
+  };
+
+  explicit Staging(int64_t max_bytes)
+      : slot_bytes_(std::max<int64_t>(8, max_bytes / kSlots / 8 * 8)) {}
+  int64_t slot_bytes() const { return slot_bytes_; }
+
+  void begin() {
+    std::lock_guard lock(mutex_);
+    closed_ = aborted_ = false;
+    filled_.clear();
+    free_.clear();
+    for (auto& s : slots_) free_.push_back(s.get());
+  }
+
+  // A free slot; nullptr once the writer aborted.
+  Slot* acquire() {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] {
+      return aborted_ || !free_.empty() || static_cast<int>(slots_.size()) < kSlots;
+    });
+    if (aborted_) return nullptr;
+    Slot* slot = nullptr;
+    if (!free_.empty()) {
+      slot = free_.back();
+      free_.pop_back();
+    } else {
+      slots_.push_back(std::make_unique<Slot>());
+      slot = slots_.back().get();
+      slot->buffer = torch::empty({slot_bytes_}, torch::kUInt8);
+      slot->data = slot->buffer.data_ptr<uint8_t>();
+    }
+    slot->used = 0;
+    slot->segments.clear();
+    return slot;
+  }
+  void push(Slot* slot) {
+    std::lock_guard lock(mutex_);
+    filled_.push_back(slot);
+    cv_.notify_all();
+  }
+  void close() {
+    std::lock_guard lock(mutex_);
+    closed_ = true;
+    cv_.notify_all();
+  }
+  // The next filled slot; nullptr when closed and drained, or aborted.
+  Slot* pop() {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return aborted_ || closed_ || !filled_.empty(); });
+    if (aborted_ || filled_.empty()) return nullptr;
+    Slot* slot = filled_.front();
+    filled_.pop_front();
+    return slot;
+  }
+  void release(Slot* slot) {
+    std::lock_guard lock(mutex_);
+    free_.push_back(slot);
+    cv_.notify_all();
+  }
+  void abort() {
+    std::lock_guard lock(mutex_);
+    aborted_ = true;
+    cv_.notify_all();
+  }
+  bool aborted() const {
+    std::lock_guard lock(mutex_);
+    return aborted_;
+  }
+
+ private:
+  int64_t slot_bytes_;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<Slot*> free_;
+  std::deque<Slot*> filled_;
+  bool closed_ = false;
+  bool aborted_ = false;
+};
+
+namespace {
+
+using Job = ShardedSaver::Job;
+using Staging = ShardedSaver::Staging;
+
+// ---------------------------------------------------------------------------------------------
+// Writing and publishing
+
+void write_direct(Job& job) {
+  RankFileWriter out(job.tmp_dir / rank_file_name(job.rank), job.header);
+  for (WriteEntry& e : job.entries) {
+    const torch::Tensor flat = e.source.reshape(-1);
+    auto append = [&](const torch::Tensor& piece) {
+      e.crc = crc32c_extend(e.crc, piece.data_ptr(), piece.nbytes());
+      out.write(piece.data_ptr(), piece.nbytes());
+    };
+    if (flat.device().is_cpu() && flat.is_contiguous() && flat.scalar_type() == e.dtype) {
+      append(flat);  // straight from live memory: the training thread is blocked
+    } else {
+      const int64_t elem = std::max<int64_t>(flat.element_size(), c10::elementSize(e.dtype));
+      const int64_t piece = std::max<int64_t>(1, kConvertPieceBytes / elem);
+      for (int64_t done = 0; done < flat.numel(); done += piece) {
+        const int64_t n = std::min(piece, flat.numel() - done);
+        append(flat.narrow(0, done, n).to(torch::kCPU, e.dtype).contiguous());
+      }
+    }
+    e.source = torch::Tensor();
+  }
+  out.finish();
+}
+
+// Training thread: copies (and converts) every entry into slots, in file order.
+void stage(Job& job, Staging& staging) {
+  Staging::Slot* slot = staging.acquire();
+  if (slot == nullptr) return;
+  for (size_t i = 0; i < job.entries.size(); ++i) {
+    WriteEntry& e = job.entries[i];
+    const torch::Tensor flat = e.source.reshape(-1);
+    const auto elem = static_cast<int64_t>(c10::elementSize(e.dtype));
+    const int64_t n = e.end - e.begin;
+    int64_t done = 0;
+    while (done < n) {
+      // Entries are ordered by descending element size, so `used` stays a multiple of `elem` and a
+      // slot is only ever pushed completely full (or at the end).
+      const int64_t room = (staging.slot_bytes() - slot->used) / elem;
+      if (room == 0) {
+        staging.push(slot);
+        slot = staging.acquire();
+        if (slot == nullptr) return;
+        continue;
+      }
+      const int64_t k = std::min(room, n - done);
+      torch::from_blob(slot->data + slot->used, {k}, torch::TensorOptions().dtype(e.dtype))
+          .copy_(flat.narrow(0, done, k));
+      slot->segments.push_back({i, k * elem});
+      slot->used += k * elem;
+      done += k;
+    }
+    e.source = torch::Tensor();
+  }
+  if (slot->used > 0) {
+    staging.push(slot);
+  } else {
+    staging.release(slot);
+  }
+}
+
+// Writer thread: drains the slots into the rank file.
+void write_staged(Job& job, Staging& staging) {
+  RankFileWriter out(job.tmp_dir / rank_file_name(job.rank), job.header);
+  while (Staging::Slot* slot = staging.pop()) {
+    int64_t offset = 0;
+    for (const auto& seg : slot->segments) {
+      WriteEntry& e = job.entries[seg.entry];
+      e.crc = crc32c_extend(e.crc, slot->data + offset, static_cast<size_t>(seg.bytes));
+      offset += seg.bytes;
+    }
+    out.write(slot->data, static_cast<size_t>(slot->used));
+    staging.release(slot);
+  }
+  LOOM_REQUIRE(!staging.aborted(), "checkpoint step ", job.step,
+               ": staging was interrupted before this rank's chunks were complete");
+  out.finish();
+}
+
+// Rank R's report, written after its data file is durable: its presence means "R is done".
+void write_rank_meta(const Job& job) {
+  Json chunks = Json::array();
+  for (const WriteEntry& e : job.entries) {
+    chunks.push_back({{"tensor", e.tensor},
+                      {"begin", e.begin},
+                      {"end", e.end},
+                      {"key", e.key},
+                      {"bytes", {e.byte_begin, e.byte_begin + e.nbytes()}},
+                      {"crc32c", e.crc}});
+  }
+  const Json meta = {{"rank", job.rank},
+                     {"file", rank_file_name(job.rank)},
+                     {"file_bytes", job.file_bytes},
+                     {"chunks", std::move(chunks)},
+                     {"rank_json", job.rank_json}};
+  write_text_file_atomically(job.tmp_dir / rank_meta_name(job.rank), meta.dump());
+  fsync_dir(job.tmp_dir);
+}
+
+void write_failed_marker(const Job& job, const std::string& message) {
+  try {
+    fs::create_directories(job.tmp_dir);
+    write_text_file_atomically(job.tmp_dir / failed_marker_name(job.rank), message + "\n");
+  } catch (const std::exception& e) {
+    log::error("checkpoint step ", job.step, ": cannot record this rank's failure in '",
+               job.tmp_dir.string(), "': ", e.what());
+  }
+}
+
+void wait_for_ranks(const Job& job) {
+  const auto deadline = std::chrono::steady_clock::now() + job.saver.finalize_timeout;
+  for (;;) {
+    std::vector<int> missing;
+    for (int r = 0; r < job.world; ++r) {
+      const fs::path failed = job.tmp_dir / failed_marker_name(r);
+      if (fs::exists(failed)) {
+        std::string why = read_text(failed);
+        while (!why.empty() && why.back() == '\n') why.pop_back();
+        fail("checkpoint step ", job.step, ": rank ", r, " could not write its part (", why,
+             "); '", job.tmp_dir.string(), "' is left incomplete");
+      }
+      if (!fs::exists(job.tmp_dir / rank_meta_name(r))) missing.push_back(r);
+    }
+    if (missing.empty()) return;
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::string ranks;
+      for (const int r : missing) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+      fail("checkpoint step ", job.step, ": rank(s) ", ranks, " did not finish writing '",
+           job.tmp_dir.string(), "' within ",
+           std::chrono::duration_cast<std::chrono::seconds>(job.saver.finalize_timeout).count(),
+           " s; the checkpoint is left incomplete (raise the checkpoint finalize timeout if saves "
+           "are this slow)");
+    }
+    std::this_thread::sleep_for(kFinalizePollInterval);
+  }
+}
+
+CheckpointMetadata merge_metadata(const Job& job) {
+  CheckpointMetadata m;
+  m.step = job.step;
+  m.world_size = job.world;
+  m.model_only = job.options.model_only;
+  m.export_dtype = job.options.export_dtype;
+  m.json = job.global_json;
+  m.rank_json.resize(static_cast<size_t>(job.world), Json::object());
+  for (const auto& [name, g] : job.global) {
+    SavedTensor t;
+    t.component = g.component;
+    t.shape = g.shape;
+    t.dtype = g.dtype;
+    m.tensors.emplace(name, std::move(t));
+  }
+  for (int r = 0; r < job.world; ++r) {
+    const fs::path path = job.tmp_dir / rank_meta_name(r);
+    try {
+      const Json meta = Json::parse(read_text(path));
+      const auto file = meta.at("file").get<std::string>();
+      m.file_bytes[file] = meta.at("file_bytes").get<int64_t>();
+      m.rank_json[static_cast<size_t>(r)] = meta.at("rank_json");
+      for (const auto& c : meta.at("chunks")) {
+        SavedChunk sc;
+        sc.begin = c.at("begin").get<int64_t>();
+        sc.end = c.at("end").get<int64_t>();
+        sc.file = file;
+        sc.key = c.at("key").get<std::string>();
+        const auto bytes = c.at("bytes").get<std::vector<int64_t>>();
+        sc.byte_begin = bytes.at(0);
+        sc.byte_end = bytes.at(1);
+        sc.crc32c = c.at("crc32c").get<uint32_t>();
+        m.tensors.at(c.at("tensor").get<std::string>()).chunks.push_back(std::move(sc));
+      }
+    } catch (const std::exception& e) {
+      fail("checkpoint step ", job.step, ": cannot read rank ", r, "'s report '", path.string(),
+           "': ", e.what());
+    }
+  }
+  for (auto& [name, t] : m.tensors) {
+    std::sort(t.chunks.begin(), t.chunks.end(),
+              [](const SavedChunk& a, const SavedChunk& b) { return a.begin < b.begin; });
+  }
+  return m;
+}
+
+void prune(const Job& job) {
+  std::error_code ec;
+  auto remove = [&](const fs::path& dir, const char* why) {
+    fs::remove_all(dir, ec);
+    if (ec) {
+      log::warn("cannot remove ", why, " checkpoint '", dir.string(), "': ", ec.message());
+    } else {
+      log::debug("removed ", why, " checkpoint '", dir.string(), "'");
+    }
+  };
+  if (job.saver.keep_latest_k > 0) {
+    int kept = 1;  // the checkpoint just written, which is never removed
+    for (const CheckpointInfo& info : list_complete_checkpoints(job.folder)) {
+      if (info.step == job.step) continue;
+      if (kept < job.saver.keep_latest_k) {
+        ++kept;
+      } else {
+        remove(info.path, "old");
+      }
+    }
+  }
+  // Leftovers of crashed runs: unfinished saves of earlier steps (saves are sequential, so none of
+  // them is still being written).
+  for (const auto& entry : fs::directory_iterator(job.folder, ec)) {
+    std::string name = entry.path().filename().string();
+    const bool tmp = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
+    if (tmp) name.resize(name.size() - 4);
+    const auto step = parse_step_dir_name(name);
+    if (!step || *step >= job.step || !entry.is_directory(ec)) continue;
+    if (tmp || !fs::exists(entry.path() / kCompleteMarker, ec)) remove(entry.path(), "incomplete");
+  }
+}
+
+// Rank 0, once every rank has reported: metadata, rename, marker, pruning.
+void publish(const Job& job) {
+  wait_for_ranks(job);
+  const CheckpointMetadata metadata = merge_metadata(job);
+  const std::string text = metadata.to_json().dump(1);
+  // Re-parse what we are about to publish: the loader will run the same checks.
+  CheckpointMetadata::from_json(Json::parse(text), (job.tmp_dir / kMetadataFile).string());
+  write_text_file_atomically(job.tmp_dir / kMetadataFile, text);
+  fsync_dir(job.tmp_dir);
+
+  std::error_code ec;
+  fs::path replaced;
+  if (fs::exists(job.final_dir, ec)) {  // an earlier run saved this step: replace it
+    replaced = job.folder / c10::str(step_dir_name(job.step), ".replaced-", ::getpid());
+    fs::rename(job.final_dir, replaced, ec);
+    LOOM_REQUIRE(!ec, "cannot move the existing checkpoint '", job.final_dir.string(),
+                 "' aside: ", ec.message());
+  }
+  fs::rename(job.tmp_dir, job.final_dir, ec);
+  LOOM_REQUIRE(!ec, "cannot rename '", job.tmp_dir.string(), "' to '", job.final_dir.string(),
+               "': ", ec.message());
+  fsync_dir(job.folder);
+  const Json marker = {{"step", job.step},
+                       {"world_size", job.world},
+                       {"metadata_crc32c", crc32c(text.data(), text.size())}};
+  write_text_file_atomically(job.final_dir / kCompleteMarker, marker.dump() + "\n");
+  fsync_dir(job.final_dir);
+  if (!replaced.empty()) fs::remove_all(replaced, ec);
+  prune(job);
+}
+
+void finish_rank(Job& job) {
+  write_rank_meta(job);
+  if (job.rank == 0) publish(job);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// ShardedSaver
+
+ShardedSaver::ShardedSaver(std::shared_ptr<CheckpointGroup> group, SaverOptions options)
+    : group_(std::move(group)), options_(options) {
+  LOOM_REQUIRE(group_ != nullptr, "ShardedSaver needs a CheckpointGroup (single_process_group() "
+               "for one process)");
+  LOOM_REQUIRE_USAGE(options_.keep_latest_k >= 0, "checkpoint keep_latest_k must be >= 0 (0 keeps "
+                     "every checkpoint), got ", options_.keep_latest_k);
+  LOOM_REQUIRE_USAGE(options_.staging_max_bytes >= 4096, "checkpoint staging memory must be at "
+                     "least 4096 bytes, got ", options_.staging_max_bytes);
+  LOOM_REQUIRE_USAGE(options_.finalize_timeout.count() > 0,
+                     "checkpoint finalize timeout must be positive");
+  staging_ = std::make_unique<Staging>(options_.staging_max_bytes);
+}
+
+ShardedSaver::~ShardedSaver() {
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    log::error("checkpoint save failed: ", e.what());
+  }
+}
+
+std::shared_ptr<ShardedSaver::Job> ShardedSaver::plan(const ShardedStateDict& state,
+                                                      const fs::path& folder, int64_t step,
+                                                      const SaveOptions& options) {
+  LOOM_REQUIRE_USAGE(!folder.empty(), "checkpoint folder is empty; set the checkpoint folder");
+  LOOM_REQUIRE_USAGE(step >= 0, "checkpoint step must be >= 0, got ", step);
+  auto job = std::make_shared<Job>();
+  job->rank = group_->rank();
+  job->world = group_->size();
+  job->step = step;
+  job->folder = folder;
+  job->tmp_dir = tmp_dir_of(folder, step);
+  job->final_dir = folder / step_dir_name(step);
+  job->options = options;
+  job->saver = options_;
+  job->global_json = state.json();
+  job->rank_json = state.rank_json();
+
+  // This rank's description, or the error that makes every rank fail together (a rank throwing
+  // alone would leave the others waiting in the gather).
+  Json local = Json::object();
+  try {
+    if (options.export_dtype) {
+      LOOM_REQUIRE_USAGE(c10::isFloatingType(*options.export_dtype), "checkpoint export dtype ",
+                         c10::toString(*options.export_dtype),
+                         " is not floating point; use float32, bfloat16 or float16");
+    }
+    Json tensors = Json::object();
+    for (const auto& [name, t] : state.tensors()) {
+      if (options.model_only && t.component != kModelComponent) continue;
+      const c10::ScalarType stored =
+          options.export_dtype && c10::isFloatingType(t.dtype) ? *options.export_dtype : t.dtype;
+      Json ranges = Json::array();
+      for (const LocalChunk& c : t.chunks) ranges.push_back({c.begin, c.end()});
+      tensors[name] = {{"component", t.component},
+                       {"shape", t.shape},
+                       {"dtype", safetensors_dtype_name(stored)},
+                       {"ranges", std::move(ranges)}};
+    }
+    local["tensors"] = std::move(tensors);
+    if (job->rank == 0) {
+      std::error_code ec;
+      fs::create_directories(folder, ec);
+      LOOM_REQUIRE(!ec, "cannot create checkpoint folder '", folder.string(), "': ", ec.message());
+      fs::remove_all(job->tmp_dir, ec);  // a crashed run's unfinished save of this step
+      LOOM_REQUIRE(!ec, "cannot remove the stale '", job->tmp_dir.string(), "': ", ec.message());
+    }
+  } catch (const std::exception& e) {
+    local = {{"error", e.what()}};
+  }
+  const std::vector<std::string> gathered = group_->all_gather(local.dump());
+  std::vector<Json> plans;
+  for (const std::string& bytes : gathered) plans.push_back(Json::parse(bytes));
+  for (int r = 0; r < job->world; ++r) {
+    if (plans[r].contains("error")) {
+      const auto why = plans[r]["error"].get<std::string>();
+      if (r == job->rank) fail(why);
+      fail("checkpoint step ", step, ": rank ", r, " cannot save (", why, ")");
+    }
+  }
+
+  // The global plan, computed identically on every rank.
+  std::map<std::string, std::map<std::pair<int64_t, int64_t>, std::vector<int>>> holders;
+  std::map<std::string, int> first_rank;
+  for (int r = 0; r < job->world; ++r) {
+    for (const auto& [name, tj] : plans[r]["tensors"].items()) {
+      GlobalTensor g{tj["component"].get<std::string>(), tj["shape"].get<std::vector<int64_t>>(),
+                     safetensors_dtype(tj["dtype"].get<std::string>())};
+      const auto [it, inserted] = job->global.emplace(name, g);
+      if (inserted) {
+        first_rank[name] = r;
+      } else if (!(it->second == g)) {
+        fail("checkpoint step ", step, ": tensor '", name, "' is ", c10::toString(g.dtype), " ",
+             shape_text(g.shape), " (", g.component, ") on rank ", r, " but ",
+             c10::toString(it->second.dtype), " ", shape_text(it->second.shape), " (",
+             it->second.component, ") on rank ", first_rank[name],
+             "; every rank must describe a tensor the same way");
+      }
+      auto& ranges = holders[name];
+      for (const auto& range : tj["ranges"]) {
+        ranges[{range[0].get<int64_t>(), range[1].get<int64_t>()}].push_back(r);
+      }
+    }
+  }
+  for (const auto& [name, g] : job->global) {
+    int64_t numel = 1;
+    for (const int64_t d : g.shape) numel *= d;
+    int64_t next = 0;
+    std::pair<int64_t, int64_t> previous{0, 0};
+    int previous_rank = -1;
+    for (const auto& [range, ranks] : holders[name]) {
+      if (range.first < next) {
+        fail("checkpoint step ", step, ": tensor '", name, "': rank ", previous_rank, " holds [",
+             previous.first, ", ", previous.second, ") and rank ", ranks[0], " holds [",
+             range.first, ", ", range.second,
+             "); they overlap without being identical (replicas must hold identical chunks)");
+      }
+      if (range.first > next) {
+        fail("checkpoint step ", step, ": elements [", next, ", ", range.first, ") of tensor '",
+             name, "' ", shape_text(g.shape), " are held by no rank");
+      }
+      next = range.second;
+      previous = range;
+      previous_rank = ranks[0];
+    }
+    if (next != numel) {
+      fail("checkpoint step ", step, ": elements [", next, ", ", numel, ") of tensor '", name,
+           "' ", shape_text(g.shape), " are held by no rank");
+    }
+  }
+
+  // Writers: a range held by one rank is written by it; a replicated range by its least-loaded
+  // holder (largest ranges first), so replicas share the writing instead of rank 0 doing it all.
+  std::vector<int64_t> load(static_cast<size_t>(job->world), 0);
+  struct Shared {
+    int64_t bytes;
+    std::string name;
+    int64_t begin;
+    std::vector<int> ranks;
+  };
+  std::vector<Shared> shared;
+  std::set<std::pair<std::string, int64_t>> mine;
+  for (const auto& [name, ranges] : holders) {
+    const auto elem = static_cast<int64_t>(c10::elementSize(job->global.at(name).dtype));
+    for (const auto& [range, ranks] : ranges) {
+      const int64_t bytes = (range.second - range.first) * elem;
+      if (ranks.size() == 1) {
+        load[static_cast<size_t>(ranks[0])] += bytes;
+        if (ranks[0] == job->rank) mine.emplace(name, range.first);
+      } else {
+        shared.push_back({bytes, name, range.first, ranks});
+      }
+    }
+  }
+  std::stable_sort(shared.begin(), shared.end(),
+                   [](const Shared& a, const Shared& b) { return a.bytes > b.bytes; });
+  for (const Shared& s : shared) {
+    int best = s.ranks[0];
+    for (const int r : s.ranks) {
+      if (load[static_cast<size_t>(r)] < load[static_cast<size_t>(best)]) best = r;
+    }
+    load[static_cast<size_t>(best)] += s.bytes;
+    if (best == job->rank) mine.emplace(s.name, s.begin);
+  }
+
+  // This rank's file: its chunks by descending element size (so every chunk is aligned for its
+  // dtype, and the file can be read zero-copy), then by name and offset.
+  for (const auto& [name, t] : state.tensors()) {
+    if (!job->global.count(name)) continue;  // model_only filtered it out
+    for (const LocalChunk& c : t.chunks) {
+      if (!mine.count({name, c.begin})) continue;
+      WriteEntry e;
+      e.tensor = name;
+      e.key = chunk_key(name, c.begin);
+      e.begin = c.begin;
+      e.end = c.end();
+      e.source = c.data;
+      e.dtype = job->global.at(name).dtype;
+      job->entries.push_back(std::move(e));
+    }
+  }
+  std::stable_sort(job->entries.begin(), job->entries.end(),
+                   [](const WriteEntry& a, const WriteEntry& b) {
+                     return c10::elementSize(a.dtype) > c10::elementSize(b.dtype);
+                   });
+  Json header = Json::object();
+  header["__metadata__"] = {{"format", kMetadataFormat},
+                            {"step", std::to_string(step)},
+                            {"rank", std::to_string(job->rank)}};
+  int64_t offset = 0;
+  for (WriteEntry& e : job->entries) {
+    header[e.key] = {{"dtype", safetensors_dtype_name(e.dtype)},
+                     {"shape", {e.end - e.begin}},
+                     {"data_offsets", {offset, offset + e.nbytes()}}};
+    e.byte_begin = offset;
+    offset += e.nbytes();
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // data section 8-byte aligned
+  const uint64_t header_len = text.size();
+  job->header.assign(reinterpret_cast<const char*>(&header_len), 8);
+  job->header += text;
+  const auto data_start = static_cast<int64_t>(job->header.size());
+  for (WriteEntry& e : job->entries) e.byte_begin += data_start;
+  job->file_bytes = data_start + offset;
+  return job;
+}
+
+fs::path ShardedSaver::save(const ShardedStateDict& state, const fs::path& folder, int64_t step,
+                            const SaveOptions& options) {
+  wait();
+  Timer timer;
+  const std::shared_ptr<Job> job = plan(state, folder, step, options);
+  // Two agreements: every rank wrote its file (else nobody publishes), then rank 0 published.
+  std::exception_ptr error;
+  try {
+    fs::create_directories(job->tmp_dir);
+    write_direct(*job);
+    write_rank_meta(*job);
+  } catch (const std::exception& e) {
+    error = std::current_exception();
+    write_failed_marker(*job, e.what());
+  }
+  if (group_->all_reduce_max(error ? 1 : 0) != 0) {
+    if (error) std::rethrow_exception(error);
+    fail("checkpoint step ", step, " failed on another rank (see its log); '",
+         job->tmp_dir.string(), "' is left incomplete");
+  }
+  if (job->rank == 0) {
+    try {
+      publish(*job);
+    } catch (const std::exception&) {
+      error = std::current_exception();
+    }
+  }
+  if (group_->all_reduce_max(error ? 1 : 0) != 0) {
+    if (error) std::rethrow_exception(error);
+    fail("checkpoint step ", step, " could not be published by rank 0 (see its log)");
+  }
+  stats_ = {step, job->file_bytes, timer.seconds(), timer.seconds()};
+  if (job->rank == 0) {
+    log::info("saved checkpoint '", job->final_dir.string(), "' (", job->file_bytes >> 20,
+              " MiB on rank 0, ", timer.seconds(), " s)");
+  }
+  return job->final_dir;
+}
+
+void ShardedSaver::save_async(const ShardedStateDict& state, const fs::path& folder, int64_t step,
+                              const SaveOptions& options) {
+  wait();
+  Timer timer;
+  std::shared_ptr<Job> job = plan(state, folder, step, options);
+  std::error_code ec;
+  fs::create_directories(job->tmp_dir, ec);
+  LOOM_REQUIRE(!ec, "cannot create '", job->tmp_dir.string(), "': ", ec.message());
+  staging_->begin();
+  job_ = job;
+  Staging* staging = staging_.get();
+  writer_ = std::thread([job, staging] {
+    Timer write_timer;
+    try {
+      write_staged(*job, *staging);
+      finish_rank(*job);
+    } catch (const std::exception& e) {
+      job->error = std::current_exception();
+      staging->abort();  // unblock the training thread if it is still staging
+      write_failed_marker(*job, e.what());
+    }
+    job->write_seconds = write_timer.seconds();
+  });
+  try {
+    stage(*job, *staging_);
+  } catch (...) {
+    staging_->abort();
+    writer_.join();
+    job_.reset();
+    throw;
+  }
+  staging_->close();
+  stats_ = {step, job->file_bytes, timer.seconds(), 0};
+  if (staging_->aborted()) wait();  // the writer already failed: report it now
+}
+
+void ShardedSaver::wait() {
+  if (!writer_.joinable()) return;
+  writer_.join();
+  const std::shared_ptr<Job> job = std::move(job_);
+  stats_.write_seconds = job->write_seconds;
+  if (job->error) std::rethrow_exception(job->error);
+  if (job->rank == 0) {
+    log::info("saved checkpoint '", job->final_dir.string(), "' asynchronously (",
+              job->file_bytes >> 20, " MiB on rank 0, ", job->write_seconds, " s in background)");
+  }
+}
+
+}  // namespace loom::checkpoint
