@@ -50,7 +50,7 @@ uint8_t class_of(char32_t c) {
                                     [](char32_t v, const ClassRange& r) { return v < r.first; });
   if (it == std::begin(kClassRanges)) return kOther;
   --it;
-  return c <= it->last ? it->cls : kOther;
+  return c <= it->last ? it->cls : static_cast<uint8_t>(kOther);
 }
 
 }  // namespace

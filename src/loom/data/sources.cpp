@@ -324,7 +324,6 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
   if (header_.num_tokens > 0 && (*this)[header_.num_tokens - 1] != header_.eos_id) {
     reject("does not end with EOS: it is truncated or corrupt");
   }
-  ::madvise(mapping_, mapping_bytes_, MADV_WILLNEED);
 }
 
 TokenFile::~TokenFile() {

@@ -90,7 +90,9 @@ class FSDPParamGroup {
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
   DistributedBuffer& params_buffer() { return params_buffer_; }
+  const DistributedBuffer& params_buffer() const { return params_buffer_; }
   DistributedBuffer& grads_buffer() { return grads_buffer_; }
+  const DistributedBuffer& grads_buffer() const { return grads_buffer_; }
   // The parameter and gradient shards (S elements each) the optimizer updates.
   const torch::Tensor& sharded_params() const { return params_buffer_.sharded(); }
   const torch::Tensor& sharded_grads() const { return grads_buffer_.sharded(); }

@@ -1,7 +1,6 @@
 #include "loom/fsdp/sharded_optimizer.h"
 
 #include <algorithm>
-#include <set>
 
 #include "loom/core/error.h"
 

@@ -52,7 +52,7 @@ struct WarmupStableDecaySchedule {
 
 // Drives an optimizer's lr like torch.optim.lr_scheduler.LambdaLR: the constructor sets
 // lr = base_lr * factor(0) (base_lr is the optimizer's lr at construction); step(), called after
-// each optimizer step, advances one step and sets the next lr.
+// each optimizer step, advances one step and sets the next lr. The optimizer must outlive it.
 class LRScheduler {
  public:
   LRScheduler(Optimizer& optimizer, const LRScheduleOptions& options, int64_t training_steps);

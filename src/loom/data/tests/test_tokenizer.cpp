@@ -8,6 +8,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 
 #include "loom/core/build_paths.h"
 #include "loom/core/error.h"
@@ -267,6 +268,34 @@ TEST(Tokenizer, RoundTripsTrickyText) {
   EXPECT_EQ(gpt2.pad_id(), 599);
   // 341 merges already compress English text to under 2/3 of a token per byte.
   EXPECT_LT(gpt2.encode(head).size() * 3, head.size() * 2);
+}
+
+TEST(Tokenizer, EncodesConcurrently) {
+  // encode() is const and shares its word cache between threads.
+  BpeTrainerOptions options;
+  options.vocab_size = 400;
+  BpeTrainer trainer(options);
+  std::string text;
+  for (int i = 0; i < 2000; ++i) text += c10::str("word", i % 97, " ", i * 7919 % 1000, ", 'tis naïve; ");
+  trainer.add_text(text);
+  trainer.train();
+  const Tokenizer tok = Tokenizer::from_json_string(trainer.to_json(), "threads");
+  std::vector<std::string> chunks;
+  for (size_t i = 0; i < text.size(); i += 997) chunks.push_back(text.substr(i, 997));
+  std::vector<std::vector<int64_t>> expected;
+  {
+    const Tokenizer fresh = Tokenizer::from_json_string(trainer.to_json(), "fresh");
+    for (const auto& c : chunks) expected.push_back(fresh.encode(c));
+  }
+  std::vector<std::vector<int64_t>> got(chunks.size());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (size_t i = t; i < chunks.size(); i += 4) got[i] = tok.encode(chunks[i]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(got, expected);
 }
 
 TEST(Tokenizer, RejectsBadFiles) {
