@@ -186,7 +186,11 @@ def main():
         failures += check("hf-gpt2", hf_path, texts, workdir)
 
         prefix = os.path.join(workdir, "hf_prefix.json")
-        variant(hf_path, prefix, lambda s: s["pre_tokenizer"].update(add_prefix_space=True))
+        def gpt2_hub_format(s):  # as the GPT-2 file on the Hub: string merges, empty affixes
+            s["pre_tokenizer"]["add_prefix_space"] = True
+            s["model"]["merges"] = [" ".join(m) for m in s["model"]["merges"]]
+            s["model"].update(continuing_subword_prefix="", end_of_word_suffix="")
+        variant(hf_path, prefix, gpt2_hub_format)
         # Prefix spaces and stripping added tokens change the text, so these decode to HF's decode.
         failures += check("hf-prefix-space", prefix, subset, workdir, lossless=False)
 

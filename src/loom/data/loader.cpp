@@ -94,7 +94,7 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
     }
   }
   LOOM_REQUIRE(corpus->num_documents() > 0, "the data inputs (", files.size(), " files) hold no documents");
-  log::info("data: ", corpus->num_documents(), " documents, ", corpus->num_tokens(), " tokens from ",
+  log::debug("data: ", corpus->num_documents(), " documents, ", corpus->num_tokens(), " tokens from ",
             files.size(), files.size() == 1 ? " file" : " files", " (", timer.seconds(), " s)");
   return corpus;
 }
