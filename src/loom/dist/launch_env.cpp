@@ -30,6 +30,11 @@ std::optional<int> env_int(const char* name) {
   return parse_int(*v, name);
 }
 
+// Nodes holding consecutive blocks of ranks; a bad local size is reported by validate().
+int block_node_rank(int rank, int local_world_size) {
+  return local_world_size > 0 ? rank / local_world_size : 0;
+}
+
 int require_int(const char* name, const char* because) {
   auto v = env_int(name);
   LOOM_REQUIRE_USAGE(v.has_value(), name, " is not set although ", because,
@@ -87,7 +92,7 @@ LaunchEnv from_torchrun() {
   } else if (auto n = env_int("NODE_RANK")) {
     e.node_rank = *n;
   } else {
-    e.node_rank = e.rank / e.local_world_size;
+    e.node_rank = block_node_rank(e.rank, e.local_world_size);
   }
   return e;
 }
@@ -100,7 +105,7 @@ LaunchEnv from_mpirun() {
   e.local_rank = require_int("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_RANK is set");
   e.local_world_size = require_int("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_RANK is set");
   // Open MPI maps ranks by slot by default, so nodes hold consecutive blocks of ranks.
-  e.node_rank = e.rank / e.local_world_size;
+  e.node_rank = block_node_rank(e.rank, e.local_world_size);
   return e;
 }
 

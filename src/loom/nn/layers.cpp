@@ -48,10 +48,12 @@ torch::Tensor RMSNorm::forward(const torch::Tensor& x) {
 }
 
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
-  torch::Tensor out = at::silu(gate);
-  // In place on the fresh silu output: without autograd this saves one [tokens, hidden]
-  // temporary; with autograd it costs the same as out-of-place (silu's backward needs its input).
-  return out.mul_(up);
+  if (at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad())) {
+    // Out of place: an in-place multiply would make autograd clone silu's output to keep it.
+    return at::silu(gate) * up;
+  }
+  // Inference: multiply into the fresh silu output, saving one [tokens, hidden] temporary.
+  return at::silu(gate).mul_(up);
 }
 
 FeedForward::FeedForward(int64_t dim, int64_t hidden_dim, const torch::TensorOptions& options)

@@ -232,6 +232,10 @@ TEST(Layers, MatchReferenceMath) {
                                         torch::matmul(x, ffn.w3().weight().t()),
                                     ffn.w2().weight().t());
   EXPECT_TRUE(torch::allclose(ffn.forward(x), ref, 1e-4, 1e-5));
+  {
+    torch::NoGradGuard no_grad;  // the in-place SwiGLU path
+    EXPECT_TRUE(torch::allclose(ffn.forward(x), ref, 1e-4, 1e-5));
+  }
 
   Embedding emb(10, 3, kCpu);
   emb.set_parameter("weight", torch::randn({10, 3}));

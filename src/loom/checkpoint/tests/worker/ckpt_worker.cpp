@@ -11,6 +11,7 @@
 #include "loom/checkpoint/loader.h"
 #include "loom/checkpoint/saver.h"
 #include "loom/checkpoint/tests/layouts.h"
+#include "loom/core/error.h"
 #include "loom/dist/launch_env.h"
 #include "loom/dist/process_group.h"
 

@@ -1,5 +1,5 @@
 // Per-rank scenarios for the dist multi-rank tests. Started as
-//   loom launch --nproc N --exec -- loom_dist_worker <scenario>
+//   loom launch --nproc N --exec -- loom_dist_worker <scenario> [<scenario>...]
 // Every rank checks its own results; a failed check exits 1 with one line naming the rank and the
 // mismatch. On success each rank prints "rank R/W <scenario>: ok".
 #include <cstdio>
@@ -346,29 +346,38 @@ const std::map<std::string, std::function<void(Distributed&)>>& scenarios() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string name = argc > 1 ? argv[1] : "";
-  auto it = scenarios().find(name);
-  if (it == scenarios().end()) {
-    std::string known;
-    for (const auto& [n, f] : scenarios()) known += " " + n;
-    std::fprintf(stderr, "error: unknown scenario '%s'; known:%s\n", name.c_str(), known.c_str());
-    return 2;
+  // Several scenarios may run in one launch (sharing the process groups), saving process start-up.
+  std::vector<std::string> names(argv + 1, argv + argc);
+  if (names.empty()) names.push_back("");
+  for (const auto& name : names) {
+    if (!scenarios().count(name)) {
+      std::string known;
+      for (const auto& [n, f] : scenarios()) known += " " + n;
+      std::fprintf(stderr, "error: unknown scenario '%s'; known:%s\n", name.c_str(), known.c_str());
+      return 2;
+    }
   }
   int rank = -1;
+  std::string current = "init";
   try {
     const LaunchEnv env = detect_launch_env();
     rank = env.rank;
     auto dist = init_distributed(env, std::chrono::seconds(60));
-    it->second(*dist);
+    for (const auto& name : names) {
+      current = name;
+      scenarios().at(name)(*dist);
+      std::printf("rank %d/%d %s: ok\n", env.rank, env.world_size, name.c_str());
+      std::fflush(stdout);
+    }
     dist->shutdown();
-    std::printf("rank %d/%d %s: ok\n", env.rank, env.world_size, name.c_str());
     return 0;
   } catch (const loom::Error& e) {
-    std::fprintf(stderr, "rank %d %s: error: %s\n", rank, name.c_str(), e.what());
+    std::fprintf(stderr, "rank %d %s: error: %s\n", rank, current.c_str(), e.what());
   } catch (const c10::Error& e) {
-    std::fprintf(stderr, "rank %d %s: error: %s\n", rank, name.c_str(), e.what_without_backtrace());
+    std::fprintf(stderr, "rank %d %s: error: %s\n", rank, current.c_str(),
+                 e.what_without_backtrace());
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "rank %d %s: error: %s\n", rank, name.c_str(), e.what());
+    std::fprintf(stderr, "rank %d %s: error: %s\n", rank, current.c_str(), e.what());
   }
   return 1;
 }
