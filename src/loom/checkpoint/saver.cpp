@@ -145,13 +145,18 @@ struct ShardedSaver::Job {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Staging: a few fixed host buffers ("slots"), filled in file order by the training thread and
-// drained by the writer. Each slot is one contiguous run of the rank file, so the writer issues one
-// write per slot. Slots are allocated on first use and kept for later saves.
+// Staging: fixed host buffers ("slots") that together hold at most staging_max_bytes, filled in
+// file order by the training thread and drained by the writer. Each slot is one contiguous run of
+// the rank file, so the writer issues one write per slot, and starts as soon as the first slot is
+// full rather than after everything is staged. Slots are allocated on first use and kept for later
+// saves (the first save pays the page faults).
 
 class ShardedSaver::Staging {
  public:
-  static constexpr int kSlots = 4;
+  // Small enough that writing overlaps staging, large enough that a write call is efficient; at
+  // least 4 slots so the two threads never wait on a single buffer.
+  static constexpr int64_t kMaxSlotBytes = int64_t{64} << 20;
+  static constexpr int64_t kMinSlots = 4;
   struct Segment {
     size_t entry;
     int64_t bytes;
@@ -164,7 +169,8 @@ class ShardedSaver::Staging {
   };
 
   explicit Staging(int64_t max_bytes)
-      : slot_bytes_(std::max<int64_t>(8, max_bytes / kSlots / 8 * 8)) {}
+      : slot_bytes_(std::max<int64_t>(8, std::min(kMaxSlotBytes, max_bytes / kMinSlots) / 8 * 8)),
+        max_slots_(std::max<int64_t>(1, max_bytes / slot_bytes_)) {}
   int64_t slot_bytes() const { return slot_bytes_; }
 
   void begin() {
@@ -179,7 +185,7 @@ class ShardedSaver::Staging {
   Slot* acquire() {
     std::unique_lock lock(mutex_);
     cv_.wait(lock, [&] {
-      return aborted_ || !free_.empty() || static_cast<int>(slots_.size()) < kSlots;
+      return aborted_ || !free_.empty() || static_cast<int64_t>(slots_.size()) < max_slots_;
     });
     if (aborted_) return nullptr;
     Slot* slot = nullptr;
@@ -232,6 +238,7 @@ class ShardedSaver::Staging {
 
  private:
   int64_t slot_bytes_;
+  int64_t max_slots_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Slot>> slots_;
@@ -471,6 +478,9 @@ void publish(const Job& job) {
   // Re-parse what we are about to publish: the loader will run the same checks.
   CheckpointMetadata::from_json(Json::parse(text), (job.tmp_dir / kMetadataFile).string());
   write_text_file_atomically(job.tmp_dir / kMetadataFile, text);
+  // The ranks' reports are merged into metadata.json now; the published checkpoint holds only the
+  // rank files, metadata.json and the marker.
+  for (int r = 0; r < job.world; ++r) fs::remove(job.tmp_dir / rank_meta_name(r));
   fsync_dir(job.tmp_dir);
 
   std::error_code ec;

@@ -12,8 +12,9 @@
 //      writes step-N/COMPLETE (each step fsynced), then prunes to keep_latest_k.
 // Step 2-3 run on a background thread for save_async, which returns as soon as the chunks are
 // staged into host memory; the background thread never communicates, so it cannot interleave with
-// the training thread's collectives. Staging memory is bounded: a larger save is staged and written
-// in pieces, and save_async returns once the last piece is staged.
+// the training thread's collectives. Staging memory is bounded (staging_max_bytes, in slots of at
+// most 64 MiB that the writer drains while later ones are filled): a larger save is staged and
+// written in pieces, and save_async returns once the last piece is staged.
 #pragma once
 #include <torch/torch.h>
 

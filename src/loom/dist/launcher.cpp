@@ -103,20 +103,26 @@ struct RankProcess {
 
 struct GroupOutcome {
   enum class Kind { kSucceeded, kRankFailed, kInterrupted } kind = Kind::kSucceeded;
-  RankProcess failed;     // kRankFailed
+  // kRankFailed: the ranks found failed when the launcher first noticed a failure. Usually one;
+  // several when they exited before the launcher could tell them apart (e.g. a peer hit by the
+  // first one's death), so all are named.
+  std::vector<RankProcess> failed;
   int launcher_signal = 0;  // kInterrupted
-  int stopped = 0;        // ranks still running that had to be stopped
+  int stopped = 0;          // ranks still running that had to be stopped
 };
 
 std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
-  const RankProcess& r = o.failed;
-  std::string who = c10::str("rank ", r.rank, " (");
-  if (opts.nnodes > 1) who += c10::str("node ", opts.node_rank, ", ");
-  who += c10::str("local rank ", r.local_rank, ", pid ", r.pid, ")");
-  std::string what = WIFSIGNALED(r.wait_status)
-                         ? c10::str("was killed by signal ", describe_signal(WTERMSIG(r.wait_status)))
-                         : c10::str("exited with code ", WEXITSTATUS(r.wait_status));
-  return c10::str(who, " ", what, "; stopped the other ", o.stopped, " running rank(s)");
+  std::string message;
+  for (const RankProcess& r : o.failed) {
+    if (!message.empty()) message += " and ";
+    message += c10::str("rank ", r.rank, " (");
+    if (opts.nnodes > 1) message += c10::str("node ", opts.node_rank, ", ");
+    message += c10::str("local rank ", r.local_rank, ", pid ", r.pid, ") ");
+    message += WIFSIGNALED(r.wait_status)
+                   ? c10::str("was killed by signal ", describe_signal(WTERMSIG(r.wait_status)))
+                   : c10::str("exited with code ", WEXITSTATUS(r.wait_status));
+  }
+  return c10::str(message, "; stopped the other ", o.stopped, " running rank(s)");
 }
 
 // The local ranks of one attempt. The destructor kills whatever still runs, so no rank outlives
@@ -151,10 +157,10 @@ class WorkerGroup {
 
   GroupOutcome monitor(SignalScope& signals) {
     while (true) {
-      if (auto failed = reap()) {
+      if (auto failed = reap(); !failed.empty()) {
         GroupOutcome out;
         out.kind = GroupOutcome::Kind::kRankFailed;
-        out.failed = *failed;
+        out.failed = std::move(failed);
         out.stopped = stop_all(SIGTERM, signals);
         return out;
       }
@@ -181,9 +187,9 @@ class WorkerGroup {
     if (kill(-p.pid, sig) != 0) kill(p.pid, sig);  // whole process group, else the rank itself
   }
 
-  // Collects exited ranks; returns the first failure seen (lowest rank among simultaneous ones).
-  std::optional<RankProcess> reap() {
-    std::optional<RankProcess> failed;
+  // Collects exited ranks; returns those that failed, in rank order.
+  std::vector<RankProcess> reap() {
+    std::vector<RankProcess> failed;
     for (auto& p : procs_) {
       if (!p.running) continue;
       int status = 0;
@@ -192,7 +198,7 @@ class WorkerGroup {
       p.running = false;
       p.wait_status = status;
       const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      if (!ok && !failed) failed = p;
+      if (!ok) failed.push_back(p);
     }
     return failed;
   }

@@ -10,6 +10,7 @@
 #endif
 
 #include <charconv>
+#include <csignal>
 #include <cstdlib>
 #include <set>
 #include <thread>
@@ -166,6 +167,9 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
   log::set_rank(env.rank);
   at::set_num_threads(intra_op_threads(env));
   if (env.world_size == 1) return std::make_shared<Distributed>(env, timeout, backend, nullptr);
+  // A peer that dies closes its sockets; writing to them must surface as an I/O error in the
+  // collective (reported, attributable), not as a silent SIGPIPE death of this rank.
+  std::signal(SIGPIPE, SIG_IGN);
 
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(env.master_port);

@@ -110,6 +110,9 @@ void Trainer::parallelize() {
   // the layout, so any parallel run starts from the single-process reference's weights.
   model_->to_empty(torch::kCPU);
   model_->init_weights(static_cast<uint64_t>(config_.training.seed));
+  LOOM_REQUIRE_USAGE(config_.activation_checkpoint.mode == "none",
+                     "activation_checkpoint.mode '", config_.activation_checkpoint.mode,
+                     "' is not available yet; use \"none\"");
   if (config_.training.mixed_precision_param != "float32") {
     fail_usage("training.mixed_precision_param '", config_.training.mixed_precision_param,
                "' needs FSDP's mixed-precision policy, which is not available yet; use float32");
@@ -129,20 +132,10 @@ void Trainer::init_optimizer() {
   for (const auto& p : model_->named_parameters()) {
     if (p.slot->requires_grad) named.emplace_back(p.name, p.slot->tensor);
   }
-  optim::AdamWOptions options;
-  options.lr = o.lr;
-  options.beta1 = o.beta1;
-  options.beta2 = o.beta2;
-  options.eps = o.eps;
-  options.implementation = optim::parse_adamw_implementation(o.implementation);
   optimizer_ = std::make_unique<optim::AdamW>(optim::weight_decay_param_groups(named, o.weight_decay),
-                                              options);
-  optim::LRScheduleOptions schedule;
-  schedule.warmup_steps = config_.lr_scheduler.warmup_steps;
-  schedule.decay_ratio = config_.lr_scheduler.decay_ratio;
-  schedule.decay_type = optim::parse_decay_type(config_.lr_scheduler.decay_type);
-  schedule.min_lr_factor = config_.lr_scheduler.min_lr_factor;
-  lr_scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, schedule, config_.training.steps);
+                                              adamw_options(config_));
+  lr_scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, lr_schedule_options(config_),
+                                                  config_.training.steps);
 }
 
 double Trainer::global_mean_loss(double local_loss) {

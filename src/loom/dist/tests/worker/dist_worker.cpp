@@ -31,8 +31,8 @@ at::Tensor ramp(int64_t n, int r, at::ScalarType dtype) {
   return (at::arange(1, n + 1, at::kDouble) * (r + 1)).to(dtype);
 }
 
-void scenario_all_reduce(Distributed& dist) {
-  Comm& world = *dist.world();
+void scenario_all_reduce(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
   const int w = world.size(), r = world.rank();
   const double sum_factor = w * (w + 1) / 2.0;
   for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kLong, at::kInt}) {
@@ -57,8 +57,8 @@ void scenario_all_reduce(Distributed& dist) {
                "async all_reduce avg");
 }
 
-void scenario_all_gather(Distributed& dist) {
-  Comm& world = *dist.world();
+void scenario_all_gather(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
   const int w = world.size(), r = world.rank();
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong}) {
     at::Tensor in = (at::arange(3, at::kDouble) + 10 * r).to(dtype);
@@ -78,8 +78,8 @@ void scenario_all_gather(Distributed& dist) {
                "all_gather 2-D");
 }
 
-void scenario_reduce_scatter(Distributed& dist) {
-  Comm& world = *dist.world();
+void scenario_reduce_scatter(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
   const int w = world.size(), r = world.rank();
   const double sum_factor = w * (w + 1) / 2.0;
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong}) {
@@ -102,8 +102,8 @@ void scenario_reduce_scatter(Distributed& dist) {
                "reduce_scatter avg");
 }
 
-void scenario_broadcast(Distributed& dist) {
-  Comm& world = *dist.world();
+void scenario_broadcast(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
   const int w = world.size(), r = world.rank();
   for (int root : {0, w - 1}) {
     at::Tensor t = r == root ? at::arange(8, at::kFloat) * (root + 1) : at::zeros({8}, at::kFloat);
@@ -115,8 +115,8 @@ void scenario_broadcast(Distributed& dist) {
   expect_equal(t, at::full({2, 2}, 7, at::kLong), "async broadcast");
 }
 
-void scenario_all_to_all(Distributed& dist) {
-  Comm& world = *dist.world();
+void scenario_all_to_all(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
   const int w = world.size(), r = world.rank();
   // Even: rank r sends rows {100r + j, 100r + j} to rank j.
   at::Tensor in = (100 * r + at::arange(w, at::kFloat)).repeat_interleave(2).reshape({w, 2});
@@ -140,8 +140,8 @@ void scenario_all_to_all(Distributed& dist) {
   expect_equal(uneven_out, expected, "all_to_all uneven");
 }
 
-void scenario_send_recv(Distributed& dist) {
-  Comm& world = *dist.world();
+void scenario_send_recv(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
   const int w = world.size(), r = world.rank();
   at::Tensor mine = at::full({5}, r, at::kFloat);
   at::Tensor from_prev = at::empty({5}, at::kFloat);
@@ -177,14 +177,13 @@ void check_mesh_dims(const DeviceMesh& mesh, const std::vector<std::string>& nam
   }
 }
 
-void scenario_mesh_2x2(Distributed& dist) {
-  auto shared = std::shared_ptr<Distributed>(&dist, [](Distributed*) {});
-  const int r = dist.rank();
-  LOOM_REQUIRE(dist.world_size() == 4, "mesh_2x2 needs 4 ranks");
+void scenario_mesh_2x2(const std::shared_ptr<Distributed>& dist) {
+  const int r = dist->rank();
+  LOOM_REQUIRE(dist->world_size() == 4, "mesh_2x2 needs 4 ranks");
   // HSDP: dp_replicate=2 x dp_shard=2 -> dims [dp_replicate, dp_shard], flattened dp, dp_shard_cp,
   // dp_cp. Row-major: dp_shard groups {0,1},{2,3}; dp_replicate groups {0,2},{1,3}.
   ParallelDims hsdp({.dp_replicate = 2, .dp_shard = 2}, 4, r);
-  DeviceMesh mesh = hsdp.build_mesh(shared);
+  DeviceMesh mesh = hsdp.build_mesh(dist);
   const std::vector<int> inner = r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
   const std::vector<int> outer = r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
   check_mesh_dims(mesh, {"dp_replicate", "dp_shard", "dp", "dp_shard_cp", "dp_cp"},
@@ -194,7 +193,7 @@ void scenario_mesh_2x2(Distributed& dist) {
                hsdp.dp_rank());
   // FSDP x TP: dims [dp_shard, tp]; tp is innermost (neighbouring ranks), reusing the groups above.
   ParallelDims fsdp_tp({.dp_shard = -1, .tp = 2}, 4, r);
-  DeviceMesh mesh2 = fsdp_tp.build_mesh(shared);
+  DeviceMesh mesh2 = fsdp_tp.build_mesh(dist);
   check_mesh_dims(mesh2, {"dp_shard", "tp", "dp", "dp_shard_cp", "dp_cp"},
                   {{"dp_shard", outer}, {"tp", inner}, {"dp", outer}, {"dp_shard_cp", outer},
                    {"dp_cp", outer}});
@@ -210,8 +209,8 @@ void scenario_mesh_2x2(Distributed& dist) {
   expect_equal(full, (at::arange(4, at::kFloat) * 2 + 10 * (0 + 1 + 2 + 3) / 2.0), "HSDP round trip");
 }
 
-void scenario_accounting(Distributed& dist) {
-  Comm& world = *dist.world();
+void scenario_accounting(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
   const int64_t w = world.size();
   comm_stats().reset();
   flight_recorder().clear();
@@ -279,8 +278,8 @@ void scenario_accounting(Distributed& dist) {
                "all_gather record shapes/dtype wrong");
 }
 
-void scenario_flight_recorder(Distributed& dist) {
-  Comm& world = *dist.world();
+void scenario_flight_recorder(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
   LOOM_REQUIRE(world.size() == 2, "flight_recorder needs 2 ranks");
   flight_recorder().clear();
   flight_recorder().set_capacity(4);
@@ -315,8 +314,8 @@ void scenario_flight_recorder(Distributed& dist) {
 
 // Rank 1 fails; the others block in a collective that can never complete. The launcher must
 // report rank 1 and stop the rest.
-void scenario_fail_rank1(Distributed& dist) {
-  Comm& world = *dist.world();
+void scenario_fail_rank1(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
   world.barrier();
   if (world.rank() == 1) {
     std::printf("rank 1 exiting with code 3\n");
@@ -332,8 +331,8 @@ void scenario_fail_rank1(Distributed& dist) {
   std::this_thread::sleep_for(std::chrono::hours(1));
 }
 
-const std::map<std::string, std::function<void(Distributed&)>>& scenarios() {
-  static const std::map<std::string, std::function<void(Distributed&)>> all = {
+const std::map<std::string, std::function<void(const std::shared_ptr<Distributed>&)>>& scenarios() {
+  static const std::map<std::string, std::function<void(const std::shared_ptr<Distributed>&)>> all = {
       {"all_reduce", scenario_all_reduce},       {"all_gather", scenario_all_gather},
       {"reduce_scatter", scenario_reduce_scatter}, {"broadcast", scenario_broadcast},
       {"all_to_all", scenario_all_to_all},       {"send_recv", scenario_send_recv},
@@ -365,7 +364,7 @@ int main(int argc, char** argv) {
     auto dist = init_distributed(env, std::chrono::seconds(60));
     for (const auto& name : names) {
       current = name;
-      scenarios().at(name)(*dist);
+      scenarios().at(name)(dist);
       std::printf("rank %d/%d %s: ok\n", env.rank, env.world_size, name.c_str());
       std::fflush(stdout);
     }
