@@ -581,8 +581,10 @@ std::shared_ptr<ShardedSaver::Job> ShardedSaver::plan(const ShardedStateDict& st
       fs::remove_all(job->tmp_dir, ec);  // a crashed run's unfinished save of this step
       LOOM_REQUIRE(!ec, "cannot remove the stale '", job->tmp_dir.string(), "': ", ec.message());
     }
+  } catch (const UsageError& e) {
+    local = {{"error", e.what()}, {"usage", true}};
   } catch (const std::exception& e) {
-    local = {{"error", e.what()}};
+    local = {{"error", e.what()}, {"usage", false}};
   }
   const std::vector<std::string> gathered = group_->all_gather(local.dump());
   std::vector<Json> plans;
@@ -590,6 +592,7 @@ std::shared_ptr<ShardedSaver::Job> ShardedSaver::plan(const ShardedStateDict& st
   for (int r = 0; r < job->world; ++r) {
     if (plans[r].contains("error")) {
       const auto why = plans[r]["error"].get<std::string>();
+      if (r == job->rank && plans[r]["usage"].get<bool>()) fail_usage(why);
       if (r == job->rank) fail(why);
       fail("checkpoint step ", step, ": rank ", r, " cannot save (", why, ")");
     }
@@ -768,7 +771,11 @@ void ShardedSaver::save_async(const ShardedStateDict& state, const fs::path& fol
   std::shared_ptr<Job> job = plan(state, folder, step, options);
   std::error_code ec;
   fs::create_directories(job->tmp_dir, ec);
-  LOOM_REQUIRE(!ec, "cannot create '", job->tmp_dir.string(), "': ", ec.message());
+  if (ec) {
+    const std::string why = c10::str("cannot create '", job->tmp_dir.string(), "': ", ec.message());
+    write_failed_marker(*job, why);  // so rank 0 stops waiting for this rank
+    fail(why);
+  }
   staging_->begin();
   job_ = job;
   Staging* staging = staging_.get();

@@ -160,6 +160,7 @@ class Comm {
   const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
   std::string describe() const;  // "dp_shard[0,2]"
 
+  // Collectives are non-const: each advances the group's sequence number (flight recorder).
   // In place: every rank ends with the reduction of all ranks' `tensor`. kAvg needs floating point.
   void all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
   // output (numel = size() x input numel) = concatenation of every rank's input, in rank order.

@@ -329,7 +329,7 @@ ResolvedLaunch resolve(const LaunchOptions& o) {
                      " must be in [0, --nnodes ", o.nnodes, ")");
   LOOM_REQUIRE_USAGE(!o.command.empty(), "loom launch needs a command after '--', e.g. "
                      "'loom launch --nproc 2 -- train --config c.toml'");
-  LOOM_REQUIRE_USAGE(o.stop_grace.count() >= 0, "the stop grace period must be >= 0");
+  LOOM_REQUIRE_USAGE(o.stop_grace.count() >= 0, "--stop-grace must be >= 0 seconds");
   if (o.master_port) {
     LOOM_REQUIRE_USAGE(*o.master_port >= 1 && *o.master_port <= 65535, "--master-port ",
                        *o.master_port, " is not a TCP port; use 1..65535");

@@ -48,8 +48,9 @@ class Distributed {
   // groups in the same relative order (construction blocks until all members arrive).
   std::shared_ptr<Comm> new_group(const std::vector<int>& ranks, const std::string& name);
 
-  // Waits for every rank at a world barrier, then releases all groups. Call once before a normal
-  // exit so rank 0's store outlives the other ranks' last use of it.
+  // Waits for every rank at a world barrier, then drops this context's cache of group backends
+  // (each closes when the last Comm using it is gone). Call once before a normal exit so rank 0's
+  // store outlives the other ranks' last use of it.
   void shutdown();
 
  private:

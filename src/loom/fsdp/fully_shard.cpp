@@ -141,6 +141,7 @@ struct FSDPModule::RootContext {
   bool callback_queued = false;
   // Groups with a reduction in flight, in issue order (= the order on every rank).
   std::deque<FSDPParamGroup*> pending;
+  PrefetchCounts prefetches;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -217,7 +218,7 @@ torch::Tensor FSDPModule::pre_forward(torch::Tensor input) {
     if (it != ctx.pre_forward_order.end()) {
       for (++it; it != ctx.pre_forward_order.end(); ++it) {
         if ((*it)->group_) {
-          (*it)->group_->unshard_async();
+          ctx.prefetches.forward += prefetch(*(*it)->group_);
           break;
         }
       }
@@ -226,6 +227,16 @@ torch::Tensor FSDPModule::pre_forward(torch::Tensor input) {
   group_->wait_for_unshard();
   return input;
 }
+
+bool FSDPModule::prefetch(FSDPParamGroup& target) {
+  if (target.is_unsharded() || target.is_gathering()) return false;
+  target.unshard_async();
+  return true;
+}
+
+FSDPModule::PrefetchCounts FSDPModule::prefetch_counts() { return context().prefetches; }
+
+void FSDPModule::reset_prefetch_counts() { context().prefetches = {}; }
 
 void FSDPModule::root_pre_forward() {
   RootContext& ctx = context();
@@ -288,7 +299,7 @@ void FSDPModule::pre_backward() {
     while (it != order.end() && it != order.begin()) {
       --it;
       if ((*it)->group_) {
-        (*it)->group_->unshard_async();
+        ctx.prefetches.backward += prefetch(*(*it)->group_);
         break;
       }
     }

@@ -167,6 +167,15 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   // This rank's piece of every parameter, with offsets.
   std::vector<ShardedTensor> sharded_state_dict();
 
+  // All-gathers issued ahead of need by forward / backward prefetching, across the root's whole
+  // tree, since the last reset: what overlaps communication with compute.
+  struct PrefetchCounts {
+    int64_t forward = 0;
+    int64_t backward = 0;
+  };
+  PrefetchCounts prefetch_counts();
+  void reset_prefetch_counts();
+
   // ---- Memory (this rank) ----
   int64_t sharded_bytes();              // parameter + gradient shards
   int64_t unsharded_bytes_allocated();  // unsharded buffers held right now
@@ -188,6 +197,8 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   void root_pre_forward();
   void root_post_backward_callback();
   void drain_reduces(FSDPParamGroup* through, FSDPParamGroup::Progress progress);
+  // Issues `target`'s all-gather ahead of need; true when one was issued.
+  static bool prefetch(FSDPParamGroup& target);
   void poll_reduces();
 
   nn::Module* module_;

@@ -198,6 +198,8 @@ TEST(ShardedCheckpoint, InconsistentLayoutsFailOnEveryRank) {
   });
   EXPECT_NE(bad_export[0].find("rank 1 cannot save"), std::string::npos) << bad_export[0];
   EXPECT_NE(bad_export[1].find("not floating point"), std::string::npos) << bad_export[1];
+  EXPECT_THROW(ShardedSaver(single_process_group()).save({}, dir.path(), 2, {false, c10::kInt}),
+               loom::UsageError);
   EXPECT_TRUE(list_complete_checkpoints(dir.path()).empty());
 }
 

@@ -249,8 +249,12 @@ TEST(FullyShard, OneRankTrainsLikeTheUnwrappedModel) {
     const torch::Tensor tokens = torch::randint(0, 128, {2, 9}, gen);
     optimizer.zero_grad();
     ref_optimizer.zero_grad();
+    // Two micro-batches accumulated without resync: only the second reduces.
+    fsdp->set_requires_gradient_sync(false);
+    (loss_of(*model, tokens) * 0.5).backward();
+    fsdp->set_requires_gradient_sync(true);
     const torch::Tensor loss = loss_of(*model, tokens);
-    loss.backward();
+    (loss * 0.5).backward();
     const torch::Tensor ref_loss = loss_of(*reference, tokens);
     ref_loss.backward();
     EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-6 * ref_loss.item<double>());
