@@ -60,16 +60,17 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 // collective's post-processing exactly once and closes its flight record.
 class CommWork : public c10d::Work {
  public:
+  // `record` identifies the collective in error messages; record.seq == 0: not recorded.
   CommWork(int rank, CommOp op, WorkHandle inner, std::function<void()> finalize,
-           uint64_t record_seq)
+           FlightRecord record)
       : c10d::Work(rank, op_type(op)),
         inner_(std::move(inner)),
         finalize_(std::move(finalize)),
-        record_seq_(record_seq) {}
+        record_(std::move(record)) {}
 
   // A collective that was complete when issued (groups of one rank).
   static WorkHandle completed(int rank, CommOp op) {
-    auto work = c10::make_intrusive<CommWork>(rank, op, WorkHandle(), nullptr, 0);
+    auto work = c10::make_intrusive<CommWork>(rank, op, WorkHandle(), nullptr, FlightRecord{});
     work->settle(nullptr);
     return work;
   }
@@ -94,17 +95,26 @@ class CommWork : public c10d::Work {
     if (inner_) inner_->abort();
   }
 
-  uint64_t getSequencenumber() const override { return record_seq_; }
+  uint64_t getSequencenumber() const override { return record_.seq; }
 
  private:
+  // A backend failure (a peer that died closes its connections; Gloo raises once its timeout
+  // passes) becomes one loom::Error naming the collective, so the rank's last words say which
+  // collective on which group broke, not just the transport's complaint.
   void settle_from_inner(std::chrono::milliseconds timeout) {
     std::exception_ptr error;
     try {
       if (inner_) inner_->wait(timeout);
-    } catch (...) {
-      error = std::current_exception();
+    } catch (const c10::Error& e) {
+      error = std::make_exception_ptr(named_failure(e.what_without_backtrace()));
+    } catch (const std::exception& e) {
+      error = std::make_exception_ptr(named_failure(e.what()));
     }
     settle(error);
+  }
+
+  Error named_failure(const std::string& cause) const {
+    return Error(c10::str(describe(record_), " failed on group rank ", rank_, ": ", cause));
   }
 
   void settle(std::exception_ptr error) {
@@ -117,14 +127,14 @@ class CommWork : public c10d::Work {
         error = std::current_exception();
       }
     }
-    if (record_seq_ != 0) flight_recorder().finish(record_seq_, error == nullptr);
+    if (record_.seq != 0) flight_recorder().finish(record_.seq, error == nullptr);
     finish(error);
     settled_.store(true);
   }
 
   WorkHandle inner_;
   std::function<void()> finalize_;
-  uint64_t record_seq_;
+  FlightRecord record_;
   std::mutex settle_mutex_;
   std::atomic<bool> settled_{false};
 };
@@ -270,6 +280,16 @@ CommStats& comm_stats() {
 // ---------------------------------------------------------------------------------------------
 // Flight recorder
 
+std::string describe(const FlightRecord& r) {
+  std::string s = c10::str(to_string(r.op), " ", r.group, " gseq=", r.group_seq);
+  if (r.peer >= 0) s += c10::str(r.op == CommOp::kBroadcast ? " root=" : " peer=", r.peer);
+  if (r.op != CommOp::kBarrier) {
+    s += c10::str(" in=", format_shape(r.input_shape), " out=", format_shape(r.output_shape), " ",
+                  c10::toString(r.dtype), " ", format_bytes(static_cast<double>(r.payload_bytes)));
+  }
+  return s;
+}
+
 FlightRecorder::FlightRecorder(size_t capacity) : capacity_(std::max<size_t>(capacity, 1)) {}
 
 uint64_t FlightRecorder::start(FlightRecord record) {
@@ -285,6 +305,7 @@ void FlightRecorder::finish(uint64_t seq, bool success) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto it = ring_.rbegin(); it != ring_.rend(); ++it) {
     if (it->seq == seq) {
+      if (it->state != FlightRecord::State::kPending) return;
       it->state = success ? FlightRecord::State::kCompleted : FlightRecord::State::kFailed;
       it->duration = std::chrono::steady_clock::now() - it->started_steady;
       return;
@@ -319,15 +340,7 @@ std::string FlightRecorder::dump() const {
     char when[32];
     std::snprintf(when, sizeof(when), "%02d:%02d:%02d.%03d", tm.tm_hour, tm.tm_min, tm.tm_sec,
                   static_cast<int>(ms));
-    std::string line = c10::str("#", r.seq, " ", to_string(r.op), " ", r.group, " gseq=",
-                                r.group_seq);
-    if (r.peer >= 0) line += c10::str(r.op == CommOp::kBroadcast ? " root=" : " peer=", r.peer);
-    if (r.op != CommOp::kBarrier) {
-      line += c10::str(" in=", format_shape(r.input_shape), " out=", format_shape(r.output_shape),
-                       " ", c10::toString(r.dtype), " ",
-                       format_bytes(static_cast<double>(r.payload_bytes)));
-    }
-    line += c10::str(" started ", when);
+    std::string line = c10::str("#", r.seq, " ", describe(r), " started ", when);
     auto millis = [](std::chrono::steady_clock::duration d) {
       return std::chrono::duration<double, std::milli>(d).count();
     };
@@ -446,15 +459,32 @@ WorkHandle Comm::launch(Issue issue, const std::function<WorkHandle()>& run,
   record.peer = issue.peer;
   record.started_at = std::chrono::system_clock::now();
   record.started_steady = std::chrono::steady_clock::now();
-  const uint64_t seq = flight_recorder().start(std::move(record));
+  FlightRecord identity = record;
+  identity.seq = flight_recorder().start(std::move(record));
+  const uint64_t seq = identity.seq;
   WorkHandle inner;
   try {
     inner = run();
+  } catch (const c10::Error& e) {
+    flight_recorder().finish(seq, false);
+    fail(dist::describe(identity), " could not be issued on group rank ", rank_, ": ",
+         e.what_without_backtrace());
   } catch (...) {
     flight_recorder().finish(seq, false);
     throw;
   }
-  return c10::make_intrusive<CommWork>(rank_, issue.op, std::move(inner), std::move(finalize), seq);
+  // Close the record when the backend finishes, not only when the caller waits: the watchdog must
+  // not take a finished-but-unwaited async collective for a stalled one. Gloo's send/recv works
+  // have no future (their completion is only observable through wait()).
+  const bool has_future = !(backend_->getBackendName() == "gloo" &&
+                            (issue.op == CommOp::kSend || issue.op == CommOp::kRecv));
+  if (inner && has_future) {
+    inner->getFuture()->addCallback([seq](c10::ivalue::Future& future) {
+      flight_recorder().finish(seq, !future.hasError());
+    });
+  }
+  return c10::make_intrusive<CommWork>(rank_, issue.op, std::move(inner), std::move(finalize),
+                                       std::move(identity));
 }
 
 WorkHandle Comm::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {

@@ -113,12 +113,20 @@ struct FlightRecord {
   State state = State::kPending;
 };
 
+// The collective's identity, as the flight recorder dump and error messages name it:
+//   "all_reduce world[0,1] gseq=3 in=[4] out=[4] Float 16B"
+std::string describe(const FlightRecord& record);
+
 // Ring buffer of the last `capacity` collectives issued by this process; thread-safe.
 class FlightRecorder {
  public:
   explicit FlightRecorder(size_t capacity = kDefaultFlightRecorderCapacity);
   // Returns the record's seq, used to mark it finished.
   uint64_t start(FlightRecord record);
+  // Marks a pending record completed or failed; the first call wins. The comm layer calls it when
+  // the backend finishes the collective (where the backend reports that, e.g. Gloo's collectives;
+  // Gloo send/recv only report it to wait()), else when the caller waits, so a collective whose
+  // result is ready but not yet waited for does not count as pending.
   void finish(uint64_t seq, bool success);
   std::vector<FlightRecord> records() const;  // oldest first
   std::optional<FlightRecord> oldest_pending() const;

@@ -11,10 +11,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <set>
 
 #include "loom/core/error.h"
+#include "loom/dist/watchdog.h"
 
 extern char** environ;
 
@@ -90,7 +92,6 @@ struct ResolvedLaunch {
   LaunchOptions options;
   std::string program;  // absolute path, or a name looked up in PATH (--exec)
   std::vector<std::string> argv;
-  int master_port = 0;
 };
 
 struct RankProcess {
@@ -107,9 +108,23 @@ struct GroupOutcome {
   // several when they exited before the launcher could tell them apart (e.g. a peer hit by the
   // first one's death), so all are named.
   std::vector<RankProcess> failed;
-  int launcher_signal = 0;  // kInterrupted
-  int stopped = 0;          // ranks still running that had to be stopped
+  // kInterrupted, or kRankFailed when SIGINT/SIGTERM reached the launcher while it was stopping
+  // the ranks: either way the launch ends without a restart.
+  int launcher_signal = 0;
+  int stopped = 0;  // ranks still running that had to be stopped
 };
+
+std::string describe_exit(int wait_status) {
+  if (WIFSIGNALED(wait_status)) {
+    return c10::str("was killed by signal ", describe_signal(WTERMSIG(wait_status)));
+  }
+  const int code = WEXITSTATUS(wait_status);
+  if (code == kExitCollectiveTimeout) {
+    return c10::str("exited with code ", code, " (collective watchdog timeout; its log names the "
+                    "stalled collective)");
+  }
+  return c10::str("exited with code ", code);
+}
 
 std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
   std::string message;
@@ -117,20 +132,24 @@ std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
     if (!message.empty()) message += " and ";
     message += c10::str("rank ", r.rank, " (");
     if (opts.nnodes > 1) message += c10::str("node ", opts.node_rank, ", ");
-    message += c10::str("local rank ", r.local_rank, ", pid ", r.pid, ") ");
-    message += WIFSIGNALED(r.wait_status)
-                   ? c10::str("was killed by signal ", describe_signal(WTERMSIG(r.wait_status)))
-                   : c10::str("exited with code ", WEXITSTATUS(r.wait_status));
+    message += c10::str("local rank ", r.local_rank, ", pid ", r.pid, ") ",
+                        describe_exit(r.wait_status));
   }
   return c10::str(message, "; stopped the other ", o.stopped, " running rank(s)");
+}
+
+[[noreturn]] void throw_interrupted(int sig, int stopped) {
+  throw Error(c10::str("loom launch interrupted by signal ", describe_signal(sig), "; stopped ",
+                       stopped, " running rank(s)"),
+              128 + sig);
 }
 
 // The local ranks of one attempt. The destructor kills whatever still runs, so no rank outlives
 // the launcher even when it unwinds through an exception.
 class WorkerGroup {
  public:
-  WorkerGroup(const ResolvedLaunch& plan, int restart_count)
-      : plan_(plan), restart_count_(restart_count) {}
+  WorkerGroup(const ResolvedLaunch& plan, int restart_count, int master_port)
+      : plan_(plan), restart_count_(restart_count), master_port_(master_port) {}
   ~WorkerGroup() {
     for (auto& p : procs_) {
       if (p.running) {
@@ -161,7 +180,7 @@ class WorkerGroup {
         GroupOutcome out;
         out.kind = GroupOutcome::Kind::kRankFailed;
         out.failed = std::move(failed);
-        out.stopped = stop_all(SIGTERM, signals);
+        out.stopped = stop_all(SIGTERM, signals, &out.launcher_signal);
         return out;
       }
       if (running_count() == 0) return {};
@@ -170,7 +189,7 @@ class WorkerGroup {
         GroupOutcome out;
         out.kind = GroupOutcome::Kind::kInterrupted;
         out.launcher_signal = received.front();
-        out.stopped = stop_all(received.front(), signals);
+        out.stopped = stop_all(received.front(), signals, nullptr);
         return out;
       }
     }
@@ -203,9 +222,10 @@ class WorkerGroup {
     return failed;
   }
 
-  // Sends `sig` to every running rank, waits up to the grace period (a further SIGINT/SIGTERM to
-  // the launcher cuts it short), then SIGKILLs the rest. Returns how many ranks were running.
-  int stop_all(int sig, SignalScope& signals) {
+  // Sends `sig` to every running rank, waits up to the grace period (a SIGINT/SIGTERM to the
+  // launcher cuts it short and is stored in `*interrupted_by` when given), then SIGKILLs the rest.
+  // Returns how many ranks were running.
+  int stop_all(int sig, SignalScope& signals, int* interrupted_by) {
     const int running = running_count();
     for (const auto& p : procs_) {
       if (p.running) kill_rank(p, sig);
@@ -217,7 +237,11 @@ class WorkerGroup {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
           deadline - std::chrono::steady_clock::now());
       if (left.count() <= 0) break;
-      if (!signals.wait(static_cast<int>(std::min<int64_t>(left.count(), 100))).empty()) break;
+      const auto received = signals.wait(static_cast<int>(std::min<int64_t>(left.count(), 100)));
+      if (!received.empty()) {
+        if (interrupted_by != nullptr) *interrupted_by = received.front();
+        break;
+      }
     }
     for (auto& p : procs_) {
       if (!p.running) continue;
@@ -241,9 +265,11 @@ class WorkerGroup {
         {"ROLE_RANK", std::to_string(p.rank)},
         {"ROLE_WORLD_SIZE", std::to_string(o.nnodes * o.nproc_per_node)},
         {"MASTER_ADDR", o.master_addr},
-        {"MASTER_PORT", std::to_string(plan_.master_port)},
+        {"MASTER_PORT", std::to_string(master_port_)},
         {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_)},
-        {"TORCHELASTIC_MAX_RESTARTS", "0"},
+        {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts)},
+        {"LOOM_RESTART_COUNT", std::to_string(restart_count_)},
+        {"LOOM_MAX_RESTARTS", std::to_string(o.max_restarts)},
     };
     std::set<std::string> ours;
     for (const auto& [k, v] : vars) ours.insert(k);
@@ -319,6 +345,7 @@ class WorkerGroup {
 
   const ResolvedLaunch& plan_;
   int restart_count_;
+  int master_port_;
   std::vector<RankProcess> procs_;
 };
 
@@ -340,9 +367,15 @@ ResolvedLaunch resolve(const LaunchOptions& o) {
   LOOM_REQUIRE_USAGE(o.nnodes == 1 || o.master_addr != "127.0.0.1",
                      "--nnodes ", o.nnodes, " needs --master-addr set to node 0's address "
                      "(reachable from every node), not the loopback default");
+  LOOM_REQUIRE_USAGE(o.max_restarts >= 0, "--max-restarts ", o.max_restarts, " must be >= 0");
+  // Restarting one node's ranks alone would race the other nodes' launchers to the rendezvous
+  // (stale store keys, diverging attempt counts); that needs a rendezvous among the launchers.
+  LOOM_REQUIRE_USAGE(o.max_restarts == 0 || o.nnodes == 1, "--max-restarts ", o.max_restarts,
+                     " needs --nnodes 1: restarting a multi-node job needs every node's launcher "
+                     "to restart together; let the scheduler requeue the job instead (e.g. Slurm "
+                     "--requeue) and resume from the checkpoint");
   ResolvedLaunch plan;
   plan.options = o;
-  plan.master_port = o.master_port ? *o.master_port : pick_free_port();
   if (o.exec) {
     plan.program = o.command.front();
     plan.argv = o.command;
@@ -378,25 +411,44 @@ int pick_free_port() {
 
 int launch(const LaunchOptions& options) {
   const ResolvedLaunch plan = resolve(options);
+  const int max_restarts = plan.options.max_restarts;
+  const int attempts = max_restarts + 1;
   SignalScope signals;
-  // One iteration per attempt: start every local rank, monitor until they finish or one fails.
-  // Elastic restarts (--max-restarts) will continue this loop after a failure, with every rank
-  // resuming from the latest checkpoint.
+  // One iteration per attempt: start every local rank, monitor until they all finish or one fails.
+  // A failed attempt has been fully stopped and reaped (rank 0's store included) before the next
+  // one starts, so the next rendezvous is fresh even on a fixed --master-port.
   for (int restart = 0;; ++restart) {
-    WorkerGroup group(plan, restart);
-    group.start();
-    const GroupOutcome outcome = group.monitor(signals);
+    const int master_port = plan.options.master_port ? *plan.options.master_port : pick_free_port();
+    GroupOutcome outcome;
+    {
+      WorkerGroup group(plan, restart, master_port);
+      group.start();
+      outcome = group.monitor(signals);
+    }
     switch (outcome.kind) {
       case GroupOutcome::Kind::kSucceeded:
         return 0;
       case GroupOutcome::Kind::kInterrupted:
-        throw Error(c10::str("loom launch interrupted by signal ",
-                             describe_signal(outcome.launcher_signal), "; stopped ",
-                             outcome.stopped, " running rank(s)"),
-                    128 + outcome.launcher_signal);
+        throw_interrupted(outcome.launcher_signal, outcome.stopped);
       case GroupOutcome::Kind::kRankFailed:
-        throw Error(failure_message(outcome, plan.options));
+        break;
     }
+    if (outcome.launcher_signal != 0) throw_interrupted(outcome.launcher_signal, outcome.stopped);
+    const std::string failure = failure_message(outcome, plan.options);
+    if (restart == max_restarts) {
+      if (max_restarts == 0) throw Error(failure);
+      throw Error(c10::str(failure, "; attempt ", restart + 1, " of ", attempts,
+                           " failed and no restarts are left (--max-restarts ", max_restarts, ")"));
+    }
+    std::string line = c10::str("loom launch: restart ", restart + 1, " of ", max_restarts,
+                                " (attempt ", restart + 2, " of ", attempts, ") after attempt ",
+                                restart + 1, " failed: ", failure);
+    if (plan.options.restart_note) {
+      const std::string note = plan.options.restart_note(restart, max_restarts);
+      if (!note.empty()) line += "; " + note;
+    }
+    std::fprintf(stderr, "%s\n", line.c_str());
+    std::fflush(stderr);
   }
 }
 

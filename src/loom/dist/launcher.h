@@ -1,13 +1,24 @@
 // `loom launch`: starts the local ranks of a job with a torchrun-compatible environment (RANK,
 // LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT,
-// TORCHELASTIC_RESTART_COUNT) and supervises them: when a rank exits non-zero or dies by a signal,
-// the others are stopped (SIGTERM, SIGKILL after a grace period) and the launch fails with one line
-// naming that rank. SIGINT/SIGTERM to the launcher are forwarded to the ranks.
+// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, plus LOOM_RESTART_COUNT and
+// LOOM_MAX_RESTARTS) and supervises them: when a rank exits non-zero or dies by a signal (a rank
+// whose collective hangs exits with kExitCollectiveTimeout through its watchdog), the others are
+// stopped (SIGTERM, SIGKILL after a grace period). Then, while restarts are left (max_restarts),
+// the whole group is started again, with a fresh rendezvous: a new free master port, or the same
+// --master-port once the old store (rank 0) is gone. Each restart logs one line to stderr
+//   loom launch: restart 1 of 3 (attempt 2 of 4) after attempt 1 failed: rank 1 (local rank 1,
+//   pid 4242) was killed by signal 9 (SIGKILL); stopped the other 1 running rank(s)
+// Ranks resume on their own (the trainer loads the newest complete checkpoint when checkpointing
+// is enabled); the launcher only restarts. Once no restarts are left the launch fails with one
+// line naming the last failure. SIGINT/SIGTERM to the launcher are forwarded to the ranks and end
+// the launch without a restart.
 //
 // Each rank runs in its own process group (so stopping it also stops anything it spawned) and is
 // killed by the kernel if the launcher itself dies (PR_SET_PDEATHSIG).
 #pragma once
 #include <chrono>
+#include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -25,12 +36,25 @@ struct LaunchOptions {
   bool exec = false;
   std::vector<std::string> command;
   std::chrono::milliseconds stop_grace{std::chrono::seconds(5)};
+  // Restarts of the whole group after a failure (TorchElastic's --max-restarts); single node only.
+  int max_restarts = 0;
+  // Optional: called before each restart with the restarts done so far and the allowed maximum;
+  // its text is appended to the restart line (e.g. which checkpoint the ranks will resume from).
+  std::function<std::string(int restarts_done, int max_restarts)> restart_note;
 };
 
 // Validates the options (one-line loom::UsageError), runs the job, and returns 0 when every rank
-// exited 0. Otherwise throws loom::Error: exit code 1 naming the first failed rank, or 128+signal
-// when the launcher was interrupted.
+// of an attempt exited 0. Otherwise throws loom::Error: exit code 1 naming the failed rank(s) of
+// the last attempt, or 128+signal when the launcher was interrupted.
 int launch(const LaunchOptions& options);
+
+// `loom launch --checkpoint-folder DIR` notes on each restart what the ranks will resume from. The
+// dist layer cannot read checkpoints (checkpoint/ sits above it), so the `loom` executable installs
+// the describer (apps/restart_policy.cpp); without one the note just names the folder.
+using ResumeDescriber = std::function<std::string(const std::filesystem::path& folder,
+                                                  int restarts_done, int max_restarts)>;
+void set_resume_describer(ResumeDescriber describer);
+const ResumeDescriber& resume_describer();  // empty when none was installed
 
 // A TCP port that was free on this host a moment ago (bound to port 0, then released).
 int pick_free_port();

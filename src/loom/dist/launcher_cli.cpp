@@ -2,7 +2,22 @@
 #include <CLI/CLI.hpp>
 
 #include "loom/apps/commands.h"
+#include "loom/core/error.h"
 #include "loom/dist/launcher.h"
+
+namespace loom::dist {
+namespace {
+ResumeDescriber& installed_describer() {
+  static ResumeDescriber describer;
+  return describer;
+}
+}  // namespace
+
+void set_resume_describer(ResumeDescriber describer) {
+  installed_describer() = std::move(describer);
+}
+const ResumeDescriber& resume_describer() { return installed_describer(); }
+}  // namespace loom::dist
 
 namespace loom::apps {
 
@@ -14,7 +29,7 @@ void register_launch_command(CLI::App& app) {
       "launch",
       "Start N local ranks with a torchrun-compatible environment and supervise them: "
       "loom launch --nproc N [--nnodes M --node-rank K --master-addr A --master-port P] "
-      "[--exec] -- <args>");
+      "[--max-restarts R [--checkpoint-folder DIR]] [--exec] -- <args>");
   cmd->add_option("--nproc,--nproc-per-node,--nproc_per_node", options->nproc_per_node,
                   "Ranks to start on this node")
       ->required();
@@ -31,11 +46,33 @@ void register_launch_command(CLI::App& app) {
   cmd->add_option("--stop-grace", *grace_seconds,
                   "Seconds between SIGTERM and SIGKILL when stopping ranks")
       ->capture_default_str();
+  cmd->add_option("--max-restarts,--max_restarts", options->max_restarts,
+                  "Restart all ranks up to R times after a rank fails or a collective times out; "
+                  "ranks see the attempt in LOOM_RESTART_COUNT (single node)")
+      ->capture_default_str();
+  auto checkpoint_folder = std::make_shared<std::string>();
+  CLI::Option* folder_opt = cmd->add_option(
+      "--checkpoint-folder,--checkpoint_folder", *checkpoint_folder,
+      "The job's checkpoint folder: each restart line names the checkpoint the ranks will resume "
+      "from (the ranks load it themselves)");
   cmd->add_option("command", options->command, "Arguments for each rank (after '--')")
       ->required();
-  cmd->callback([options, master_port, grace_seconds, port_opt] {
+  cmd->callback([options, master_port, grace_seconds, port_opt, checkpoint_folder, folder_opt] {
     if (port_opt->count() > 0) options->master_port = *master_port;
     options->stop_grace = std::chrono::milliseconds(static_cast<int64_t>(*grace_seconds * 1000));
+    if (folder_opt->count() > 0) {
+      LOOM_REQUIRE_USAGE(!checkpoint_folder->empty(), "--checkpoint-folder is empty; pass the "
+                         "folder the ranks checkpoint into (checkpoint.folder)");
+      LOOM_REQUIRE_USAGE(options->max_restarts > 0, "--checkpoint-folder only matters with "
+                         "--max-restarts R > 0 (it names what a restart resumes from)");
+      const std::filesystem::path folder = *checkpoint_folder;
+      const dist::ResumeDescriber& describe = dist::resume_describer();
+      options->restart_note = [folder, describe](int restarts_done, int max_restarts) {
+        if (describe) return describe(folder, restarts_done, max_restarts);
+        return c10::str("ranks resume from the newest complete checkpoint in '", folder.string(),
+                        "', if any");
+      };
+    }
     dist::launch(*options);
   });
 }

@@ -17,6 +17,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
+#include "loom/dist/watchdog.h"
 
 namespace loom::dist {
 namespace {
@@ -85,9 +86,24 @@ Distributed::Distributed(LaunchEnv env, std::chrono::milliseconds timeout, Backe
   std::vector<int> all(env_.world_size);
   for (int r = 0; r < env_.world_size; ++r) all[r] = r;
   world_ = new_group(all, "world");
+  if (env_.world_size > 1) watchdog_ = std::make_unique<CollectiveWatchdog>(timeout_);
 }
 
 Distributed::~Distributed() = default;
+
+std::chrono::milliseconds Distributed::timeout() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return timeout_;
+}
+
+void Distributed::set_timeout(std::chrono::milliseconds timeout) {
+  LOOM_REQUIRE_USAGE(timeout.count() > 0, "distributed timeout must be positive (got ",
+                     timeout.count(), " ms)");
+  std::lock_guard<std::mutex> lock(mutex_);
+  timeout_ = timeout;
+  for (auto& [ranks, backend] : backends_) backend->setTimeout(backend_timeout_for(timeout));
+  if (watchdog_) watchdog_->set_timeout(timeout);
+}
 
 c10::intrusive_ptr<c10d::Backend> Distributed::make_backend(const std::vector<int>& ranks,
                                                             int group_rank) {
@@ -106,14 +122,14 @@ c10::intrusive_ptr<c10d::Backend> Distributed::make_backend(const std::vector<in
           gloo_device_ = c10d::ProcessGroupGloo::createDefaultDevice();
         }
       }
-      auto options = c10d::ProcessGroupGloo::Options::create(timeout_);
+      auto options = c10d::ProcessGroupGloo::Options::create(backend_timeout_for(timeout_));
       options->devices.push_back(gloo_device_);
       return c10::make_intrusive<c10d::ProcessGroupGloo>(store, group_rank, size, options);
     }
     case BackendKind::kNccl: {
 #ifdef USE_C10D_NCCL
       auto options = c10d::ProcessGroupNCCL::Options::create();
-      options->timeout = timeout_;
+      options->timeout = backend_timeout_for(timeout_);
       return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, group_rank, size, options);
 #else
       check_backend_available(backend_kind_);

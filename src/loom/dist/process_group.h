@@ -20,10 +20,15 @@ class Device;
 
 namespace loom::dist {
 
+class CollectiveWatchdog;
+
 enum class BackendKind { kGloo, kNccl };
 
 inline constexpr std::chrono::milliseconds kDefaultDistTimeout = std::chrono::minutes(10);
 
+// `timeout` bounds every collective: a world of more than one rank runs a CollectiveWatchdog
+// (watchdog.h) that ends this process with kExitCollectiveTimeout when a collective stays pending
+// longer; the backend's own per-operation timeout is backend_timeout_for(timeout), slightly later.
 class Distributed {
  public:
   Distributed(LaunchEnv env, std::chrono::milliseconds timeout, BackendKind backend,
@@ -35,7 +40,12 @@ class Distributed {
   const LaunchEnv& env() const { return env_; }
   int rank() const { return env_.rank; }
   int world_size() const { return env_.world_size; }
-  std::chrono::milliseconds timeout() const { return timeout_; }
+  std::chrono::milliseconds timeout() const;
+  // Changes the collective timeout: the watchdog's at once, the backends' for operations issued
+  // from now on (existing groups included).
+  void set_timeout(std::chrono::milliseconds timeout);
+  // Null when the world has one rank (nothing can stall).
+  CollectiveWatchdog* watchdog() const { return watchdog_.get(); }
   BackendKind backend_kind() const { return backend_kind_; }
   const std::shared_ptr<Comm>& world() const { return world_; }
   // The rendezvous store; null when the world has one rank.
@@ -63,12 +73,14 @@ class Distributed {
   // One Gloo transport device (one I/O loop) serves every group of this process.
   std::shared_ptr<gloo::transport::Device> gloo_device_;
   std::shared_ptr<Comm> world_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;  // guards timeout_ and backends_
   std::map<std::vector<int>, c10::intrusive_ptr<c10d::Backend>> backends_;
+  std::unique_ptr<CollectiveWatchdog> watchdog_;  // last: stops before anything else goes
 };
 
-// Rendezvous and world-group creation. Also sets loom::log's rank and the intra-op thread count
-// (see intra_op_threads). Throws loom::Error naming the rendezvous address when it times out.
+// Rendezvous and world-group creation; starts the collective watchdog when the world has more than
+// one rank. Also sets loom::log's rank and the intra-op thread count (see intra_op_threads).
+// Throws loom::Error naming the rendezvous address when it times out.
 std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
                                               std::chrono::milliseconds timeout = kDefaultDistTimeout,
                                               BackendKind backend = BackendKind::kGloo);

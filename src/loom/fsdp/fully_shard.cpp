@@ -320,11 +320,15 @@ void FSDPModule::post_backward() {
 }
 
 void FSDPModule::root_post_backward_callback() {
-  RootContext& ctx = context();
-  ctx.callback_queued = false;
-  auto all = states();
-  // Groups whose backward ran but not for every parameter (unused parameters): reduce what they
-  // have, in one fixed order so every rank issues the same collectives.
+  context().callback_queued = false;
+  complete_backward();
+}
+
+void FSDPModule::complete_backward() {
+  auto all = root()->states();
+  // Groups whose backward ran but not for every parameter (unused parameters, or a backward that
+  // did not start at the root's output): reduce what they have, in one fixed order so every rank
+  // issues the same collectives.
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     FSDPModule& s = **it;
     if (s.group_ && (s.in_backward_ || s.group_->backward_started())) s.post_backward();
@@ -354,11 +358,12 @@ void FSDPModule::drain_reduces(FSDPParamGroup* through, Progress progress) {
 void FSDPModule::poll_reduces() { drain_reduces(nullptr, Progress::kPoll); }
 
 void FSDPModule::finalize_backward() {
-  // First let every reduce-scatter finish and issue the HSDP all-reduces in order, then wait.
+  // Normally a no-op: the end-of-backward callback has done it.
+  complete_backward();
+  // Let every reduce-scatter finish and issue the HSDP all-reduces in order, then wait for those.
   drain_reduces(nullptr, Progress::kWaitReduceScatter);
   drain_reduces(nullptr, Progress::kWaitAll);
   TORCH_INTERNAL_ASSERT(context().pending.empty(), "FSDP reductions left after finalize");
-  for (FSDPParamGroup* g : param_groups()) g->reshard();
 }
 
 // ---- Explicit control ----

@@ -141,9 +141,9 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   bool requires_gradient_sync() const;
 
   // ---- Training step ----
-  // Waits for every outstanding reduce-scatter (and HSDP all-reduce) and leaves every group
-  // resharded. Called by the sharded optimizer and clip_grad_norm_ too; cheap when nothing is
-  // outstanding.
+  // Completes the backward of groups it did not finish (unused parameters), waits for every
+  // outstanding reduce-scatter (and HSDP all-reduce) and leaves every group resharded. Called by
+  // the sharded optimizer, zero_grad and clip_grad_norm_ too; cheap when nothing is outstanding.
   void finalize_backward();
   // Zeroes the gradient shards and drops unsharded gradients still accumulating.
   void zero_grad();
@@ -196,6 +196,9 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   void post_backward();
   void root_pre_forward();
   void root_post_backward_callback();
+  // Runs the post-backward of groups whose backward did not finish and reshards every group of
+  // the root's tree.
+  void complete_backward();
   void drain_reduces(FSDPParamGroup* through, FSDPParamGroup::Progress progress);
   // Issues `target`'s all-gather ahead of need; true when one was issued.
   static bool prefetch(FSDPParamGroup& target);

@@ -28,8 +28,9 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   build_model();       // 4. meta-device model, counts, FLOPs/token
   parallelize();       // 5+6. materialize, init, DDP
   init_optimizer();    // 7. AdamW + LR schedule
+  init_checkpointing();  // 8. resume or initial weights
 
-  // 8. Run folder: resolved config and metrics.
+  // 9. Run folder: resolved config and metrics.
   const fs::path dump(config_.job.dump_folder);
   if (dist_->rank() == 0) {
     fs::create_directories(dump);
@@ -37,7 +38,7 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
     if (config_.job.print_config) log::info("resolved config:\n", config_.to_toml());
   }
   metrics_ = std::make_unique<MetricsLogger>(
-      MetricsLoggerOptions{dump, config_.metrics.enable_jsonl, dist_->rank(), /*append=*/false});
+      MetricsLoggerOptions{dump, config_.metrics.enable_jsonl, dist_->rank(), /*append=*/step_ > 0});
 }
 
 Trainer::~Trainer() {
@@ -138,6 +139,74 @@ void Trainer::init_optimizer() {
                                                   config_.training.steps);
 }
 
+void Trainer::init_checkpointing() {
+  const auto& c = config_.checkpoint;
+  if (c.enable) {
+    checkpoint::CheckpointOptions options;
+    options.folder = fs::path(config_.job.dump_folder) / c.folder;
+    options.interval = c.interval;
+    options.keep_latest_k = static_cast<int>(c.keep_latest_k);
+    options.async = c.async_mode == "async";
+    options.last_save_model_only = c.model_only;
+    options.export_dtype = checkpoint::parse_export_dtype(c.export_dtype);
+    options.validate();
+    auto group = dist_->world_size() > 1 ? checkpoint::comm_group(dist_->world())
+                                         : checkpoint::single_process_group();
+    checkpointer_ = std::make_unique<checkpoint::Checkpointer>(options, group);
+    if (auto loaded = checkpointer_->load(state_dict())) {
+      LOOM_REQUIRE(!loaded->model_only, "checkpoint ", loaded->path.string(),
+                   " holds only model weights and cannot resume training; set "
+                   "checkpoint.initial_load_path to it instead, or remove it");
+      step_ = loaded->json.at("step").get<int64_t>();
+      loader_->load_state_dict(loaded->json.at("data_loader"));
+      lr_scheduler_->load_state_dict(lr_scheduler_state_);
+      if (loaded->rank_json && loaded->rank_json->contains("rng")) {
+        const auto bytes = loaded->rank_json->at("rng").get<std::vector<uint8_t>>();
+        auto gen = at::detail::getDefaultCPUGenerator();
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        gen.set_state(torch::tensor(bytes, torch::kUInt8));
+      }
+      log::info("resumed from ", loaded->path.string(), " at step ", step_);
+      return;
+    }
+  }
+  if (!c.initial_load_path.empty()) load_initial_weights(c.initial_load_path);
+}
+
+checkpoint::ShardedStateDict Trainer::state_dict() {
+  checkpoint::ShardedStateDict sd;
+  for (const auto& p : model_->named_parameters()) sd.add_full(p.name, "model", p.slot->tensor.detach());
+  for (const auto& [name, t] : optimizer_->state_dict()) sd.add_full("optimizer." + name, "optimizer", t);
+  lr_scheduler_state_ = lr_scheduler_->state_dict();
+  for (const auto& [name, t] : lr_scheduler_state_) sd.add_full("lr_scheduler." + name, "lr_scheduler", t);
+  sd.json()["step"] = step_;
+  sd.json()["data_loader"] = loader_->state_dict();
+  const auto rng = at::detail::getDefaultCPUGenerator().get_state();
+  sd.rank_json()["rng"] =
+      std::vector<uint8_t>(rng.data_ptr<uint8_t>(), rng.data_ptr<uint8_t>() + rng.numel());
+  return sd;
+}
+
+void Trainer::load_initial_weights(const std::string& path) {
+  auto loaded = llama3::load_model_dir(path);
+  auto source = loaded.model->named_parameters();
+  auto target = model_->named_parameters();
+  LOOM_REQUIRE(source.size() == target.size(), "checkpoint.initial_load_path ", path, " has ",
+               source.size(), " parameters but the model has ", target.size(),
+               "; check model.flavor and model.vocab_size");
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < target.size(); ++i) {
+    const auto& want = target[i].tensor();
+    const auto& have = source[i].tensor();
+    LOOM_REQUIRE(source[i].name == target[i].name && have.sizes() == want.sizes(),
+                 "checkpoint.initial_load_path ", path, ": parameter ", source[i].name, " ",
+                 have.sizes(), " does not match the model's ", target[i].name, " ", want.sizes(),
+                 "; check model.flavor and model.vocab_size");
+    want.detach().copy_(have);
+  }
+  log::info("initial weights loaded from ", path);
+}
+
 double Trainer::global_mean_loss(double local_loss) {
   if (!parallel_dims_->dp_enabled()) return local_loss;
   torch::Tensor t = torch::tensor({local_loss}, torch::kFloat64);
@@ -216,13 +285,11 @@ std::vector<StepResult> Trainer::train() {
       memory::reset_peak_rss();
       dist::comm_stats().reset();
     }
+    if (checkpointer_) {
+      checkpointer_->maybe_save(step_, [this] { return state_dict(); }, step_ == t.steps);
+    }
   }
-  if (config_.checkpoint.enable && dist_->rank() == 0) {
-    const fs::path dir = fs::path(config_.job.dump_folder) / config_.checkpoint.folder /
-                         c10::str("step-", step_);
-    llama3::save_model_dir(*model_, dir);
-    log::info("saved model to ", dir.string());
-  }
+  if (checkpointer_) checkpointer_->wait();
   return results;
 }
 

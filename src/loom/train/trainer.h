@@ -10,11 +10,13 @@
 //   5. parallelize (DDP over dp_replicate; FSDP/TP/PP plug in here)
 //   6. materialize on the device and initialize every parameter from the seed
 //   7. optimizer (AdamW, weight-decay groups) and LR schedule
-//   8. metrics (console + metrics.jsonl) and the resolved config saved in the run folder
+//   8. checkpointer: resume from the newest complete checkpoint (or start from initial_load_path)
+//   9. metrics (console + metrics.jsonl) and the resolved config saved in the run folder
 #pragma once
 #include <memory>
 #include <vector>
 
+#include "loom/checkpoint/checkpointer.h"
 #include "loom/data/loader.h"
 #include "loom/data/tokenizer.h"
 #include "loom/ddp/ddp.h"
@@ -58,6 +60,10 @@ class Trainer {
   void build_model();
   void parallelize();
   void init_optimizer();
+  void init_checkpointing();
+  // Everything a checkpoint holds, as views into the live state (used for save and for load).
+  checkpoint::ShardedStateDict state_dict();
+  void load_initial_weights(const std::string& path);
   double global_mean_loss(double local_loss_sum);
 
   JobConfig config_;
@@ -71,6 +77,8 @@ class Trainer {
   std::unique_ptr<optim::AdamW> optimizer_;
   std::unique_ptr<optim::LRScheduler> lr_scheduler_;
   std::unique_ptr<MetricsLogger> metrics_;
+  std::unique_ptr<checkpoint::Checkpointer> checkpointer_;
+  optim::TensorDict lr_scheduler_state_;  // staging for the schedule's state in checkpoints
   std::vector<torch::Tensor> trainable_params_;
   int64_t grad_accum_steps_ = 1;
   double flops_per_token_ = 0.0;

@@ -10,6 +10,7 @@
 #include "loom/fsdp/fully_shard.h"
 #include "loom/fsdp/sharded_optimizer.h"
 #include "loom/models/llama3/parallelize.h"
+#include "loom/nn/layers.h"
 #include "loom/optim/adamw.h"
 #include "loom/optim/clip_grad.h"
 
@@ -153,8 +154,8 @@ TEST(ReleasableBuffer, SavedTensorsSurviveReleaseAndRegather) {
   // and after re-gathering the same values backward gives the right gradients.
   const int64_t rows = 4096, cols = 4096;  // 64 MiB
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
-  const torch::Tensor weight = torch::randn({rows, cols}, gen);
-  const torch::Tensor x = torch::randn({2, cols}, gen);
+  const torch::Tensor weight = torch::rand({rows, cols}, gen);
+  const torch::Tensor x = torch::rand({2, cols}, gen);
   ReleasableBuffer buf(rows * cols, torch::kFloat32);
   buf.flat().copy_(weight.reshape({-1}));
   torch::Tensor leaf = buf.alias(0, {rows, cols}).requires_grad_(true);
@@ -277,6 +278,37 @@ TEST(FullyShard, OneRankTrainsLikeTheUnwrappedModel) {
   EXPECT_EQ(state.at("norm.weight.step").item<float>(), 3.0f);
   optimizer.load_state_dict(state);
   EXPECT_THROW(optimizer.load_state_dict({}), Error);
+}
+
+// A module whose forward uses one of its two layers: the unused layer's gradient never arrives,
+// so its group's post-backward runs from the end-of-backward callback.
+class HalfUsed : public nn::Module {
+ public:
+  HalfUsed() : nn::Module("HalfUsed") {
+    used_ = register_module("used", std::make_shared<nn::Linear>(4, 3, torch::TensorOptions()));
+    register_module("unused", std::make_shared<nn::Linear>(4, 3, torch::TensorOptions()));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return call_with_hooks(x, [this](const torch::Tensor& in) { return used_->forward(in); });
+  }
+
+ private:
+  std::shared_ptr<nn::Linear> used_;
+};
+
+TEST(FullyShard, UnusedParametersAreReducedAtTheEndOfBackward) {
+  HalfUsed module;
+  for (const auto& p : module.named_parameters()) p.slot->tensor.detach().fill_(0.5);
+  auto fsdp = fully_shard(module, FSDPMesh::single());
+  const torch::Tensor x = torch::ones({2, 4});
+  module.forward(x).sum().backward();
+  EXPECT_FALSE(fsdp->param_group()->has_pending_reduce());  // reduced by the callback (1 rank)
+  EXPECT_TRUE(fsdp->param_group()->has_sharded_grads());
+  EXPECT_EQ(fsdp->unsharded_bytes_allocated(), 0);
+  for (const auto& p : fsdp->param_group()->params()) {
+    const double want = p.name == "used.weight" ? 2.0 : 0.0;  // d(sum(W x))/dW = sum over batch of x
+    EXPECT_TRUE(torch::allclose(p.sharded_grad, torch::full_like(p.sharded_grad, want))) << p.name;
+  }
 }
 
 TEST(FullyShard, ExplicitUnshardAndNoGradForwardRelease) {

@@ -1,7 +1,8 @@
 // Per-rank scenarios for the dist multi-rank tests. Started as
-//   loom launch --nproc N --exec -- loom_dist_worker <scenario> [<scenario>...]
+//   loom launch --nproc N [--max-restarts R] --exec -- loom_dist_worker <scenario> [<scenario>...]
 // Every rank checks its own results; a failed check exits 1 with one line naming the rank and the
 // mismatch. On success each rank prints "rank R/W <scenario>: ok".
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -331,6 +332,99 @@ void scenario_fail_rank1(const std::shared_ptr<Distributed>& dist) {
   std::this_thread::sleep_for(std::chrono::hours(1));
 }
 
+// Which attempt of a `loom launch --max-restarts` job this is (0 = the first).
+int restart_count() {
+  const char* v = std::getenv("LOOM_RESTART_COUNT");
+  LOOM_REQUIRE(v != nullptr, "LOOM_RESTART_COUNT is not set; run this scenario under loom launch");
+  return std::atoi(v);
+}
+
+// After a barrier, rank 1 SIGKILLs itself on the first attempt only; rank 0 is then inside an
+// all_reduce that can never complete. A restarted attempt (fresh rendezvous) must succeed.
+void scenario_die_once(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
+  const int attempt = restart_count();
+  world.barrier();
+  if (attempt == 0 && world.rank() == 1) {
+    std::printf("rank 1 attempt 0: killing itself\n");
+    std::fflush(stdout);
+    raise(SIGKILL);
+  }
+  at::Tensor t = at::full({4}, world.rank() + 1, at::kFloat);
+  world.all_reduce(t);
+  expect_equal(t, at::full({4}, world.size() * (world.size() + 1) / 2, at::kFloat),
+               "all_reduce after the restart");
+  std::printf("rank %d attempt %d: all_reduce ok\n", world.rank(), attempt);
+}
+
+// With a 2 s collective timeout, rank 1 never joins rank 0's all_reduce on the first attempt (it
+// sleeps); rank 0's watchdog must name the all_reduce and end the process with code 124. Later
+// attempts run the all_reduce normally.
+void scenario_stall_once(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
+  const int attempt = restart_count();
+  world.barrier();  // under the generous start-up timeout: both ranks are up
+  dist->set_timeout(std::chrono::seconds(2));
+  if (attempt == 0 && world.rank() == 1) {
+    std::printf("rank 1 attempt 0: not joining the all_reduce\n");
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+  at::Tensor t = at::ones({4}, at::kFloat);
+  world.all_reduce(t);
+  expect_equal(t, at::full({4}, world.size(), at::kFloat), "all_reduce");
+  std::printf("rank %d attempt %d: all_reduce ok\n", world.rank(), attempt);
+}
+
+// A peer that has exited breaks the group: the collective's error names it (op, group, sequence)
+// instead of only quoting the transport.
+void scenario_peer_exit(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
+  LOOM_REQUIRE(world.size() == 2, "peer_exit needs 2 ranks");
+  world.barrier();
+  if (world.rank() == 1) {
+    std::printf("rank 1/2 peer_exit: ok\n");
+    std::fflush(stdout);
+    std::_Exit(0);
+  }
+  at::Tensor t = at::ones({4}, at::kFloat);
+  try {
+    world.all_reduce(t);
+  } catch (const loom::Error& e) {
+    const std::string message = e.what();
+    LOOM_REQUIRE(message.rfind("all_reduce world[0,1] gseq=2 in=[4] out=[4] Float 16B failed on "
+                               "group rank 0: ", 0) == 0,
+                 "the error does not name the collective first: ", message);
+    const auto record = flight_recorder().records().back();
+    LOOM_REQUIRE(record.op == CommOp::kAllReduce && record.state == FlightRecord::State::kFailed,
+                 "the failed all_reduce is not recorded as failed");
+    std::printf("rank 0 peer_exit error: %s\n", message.c_str());
+    std::printf("rank 0/2 peer_exit: ok\n");
+    std::fflush(stdout);
+    std::_Exit(0);  // the world group is broken: no shutdown barrier
+  }
+  loom::fail("all_reduce with an exited peer succeeded");
+}
+
+// An async collective whose result is ready but not yet waited for is not pending: the watchdog
+// must leave the rank alone even when the wait comes long after the timeout.
+void scenario_unwaited_async(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
+  world.barrier();
+  dist->set_timeout(std::chrono::seconds(1));
+  at::Tensor t = at::ones({8}, at::kFloat);
+  at::Tensor out = at::empty({8 * world.size()}, at::kFloat);
+  WorkHandle reduce = world.all_reduce_async(t);
+  WorkHandle gather = world.all_gather_into_tensor_async(out, t.clone());
+  std::this_thread::sleep_for(std::chrono::milliseconds(1600));
+  LOOM_REQUIRE(!flight_recorder().oldest_pending(),
+               "finished async collectives still pending: ", flight_recorder().dump());
+  reduce->wait();
+  gather->wait();
+  expect_equal(t, at::full({8}, world.size(), at::kFloat), "async all_reduce");
+  dist->set_timeout(std::chrono::seconds(60));
+}
+
 const std::map<std::string, std::function<void(const std::shared_ptr<Distributed>&)>>& scenarios() {
   static const std::map<std::string, std::function<void(const std::shared_ptr<Distributed>&)>> all = {
       {"all_reduce", scenario_all_reduce},       {"all_gather", scenario_all_gather},
@@ -338,6 +432,8 @@ const std::map<std::string, std::function<void(const std::shared_ptr<Distributed
       {"all_to_all", scenario_all_to_all},       {"send_recv", scenario_send_recv},
       {"mesh_2x2", scenario_mesh_2x2},           {"accounting", scenario_accounting},
       {"flight_recorder", scenario_flight_recorder}, {"fail_rank1", scenario_fail_rank1},
+      {"die_once", scenario_die_once},           {"stall_once", scenario_stall_once},
+      {"peer_exit", scenario_peer_exit},         {"unwaited_async", scenario_unwaited_async},
   };
   return all;
 }

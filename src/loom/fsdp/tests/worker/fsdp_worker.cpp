@@ -9,8 +9,8 @@
 //     (the unwrapped model on the union of all ranks' batches, optim::AdamW) within 1e-5 relative;
 //   - the bytes counted per (op, mesh dim) equal what the ANCHORS formulas give for the mode,
 //     padding included (Psi = W x S of each group), exactly;
-//   - every all-gather but the first group's is prefetched (from the second step on), and no
-//     unsharded buffer is held after the step;
+//   - every all-gather but the first group's is prefetched (once the first forward has recorded
+//     the order), and no unsharded buffer is held after the step;
 //   - the gathered parameters after the last step equal the reference's within 1e-5 (relative to
 //     each tensor's largest magnitude when it exceeds 1).
 // Rank 0 prints one line per configuration with the measured figures; exit code 0 = all passed.
@@ -220,12 +220,11 @@ double run_config(Layout& L, const Config& cfg, const Reference& ref) {
     optimizer.step();
     const dist::CommSnapshot snap = dist::comm_stats().snapshot();
     const std::string where = c10::str(cfg.label, " step ", step);
-    // From the second step on (the first records the order) every group's all-gather but the
-    // first is issued ahead: in forward by its predecessor, in backward (when resharded) by its
-    // successor.
+    // Once the first forward has recorded the order, every group's all-gather but the first is
+    // issued ahead: in forward by its predecessor, in backward (when resharded) by its successor.
     const auto prefetches = root->prefetch_counts();
-    const int64_t want_forward = step == 0 ? 0 : (groups - 1) * kMicroBatches;
-    const int64_t want_backward = step == 0 || !regather ? 0 : (groups - 1) * kMicroBatches;
+    const int64_t want_forward = (groups - 1) * (step == 0 ? kMicroBatches - 1 : kMicroBatches);
+    const int64_t want_backward = regather ? (groups - 1) * kMicroBatches : 0;
     if (prefetches.forward != want_forward || prefetches.backward != want_backward) {
       mismatch(c10::str(where, ": prefetched ", prefetches.forward, " forward / ",
                         prefetches.backward, " backward all-gathers, expected ", want_forward,
@@ -271,19 +270,30 @@ double run_config(Layout& L, const Config& cfg, const Reference& ref) {
                         " (relative to its largest magnitude ", scale, ")"));
     }
   }
-  int64_t psi = 0, numel = 0, shard = 0;
+  int64_t psi = 0, numel = 0, shard = 0, split = 0;
   for (fsdp::FSDPParamGroup* g : root->param_groups()) {
     psi += g->plan().buffer_elems();
     numel += g->plan().total_numel();
     shard += g->plan().shard_elems;
+    split += g->params_buffer().num_split_tensors();
+    // Padding stays zero in the parameter and gradient shards.
+    torch::Tensor pad = torch::ones({g->plan().shard_elems}, torch::kBool);
+    for (const auto& p : g->params()) {
+      const auto r = g->params_buffer().local_range(p.index);
+      pad.narrow(0, r.begin, r.size()).fill_(false);
+    }
+    const double junk = g->sharded_params().masked_select(pad).abs().sum().item<double>() +
+                        g->sharded_grads().masked_select(pad).abs().sum().item<double>();
+    if (junk != 0.0) mismatch(c10::str(cfg.label, ": padding of group ", g->name(), " is not zero"));
   }
   if (rank == 0) {
     std::printf("%-34s %d steps ok (%.1f ms/step): loss rel diff max %.2e, param diff max %.2e, "
-                "wire/step %.0f B (= ANCHORS), Psi %lld (padding %.2f%%), shard %lld elems/rank\n",
+                "wire/step %.0f B (= ANCHORS), Psi %lld (padding %.2f%%, %lld split tensors), "
+                "shard %lld elems/rank\n",
                 cfg.label.c_str(), cfg.steps, ms_per_step, worst_loss, worst_param,
                 per_step_wire.value(),
                 static_cast<long long>(psi), 100.0 * static_cast<double>(psi - numel) / psi,
-                static_cast<long long>(shard));
+                static_cast<long long>(split), static_cast<long long>(shard));
     std::fflush(stdout);
   }
   return worst_loss;

@@ -1,0 +1,11 @@
+// Wiring between `loom launch` (dist) and the checkpoint format, which the dist layer cannot see.
+#pragma once
+
+namespace loom::apps {
+
+// Makes each restart line of `loom launch --max-restarts R --checkpoint-folder DIR` name the
+// checkpoint the ranks will resume from (checkpoint::decide_restart), or say that none is complete
+// yet. Call once in main(), before parsing the command line.
+void install_checkpoint_restart_policy();
+
+}  // namespace loom::apps
