@@ -517,7 +517,8 @@ std::shared_ptr<FSDPModule> fully_shard(nn::Module& module, const FSDPMesh& mesh
   options.gradient_divide_factor =
       policy.gradient_divide_factor.value_or(group_mesh.shard_size() * group_mesh.replicate_size());
   LOOM_REQUIRE_USAGE(options.gradient_divide_factor > 0,
-                     "FSDP gradient_divide_factor must be > 0, got ", options.gradient_divide_factor);
+                     "FSDP gradient_divide_factor must be > 0, got ",
+                     options.gradient_divide_factor);
   LOOM_REQUIRE_USAGE(
       at::isFloatingType(options.param_dtype) && at::isFloatingType(options.reduce_dtype),
       "FSDP mixed precision needs floating-point dtypes, got param ", options.param_dtype,
@@ -531,9 +532,8 @@ std::shared_ptr<FSDPModule> fully_shard(nn::Module& module, const FSDPMesh& mesh
   }
   std::vector<std::pair<std::string, nn::ParameterSlot*>> params;
   for (const auto& p : module.named_parameters()) {
-    const bool owned_below = std::any_of(descendants.begin(), descendants.end(), [&](const auto& d) {
-      return has_prefix(p.name, d.first);
-    });
+    const bool owned_below = std::any_of(descendants.begin(), descendants.end(),
+                                         [&](const auto& d) { return has_prefix(p.name, d.first); });
     if (!owned_below) params.emplace_back(p.name, p.slot);
   }
 

@@ -105,7 +105,8 @@ struct ShardedTensor {
   std::string name;                   // e.g. "layers.0.attention.wq.weight" or "...exp_avg"
   torch::Tensor local;                // a view into the shard (empty when this rank holds none)
   std::vector<int64_t> global_shape;  // the full tensor's shape
-  int64_t global_offset = 0;          // row-major flat index in the full tensor of local's first element
+  // Row-major flat index in the full tensor of local's first element.
+  int64_t global_offset = 0;
 };
 
 class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
@@ -163,7 +164,8 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   void load_full_state_dict(const optim::TensorDict& full);
   // Draws each parameter's full value with `fill(fqn, full)` (a CPU fp32 tensor of its shape, one
   // at a time) and keeps this rank's piece: initialization without materializing the model.
-  void init_parameters(const std::function<void(const std::string& fqn, torch::Tensor& full)>& fill);
+  void init_parameters(
+      const std::function<void(const std::string& fqn, torch::Tensor& full)>& fill);
   // This rank's piece of every parameter, with offsets.
   std::vector<ShardedTensor> sharded_state_dict();
 

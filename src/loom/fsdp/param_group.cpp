@@ -52,8 +52,7 @@ const torch::Tensor& first_param(const std::string& group, const NamedSlots& par
 
 // The plan input of a group: one tensor per parameter, all in the smallest element size among the
 // shard, all-gather and reduce dtypes, so the per-rank size S is 16-byte aligned for all three.
-GroupSpec group_spec(const std::string& name,
-                     const std::vector<std::pair<std::string, nn::ParameterSlot*>>& params,
+GroupSpec group_spec(const std::string& name, const NamedSlots& params,
                      const GroupOptions& options) {
   GroupSpec spec;
   spec.name = name.empty() ? "root" : name;
@@ -77,9 +76,8 @@ GroupSpec group_spec(const std::string& name,
 
 }  // namespace
 
-FSDPParamGroup::FSDPParamGroup(std::string name,
-                               const std::vector<std::pair<std::string, nn::ParameterSlot*>>& params,
-                               FSDPMesh mesh, GroupOptions options)
+FSDPParamGroup::FSDPParamGroup(std::string name, const NamedSlots& params, FSDPMesh mesh,
+                               GroupOptions options)
     : name_(std::move(name)),
       mesh_(std::move(mesh)),
       options_(options),
@@ -278,7 +276,9 @@ void FSDPParamGroup::reduce_grads_async() {
   PendingReduce p;
   // The first reduction since zero_grad() lands straight in the gradient shard.
   p.into_sharded_grad = options_.reduce_dtype == shard.scalar_type() && !sharded_grad_valid_;
-  p.output = p.into_sharded_grad ? shard : torch::empty({shard.numel()}, grads_buffer_.unsharded().options());
+  p.output = p.into_sharded_grad
+                 ? shard
+                 : torch::empty({shard.numel()}, grads_buffer_.unsharded().options());
   p.work = mesh_.shard->reduce_scatter_tensor_async(p.output, grads_buffer_.unsharded(),
                                                     dist::ReduceOp::kSum);
   pending_ = std::move(p);
@@ -342,7 +342,9 @@ std::vector<torch::Tensor> FSDPParamGroup::gather_full_params() {
   mesh_.shard->all_gather_into_tensor(gathered, shard);
   std::vector<torch::Tensor> out;
   out.reserve(params_.size());
-  for (const Param& p : params_) out.push_back(params_buffer_.full_from_gathered(p.index, gathered));
+  for (const Param& p : params_) {
+    out.push_back(params_buffer_.full_from_gathered(p.index, gathered));
+  }
   return out;
 }
 

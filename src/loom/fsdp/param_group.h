@@ -77,7 +77,8 @@ class FSDPParamGroup {
   // `params`: (name relative to the module, slot), in module order. Values already materialized
   // are copied into the shard; parameters on the meta device leave zeros (load values later).
   // Afterwards every slot holds its sharded view.
-  FSDPParamGroup(std::string name, const std::vector<std::pair<std::string, nn::ParameterSlot*>>& params,
+  FSDPParamGroup(std::string name,
+                 const std::vector<std::pair<std::string, nn::ParameterSlot*>>& params,
                  FSDPMesh mesh, GroupOptions options);
   ~FSDPParamGroup();
   FSDPParamGroup(const FSDPParamGroup&) = delete;

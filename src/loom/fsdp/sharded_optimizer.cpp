@@ -96,7 +96,8 @@ std::vector<ShardedTensor> ShardedAdamW::sharded_state_dict() const {
       const auto& p = g.group->params()[i];
       const auto& shape = g.group->plan().tensors[p.index].shape;
       const int64_t offset = g.group->params_buffer().global_range(p.index).begin;
-      out.push_back({g.fqns[i] + ".exp_avg", piece_of(g.state.exp_avg, *g.group, p), shape, offset});
+      out.push_back(
+          {g.fqns[i] + ".exp_avg", piece_of(g.state.exp_avg, *g.group, p), shape, offset});
       out.push_back(
           {g.fqns[i] + ".exp_avg_sq", piece_of(g.state.exp_avg_sq, *g.group, p), shape, offset});
     }

@@ -1,7 +1,8 @@
 // Per-rank scenarios of the FSDP multi-rank tests, started by `loom launch --exec`:
 //   loom_fsdp_worker fsdp   FSDP over all ranks: ZeRO-3 and ZeRO-2, each with the granularities
 //                           element, row and 32-row block, gradient accumulation over 2
-//                           micro-batches with and without resync (+ bf16 mixed precision on 2 ranks)
+//                           micro-batches with and without resync (+ bf16 mixed precision on
+//                           2 ranks)
 //   loom_fsdp_worker hpz    reshard_after_forward = 2 (hpZ) over all ranks
 //   loom_fsdp_worker hsdp   HSDP 2 x (world / 2), then the bad-policy errors
 // Each configuration trains a tiny Llama for 30 steps (AdamW, clipping) and checks on every rank:
@@ -70,7 +71,8 @@ torch::Tensor batch_of(int dp_rank, int step, int micro) {
 torch::Tensor loss_of(llama3::Transformer& m, const torch::Tensor& tokens) {
   const int64_t t = tokens.size(1) - 1;
   auto logits = m.forward(tokens.narrow(1, 0, t));
-  return torch::nn::functional::cross_entropy(logits.flatten(0, 1), tokens.narrow(1, 1, t).flatten());
+  return torch::nn::functional::cross_entropy(logits.flatten(0, 1),
+                                              tokens.narrow(1, 1, t).flatten());
 }
 
 struct Reference {
@@ -172,10 +174,12 @@ Counters expected_counters(fsdp::FSDPModule& root, const Config& cfg, ByteCount&
 void check_counters(const Counters& want, const dist::CommSnapshot& got, const std::string& where) {
   for (const auto& [key, c] : want) {
     const auto g = got.get(key.first, key.second);
-    if (g.calls != c.calls || g.payload_bytes != c.payload_bytes || !(g.wire_bytes == c.wire_bytes)) {
+    if (g.calls != c.calls || g.payload_bytes != c.payload_bytes ||
+        !(g.wire_bytes == c.wire_bytes)) {
       mismatch(c10::str(where, ": ", dist::to_string(key.first), "@", key.second, " measured ",
                         g.calls, " calls / ", g.payload_bytes, " B / wire ", g.wire_bytes.value(),
-                        ", expected ", c.calls, " / ", c.payload_bytes, " / ", c.wire_bytes.value()));
+                        ", expected ", c.calls, " / ", c.payload_bytes, " / ",
+                        c.wire_bytes.value()));
     }
   }
   for (const auto& [key, c] : got.counters) {
@@ -252,7 +256,8 @@ double run_config(Layout& L, const Config& cfg, const Reference& ref) {
     const double rel = std::abs(got - want_loss) / std::abs(want_loss);
     worst_loss = std::max(worst_loss, rel);
     if (!(rel <= cfg.loss_rtol)) {
-      mismatch(c10::str(where, ": loss ", got, " vs reference ", want_loss, " (relative ", rel, ")"));
+      mismatch(
+          c10::str(where, ": loss ", got, " vs reference ", want_loss, " (relative ", rel, ")"));
     }
   }
   const double ms_per_step =
@@ -284,7 +289,9 @@ double run_config(Layout& L, const Config& cfg, const Reference& ref) {
     }
     const double junk = g->sharded_params().masked_select(pad).abs().sum().item<double>() +
                         g->sharded_grads().masked_select(pad).abs().sum().item<double>();
-    if (junk != 0.0) mismatch(c10::str(cfg.label, ": padding of group ", g->name(), " is not zero"));
+    if (junk != 0.0) {
+      mismatch(c10::str(cfg.label, ": padding of group ", g->name(), " is not zero"));
+    }
   }
   if (rank == 0) {
     std::printf("%-34s %d steps ok (%.1f ms/step): loss rel diff max %.2e, param diff max %.2e, "
