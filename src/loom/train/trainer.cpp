@@ -9,6 +9,7 @@
 #include "loom/core/timer.h"
 #include "loom/dist/launch_env.h"
 #include "loom/models/llama3/model_dir.h"
+#include "loom/models/llama3/parallelize.h"
 #include "loom/optim/clip_grad.h"
 #include "loom/optim/optimizer.h"
 
@@ -61,10 +62,6 @@ void Trainer::init_distributed() {
                      "tensor, context and pipeline parallelism are not available yet (",
                      pd.describe(), "); set parallelism.tensor_parallel_degree, "
                      "context_parallel_degree and pipeline_parallel_degree to 1");
-  LOOM_REQUIRE_USAGE(!pd.dp_shard_enabled(),
-                     "FSDP (data_parallel_shard_degree ", pd.dp_shard(),
-                     ") is not available yet; use --parallelism.data_parallel_replicate_degree=",
-                     pd.world_size(), " --parallelism.data_parallel_shard_degree=1 (DDP)");
   mesh_ = std::make_unique<dist::DeviceMesh>(pd.build_mesh(dist_));
   log::info("parallelism: ", pd.describe());
 }
@@ -107,17 +104,31 @@ void Trainer::build_model() {
 }
 
 void Trainer::parallelize() {
-  // Materialize then initialize every parameter from the seed: the values are the same whatever
-  // the layout, so any parallel run starts from the single-process reference's weights.
-  model_->to_empty(torch::kCPU);
-  model_->init_weights(static_cast<uint64_t>(config_.training.seed));
   LOOM_REQUIRE_USAGE(config_.activation_checkpoint.mode == "none",
                      "activation_checkpoint.mode '", config_.activation_checkpoint.mode,
                      "' is not available yet; use \"none\"");
-  if (config_.training.mixed_precision_param != "float32") {
-    fail_usage("training.mixed_precision_param '", config_.training.mixed_precision_param,
-               "' needs FSDP's mixed-precision policy, which is not available yet; use float32");
+  const auto& t = config_.training;
+  if (parallel_dims_->fsdp_enabled()) {
+    // FSDP (HSDP when dp_replicate > 1): shard on the meta-device model, then initialize each
+    // rank's shard only; the values equal the single-process init_weights(seed).
+    fsdp::FSDPPolicy policy;
+    const auto reshard = llama3::FSDPReshardSetting::parse(config_.parallelism.fsdp_reshard_after_forward);
+    policy.reshard_after_forward = reshard.blocks;
+    policy.mixed_precision.param_dtype = c10::ScalarType(
+        t.mixed_precision_param == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
+    policy.mixed_precision.reduce_dtype = c10::ScalarType(
+        t.mixed_precision_reduce == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
+    fsdp_ = llama3::apply_fsdp(*model_, *mesh_, policy, reshard.last_block);
+    llama3::init_sharded_weights(*model_, *fsdp_, static_cast<uint64_t>(t.seed));
+    return;
   }
+  LOOM_REQUIRE_USAGE(t.mixed_precision_param == "float32" && t.mixed_precision_reduce == "float32",
+                     "training.mixed_precision_param/reduce other than float32 need FSDP "
+                     "(parallelism.data_parallel_shard_degree > 1)");
+  // Materialize then initialize every parameter from the seed: the values are the same whatever
+  // the layout, so any parallel run starts from the single-process reference's weights.
+  model_->to_empty(torch::kCPU);
+  model_->init_weights(static_cast<uint64_t>(t.seed));
   if (parallel_dims_->dp_replicate_enabled()) {
     ddp_ = std::make_unique<ddp::DataParallel>(*model_, mesh_->comm("dp_replicate"));
   }
@@ -130,11 +141,19 @@ void Trainer::init_optimizer() {
   const auto& o = config_.optimizer;
   LOOM_REQUIRE_USAGE(o.name == "AdamW", "unknown optimizer.name '", o.name, "'; available: AdamW");
   optim::NamedTensors named;
-  for (const auto& p : model_->named_parameters()) {
-    if (p.slot->requires_grad) named.emplace_back(p.name, p.slot->tensor);
+  if (!fsdp_) {
+    for (const auto& p : model_->named_parameters()) {
+      if (p.slot->requires_grad) named.emplace_back(p.name, p.slot->tensor);
+    }
   }
-  optimizer_ = std::make_unique<optim::AdamW>(optim::weight_decay_param_groups(named, o.weight_decay),
-                                              adamw_options(config_));
+  if (fsdp_) {
+    auto sharded = std::make_unique<fsdp::ShardedAdamW>(fsdp_, adamw_options(config_), o.weight_decay);
+    sharded_optimizer_ = sharded.get();
+    optimizer_ = std::move(sharded);
+  } else {
+    optimizer_ = std::make_unique<optim::AdamW>(
+        optim::weight_decay_param_groups(named, o.weight_decay), adamw_options(config_));
+  }
   lr_scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, lr_schedule_options(config_),
                                                   config_.training.steps);
 }
@@ -175,8 +194,23 @@ void Trainer::init_checkpointing() {
 
 checkpoint::ShardedStateDict Trainer::state_dict() {
   checkpoint::ShardedStateDict sd;
-  for (const auto& p : model_->named_parameters()) sd.add_full(p.name, "model", p.slot->tensor.detach());
-  for (const auto& [name, t] : optimizer_->state_dict()) sd.add_full("optimizer." + name, "optimizer", t);
+  if (fsdp_) {
+    // Each rank's flat run of every parameter and moment: the checkpoint reshards on load.
+    auto add_sharded = [&sd](const std::vector<fsdp::ShardedTensor>& tensors, const std::string& prefix,
+                             const std::string& component) {
+      for (const auto& st : tensors) {
+        std::vector<checkpoint::LocalChunk> chunks;
+        if (st.local.defined() && st.local.numel() > 0) chunks.push_back({st.global_offset, st.local});
+        const auto dtype = st.local.defined() ? st.local.scalar_type() : c10::kFloat;
+        sd.add_chunks(prefix + st.name, component, st.global_shape, dtype, std::move(chunks));
+      }
+    };
+    add_sharded(fsdp_->sharded_state_dict(), "", "model");
+    add_sharded(sharded_optimizer_->sharded_state_dict(), "optimizer.", "optimizer");
+  } else {
+    for (const auto& p : model_->named_parameters()) sd.add_full(p.name, "model", p.slot->tensor.detach());
+    for (const auto& [name, t] : optimizer_->state_dict()) sd.add_full("optimizer." + name, "optimizer", t);
+  }
   lr_scheduler_state_ = lr_scheduler_->state_dict();
   for (const auto& [name, t] : lr_scheduler_state_) sd.add_full("lr_scheduler." + name, "lr_scheduler", t);
   sd.json()["step"] = step_;
@@ -190,6 +224,13 @@ checkpoint::ShardedStateDict Trainer::state_dict() {
 void Trainer::load_initial_weights(const std::string& path) {
   auto loaded = llama3::load_model_dir(path);
   auto source = loaded.model->named_parameters();
+  if (fsdp_) {
+    optim::TensorDict full;
+    for (const auto& p : source) full[p.name] = p.tensor().detach();
+    fsdp_->load_full_state_dict(full);  // each rank keeps only its shard
+    log::info("initial weights loaded from ", path);
+    return;
+  }
   auto target = model_->named_parameters();
   LOOM_REQUIRE(source.size() == target.size(), "checkpoint.initial_load_path ", path, " has ",
                source.size(), " parameters but the model has ", target.size(),
@@ -220,13 +261,15 @@ StepResult Trainer::train_step() {
   if (ddp_) {
     ddp_->zero_grad();
   } else {
-    optimizer_->zero_grad(/*set_to_none=*/true);
+    optimizer_->zero_grad(/*set_to_none=*/true);  // FSDP: zeroes the flat gradient buffers
   }
   double local_loss = 0.0;
   for (int64_t micro = 0; micro < grad_accum_steps_; ++micro) {
     data::Batch batch = loader_->next();
     const bool last = micro + 1 == grad_accum_steps_;
     if (ddp_) ddp_->set_gradient_sync(last);
+    // Accumulate unsharded gradients locally; reduce-scatter once, on the last micro-batch.
+    if (fsdp_) fsdp_->set_requires_gradient_sync(last);
     torch::Tensor logits = model_->forward(batch.inputs);
     torch::Tensor loss = torch::nn::functional::cross_entropy(
         logits.flatten(0, 1), batch.labels.flatten(0, 1));
@@ -236,10 +279,16 @@ StepResult Trainer::train_step() {
   }
   if (ddp_) ddp_->finish_gradient_sync();
 
-  std::vector<torch::Tensor> grads;
-  grads.reserve(trainable_params_.size());
-  for (const auto& p : trainable_params_) grads.push_back(p.grad());
-  const double grad_norm = optim::clip_grad_norm_(grads, config_.training.max_norm).item<double>();
+  double grad_norm = 0.0;
+  if (fsdp_) {
+    // Waits for the outstanding reduce-scatters, then sums squares across shards.
+    grad_norm = fsdp_->clip_grad_norm_(config_.training.max_norm).item<double>();
+  } else {
+    std::vector<torch::Tensor> grads;
+    grads.reserve(trainable_params_.size());
+    for (const auto& p : trainable_params_) grads.push_back(p.grad());
+    grad_norm = optim::clip_grad_norm_(grads, config_.training.max_norm).item<double>();
+  }
   StepResult result;
   result.step = step_;
   result.lr = optimizer_->lr();

@@ -7,8 +7,8 @@
 //   2. determinism and seeds
 //   3. tokenizer, then the data loader for this rank's data-parallel slice
 //   4. model on the meta device (no memory), parameter count and FLOPs/token
-//   5. parallelize (DDP over dp_replicate; FSDP/TP/PP plug in here)
-//   6. materialize on the device and initialize every parameter from the seed
+//   5. parallelize: FSDP over dp_shard (HSDP with dp_replicate), or DDP over dp_replicate alone
+//   6. materialize and initialize every parameter from the seed (sharded: each rank only its shard)
 //   7. optimizer (AdamW, weight-decay groups) and LR schedule
 //   8. checkpointer: resume from the newest complete checkpoint (or start from initial_load_path)
 //   9. metrics (console + metrics.jsonl) and the resolved config saved in the run folder
@@ -23,6 +23,8 @@
 #include "loom/dist/device_mesh.h"
 #include "loom/dist/parallel_dims.h"
 #include "loom/dist/process_group.h"
+#include "loom/fsdp/fully_shard.h"
+#include "loom/fsdp/sharded_optimizer.h"
 #include "loom/models/llama3/model.h"
 #include "loom/optim/adamw.h"
 #include "loom/optim/lr_scheduler.h"
@@ -74,7 +76,9 @@ class Trainer {
   std::unique_ptr<data::DataLoader> loader_;
   std::shared_ptr<llama3::Transformer> model_;
   std::unique_ptr<ddp::DataParallel> ddp_;
-  std::unique_ptr<optim::AdamW> optimizer_;
+  std::shared_ptr<fsdp::FSDPModule> fsdp_;
+  std::unique_ptr<optim::Optimizer> optimizer_;
+  fsdp::ShardedAdamW* sharded_optimizer_ = nullptr;  // optimizer_ when FSDP is on
   std::unique_ptr<optim::LRScheduler> lr_scheduler_;
   std::unique_ptr<MetricsLogger> metrics_;
   std::unique_ptr<checkpoint::Checkpointer> checkpointer_;
