@@ -51,7 +51,7 @@ std::string ModelArgs::summary() const {
 }
 
 std::vector<std::string> flavor_names() {
-  return {"debugmodel", "1B", "3B", "8B", "70B", "405B"};
+  return {"debugmodel", "124M", "1B", "3B", "8B", "70B", "405B"};
 }
 
 ModelArgs flavor(const std::string& name, std::optional<int64_t> vocab_size) {
@@ -65,6 +65,10 @@ ModelArgs flavor(const std::string& name, std::optional<int64_t> vocab_size) {
   if (name == "debugmodel") {  // TorchTitan's: full attention heads, tokenizer-sized vocab
     a.dim = 256, a.n_layers = 6, a.n_heads = 16, a.n_kv_heads = 16;
     a.vocab_size = 2048;
+    a.max_seq_len = 2048;
+  } else if (name == "124M") {  // GPT-2-small-sized Llama 3 for the throughput benchmark (bench/)
+    a.dim = 768, a.n_layers = 12, a.n_heads = 12, a.n_kv_heads = 4;
+    a.vocab_size = 32000;
     a.max_seq_len = 2048;
   } else if (name == "1B") {  // Llama 3.2 1B (Meta ties the head; Loom does not)
     a.dim = 2048, a.n_layers = 16, a.n_heads = 32, a.n_kv_heads = 8;

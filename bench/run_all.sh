@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Runs every benchmark against the build in $1 (default: build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build}
+.venv/bin/python bench/train_vs_eager.py --loom "$BUILD/bin/loom"
+"$BUILD/bin/loom_plan_report"
