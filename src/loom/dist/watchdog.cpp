@@ -26,7 +26,7 @@ std::chrono::milliseconds backend_timeout_for(std::chrono::milliseconds timeout)
 
 std::string describe(const CollectiveStall& stall) {
   char age[64];
-  std::snprintf(age, sizeof(age), "%.2f s, longer than the collective timeout of %.2f s",
+  std::snprintf(age, sizeof(age), "%.2f s, past the collective timeout of %.2f s",
                 seconds(stall.age), seconds(stall.timeout));
   return c10::str("collective watchdog: ", describe(stall.record), " has been pending for ", age,
                   " (comm.timeout_seconds); exiting with code ", kExitCollectiveTimeout,

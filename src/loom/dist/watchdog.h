@@ -5,7 +5,7 @@
 // Every `poll_interval` it asks the flight recorder for the collectives still in flight. When the
 // oldest has been pending longer than `timeout`, the default handler logs one error line naming it
 //   [rank0] error: collective watchdog: all_reduce world[0,1] gseq=3 in=[4] out=[4] Float 16B has
-//   been pending for 2.04 s, longer than the collective timeout of 2.00 s (comm.timeout_seconds);
+//   been pending for 2.04 s, past the collective timeout of 2.00 s (comm.timeout_seconds);
 //   exiting with code 124 so the launcher stops (and may restart) the job
 // followed by this rank's flight-recorder dump (its last collectives, oldest first), and exits the
 // process with kExitCollectiveTimeout. It exits rather than throws: the stalled thread is blocked

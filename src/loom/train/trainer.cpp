@@ -167,7 +167,8 @@ void Trainer::init_checkpointing() {
     options.keep_latest_k = static_cast<int>(c.keep_latest_k);
     options.async = c.async_mode == "async";
     options.last_save_model_only = c.model_only;
-    options.export_dtype = checkpoint::parse_export_dtype(c.export_dtype);
+    // export_dtype applies to the final model-only save (TorchTitan's model_weights_only).
+    if (c.model_only) options.export_dtype = checkpoint::parse_export_dtype(c.export_dtype);
     options.validate();
     auto group = dist_->world_size() > 1 ? checkpoint::comm_group(dist_->world())
                                          : checkpoint::single_process_group();
@@ -207,6 +208,13 @@ checkpoint::ShardedStateDict Trainer::state_dict() {
     };
     add_sharded(fsdp_->sharded_state_dict(), "", "model");
     add_sharded(sharded_optimizer_->sharded_state_dict(), "optimizer.", "optimizer");
+    // Step counts are per group and identical on every rank: saved whole, under the same names
+    // as the unsharded AdamW's, so a checkpoint moves between FSDP and non-FSDP layouts.
+    for (const auto& [name, t] : sharded_optimizer_->state_dict()) {
+      if (name.size() > 5 && name.compare(name.size() - 5, 5, ".step") == 0) {
+        sd.add_full("optimizer." + name, "optimizer", t);
+      }
+    }
   } else {
     for (const auto& p : model_->named_parameters()) sd.add_full(p.name, "model", p.slot->tensor.detach());
     for (const auto& [name, t] : optimizer_->state_dict()) sd.add_full("optimizer." + name, "optimizer", t);

@@ -93,7 +93,7 @@ TEST(Watchdog, ReportNamesTheCollectiveItsAgeAndTheTimeout) {
   const CollectiveStall stall{all_reduce_record(7, t0), 3s, 2s};
   EXPECT_EQ(describe(stall),
             "collective watchdog: all_reduce world[0,1] gseq=7 in=[4] out=[4] Float 16B has been "
-            "pending for 3.00 s, longer than the collective timeout of 2.00 s "
+            "pending for 3.00 s, past the collective timeout of 2.00 s "
             "(comm.timeout_seconds); exiting with code 124 so the launcher stops (and may "
             "restart) the job");
 }

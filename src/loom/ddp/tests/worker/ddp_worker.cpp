@@ -48,6 +48,7 @@ int run(int micro_batches, int64_t bucket_cap_bytes) {
   const int rank = world->rank(), size = world->world_size();
 
   auto model = make_model();
+  auto reference = make_model();  // the unwrapped single-process run, stepped alongside
   ddp::DataParallel ddp(*model, world->world(), {bucket_cap_bytes, true});
   if (bucket_cap_bytes < 4096 && ddp.num_buckets() < 3) {
     std::fprintf(stderr, "expected several buckets, got %d\n", ddp.num_buckets());
@@ -61,7 +62,7 @@ int run(int micro_batches, int64_t bucket_cap_bytes) {
     }
     ddp.finish_gradient_sync();
 
-    auto reference = make_model();
+    reference->zero_grad();
     for (int r = 0; r < size; ++r) {
       for (int micro = 0; micro < micro_batches; ++micro) {
         (loss_of(*reference, batch_of(r, micro + step * 10)) / (micro_batches * size)).backward();
@@ -82,6 +83,7 @@ int run(int micro_batches, int64_t bucket_cap_bytes) {
     // Keep replicas identical for the next step, as an optimizer would.
     torch::NoGradGuard no_grad;
     for (auto& p : got) p.slot->tensor.sub_(p.tensor().grad(), 0.1);
+    for (auto& p : want) p.slot->tensor.sub_(p.tensor().grad(), 0.1);
   }
   std::printf("rank %d: ddp gradients match the reference (%d buckets)\n", rank, ddp.num_buckets());
   world->shutdown();
