@@ -3,11 +3,13 @@
 #include <exception>
 
 #include "loom/apps/commands.h"
+#include "loom/apps/restart_policy.h"
 #include "loom/core/error.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"Loom: LLM pre-training with composable N-D parallelism (C++ on libtorch)", "loom"};
   app.require_subcommand(1);
+  loom::apps::install_checkpoint_restart_policy();
   loom::apps::register_launch_command(app);
   loom::apps::register_train_command(app);
   loom::apps::register_score_command(app);

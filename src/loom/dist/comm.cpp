@@ -378,8 +378,10 @@ void FlightRecorder::clear() {
 }
 
 FlightRecorder& flight_recorder() {
-  static FlightRecorder recorder;
-  return recorder;
+  // Never destroyed: a watchdog thread or a backend's completion callback may still use it while
+  // static objects are torn down at exit.
+  static FlightRecorder* recorder = new FlightRecorder();
+  return *recorder;
 }
 
 // ---------------------------------------------------------------------------------------------
