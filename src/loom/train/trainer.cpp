@@ -1,5 +1,8 @@
 #include "loom/train/trainer.h"
 
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -256,6 +259,23 @@ void Trainer::load_initial_weights(const std::string& path) {
   log::info("initial weights loaded from ", path);
 }
 
+// Fault injection for restart tests and drills: LOOM_FAULT_KILL="<rank>:<step>" makes that rank
+// SIGKILL itself after finishing that step, on the launcher's first attempt only.
+void Trainer::maybe_inject_fault() {
+  static const char* spec = std::getenv("LOOM_FAULT_KILL");
+  if (spec == nullptr) return;
+  const char* attempt = std::getenv("LOOM_RESTART_COUNT");
+  if (attempt != nullptr && std::string(attempt) != "0") return;
+  int rank = -1;
+  long long step = -1;
+  LOOM_REQUIRE_USAGE(std::sscanf(spec, "%d:%lld", &rank, &step) == 2,
+                     "LOOM_FAULT_KILL must be <rank>:<step>, got '", spec, "'");
+  if (rank == dist_->rank() && step == step_) {
+    log::warn("LOOM_FAULT_KILL: rank ", rank, " kills itself after step ", step_);
+    std::raise(SIGKILL);
+  }
+}
+
 double Trainer::global_mean_loss(double local_loss) {
   if (!parallel_dims_->dp_enabled()) return local_loss;
   torch::Tensor t = torch::tensor({local_loss}, torch::kFloat64);
@@ -345,6 +365,7 @@ std::vector<StepResult> Trainer::train() {
     if (checkpointer_) {
       checkpointer_->maybe_save(step_, [this] { return state_dict(); }, step_ == t.steps);
     }
+    maybe_inject_fault();
   }
   if (checkpointer_) checkpointer_->wait();
   return results;

@@ -67,6 +67,7 @@ class Trainer {
   checkpoint::ShardedStateDict state_dict();
   void load_initial_weights(const std::string& path);
   double global_mean_loss(double local_loss_sum);
+  void maybe_inject_fault();
 
   JobConfig config_;
   std::shared_ptr<dist::Distributed> dist_;
