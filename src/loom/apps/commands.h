@@ -9,4 +9,5 @@ void register_train_command(CLI::App& app);      // train/train_cli.cpp
 void register_score_command(CLI::App& app);      // models/llama3/score_cli.cpp
 void register_tokenizer_command(CLI::App& app);  // data/tokenizer_cli.cpp
 void register_info_command(CLI::App& app);       // models/llama3/info_cli.cpp
+void register_convert_command(CLI::App& app);    // models/llama3/convert_cli.cpp
 }  // namespace loom::apps

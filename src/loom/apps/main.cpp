@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   loom::apps::register_score_command(app);
   loom::apps::register_tokenizer_command(app);
   loom::apps::register_info_command(app);
+  loom::apps::register_convert_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
