@@ -13,34 +13,13 @@
 #include <regex>
 #include <string>
 
+#include "loom/testing/run.h"
+
 namespace {
 
-std::string bin_dir() {
-  return std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
-}
-
-struct RunResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr interleaved
-  double seconds = 0;
-};
-
-// Runs a shell command with a hard time limit so a hang fails the test instead of blocking ctest.
-RunResult run(const std::string& command, int limit_seconds = 60) {
-  const std::string full = "timeout -k 5 " + std::to_string(limit_seconds) + " " + command + " 2>&1";
-  const auto start = std::chrono::steady_clock::now();
-  RunResult result;
-  FILE* pipe = popen(full.c_str(), "r");
-  if (pipe == nullptr) return result;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) result.output.append(buf.data(), n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  result.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return result;
-}
+using loom::testing::bin_dir;
+using loom::testing::run;
+using loom::testing::RunResult;
 
 std::string loom_launch(int nproc) {
   return bin_dir() + "/loom launch --nproc " + std::to_string(nproc);
