@@ -6,6 +6,7 @@
 #include <fstream>
 #include <random>
 
+#include "loom/testing/errors.h"
 #include "loom/core/error.h"
 #include "loom/data/bpe_trainer.h"
 #include "loom/data/loader.h"
@@ -28,17 +29,7 @@ fs::path temp_dir() {
 
 void write(const fs::path& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
 
-template <typename Fn>
-void expect_error(Fn&& fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "no loom::Error thrown";
-  } catch (const loom::Error& e) {
-    const std::string message = e.what();
-    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-    for (const std::string& p : parts) EXPECT_NE(message.find(p), std::string::npos) << message << " lacks " << p;
-  }
-}
+using loom::testing::expect_error;
 
 constexpr int64_t kBos = 1000, kEos = 1001;
 

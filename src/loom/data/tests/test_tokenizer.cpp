@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "loom/testing/errors.h"
 #include "loom/core/build_paths.h"
 #include "loom/core/error.h"
 #include "loom/data/bpe_trainer.h"
@@ -37,17 +38,7 @@ void write(const fs::path& path, const std::string& text) {
 }
 
 // Expects `fn` to throw loom::Error whose message contains every one of `parts`.
-template <typename Fn>
-void expect_error(Fn&& fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "no loom::Error thrown";
-  } catch (const loom::Error& e) {
-    const std::string message = e.what();
-    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-    for (const std::string& p : parts) EXPECT_NE(message.find(p), std::string::npos) << message << " lacks " << p;
-  }
-}
+using loom::testing::expect_error;
 
 // A byte-level BPE tokenizer.json over a hand-made vocabulary: all 256 bytes (id = byte value)
 // plus `extra` tokens (ids from 256 on), the given merges and added tokens.

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/testing/errors.h"
 #include "loom/core/error.h"
 #include "loom/core/timer.h"
 #include "loom/fsdp/planner.h"
@@ -21,17 +22,7 @@ using loom::fsdp::TensorOrder;
 using loom::fsdp::TensorSpec;
 using loom::tensor::Granularity;
 
-template <typename Fn>
-void expect_error(Fn&& fn, const std::vector<std::string>& parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected loom::Error";
-  } catch (const loom::Error& e) {
-    const std::string msg = e.what();
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-    for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << msg << " lacks " << p;
-  }
-}
+using loom::testing::expect_error;
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/testing/errors.h"
 #include "loom/core/error.h"
 #include "loom/tensor/ragged_shard.h"
 
@@ -16,18 +17,7 @@ using loom::tensor::FlatRange;
 using loom::tensor::Granularity;
 using loom::tensor::RaggedShard;
 
-// Asserts that `fn` throws loom::Error whose one-line message contains every `parts`.
-template <typename Fn>
-void expect_error(Fn&& fn, const std::vector<std::string>& parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected loom::Error";
-  } catch (const loom::Error& e) {
-    const std::string msg = e.what();
-    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-    for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << msg << " lacks " << p;
-  }
-}
+using loom::testing::expect_error;
 
 // A random layout of `units` granules over `world` ranks (some ranks get none).
 RaggedShard random_layout(std::mt19937_64& rng, int64_t units, int64_t world, int64_t granule) {
