@@ -24,7 +24,8 @@ build: configure
 train: build data/default/tokenizer.json
 	$(LOOM) launch --nproc $(NPROC) -- train --config $(CONFIG)
 
-data/default/tokenizer.json: | build
+# Retrained whenever set-up remakes the corpus.
+data/default/tokenizer.json: data/default/corpus.txt | build
 	$(LOOM) tokenizer train --input data/default/corpus.txt --vocab-size 2048 --output $@
 
 # Every unit, multi-rank and parity test (ctest runs the gtest binaries and the Python parity checks).

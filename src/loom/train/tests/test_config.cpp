@@ -59,8 +59,8 @@ TEST(Config, LoadsTheDebugConfig) {
   EXPECT_EQ(c.model.vocab_size, 0);
   EXPECT_EQ(c.training.dataset_path, "data/default/corpus.jsonl");
   EXPECT_EQ(c.training.seq_len, 256);
-  EXPECT_EQ(c.training.local_batch_size, 8);
-  EXPECT_DOUBLE_EQ(c.optimizer.lr, 8e-4);
+  EXPECT_EQ(c.training.local_batch_size, 4);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 4e-3);
   EXPECT_EQ(c.lr_scheduler.warmup_steps, 10);
   EXPECT_EQ(c.lr_scheduler.decay_type, "cosine");
   EXPECT_DOUBLE_EQ(c.training.max_norm, 1.0);
@@ -278,7 +278,7 @@ TEST(Config, OptimizerAndScheduleOptions) {
                                       {"--optimizer.implementation=foreach",
                                        "--lr_scheduler.decay_ratio=0.3"});
   const optim::AdamWOptions adamw = adamw_options(c);
-  EXPECT_DOUBLE_EQ(adamw.lr, 8e-4);
+  EXPECT_DOUBLE_EQ(adamw.lr, 4e-3);
   EXPECT_DOUBLE_EQ(adamw.beta2, 0.95);
   EXPECT_DOUBLE_EQ(adamw.eps, 1e-8);
   EXPECT_EQ(adamw.implementation, optim::AdamWImplementation::kForeach);
@@ -286,7 +286,7 @@ TEST(Config, OptimizerAndScheduleOptions) {
   EXPECT_EQ(schedule.warmup_steps, 10);
   EXPECT_EQ(schedule.decay_ratio, 0.3);
   EXPECT_EQ(schedule.decay_type, optim::DecayType::kCosine);
-  EXPECT_DOUBLE_EQ(schedule.min_lr_factor, 0.1);
+  EXPECT_DOUBLE_EQ(schedule.min_lr_factor, 0.0);
 }
 
 TEST(Config, EditDistance) {
