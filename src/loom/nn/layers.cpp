@@ -1,6 +1,7 @@
 #include "loom/nn/layers.h"
 
 #include "loom/core/error.h"
+#include "loom/nn/fused.h"
 
 namespace loom::nn {
 
@@ -43,17 +44,13 @@ RMSNorm::RMSNorm(int64_t dim, double eps, const torch::TensorOptions& options)
 
 torch::Tensor RMSNorm::forward(const torch::Tensor& x) {
   return call_with_hooks(x, [this](const torch::Tensor& in) {
-    return at::rms_norm(in, {dim_}, weight_->tensor, eps_);
+    return fused_rms_norm(in, weight_->tensor, eps_);
   });
 }
 
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
-  if (at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad())) {
-    // Out of place: an in-place multiply would make autograd clone silu's output to keep it.
-    return at::silu(gate) * up;
-  }
-  // Inference: multiply into the fresh silu output, saving one [tokens, hidden] temporary.
-  return at::silu(gate).mul_(up);
+  // One pass forward and one backward (loom/nn/fused.h); saves gate and up only.
+  return fused_swiglu(gate, up);
 }
 
 FeedForward::FeedForward(int64_t dim, int64_t hidden_dim, const torch::TensorOptions& options)

@@ -48,7 +48,8 @@ class Embedding : public Module {
   ParameterSlot* weight_;
 };
 
-// y = x / sqrt(mean(x^2) + eps) * weight over the last dimension (at::rms_norm).
+// y = x / sqrt(mean(x^2) + eps) * weight over the last dimension (fused kernel, loom/nn/fused.h;
+// at::rms_norm for non-fp32).
 class RMSNorm : public Module {
  public:
   RMSNorm(int64_t dim, double eps, const torch::TensorOptions& options);
@@ -81,7 +82,7 @@ class FeedForward : public Module {
   std::shared_ptr<Linear> w3_;
 };
 
-// SwiGLU's gate: silu(gate) * up, computed with one temporary.
+// SwiGLU's gate: silu(gate) * up, one fused pass forward and backward (loom/nn/fused.h).
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up);
 
 }  // namespace loom::nn

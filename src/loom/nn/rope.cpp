@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "loom/core/error.h"
+#include "loom/nn/fused.h"
 
 namespace loom::nn {
 
@@ -54,17 +55,8 @@ torch::Tensor apply_rotary_embedding(const torch::Tensor& x, const torch::Tensor
   LOOM_REQUIRE(seq_len <= cache.size(1), "sequence length ", seq_len,
                " exceeds the RoPE cache (max_seq_len ", cache.size(1),
                "); raise the model's max_seq_len");
-  const int64_t half = head_dim / 2;
-  // [T, 1, D] broadcasts over batch and heads.
-  torch::Tensor cos = cache.select(0, 0).narrow(0, 0, seq_len).unsqueeze(1);
-  torch::Tensor sin = cache.select(0, 1).narrow(0, 0, seq_len).unsqueeze(1);
-  if (cos.scalar_type() != x.scalar_type()) {
-    cos = cos.to(x.scalar_type());
-    sin = sin.to(x.scalar_type());
-  }
-  torch::Tensor swapped = torch::cat({x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-  torch::Tensor out = x * cos;
-  return out.addcmul_(swapped, sin);
+  // One pass forward and one backward (the inverse rotation); composite for non-fp32.
+  return fused_rotary_embedding(x, cache);
 }
 
 }  // namespace loom::nn

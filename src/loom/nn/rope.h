@@ -8,7 +8,7 @@
 // The cache is one tensor [2, max_seq_len, head_dim]: [0] = cos(p * f) with the half-frequencies
 // repeated, [1] = sin(p * f) with its first half negated. With that sign folded in, rotating x is
 //   x * cos + swap_halves(x) * sin_signed
-// which is three elementwise kernels on the [B, T, H, D] layout and no complex arithmetic.
+// which is one fused pass over the [B, T, H, D] layout (loom/nn/fused.h), no complex arithmetic.
 #pragma once
 #include <torch/torch.h>
 

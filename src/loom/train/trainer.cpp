@@ -298,9 +298,8 @@ StepResult Trainer::train_step() {
     if (ddp_) ddp_->set_gradient_sync(last);
     // Accumulate unsharded gradients locally; reduce-scatter once, on the last micro-batch.
     if (fsdp_) fsdp_->set_requires_gradient_sync(last);
-    torch::Tensor logits = model_->forward(batch.inputs);
-    torch::Tensor loss = torch::nn::functional::cross_entropy(
-        logits.flatten(0, 1), batch.labels.flatten(0, 1));
+    // Head and loss fused: the [tokens, vocab] logits are never materialised.
+    torch::Tensor loss = model_->forward_loss(batch.inputs, batch.labels);
     local_loss += loss.item<double>() / static_cast<double>(grad_accum_steps_);
     // Mean over micro-batches: each contributes 1/k of the step's gradient.
     (grad_accum_steps_ > 1 ? loss / static_cast<double>(grad_accum_steps_) : loss).backward();

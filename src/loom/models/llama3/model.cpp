@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "loom/core/error.h"
+#include "loom/nn/fused.h"
 #include "loom/nn/rope.h"
 
 namespace loom::llama3 {
@@ -80,6 +81,25 @@ torch::Tensor Transformer::forward(const torch::Tensor& tokens) {
                " exceeds max_seq_len ", args_.max_seq_len, "; build the model with a larger one");
   return call_with_hooks(tokens, [this](const torch::Tensor& in) {
     return head(run_layers(embed(in)));
+  });
+}
+
+torch::Tensor Transformer::forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels) {
+  LOOM_REQUIRE(tokens.dim() == 2, "Transformer expects tokens [batch, seq], got shape ",
+               tokens.sizes());
+  LOOM_REQUIRE(labels.sizes() == tokens.sizes(), "labels of shape ", labels.sizes(),
+               " do not match tokens of shape ", tokens.sizes());
+  LOOM_REQUIRE(tokens.size(1) <= args_.max_seq_len, "sequence length ", tokens.size(1),
+               " exceeds max_seq_len ", args_.max_seq_len, "; build the model with a larger one");
+  return call_with_hooks(tokens, [&](const torch::Tensor& in) {
+    const torch::Tensor hidden = norm_->forward(run_layers(embed(in)));
+    if (output_->has_forward_hooks() || output_->has_bias()) {
+      // The head is wrapped (e.g. by a parallel style): keep its forward, take the plain loss.
+      const torch::Tensor logits = output_->forward(hidden).to(torch::kFloat32);
+      return torch::nn::functional::cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1));
+    }
+    return nn::fused_linear_cross_entropy(hidden.flatten(0, 1), output_->weight(),
+                                          labels.flatten(0, 1));
   });
 }
 

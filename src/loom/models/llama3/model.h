@@ -47,6 +47,10 @@ class Transformer : public nn::Module {
 
   // tokens [B, T] int64 -> logits [B, T, vocab_size] (in the parameters' dtype).
   torch::Tensor forward(const torch::Tensor& tokens);
+  // Training loss: mean next-token cross-entropy of `labels` [B, T] (int64, -100 = ignore). The
+  // final norm, output head and loss run fused over token chunks (nn::fused_linear_cross_entropy):
+  // the [B*T, vocab] logits are never materialised. Same forward hooks as forward().
+  torch::Tensor forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels);
   // The pieces of forward, for callers that need the hidden states (loss fusion, pipelining).
   torch::Tensor embed(const torch::Tensor& tokens);
   torch::Tensor run_layers(torch::Tensor hidden);

@@ -1,0 +1,395 @@
+#include "loom/nn/fused.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cmath>
+#include <limits>
+
+#include "loom/core/error.h"
+
+namespace loom::nn {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool is_fast_path(const torch::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == torch::kFloat32;
+}
+
+// Rows per at::parallel_for task: ~32k elements, so a task is worth a thread wake-up.
+int64_t row_grain(int64_t row_length) { return std::max<int64_t>(1, 32768 / row_length); }
+
+// e^x as 2^n * e^r, n = round(x / ln 2), |r| <= ln(2) / 2, e^r by its degree-6 Taylor polynomial
+// (relative error < 2e-7, i.e. ~1 ulp). Branch- and call-free so `omp simd` loops vectorise it
+// (a libm call would not). Inputs are clamped to [-87, 88]: below, the result is ~1e-38 instead of
+// a denormal or 0; callers never pass larger values (softmax/sigmoid arguments are <= 0 or clamped).
+inline float exp_poly(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the mantissa
+  const float t = x * 1.44269504088896341f + kRound;
+  const float n = t - kRound;
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t k = std::bit_cast<int32_t>(t) - 0x4B400000;  // == n as an integer
+  return p * std::bit_cast<float>((k + 127) << 23);
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------------
+
+struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, double eps) {
+    const torch::Tensor xc = x.contiguous();
+    const torch::Tensor wc = weight.contiguous();
+    const int64_t dim = xc.size(-1);
+    const int64_t rows = xc.numel() / dim;
+    torch::Tensor y = torch::empty_like(xc);
+    torch::Tensor rstd = torch::empty({rows}, xc.options());
+    const float* xp = xc.const_data_ptr<float>();
+    const float* wp = wc.const_data_ptr<float>();
+    float* yp = y.mutable_data_ptr<float>();
+    float* rp = rstd.mutable_data_ptr<float>();
+    const float feps = static_cast<float>(eps);
+    const float inv_dim = 1.0f / static_cast<float>(dim);
+    at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* xr = xp + r * dim;
+        float* yr = yp + r * dim;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t j = 0; j < dim; ++j) ss += xr[j] * xr[j];
+        const float rs = 1.0f / std::sqrt(ss * inv_dim + feps);
+        rp[r] = rs;
+#pragma omp simd
+        for (int64_t j = 0; j < dim; ++j) yr[j] = xr[j] * rs * wp[j];
+      }
+    });
+    ctx->save_for_backward({xc, wc, rstd});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor& x = saved[0];
+    const torch::Tensor& w = saved[1];
+    const torch::Tensor& rstd = saved[2];
+    const torch::Tensor dy = grad_outputs[0].contiguous();
+    const int64_t dim = x.size(-1);
+    const int64_t rows = x.numel() / dim;
+    const bool need_dx = ctx->needs_input_grad(0);
+    const bool need_dw = ctx->needs_input_grad(1);
+    torch::Tensor dx = need_dx ? torch::empty_like(x) : torch::Tensor();
+    // Weight gradient: one partial row per task, summed at the end. The split of rows into
+    // tasks depends only on the thread count, so results are deterministic for a fixed count.
+    const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+    torch::Tensor partial = need_dw ? torch::zeros({tasks, dim}, x.options()) : torch::Tensor();
+    const float* xp = x.const_data_ptr<float>();
+    const float* wp = w.const_data_ptr<float>();
+    const float* rp = rstd.const_data_ptr<float>();
+    const float* dyp = dy.const_data_ptr<float>();
+    float* dxp = need_dx ? dx.mutable_data_ptr<float>() : nullptr;
+    float* pp = need_dw ? partial.mutable_data_ptr<float>() : nullptr;
+    const float inv_dim = 1.0f / static_cast<float>(dim);
+    at::parallel_for(0, tasks, 1, [&](int64_t task_begin, int64_t task_end) {
+      for (int64_t task = task_begin; task < task_end; ++task) {
+        const int64_t r0 = rows * task / tasks;
+        const int64_t r1 = rows * (task + 1) / tasks;
+        float* dwr = need_dw ? pp + task * dim : nullptr;
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* xr = xp + r * dim;
+          const float* dyr = dyp + r * dim;
+          const float rs = rp[r];
+          if (need_dx) {
+            // dx = rs * (dy*w - xhat * mean(dy*w*xhat)), xhat = x * rs.
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t j = 0; j < dim; ++j) dot += dyr[j] * wp[j] * xr[j];
+            const float c = dot * rs * rs * inv_dim;
+            float* dxr = dxp + r * dim;
+#pragma omp simd
+            for (int64_t j = 0; j < dim; ++j) dxr[j] = rs * (dyr[j] * wp[j] - xr[j] * c);
+          }
+          if (need_dw) {
+#pragma omp simd
+            for (int64_t j = 0; j < dim; ++j) dwr[j] += dyr[j] * xr[j] * rs;
+          }
+        }
+      }
+    });
+    return {dx, need_dw ? partial.sum(0) : torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// ---- RoPE ----------------------------------------------------------------------------------
+
+// out[j] = x[j] * cos[j] + x[swap(j)] * sin[j], swap exchanging the two halves of the head dim
+// (sin carries the sign). With `inverse`, applies the transpose: dx[j] = dy[j] * cos[j] +
+// dy[swap(j)] * sin[swap(j)].
+void rotate(const torch::Tensor& in, const torch::Tensor& cache, torch::Tensor& out, bool inverse) {
+  const int64_t seq = in.size(1);
+  const int64_t heads = in.size(2);
+  const int64_t dim = in.size(3);
+  const int64_t half = dim / 2;
+  const int64_t rows = in.numel() / dim;
+  const int64_t cache_stride = cache.size(1) * dim;
+  const float* xp = in.const_data_ptr<float>();
+  const float* cos_p = cache.const_data_ptr<float>();
+  const float* sin_p = cos_p + cache_stride;
+  float* op = out.mutable_data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = (r / heads) % seq;
+      const float* c = cos_p + t * dim;
+      const float* s = sin_p + t * dim;
+      const float* x = xp + r * dim;
+      float* o = op + r * dim;
+      if (!inverse) {
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) o[j] = x[j] * c[j] + x[j + half] * s[j];
+#pragma omp simd
+        for (int64_t j = half; j < dim; ++j) o[j] = x[j] * c[j] + x[j - half] * s[j];
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) o[j] = x[j] * c[j] + x[j + half] * s[j + half];
+#pragma omp simd
+        for (int64_t j = half; j < dim; ++j) o[j] = x[j] * c[j] + x[j - half] * s[j - half];
+      }
+    }
+  });
+}
+
+struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& cache) {
+    const torch::Tensor xc = x.contiguous();
+    torch::Tensor out = torch::empty_like(xc);
+    rotate(xc, cache, out, /*inverse=*/false);
+    ctx->saved_data["cache"] = cache;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const torch::Tensor dy = grad_outputs[0].contiguous();
+    torch::Tensor dx = torch::empty_like(dy);
+    rotate(dy, ctx->saved_data["cache"].toTensor(), dx, /*inverse=*/true);
+    return {dx, torch::Tensor()};
+  }
+};
+
+torch::Tensor rotary_composite(const torch::Tensor& x, const torch::Tensor& cache) {
+  const int64_t seq_len = x.size(1);
+  const int64_t half = x.size(3) / 2;
+  // [T, 1, D] broadcasts over batch and heads.
+  torch::Tensor cos = cache.select(0, 0).narrow(0, 0, seq_len).unsqueeze(1).to(x.scalar_type());
+  torch::Tensor sin = cache.select(0, 1).narrow(0, 0, seq_len).unsqueeze(1).to(x.scalar_type());
+  torch::Tensor swapped = torch::cat({x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return (x * cos).addcmul_(swapped, sin);
+}
+
+// ---- SwiGLU --------------------------------------------------------------------------------
+
+struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
+                               const torch::Tensor& up) {
+    const torch::Tensor g = gate.contiguous();
+    const torch::Tensor u = up.contiguous();
+    torch::Tensor y = torch::empty_like(g);
+    const float* gp = g.const_data_ptr<float>();
+    const float* up_ = u.const_data_ptr<float>();
+    float* yp = y.mutable_data_ptr<float>();
+    at::parallel_for(0, g.numel(), 32768, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+      for (int64_t i = begin; i < end; ++i) yp[i] = gp[i] / (1.0f + exp_poly(-gp[i])) * up_[i];
+    });
+    // sigmoid(gate) is recomputed in backward rather than saved: an exp is cheaper than a pass.
+    ctx->save_for_backward({g, u});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor dy = grad_outputs[0].contiguous();
+    const bool need_gate = ctx->needs_input_grad(0);
+    const bool need_up = ctx->needs_input_grad(1);
+    torch::Tensor d_gate = torch::empty_like(saved[0]);
+    torch::Tensor d_up = torch::empty_like(saved[1]);
+    const float* gp = saved[0].const_data_ptr<float>();
+    const float* up_ = saved[1].const_data_ptr<float>();
+    const float* dyp = dy.const_data_ptr<float>();
+    float* dgp = d_gate.mutable_data_ptr<float>();
+    float* dup = d_up.mutable_data_ptr<float>();
+    at::parallel_for(0, dy.numel(), 32768, [&](int64_t begin, int64_t end) {
+      // d silu(g) / dg = s * (1 + g * (1 - s)), s = sigmoid(g).
+#pragma omp simd
+      for (int64_t i = begin; i < end; ++i) {
+        const float s = 1.0f / (1.0f + exp_poly(-gp[i]));
+        dgp[i] = dyp[i] * up_[i] * s * (1.0f + gp[i] * (1.0f - s));
+        dup[i] = dyp[i] * gp[i] * s;
+      }
+    });
+    return {need_gate ? d_gate : torch::Tensor(), need_up ? d_up : torch::Tensor()};
+  }
+};
+
+// ---- Output head + cross-entropy -----------------------------------------------------------
+
+struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
+                               const torch::Tensor& weight, const torch::Tensor& labels,
+                               int64_t ignore_index, int64_t chunk_tokens, bool need_hidden_grad,
+                               bool need_weight_grad) {
+    const torch::Tensor h = hidden.contiguous();
+    const torch::Tensor w = weight.contiguous();
+    const torch::Tensor lab = labels.contiguous();
+    const int64_t tokens = h.size(0);
+    const int64_t vocab = w.size(0);
+    const int64_t* lp = lab.const_data_ptr<int64_t>();
+    int64_t n_valid = 0;
+    for (int64_t i = 0; i < tokens; ++i) {
+      if (lp[i] == ignore_index) continue;
+      LOOM_REQUIRE(lp[i] >= 0 && lp[i] < vocab, "cross-entropy label ", lp[i], " at position ", i,
+                   " is outside the vocabulary [0, ", vocab, "); check the tokenizer and "
+                   "model.vocab_size");
+      ++n_valid;
+    }
+    // mean over valid tokens (nan when none, as PyTorch); each softmax row is pre-scaled by it.
+    const double scale = 1.0 / static_cast<double>(n_valid);
+    const bool need_grad = need_hidden_grad || need_weight_grad;
+    torch::Tensor grad_hidden = need_hidden_grad ? torch::empty_like(h) : torch::Tensor();
+    torch::Tensor grad_weight;
+    const int64_t chunk = std::min(chunk_tokens, tokens);
+    torch::Tensor buffer = torch::empty({chunk, vocab}, h.options());
+    torch::Tensor losses = torch::empty({chunk}, h.options());
+    double loss_sum = 0.0;
+    for (int64_t c0 = 0; c0 < tokens; c0 += chunk) {
+      const int64_t c = std::min(chunk, tokens - c0);
+      const torch::Tensor hc = h.narrow(0, c0, c);
+      torch::Tensor logits = buffer.narrow(0, 0, c);
+      at::mm_out(logits, hc, w.t());
+      float* logp = logits.mutable_data_ptr<float>();
+      float* row_loss = losses.mutable_data_ptr<float>();
+      const float fscale = static_cast<float>(scale);
+      // Per row, in L2: max, sum of exp -> logsumexp and the loss; then, in place,
+      // logits -> scale * (softmax - onehot) = d loss / d logits.
+      at::parallel_for(0, c, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          float* row = logp + r * vocab;
+          const int64_t label = lp[c0 + r];
+          if (label == ignore_index) {
+            row_loss[r] = 0.0f;
+            if (need_grad) std::fill(row, row + vocab, 0.0f);
+            continue;
+          }
+          float max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max)
+          for (int64_t j = 0; j < vocab; ++j) max = std::max(max, row[j]);
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < vocab; ++j) sum += exp_poly(row[j] - max);
+          const float lse = max + std::log(sum);
+          row_loss[r] = lse - row[label];
+          if (!need_grad) continue;
+#pragma omp simd
+          for (int64_t j = 0; j < vocab; ++j) row[j] = exp_poly(row[j] - lse) * fscale;
+          row[label] -= fscale;
+        }
+      });
+      for (int64_t r = 0; r < c; ++r) loss_sum += row_loss[r];
+      if (!need_grad) continue;
+      if (need_hidden_grad) {
+        torch::Tensor out = grad_hidden.narrow(0, c0, c);
+        at::mm_out(out, logits, w);
+      }
+      if (need_weight_grad) {
+        if (!grad_weight.defined()) {
+          grad_weight = at::mm(logits.t(), hc);
+        } else {
+          grad_weight.addmm_(logits.t(), hc);
+        }
+      }
+    }
+    ctx->saved_data["grad_hidden"] = grad_hidden;
+    ctx->saved_data["grad_weight"] = grad_weight;
+    return torch::full({}, loss_sum * scale, h.options());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    // Take the gradients out of the context so AccumulateGrad can adopt them without a copy.
+    torch::Tensor grad_hidden = ctx->saved_data["grad_hidden"].toTensor();
+    torch::Tensor grad_weight = ctx->saved_data["grad_weight"].toTensor();
+    ctx->saved_data.erase("grad_hidden");
+    ctx->saved_data.erase("grad_weight");
+    const torch::Tensor& g = grad_outputs[0];
+    if (g.item<float>() != 1.0f) {
+      if (grad_hidden.defined()) grad_hidden.mul_(g);
+      if (grad_weight.defined()) grad_weight.mul_(g);
+    }
+    return {grad_hidden, grad_weight, torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  if (!is_fast_path(x) || !is_fast_path(weight) || x.dim() == 0 ||
+      weight.dim() != 1 || weight.size(0) != x.size(-1) || x.numel() == 0) {
+    return at::rms_norm(x, {weight.size(-1)}, weight, eps);
+  }
+  return RMSNormFunction::apply(x, weight, eps);
+}
+
+torch::Tensor fused_rotary_embedding(const torch::Tensor& x, const torch::Tensor& cache) {
+  TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0,
+              "fused_rotary_embedding expects [B, T, H, D] with even D, got ", x.sizes());
+  TORCH_CHECK(cache.dim() == 3 && cache.size(0) == 2 && cache.size(2) == x.size(3) &&
+                  cache.size(1) >= x.size(1),
+              "RoPE cache of shape ", cache.sizes(), " does not fit x of shape ", x.sizes());
+  if (!is_fast_path(x) || !is_fast_path(cache) || !cache.is_contiguous() || x.numel() == 0) {
+    return rotary_composite(x, cache);
+  }
+  return RotaryFunction::apply(x, cache);
+}
+
+torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
+  if (!is_fast_path(gate) || !is_fast_path(up) || gate.sizes() != up.sizes()) {
+    return at::silu(gate) * up;
+  }
+  return SwiGLUFunction::apply(gate, up);
+}
+
+torch::Tensor fused_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                         const torch::Tensor& labels, int64_t ignore_index,
+                                         int64_t chunk_tokens) {
+  LOOM_REQUIRE(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
+               "fused_linear_cross_entropy needs hidden [N, dim] and weight [vocab, dim], got ",
+               hidden.sizes(), " and ", weight.sizes());
+  LOOM_REQUIRE(labels.dim() == 1 && labels.size(0) == hidden.size(0) &&
+                   labels.scalar_type() == torch::kInt64,
+               "fused_linear_cross_entropy needs int64 labels [", hidden.size(0), "], got ",
+               labels.scalar_type(), " ", labels.sizes());
+  LOOM_REQUIRE(chunk_tokens > 0, "fused_linear_cross_entropy chunk_tokens must be > 0, got ",
+               chunk_tokens);
+  if (!is_fast_path(hidden) || !is_fast_path(weight) || !labels.device().is_cpu() ||
+      hidden.size(0) == 0) {
+    torch::Tensor logits = at::linear(hidden, weight).to(torch::kFloat32);
+    return torch::nn::functional::cross_entropy(
+        logits, labels, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));
+  }
+  const bool grad = torch::GradMode::is_enabled();
+  return LinearCrossEntropyFunction::apply(hidden, weight, labels, ignore_index, chunk_tokens,
+                                           grad && hidden.requires_grad(),
+                                           grad && weight.requires_grad());
+}
+
+}  // namespace loom::nn
