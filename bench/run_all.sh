@@ -4,5 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
 .venv/bin/python bench/train_vs_eager.py --loom "$BUILD/bin/loom"
+.venv/bin/python bench/async_checkpoint.py --loom "$BUILD/bin/loom"
 .venv/bin/python bench/fsdp_vs_fsdp2.py --loom "$BUILD/bin/loom"
 "$BUILD/bin/loom_plan_report"

@@ -1,8 +1,10 @@
 """HF -> Loom -> HF round trip through `loom convert`.
 
-A random Llama (GQA, llama3 rope scaling, untied head) saved by transformers is converted to Loom's
-layout and back; every tensor of the result must be byte-identical to the original, transformers
-must load the result, and Loom's logits on it (loom score) must match transformers' within 1e-4.
+A random Llama (GQA, llama3 rope scaling, untied head) saved by transformers is converted to a Loom
+checkpoint (the trainer's sharded format: rank-0.safetensors, metadata.json with the model config,
+COMPLETE) and back; every tensor of the result must be byte-identical to the original, transformers
+must load the result, and Loom's logits (loom score) on the Loom checkpoint and on the result must
+match transformers' within 1e-4.
 """
 import os
 import subprocess
@@ -38,6 +40,9 @@ def main():
         model = random_model(make_config(), seed=11)
         model.save_pretrained(hf_dir, safe_serialization=True)
         loom("convert", "--input", hf_dir, "--output", loom_dir, "--to", "loom")
+        for f in ("rank-0.safetensors", "metadata.json", "COMPLETE"):
+            if not os.path.exists(os.path.join(loom_dir, f)):
+                failures.append(f"the Loom checkpoint has no {f}")
         loom("convert", "--input", loom_dir, "--output", back_dir, "--to", "hf")
         original, result = tensors(hf_dir), tensors(back_dir)
         if sorted(original) != sorted(result):
@@ -52,10 +57,15 @@ def main():
         ref = hf_logits(reloaded, tokens)
         logits, _, _ = loom_score(back_dir, tokens, os.path.join(tmp, "logits.safetensors"))
         diff = (logits - ref).abs().max().item()
+        ckpt_logits, _, _ = loom_score(loom_dir, tokens, os.path.join(tmp, "ckpt_logits.safetensors"))
+        ckpt_diff = (ckpt_logits - hf_logits(model.eval(), tokens)).abs().max().item()
         print(f"HF -> Loom -> HF: {len(original)} tensors byte-identical: {not failures}; "
-              f"max |dlogit| loom vs transformers after the round trip = {diff:.3e}")
+              f"max |dlogit| loom vs transformers: on the Loom checkpoint {ckpt_diff:.3e}, "
+              f"after the round trip {diff:.3e}")
         if diff > 1e-4:
             failures.append(f"logits differ by {diff:.3e} after the round trip")
+        if ckpt_diff > 1e-4:
+            failures.append(f"logits on the Loom checkpoint differ by {ckpt_diff:.3e}")
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         sys.exit(1)

@@ -60,7 +60,7 @@ bool Checkpointer::maybe_save(int64_t step, const StateProvider& state, bool las
 
 void Checkpointer::save(int64_t step, const ShardedStateDict& state, const SaveOptions& options) {
   if (options_.async) {
-    saver_.save_async(state, options_.folder, step, options);
+    saver_.begin_async_save(state, options_.folder, step, options);
   } else {
     saver_.save(state, options_.folder, step, options);
   }

@@ -7,7 +7,9 @@
 //   ShardedStateDict live = build_state();            // views into model/optimizer/... tensors
 //   if (auto loaded = ckpt.load(live)) { restore JSON state from loaded->json; start = loaded->step; }
 //   for (step = start + 1; step <= steps; ++step) {
-//     train_step();
+//     forward_backward();
+//     ckpt.wait_staged();  // an async save of the previous step may still be copying the state
+//     optimizer_step();
 //     ckpt.maybe_save(step, build_state, step == steps);  // build_state only runs when due
 //   }
 //   ckpt.wait();
@@ -59,8 +61,12 @@ class Checkpointer {
   // Saves when due; `state` is called only then. The last step's save is waited for (it is
   // model-only if so configured). Returns whether a save was started.
   bool maybe_save(int64_t step, const StateProvider& state, bool last_step = false);
-  // Saves now, async or not as configured.
+  // Saves now, async or not as configured. An async save only plans before returning: the state's
+  // tensors must stay unmodified until wait_staged() (or wait()) returns.
   void save(int64_t step, const ShardedStateDict& state, const SaveOptions& options = {});
+  // Blocks until a pending async save has copied the state out of the live tensors; call it before
+  // modifying them (the trainer: before the optimizer step).
+  void wait_staged() { saver_.wait_staged(); }
   // Waits for a pending async save; rethrows its error.
   void wait() { saver_.wait(); }
 

@@ -11,5 +11,9 @@ namespace loom::checkpoint {
 // crc32c(ab) == crc32c_extend(crc32c_extend(0, a), b).
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t size);
 inline uint32_t crc32c(const void* data, size_t size) { return crc32c_extend(0, data, size); }
+// Copies `size` bytes from `src` to `dst` (not overlapping) and returns crc32c_extend(crc, src,
+// size): one pass over the memory instead of a copy followed by a checksum pass (checkpoint
+// staging reads every byte of the training state once).
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t size);
 
 }  // namespace loom::checkpoint

@@ -93,7 +93,7 @@ LoadResult load_checkpoint(const fs::path& dir, const ShardedStateDict& dest, in
         result.missing.push_back(name);
         continue;
       }
-      if (metadata.model_only) {
+      if (metadata.model_only && t.component != kModelComponent) {
         fail("tensor '", name, "' is not in checkpoint '", dir.string(),
              "', which holds model weights only; load just the model state "
              "(ShardedStateDict::only(\"model\")) or load non-strictly");

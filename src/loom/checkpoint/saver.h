@@ -10,11 +10,18 @@
 //      per chunk (fsync file and directory). A rank that fails writes rank-R.failed instead.
 //   3. rank 0 waits for every rank's meta file, writes metadata.json, renames step-N.tmp to step-N,
 //      writes step-N/COMPLETE (each step fsynced), then prunes to keep_latest_k.
-// Step 2-3 run on a background thread for save_async, which returns as soon as the chunks are
-// staged into host memory; the background thread never communicates, so it cannot interleave with
-// the training thread's collectives. Staging memory is bounded (staging_max_bytes, in slots of at
-// most 64 MiB that the writer drains while later ones are filled): a larger save is staged and
-// written in pieces, and save_async returns once the last piece is staged.
+// Async saves run steps 2-3 on background threads that never communicate, so they cannot
+// interleave with the training thread's collectives:
+//   - a staging thread copies this rank's chunks into host memory, computing the CRC-32C in the
+//     same pass. Staging memory is bounded (staging_max_bytes, in page-aligned slots of at most
+//     64 MiB that the writer drains while later ones are filled; kept from save to save);
+//   - a writer thread writes the slots (O_DIRECT where the filesystem allows it, so no page-cache
+//     copy and no writeback work competes with training), then reports and publishes.
+// Both run at the lowest CPU priority. begin_async_save returns right after planning, so the
+// staging copy overlaps the training that follows; the caller must not modify the saved tensors
+// until wait_staged() returns — a trainer calls it just before the optimizer step, the first
+// thing that changes parameters or optimizer state. JSON state is copied at planning time.
+// save_async is begin_async_save + wait_staged.
 #pragma once
 #include <torch/torch.h>
 
@@ -45,7 +52,8 @@ struct SaverOptions {
 struct SaveStats {
   int64_t step = -1;
   int64_t bytes = 0;            // written by this rank
-  double blocked_seconds = 0;   // training thread: planning + staging (async) or the whole save
+  double blocked_seconds = 0;   // training thread: planning + waiting for staging (async), or the
+                                // whole save
   double write_seconds = 0;     // writing (background thread for async), incl. rank 0's finalize
 };
 
@@ -59,13 +67,20 @@ class ShardedSaver {
   // Synchronous: returns <folder>/step-<step> once it is complete for every rank.
   std::filesystem::path save(const ShardedStateDict& state, const std::filesystem::path& folder,
                              int64_t step, const SaveOptions& options = {});
-  // Waits for the previous save, plans (collective), stages this rank's chunks and returns; the
-  // live tensors may be modified as soon as it returns.
+  // Waits for the previous save, plans (collective) and returns; staging and writing continue in
+  // the background. The tensors in `state` must stay unmodified until wait_staged() returns.
+  void begin_async_save(const ShardedStateDict& state, const std::filesystem::path& folder,
+                        int64_t step, const SaveOptions& options = {});
+  // Blocks until the pending async save has copied every chunk out of the live tensors (no-op when
+  // none is pending); rethrows a failure of the save that is already known.
+  void wait_staged();
+  // begin_async_save + wait_staged: the live tensors may be modified as soon as it returns.
   void save_async(const ShardedStateDict& state, const std::filesystem::path& folder, int64_t step,
                   const SaveOptions& options = {});
   // Blocks until the pending async save is written (on rank 0: published); rethrows its error.
   void wait();
   bool in_flight() const { return writer_.joinable(); }
+  bool staging() const { return stager_.joinable(); }
 
   const SaveStats& last_stats() const { return stats_; }
   const SaverOptions& options() const { return options_; }
@@ -81,6 +96,7 @@ class ShardedSaver {
   SaverOptions options_;
   std::unique_ptr<Staging> staging_;
   std::shared_ptr<Job> job_;
+  std::thread stager_;
   std::thread writer_;
   SaveStats stats_;
 };

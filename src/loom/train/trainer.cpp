@@ -225,6 +225,8 @@ checkpoint::ShardedStateDict Trainer::state_dict() {
   lr_scheduler_state_ = lr_scheduler_->state_dict();
   for (const auto& [name, t] : lr_scheduler_state_) sd.add_full("lr_scheduler." + name, "lr_scheduler", t);
   sd.json()["step"] = step_;
+  // The model config makes the checkpoint self-describing: `loom score` and `loom convert` read it.
+  sd.json()[llama3::kModelConfigKey] = llama3::model_config_json(model_->args());
   sd.json()["data_loader"] = loader_->state_dict();
   const auto rng = at::detail::getDefaultCPUGenerator().get_state();
   sd.rank_json()["rng"] =
@@ -233,6 +235,14 @@ checkpoint::ShardedStateDict Trainer::state_dict() {
 }
 
 void Trainer::load_initial_weights(const std::string& path) {
+  if (llama3::detect_model_dir_format(path) == llama3::ModelDirFormat::kLoom) {
+    // A Loom checkpoint (`loom convert --to loom`, or another run's step-N): each rank reads only
+    // the pieces of its own shards, whatever layout saved them; optimizer state is not read.
+    const fs::path dir = llama3::resolve_loom_checkpoint(path);
+    checkpoint::load_checkpoint(dir, state_dict().only(checkpoint::kModelComponent), dist_->rank());
+    log::info("initial weights loaded from ", dir.string());
+    return;
+  }
   auto loaded = llama3::load_model_dir(path);
   auto source = loaded.model->named_parameters();
   if (fsdp_) {
@@ -319,6 +329,10 @@ StepResult Trainer::train_step() {
   StepResult result;
   result.step = step_;
   result.lr = optimizer_->lr();
+  // An async save of the previous step may still be copying parameters and optimizer state out
+  // (it overlapped this step's forward and backward); the optimizer step is the first thing that
+  // changes them.
+  if (checkpointer_) checkpointer_->wait_staged();
   optimizer_->step();
   lr_scheduler_->step();
   result.grad_norm = grad_norm;
@@ -340,7 +354,14 @@ std::vector<StepResult> Trainer::train() {
   memory::reset_peak_rss();
   dist::comm_stats().reset();
   while (step_ < t.steps) {
+    // A step's time is the whole iteration: the training step plus the checkpoint call after it,
+    // so what a save costs (planning, waiting for the previous one) shows in tps and MFU.
+    Timer iteration;
     StepResult r = train_step();
+    if (checkpointer_) {
+      checkpointer_->maybe_save(step_, [this] { return state_dict(); }, step_ == t.steps);
+    }
+    r.seconds = iteration.seconds();
     results.push_back(r);
     window_seconds += r.seconds;
     ++window_steps;
@@ -360,9 +381,6 @@ std::vector<StepResult> Trainer::train() {
       window_steps = 0;
       memory::reset_peak_rss();
       dist::comm_stats().reset();
-    }
-    if (checkpointer_) {
-      checkpointer_->maybe_save(step_, [this] { return state_dict(); }, step_ == t.steps);
     }
     maybe_inject_fault();
   }

@@ -29,31 +29,63 @@ void fill_chunks(const ShardedStateDict& state, double value) {
   }
 }
 
+// An async save returns after planning and copies the state out while training goes on; once
+// wait_staged() returns the optimizer may step, and the checkpoint still holds the state of the
+// step it was started at: byte for byte what a synchronous save of that state writes. Staging
+// budgets: 4 KiB (1 KiB slots, buffered writes), 64 KiB (16 KiB slots reused many times, O_DIRECT)
+// and the default (one slot, O_DIRECT with a padded last block).
 TEST(AsyncSave, WritesTheSameBytesAsSyncAndIgnoresLaterTrainingUpdates) {
+  auto specs = training_specs();
+  for (const Spec& s : bulk_specs(1)) specs.push_back(s);  // 1 MiB more: many slots
+  for (const int64_t staging_bytes : {int64_t{4096}, int64_t{64} << 10, SaverOptions{}.staging_max_bytes}) {
+    SCOPED_TRACE(staging_bytes);
+    TempDir sync_dir("ckpt"), async_dir("ckpt");
+    SaverOptions options;
+    options.staging_max_bytes = staging_bytes;
+    const auto errors = run_ranks(2, [&](int rank, std::shared_ptr<CheckpointGroup> group) {
+      ShardedStateDict state = make_state(specs, fsdp_layout(specs, 2, rank), 1);
+      ShardedSaver saver(group, options);
+      saver.save(state, sync_dir.path(), 1);
+      saver.begin_async_save(state, async_dir.path(), 1);
+      saver.wait_staged();
+      EXPECT_FALSE(saver.staging());
+      fill_chunks(state, 0);  // the optimizer steps on while the save is written
+      saver.wait();
+      EXPECT_FALSE(saver.in_flight());
+      EXPECT_GT(saver.last_stats().bytes, 0);
+    });
+    for (const auto& e : errors) ASSERT_EQ(e, "");
+    for (const char* file : {"rank-0.safetensors", "rank-1.safetensors", "metadata.json",
+                             "COMPLETE"}) {
+      EXPECT_EQ(read_bytes(sync_dir.path() / "step-1" / file),
+                read_bytes(async_dir.path() / "step-1" / file))
+          << file;
+    }
+    verify_checkpoint(async_dir.path() / "step-1", Verification::kChecksums);
+    ShardedStateDict dest = make_state(specs, full_layout(), -1);
+    load_checkpoint(async_dir.path() / "step-1", dest);
+    EXPECT_EQ(check_state(specs, dest, 1), "");
+  }
+}
+
+// A model-only export in another dtype is converted while staging (not the raw-copy path).
+TEST(AsyncSave, ExportDtypeMatchesTheSynchronousSave) {
   TempDir sync_dir("ckpt"), async_dir("ckpt");
   const auto specs = training_specs();
-  SaverOptions tiny;
-  tiny.staging_max_bytes = 4096;  // 1 KiB slots: tensors are staged and written in many pieces
-  const auto errors = run_ranks(2, [&](int rank, std::shared_ptr<CheckpointGroup> group) {
-    ShardedStateDict state = make_state(specs, fsdp_layout(specs, 2, rank), 1);
-    ShardedSaver saver(group, tiny);
-    saver.save(state, sync_dir.path(), 1);
-    saver.save_async(state, async_dir.path(), 1);
-    fill_chunks(state, 0);  // the optimizer steps on while the save is written
-    saver.wait();
-    EXPECT_FALSE(saver.in_flight());
-    EXPECT_GT(saver.last_stats().bytes, 0);
-  });
-  for (const auto& e : errors) ASSERT_EQ(e, "");
-  for (const char* file : {"rank-0.safetensors", "rank-1.safetensors", "metadata.json",
-                           "COMPLETE"}) {
-    EXPECT_EQ(read_bytes(sync_dir.path() / "step-1" / file),
-              read_bytes(async_dir.path() / "step-1" / file))
+  ShardedStateDict state = make_state(specs, full_layout(), 3);
+  SaveOptions export_bf16;
+  export_bf16.model_only = true;
+  export_bf16.export_dtype = c10::kBFloat16;
+  ShardedSaver saver(single_process_group());
+  saver.save(state, sync_dir.path(), 3, export_bf16);
+  saver.save_async(state, async_dir.path(), 3, export_bf16);
+  saver.wait();
+  for (const char* file : {"rank-0.safetensors", "metadata.json", "COMPLETE"}) {
+    EXPECT_EQ(read_bytes(sync_dir.path() / "step-3" / file),
+              read_bytes(async_dir.path() / "step-3" / file))
         << file;
   }
-  ShardedStateDict dest = make_state(specs, full_layout(), -1);
-  load_checkpoint(async_dir.path() / "step-1", dest);
-  EXPECT_EQ(check_state(specs, dest, 1), "");
+  verify_checkpoint(async_dir.path() / "step-3", Verification::kChecksums);
 }
 
 TEST(AsyncSave, ConsecutiveSavesWaitForThePreviousOne) {

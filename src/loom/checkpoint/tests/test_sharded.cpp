@@ -99,6 +99,20 @@ TEST(Crc32c, MatchesTheStandardCheckValueAndExtends) {
   EXPECT_EQ(crc32c_extend(crc32c(long_text.data(), 3), long_text.data() + 3, 997), whole);
 }
 
+TEST(Crc32c, CopyReturnsTheChecksumOfWhatItCopied) {
+  std::string src(1000, 'x');
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 13 + 5);
+  // Every start alignment and a few lengths around the 8-byte word loop.
+  for (size_t start : {0, 1, 3, 7, 8}) {
+    for (size_t n : {0, 1, 7, 8, 9, 64, 991}) {
+      std::string dst(n, '\0');
+      const uint32_t crc = crc32c_copy(0x1234u, dst.data(), src.data() + start, n);
+      EXPECT_EQ(crc, crc32c_extend(0x1234u, src.data() + start, n)) << start << " " << n;
+      EXPECT_EQ(dst, src.substr(start, n)) << start << " " << n;
+    }
+  }
+}
+
 TEST(ShardedStateDict, RejectsBadChunks) {
   ShardedStateDict s;
   EXPECT_THROW(s.add_chunks("w", "model", {4}, c10::kFloat, {{2, torch::zeros({3})}}), loom::Error);

@@ -1,7 +1,10 @@
 // `loom convert --input DIR --output DIR --to hf|loom [--dtype float32|bfloat16|float16]`:
-// converts a Llama model directory between the Hugging Face layout and Loom's (the input format is
-// detected from its config.json). `loom train` starts from either through
-// checkpoint.initial_load_path.
+// converts Llama weights between a Hugging Face model directory and a Loom checkpoint (the input
+// format is detected). `--to loom` writes a model-only checkpoint in the trainer's own format
+// (rank-0.safetensors, metadata.json with CRC-32C per chunk and the model config, COMPLETE);
+// `--input` may also be one of the trainer's checkpoints (step-N) or its checkpoint folder.
+// `loom train` starts from either format through checkpoint.initial_load_path, and `loom score`
+// reads both.
 #include <CLI/CLI.hpp>
 
 #include "loom/apps/commands.h"
@@ -16,27 +19,27 @@ void register_convert_command(CLI::App& app) {
     std::string input, output, to, dtype;
   };
   auto args = std::make_shared<Args>();
-  auto* cmd = app.add_subcommand("convert", "Convert a Llama model directory between HF and Loom layouts");
-  cmd->add_option("--input", args->input, "Model directory (HF or Loom; detected)")->required();
-  cmd->add_option("--output", args->output, "Directory to write (created)")->required();
-  cmd->add_option("--to", args->to, "Output layout")->required()->check(CLI::IsMember({"hf", "loom"}));
-  cmd->add_option("--dtype", args->dtype, "HF export dtype (default: as loaded, float32)")
+  auto* cmd = app.add_subcommand("convert", "Convert Llama weights between a HF directory and a Loom checkpoint");
+  cmd->add_option("--input", args->input, "HF model directory or Loom checkpoint (detected)")->required();
+  cmd->add_option("--output", args->output, "Directory to write (must not exist)")->required();
+  cmd->add_option("--to", args->to, "Output format")->required()->check(CLI::IsMember({"hf", "loom"}));
+  cmd->add_option("--dtype", args->dtype, "Stored dtype of the weights (default: float32)")
       ->check(CLI::IsMember({"float32", "bfloat16", "float16"}));
   cmd->callback([args] {
     namespace fs = std::filesystem;
     LOOM_REQUIRE_USAGE(fs::weakly_canonical(args->input) != fs::weakly_canonical(args->output),
                        "convert: --output must differ from --input (", args->input, ")");
+    LOOM_REQUIRE_USAGE(!fs::exists(args->output), "convert: --output '", args->output,
+                       "' already exists; choose a new directory or remove it");
     auto loaded = llama3::load_model_dir(args->input);
+    std::optional<c10::ScalarType> dtype;
+    if (args->dtype == "bfloat16") dtype = torch::kBFloat16;
+    if (args->dtype == "float16") dtype = torch::kFloat16;
+    if (args->dtype == "float32") dtype = torch::kFloat32;
     if (args->to == "hf") {
-      std::optional<c10::ScalarType> dtype;
-      if (args->dtype == "bfloat16") dtype = torch::kBFloat16;
-      if (args->dtype == "float16") dtype = torch::kFloat16;
-      if (args->dtype == "float32") dtype = torch::kFloat32;
       llama3::export_hf_model_dir(*loaded.model, args->output, dtype);
     } else {
-      LOOM_REQUIRE_USAGE(args->dtype.empty() || args->dtype == "float32",
-                         "convert --to loom keeps float32 weights; drop --dtype ", args->dtype);
-      llama3::save_model_dir(*loaded.model, args->output);
+      llama3::save_loom_checkpoint(*loaded.model, args->output, dtype);
     }
     log::info("converted ", args->input, " -> ", args->output, " (", args->to, ")");
   });

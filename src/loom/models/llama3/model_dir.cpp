@@ -5,15 +5,18 @@
 #include <fstream>
 #include <set>
 
+#include "loom/checkpoint/loader.h"
+#include "loom/checkpoint/metadata.h"
 #include "loom/checkpoint/safetensors.h"
+#include "loom/checkpoint/saver.h"
 #include "loom/core/error.h"
+#include "loom/core/logging.h"
 #include "loom/models/llama3/hf_adapter.h"
 
 namespace loom::llama3 {
 namespace fs = std::filesystem;
 namespace {
-constexpr const char* kLoomFormat = "loom.llama3";
-constexpr int kLoomFormatVersion = 1;
+constexpr const char* kModelName = "llama3";
 
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path);
@@ -56,24 +59,67 @@ void fill(Transformer& model, const std::string& name, const checkpoint::Safeten
 }
 }  // namespace
 
-ModelDirFormat detect_model_dir_format(const fs::path& dir) {
-  const fs::path config = dir / "config.json";
-  LOOM_REQUIRE(fs::exists(config), "no config.json in '", dir.string(),
-               "'; expected a Hugging Face Llama or Loom model directory");
-  const nlohmann::json j = read_json(config);
-  if (j.is_object() && j.contains("format") && j["format"] == kLoomFormat) {
-    return ModelDirFormat::kLoom;
+namespace {
+bool is_checkpoint_dir(const fs::path& dir) {
+  return fs::exists(dir / checkpoint::kMetadataFile);
+}
+bool holds_checkpoints(const fs::path& dir) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.is_directory(ec) && checkpoint::parse_step_dir_name(entry.path().filename().string())) {
+      return true;
+    }
   }
+  return false;
+}
+}  // namespace
+
+ModelDirFormat detect_model_dir_format(const fs::path& dir) {
+  LOOM_REQUIRE(fs::is_directory(dir), "'", dir.string(), "' is not a directory; expected a Loom "
+               "checkpoint or a Hugging Face Llama model directory");
+  if (is_checkpoint_dir(dir) || holds_checkpoints(dir)) return ModelDirFormat::kLoom;
+  const fs::path config = dir / "config.json";
+  LOOM_REQUIRE(fs::exists(config), "'", dir.string(), "' has neither metadata.json nor "
+               "config.json; expected a Loom checkpoint or a Hugging Face Llama model directory");
+  const nlohmann::json j = read_json(config);
   if (j.is_object() && (j.contains("model_type") || j.contains("architectures"))) {
     return ModelDirFormat::kHuggingFace;
   }
-  fail("'", config.string(), "' is neither a Loom (\"format\": \"", kLoomFormat,
-       "\") nor a Hugging Face (\"model_type\") model config");
+  fail("'", config.string(), "' is not a Hugging Face model config (no \"model_type\"); expected "
+       "a Loom checkpoint or a Hugging Face Llama model directory");
+}
+
+fs::path resolve_loom_checkpoint(const fs::path& path) {
+  if (is_checkpoint_dir(path)) return path;
+  LOOM_REQUIRE(holds_checkpoints(path), "'", path.string(), "' is not a Loom checkpoint (no "
+               "metadata.json) nor a folder of step-N checkpoints");
+  const auto latest = checkpoint::find_latest_complete(path, checkpoint::Verification::kStructure);
+  LOOM_REQUIRE(latest.has_value(), "'", path.string(), "' holds no complete checkpoint (no step-N "
+               "with a COMPLETE marker)");
+  return latest->path;
+}
+
+nlohmann::json model_config_json(const ModelArgs& args) {
+  return {{"name", kModelName}, {"model_args", to_json(args)}};
+}
+
+ModelArgs read_checkpoint_model_args(const fs::path& path) {
+  const fs::path dir = resolve_loom_checkpoint(path);
+  const checkpoint::CheckpointMetadata metadata = checkpoint::CheckpointMetadata::read(dir);
+  const std::string where = (dir / checkpoint::kMetadataFile).string();
+  LOOM_REQUIRE(metadata.json.contains(kModelConfigKey), "checkpoint '", dir.string(),
+               "' records no model config (\"", kModelConfigKey, "\" in ", where,
+               "); it was saved by an older Loom, so pass the model flavor explicitly");
+  const nlohmann::json& model = metadata.json.at(kModelConfigKey);
+  LOOM_REQUIRE(model.value("name", "") == kModelName, "checkpoint '", dir.string(), "' holds a '",
+               model.value("name", ""), "' model; this loader reads ", kModelName);
+  LOOM_REQUIRE(model.contains("model_args"), "'", where, "' has no model.model_args");
+  return model_args_from_json(model.at("model_args"), where);
 }
 
 LoadedModel load_model_dir(const fs::path& dir, const LoadOptions& options) {
   const ModelDirFormat format = detect_model_dir_format(dir);
-  return {format == ModelDirFormat::kLoom ? load_loom_model_dir(dir, options)
+  return {format == ModelDirFormat::kLoom ? load_loom_checkpoint(dir, options)
                                           : load_hf_model_dir(dir, options),
           format};
 }
@@ -111,43 +157,53 @@ std::shared_ptr<Transformer> load_hf_model_dir(const fs::path& dir, const LoadOp
   return model;
 }
 
-std::shared_ptr<Transformer> load_loom_model_dir(const fs::path& dir, const LoadOptions& options) {
-  const fs::path config_path = dir / "config.json";
-  const nlohmann::json config = read_json(config_path);
-  LOOM_REQUIRE(config.value("format", "") == kLoomFormat, "'", config_path.string(),
-               "' is not a Loom model config (\"format\": \"", kLoomFormat, "\")");
-  const int version = config.value("format_version", 0);
-  LOOM_REQUIRE(version == kLoomFormatVersion, "'", config_path.string(), "' has format_version ",
-               version, "; this Loom reads version ", kLoomFormatVersion);
-  LOOM_REQUIRE(config.contains("model_args"), "'", config_path.string(), "' has no model_args");
-  ModelArgs args = model_args_from_json(config["model_args"], config_path.string());
+std::shared_ptr<Transformer> load_loom_checkpoint(const fs::path& path, const LoadOptions& options) {
+  const fs::path dir = resolve_loom_checkpoint(path);
+  ModelArgs args = read_checkpoint_model_args(dir);
   if (options.max_seq_len) args.max_seq_len = *options.max_seq_len;
-  const auto ckpt = checkpoint::SafetensorsCheckpoint::open(dir);
   auto model = build_empty(args, options);
-  std::set<std::string> expected;
-  for (const auto& p : model->named_parameters()) {
-    expected.insert(p.name);
-    LOOM_REQUIRE(ckpt.contains(p.name), "'", ckpt.source().string(), "' is missing parameter '",
-                 p.name, "'");
-    fill(*model, p.name, ckpt, p.name);
+  checkpoint::ShardedStateDict dest;
+  for (const auto& p : model->named_parameters()) dest.add_full(p.name, checkpoint::kModelComponent, p.tensor().detach());
+  // The recorded config and the saved model tensors must agree both ways; optimizer and other
+  // state of a training checkpoint is simply not read.
+  const auto saved = checkpoint::CheckpointMetadata::read(dir).tensors;
+  for (const auto& [name, t] : saved) {
+    LOOM_REQUIRE(t.component != checkpoint::kModelComponent || dest.contains(name),
+                 "unexpected model tensor '", name, "' in checkpoint '", dir.string(),
+                 "'; it does not belong to the model its config describes");
   }
-  for (const auto& name : ckpt.names()) {
-    LOOM_REQUIRE(expected.count(name), "unexpected tensor '", name, "' in '",
-                 ckpt.source().string(), "'; it does not belong to this model's config");
+  for (const auto& [name, t] : dest.tensors()) {
+    LOOM_REQUIRE(saved.count(name), "checkpoint '", dir.string(), "' is missing parameter '", name,
+                 "' of the model its config describes");
   }
+  torch::NoGradGuard no_grad;
+  checkpoint::load_checkpoint(dir, dest);
   return model;
 }
 
-void save_model_dir(Transformer& model, const fs::path& dir) {
+void save_loom_checkpoint(Transformer& model, const fs::path& dir, std::optional<c10::ScalarType> dtype) {
+  LOOM_REQUIRE_USAGE(!fs::exists(dir), "'", dir.string(), "' already exists; choose a new output "
+                     "directory or remove it");
+  checkpoint::ShardedStateDict state;
+  for (const auto& p : model.named_parameters()) {
+    state.add_full(p.name, checkpoint::kModelComponent, p.tensor().detach());
+  }
+  state.json()[kModelConfigKey] = model_config_json(model.args());
+  state.json()["step"] = 0;
+  // The saver publishes <folder>/step-0 atomically; a scratch folder next to `dir` holds it until
+  // it is renamed into place.
+  const fs::path scratch = dir.string() + ".saving";
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  LOOM_REQUIRE(!ec, "cannot create directory '", dir.string(), "': ", ec.message());
-  checkpoint::save_safetensors(dir / "model.safetensors", model.state_dict(),
-                               {{"format", kLoomFormat}});
-  const nlohmann::json config = {{"format", kLoomFormat},
-                                 {"format_version", kLoomFormatVersion},
-                                 {"model_args", to_json(model.args())}};
-  checkpoint::write_text_file_atomically(dir / "config.json", config.dump(2) + "\n");
+  fs::remove_all(scratch, ec);
+  checkpoint::SaveOptions options;
+  options.model_only = true;
+  options.export_dtype = dtype;
+  checkpoint::ShardedSaver saver(checkpoint::single_process_group());
+  const fs::path saved = saver.save(state, scratch, /*step=*/0, options);
+  fs::rename(saved, dir, ec);
+  LOOM_REQUIRE(!ec, "cannot move the checkpoint '", saved.string(), "' to '", dir.string(), "': ",
+               ec.message());
+  fs::remove_all(scratch, ec);
 }
 
 void export_hf_model_dir(Transformer& model, const fs::path& dir,

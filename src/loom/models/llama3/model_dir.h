@@ -1,9 +1,13 @@
-// Model directories on disk, in two formats:
+// Model weights on disk, in two formats:
 //   Hugging Face: config.json (LlamaForCausalLM) + model.safetensors or a sharded
 //                 model.safetensors.index.json, HF parameter names.
-//   Loom:         config.json {"format": "loom.llama3", "model_args": {...}} + model.safetensors
-//                 with Loom parameter names (to be superseded by sharded checkpoints).
-// load_model_dir tells them apart from config.json.
+//   Loom:         a sharded checkpoint directory as the trainer writes it (loom/checkpoint:
+//                 rank-R.safetensors, metadata.json with CRC-32C per chunk, COMPLETE), Loom
+//                 parameter names. Its global JSON state carries the model config under "model"
+//                 ({"name": "llama3", "model_args": {...}}), so the directory describes itself;
+//                 the trainer's own checkpoints carry it too. A checkpoint folder (holding
+//                 step-N directories) stands for its newest complete checkpoint.
+// load_model_dir tells them apart (metadata.json or step-N directories vs config.json).
 #pragma once
 #include <torch/torch.h>
 
@@ -13,14 +17,27 @@
 #include <optional>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "loom/models/llama3/model.h"
 
 namespace loom::llama3 {
 
 enum class ModelDirFormat { kLoom, kHuggingFace };
 
-// Reads dir/config.json; throws a one-line loom::Error if it is missing or neither format.
+// Loom when `dir` is a checkpoint directory or a folder of them, else Hugging Face when
+// dir/config.json is one; throws a one-line loom::Error otherwise.
 ModelDirFormat detect_model_dir_format(const std::filesystem::path& dir);
+
+// The checkpoint directory `path` stands for: itself when it holds metadata.json, else the newest
+// complete step-N inside it. Throws a one-line loom::Error when it is neither.
+std::filesystem::path resolve_loom_checkpoint(const std::filesystem::path& path);
+
+// The checkpoint JSON entry that makes a Loom checkpoint self-describing (key kModelConfigKey).
+inline constexpr const char* kModelConfigKey = "model";
+nlohmann::json model_config_json(const ModelArgs& args);
+// The ModelArgs recorded in checkpoint `dir` (resolved); a one-line error when it has none.
+ModelArgs read_checkpoint_model_args(const std::filesystem::path& dir);
 
 struct LoadOptions {
   // dtype and device of the built model; checkpoint tensors are converted on load.
@@ -39,11 +56,13 @@ struct LoadedModel {
 LoadedModel load_model_dir(const std::filesystem::path& dir, const LoadOptions& options = {});
 std::shared_ptr<Transformer> load_hf_model_dir(const std::filesystem::path& dir,
                                                const LoadOptions& options = {});
-std::shared_ptr<Transformer> load_loom_model_dir(const std::filesystem::path& dir,
-                                                 const LoadOptions& options = {});
+std::shared_ptr<Transformer> load_loom_checkpoint(const std::filesystem::path& dir,
+                                                  const LoadOptions& options = {});
 
-// Writes the Loom format (creates `dir`).
-void save_model_dir(Transformer& model, const std::filesystem::path& dir);
+// Writes `dir` as a model-only Loom checkpoint (step 0, one rank file), floating-point tensors in
+// `dtype` when given. `dir` must not exist yet; it appears complete or not at all.
+void save_loom_checkpoint(Transformer& model, const std::filesystem::path& dir,
+                          std::optional<c10::ScalarType> dtype = std::nullopt);
 
 // Writes a directory transformers can load with LlamaForCausalLM.from_pretrained: config.json and
 // safetensors in `dtype` (default: the model's), sharded above max_shard_bytes.

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <fstream>
 
+#include "loom/checkpoint/metadata.h"
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
 #include "loom/core/memory.h"
@@ -310,11 +311,33 @@ TEST(ModelDir, LoomAndHfFormatsRoundTripExactly) {
   torch::NoGradGuard no_grad;
   const torch::Tensor expected = model->forward(tokens);
 
-  save_model_dir(*model, tmp.path() / "loom");
+  // A model-only Loom checkpoint in the trainer's format, describing its own config.
+  save_loom_checkpoint(*model, tmp.path() / "loom");
+  for (const char* f : {"rank-0.safetensors", "metadata.json", "COMPLETE"}) {
+    EXPECT_TRUE(fs::exists(tmp.path() / "loom" / f)) << f;
+  }
+  EXPECT_FALSE(fs::exists(tmp.path() / "loom.saving"));
+  const auto metadata = loom::checkpoint::verify_checkpoint(tmp.path() / "loom",
+                                                            loom::checkpoint::Verification::kChecksums);
+  EXPECT_TRUE(metadata.model_only);
+  EXPECT_EQ(read_checkpoint_model_args(tmp.path() / "loom").summary(), model->args().summary());
   EXPECT_EQ(detect_model_dir_format(tmp.path() / "loom"), ModelDirFormat::kLoom);
   const LoadedModel loom_back = load_model_dir(tmp.path() / "loom");
   EXPECT_EQ(loom_back.format, ModelDirFormat::kLoom);
   EXPECT_TRUE(torch::equal(loom_back.model->forward(tokens), expected));
+  EXPECT_THROW(save_loom_checkpoint(*model, tmp.path() / "loom"), loom::UsageError);  // exists
+
+  // A folder of step-N checkpoints stands for its newest complete one.
+  fs::create_directories(tmp.path() / "run");
+  fs::copy(tmp.path() / "loom", tmp.path() / "run" / "step-7");
+  EXPECT_EQ(resolve_loom_checkpoint(tmp.path() / "run"), tmp.path() / "run" / "step-7");
+  EXPECT_TRUE(torch::equal(load_model_dir(tmp.path() / "run").model->forward(tokens), expected));
+
+  // Stored in bfloat16: loads back as the rounded weights.
+  save_loom_checkpoint(*model, tmp.path() / "bf16", torch::kBFloat16);
+  const auto bf16 = load_model_dir(tmp.path() / "bf16");
+  EXPECT_TRUE(torch::equal(bf16.model->output().weight(),
+                           model->output().weight().to(torch::kBFloat16).to(torch::kFloat32)));
 
   // HF export, sharded so the index path is exercised too.
   export_hf_model_dir(*model, tmp.path() / "hf", std::nullopt, /*max_shard_bytes=*/64 << 10);
