@@ -17,19 +17,27 @@
 // autograd's saved tensors (and the module) still hold views of it. ReleasableBuffer hands the
 // storage's memory back to the allocator and installs fresh memory later into the *same*
 // StorageImpl, so every view made before sees the new memory (PyTorch FSDP2 does the same with
-// untyped_storage().resize_(0) / resize_(n)).
+// untyped_storage().resize_(0) / resize_(n)). On CPU the memory goes to a per-size cache rather
+// than to malloc: every block's buffer has the same size, so the next group reuses resident pages,
+// and glibc's heap never sees these tens-of-MiB chunks (see BlockCache in the .cpp).
 #pragma once
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "loom/fsdp/planner.h"
 
 namespace loom::fsdp {
 
+class BlockCache;
+
 // A flat 1-D tensor whose memory can be released and re-allocated while tensors viewing it stay
-// valid objects. Reading a view while released is a bug (its storage holds no memory).
+// valid objects. Reading a view while released is a bug (its storage holds no memory). On CPU the
+// memory comes from a cache shared by all buffers of the same size (distributed_buffer.cpp):
+// release() hands it to the next buffer of that size instead of back to the system, and the cache
+// unmaps it when the last buffer of that size is destroyed.
 class ReleasableBuffer {
  public:
   ReleasableBuffer() = default;
@@ -53,6 +61,7 @@ class ReleasableBuffer {
  private:
   torch::Tensor flat_;
   int64_t capacity_bytes_ = 0;
+  std::shared_ptr<BlockCache> cache_;  // CPU only
 };
 
 class DistributedBuffer {

@@ -133,10 +133,8 @@ TEST(ReleasableBuffer, ReleaseReturnsMemoryAndViewsSeeTheNextAllocation) {
   buf.flat().fill_(1.0f);  // touch every page
   const torch::Tensor alias = buf.alias(0, {numel / 2, 2});
   const torch::Tensor view = buf.flat().narrow(0, 8, 8);
-  const int64_t allocated_rss = memory::current_rss_bytes();
   buf.release();
   EXPECT_FALSE(buf.allocated());
-  EXPECT_GT(allocated_rss - memory::current_rss_bytes(), 48 * kMiB);
   EXPECT_EQ(alias.sizes(), torch::IntArrayRef({numel / 2, 2}));
 
   buf.allocate();
@@ -150,9 +148,37 @@ TEST(ReleasableBuffer, ReleaseReturnsMemoryAndViewsSeeTheNextAllocation) {
   EXPECT_EQ(alias[0][0].item<float>(), 3.0f);
 }
 
+TEST(ReleasableBuffer, ReleasedMemoryServesTheNextBufferOfItsSizeAndLeavesWithTheLast) {
+  // FSDP releases a block's unsharded buffer after its forward and the next block, of the same
+  // size, gathers right after: it must get the same (already resident) memory, not fresh pages.
+  const int64_t numel = 64 * kMiB / 4;
+  const int64_t before = memory::current_rss_bytes();
+  {
+    ReleasableBuffer first(numel, torch::kFloat32);
+    first.flat().fill_(1.0f);  // touch every page
+    const void* memory = first.flat().data_ptr();
+    const int64_t resident = memory::current_rss_bytes();
+    EXPECT_GT(resident - before, 48 * kMiB);
+    first.release();
+    ReleasableBuffer second(numel, torch::kFloat32);
+    EXPECT_EQ(second.flat().data_ptr(), memory);
+    second.flat().fill_(2.0f);
+    EXPECT_LT(memory::current_rss_bytes() - resident, 16 * kMiB);
+    second.release();
+    // A buffer of another size does not take it; the next one of its size does.
+    ReleasableBuffer other(numel / 2, torch::kFloat32);
+    EXPECT_NE(other.flat().data_ptr(), memory);
+    first.allocate();
+    EXPECT_EQ(first.flat().data_ptr(), memory);
+  }
+  // Both buffers of that size are gone: the memory is back with the system.
+  EXPECT_LT(memory::current_rss_bytes() - before, 16 * kMiB);
+}
+
 TEST(ReleasableBuffer, SavedTensorsSurviveReleaseAndRegather) {
-  // Autograd saves the weight leaf for backward; releasing its storage frees the memory anyway,
-  // and after re-gathering the same values backward gives the right gradients.
+  // Autograd saves the weight leaf for backward; releasing its storage frees the memory anyway
+  // (the next buffer of its size gets it), and after re-gathering the same values backward gives
+  // the right gradients.
   const int64_t rows = 2560, cols = 4096;  // 40 MiB: above glibc's largest mmap threshold
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
   const torch::Tensor weight = torch::rand({rows, cols}, gen);
@@ -162,9 +188,13 @@ TEST(ReleasableBuffer, SavedTensorsSurviveReleaseAndRegather) {
   torch::Tensor leaf = buf.alias(0, {rows, cols}).requires_grad_(true);
   torch::Tensor loss = at::linear(x.requires_grad_(true), leaf).square().sum();
 
-  const int64_t before = memory::current_rss_bytes();
+  const void* memory = buf.flat().data_ptr();
   buf.release();
-  EXPECT_GT(before - memory::current_rss_bytes(), 36 * kMiB);
+  {
+    ReleasableBuffer next(rows * cols, torch::kFloat32);
+    EXPECT_EQ(next.flat().data_ptr(), memory);
+    next.flat().zero_();
+  }
   buf.allocate();
   buf.flat().copy_(weight.reshape({-1}));  // the "all-gather"
   loss.backward();
