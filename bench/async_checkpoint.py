@@ -18,6 +18,8 @@ Usage: .venv/bin/python bench/async_checkpoint.py [--steps 6] [--warmup 2] [--th
 import argparse
 import json
 import os
+import re
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -34,14 +36,22 @@ def run(args, dump, extra):
            f"--job.dump_folder={dump}", f"--training.steps={total}", "--metrics.log_freq=1",
            "--metrics.peak_flops=1e11"] + extra
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True).stdout
     wall = time.perf_counter() - start
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU seconds of the whole run (all threads): robust to other load, unlike wall time.
+    cpu_s = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    # The saver logs, per async save, how long the training thread waited for it (planning plus
+    # waiting for the staging copy before the next optimizer step).
+    waited = [float(x) for x in re.findall(r"training waited ([0-9.e+-]+) s", out)]
     rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == list(range(1, total + 1)), "expected one metrics row per step"
     step_s = [TOKENS_PER_STEP / r["tps"] for r in rows]
     timed = step_s[args.warmup:-1]
     return {"step_s": sum(timed) / len(timed), "steps": timed, "last_s": step_s[-1], "wall_s": wall,
-            "loss": rows[-1]["loss"]}
+            "loss": rows[-1]["loss"], "waited": waited[args.warmup:-1], "cpu_s": cpu_s, "total": total}
 
 
 def main():
@@ -68,11 +78,19 @@ def main():
           f"last step {plain['last_s']:.3f} s)")
     print(f"async save every step:   {saved['step_s']:.3f} s/step  (steps: {fmt(saved['steps'])}; "
           f"last step incl. final write {saved['last_s']:.3f} s)")
+    if saved["waited"]:
+        print(f"training waited per save: {sum(saved['waited']) / len(saved['waited']):.3f} s "
+              f"(timed steps: {fmt(saved['waited'])})")
+    extra_cpu = (saved["cpu_s"] - plain["cpu_s"]) / saved["total"]
+    print(f"CPU time per step:       {plain['cpu_s'] / plain['total']:.2f} s without saving, "
+          f"{saved['cpu_s'] / saved['total']:.2f} s with (+{extra_cpu:.2f} CPU-s per save; whole "
+          f"runs incl. start-up)")
     print(f"checkpoint size:         {size / 2**30:.2f} GiB ({complete[-1]})")
     print(f"ratio async / no saving: {ratio:.3f}x ({(ratio - 1) * 100:+.1f} %; target <= +10 %)")
     print(json.dumps({"bench": "async_checkpoint", "plain_step_s": plain["step_s"],
                       "async_step_s": saved["step_s"], "ratio": ratio,
-                      "checkpoint_bytes": size, "async_last_step_s": saved["last_s"]}))
+                      "checkpoint_bytes": size, "async_last_step_s": saved["last_s"],
+                      "extra_cpu_s_per_save": extra_cpu}))
 
 
 if __name__ == "__main__":

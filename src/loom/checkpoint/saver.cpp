@@ -899,7 +899,8 @@ void ShardedSaver::wait() {
   if (job->error) std::rethrow_exception(job->error);
   if (job->rank == 0) {
     log::info("saved checkpoint '", job->final_dir.string(), "' asynchronously (",
-              job->file_bytes >> 20, " MiB on rank 0, ", job->write_seconds, " s in background)");
+              job->file_bytes >> 20, " MiB on rank 0, ", job->write_seconds,
+              " s in background; training waited ", stats_.blocked_seconds, " s)");
   }
 }
 
