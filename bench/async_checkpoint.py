@@ -1,19 +1,20 @@
 """Step time with an async checkpoint every step vs no checkpointing (issue 4's async-save target).
 
-Runs `loom train` twice on the 124M benchmark config (bench/llama3_124m.toml: single process, seq
-256, batch 4, fp32), once without checkpointing and once with
-`--checkpoint.enable=true --checkpoint.interval=1 --checkpoint.async_mode=async`, and prints the
-mean step time of both and their ratio. Each save holds the parameters and both AdamW moments
-(~1.5 GiB).
+Runs `loom train` on the 124M benchmark config (bench/llama3_124m.toml: single process, seq 256,
+batch 4, fp32) without checkpointing and with
+`--checkpoint.enable=true --checkpoint.interval=1 --checkpoint.async_mode=async`, alternating,
+`--repeat` times each, and prints the median step time of both and their ratio. Each save holds the
+parameters and both AdamW moments (~1.4 GiB).
 
 The step time is the trainer's wall time per loop iteration: the training step (including any wait
 for the previous save's staging before the optimizer step) plus the checkpoint call after it
 (planning, the JSON state, and any wait for the previous save's write). Warm-up steps are skipped,
 and so is the last step, whose save is waited for to the end (a run's final checkpoint must be on
-disk); its time is printed separately.
+disk); its time is printed separately. Also printed: how long training waited per save (from the
+saver's log) and the extra CPU time per save (all threads, from the children's rusage).
 
 Usage: .venv/bin/python bench/async_checkpoint.py [--steps 6] [--warmup 2] [--threads 2]
-       [--loom build/bin/loom]
+       [--repeat 2] [--loom build/bin/loom]
 """
 import argparse
 import json
@@ -54,43 +55,59 @@ def run(args, dump, extra):
             "loss": rows[-1]["loss"], "waited": waited[args.warmup:-1], "cpu_s": cpu_s, "total": total}
 
 
+def median(xs):
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=2,
+                   help="runs of each, alternating, so a burst of other load hits both alike")
     p.add_argument("--loom", default=os.path.join(ROOT, "build/bin/loom"))
     args = p.parse_args()
+    ckpt_args = ["--checkpoint.enable=true", "--checkpoint.interval=1",
+                 "--checkpoint.async_mode=async", "--checkpoint.keep_latest_k=2"]
+    plains, saveds = [], []
     with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "outputs")) as tmp:
-        plain = run(args, os.path.join(tmp, "plain"), [])
-        ckpt_args = ["--checkpoint.enable=true", "--checkpoint.interval=1",
-                     "--checkpoint.async_mode=async", "--checkpoint.keep_latest_k=2"]
-        saved = run(args, os.path.join(tmp, "async"), ckpt_args)
-        folder = os.path.join(tmp, "async", "checkpoint")
-        complete = sorted(d for d in os.listdir(folder) if os.path.exists(os.path.join(folder, d, "COMPLETE")))
-        size = sum(os.path.getsize(os.path.join(folder, complete[-1], f))
-                   for f in os.listdir(os.path.join(folder, complete[-1])))
-        shutil.rmtree(folder)
-    assert plain["loss"] == saved["loss"], "checkpointing changed the training losses"
-    ratio = saved["step_s"] / plain["step_s"]
+        for r in range(args.repeat):
+            plains.append(run(args, os.path.join(tmp, f"plain{r}"), []))
+            saveds.append(run(args, os.path.join(tmp, f"async{r}"), ckpt_args))
+            folder = os.path.join(tmp, f"async{r}", "checkpoint")
+            complete = sorted(d for d in os.listdir(folder)
+                              if os.path.exists(os.path.join(folder, d, "COMPLETE")))
+            size = sum(os.path.getsize(os.path.join(folder, complete[-1], f))
+                       for f in os.listdir(os.path.join(folder, complete[-1])))
+            shutil.rmtree(folder)
+    for plain, saved in zip(plains, saveds):
+        assert plain["loss"] == saved["loss"], "checkpointing changed the training losses"
     fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
-    print(f"no checkpointing:        {plain['step_s']:.3f} s/step  (steps: {fmt(plain['steps'])}; "
-          f"last step {plain['last_s']:.3f} s)")
-    print(f"async save every step:   {saved['step_s']:.3f} s/step  (steps: {fmt(saved['steps'])}; "
-          f"last step incl. final write {saved['last_s']:.3f} s)")
-    if saved["waited"]:
-        print(f"training waited per save: {sum(saved['waited']) / len(saved['waited']):.3f} s "
-              f"(timed steps: {fmt(saved['waited'])})")
-    extra_cpu = (saved["cpu_s"] - plain["cpu_s"]) / saved["total"]
-    print(f"CPU time per step:       {plain['cpu_s'] / plain['total']:.2f} s without saving, "
-          f"{saved['cpu_s'] / saved['total']:.2f} s with (+{extra_cpu:.2f} CPU-s per save; whole "
-          f"runs incl. start-up)")
+    # Step time: the median over every timed step of every run (robust to bursts of other load
+    # on a shared machine); the means are printed too.
+    plain_steps = [x for r in plains for x in r["steps"]]
+    saved_steps = [x for r in saveds for x in r["steps"]]
+    plain_s, saved_s = median(plain_steps), median(saved_steps)
+    ratio = saved_s / plain_s
+    print(f"no checkpointing:        median {plain_s:.3f} s/step, mean "
+          f"{sum(plain_steps) / len(plain_steps):.3f}  (steps: {fmt(plain_steps)})")
+    print(f"async save every step:   median {saved_s:.3f} s/step, mean "
+          f"{sum(saved_steps) / len(saved_steps):.3f}  (steps: {fmt(saved_steps)}; last step incl. "
+          f"final write: {fmt([r['last_s'] for r in saveds])})")
+    waited = [x for r in saveds for x in r["waited"]]
+    if waited:
+        print(f"training waited per save: {sum(waited) / len(waited):.3f} s (max {max(waited):.3f})")
+    extra_cpu = sum(s["cpu_s"] - p["cpu_s"] for p, s in zip(plains, saveds)) / sum(
+        s["total"] for s in saveds)
+    print(f"CPU time per step:       {sum(p['cpu_s'] for p in plains) / sum(p['total'] for p in plains):.2f} s "
+          f"without saving, {sum(s['cpu_s'] for s in saveds) / sum(s['total'] for s in saveds):.2f} s "
+          f"with ({extra_cpu:+.2f} CPU-s per save; whole runs incl. start-up)")
     print(f"checkpoint size:         {size / 2**30:.2f} GiB ({complete[-1]})")
     print(f"ratio async / no saving: {ratio:.3f}x ({(ratio - 1) * 100:+.1f} %; target <= +10 %)")
-    print(json.dumps({"bench": "async_checkpoint", "plain_step_s": plain["step_s"],
-                      "async_step_s": saved["step_s"], "ratio": ratio,
-                      "checkpoint_bytes": size, "async_last_step_s": saved["last_s"],
-                      "extra_cpu_s_per_save": extra_cpu}))
+    print(json.dumps({"bench": "async_checkpoint", "plain_step_s": plain_s, "async_step_s": saved_s,
+                      "ratio": ratio, "checkpoint_bytes": size, "extra_cpu_s_per_save": extra_cpu}))
 
 
 if __name__ == "__main__":
