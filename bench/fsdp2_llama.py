@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama_eager import Transformer, ffn_hidden  # noqa: E402
+from llama_eager import Transformer, add_model_args, ffn_hidden  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,14 +129,7 @@ def apply_fsdp(model):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--dim", type=int, default=768)
-    p.add_argument("--n-layers", type=int, default=12)
-    p.add_argument("--n-heads", type=int, default=12)
-    p.add_argument("--n-kv-heads", type=int, default=4)
-    p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--multiple-of", type=int, default=256)
-    p.add_argument("--ffn-dim-multiplier", type=float, default=0.0)
-    p.add_argument("--seq-len", type=int, default=256)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=2, help="local batch (sequences per rank)")
     p.add_argument("--steps", type=int, default=8, help="timed steps after warm-up")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps")

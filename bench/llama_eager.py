@@ -110,8 +110,8 @@ def ffn_hidden(dim, multiple_of, multiplier):
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-def main():
-    p = argparse.ArgumentParser()
+def add_model_args(p):
+    """The ~124M Llama 3 shape of bench/llama3_124m.toml; shared with fsdp2_llama.py."""
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--n-layers", type=int, default=12)
     p.add_argument("--n-heads", type=int, default=12)
@@ -120,6 +120,11 @@ def main():
     p.add_argument("--multiple-of", type=int, default=256)
     p.add_argument("--ffn-dim-multiplier", type=float, default=0.0)
     p.add_argument("--seq-len", type=int, default=256)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
