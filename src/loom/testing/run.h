@@ -74,4 +74,15 @@ inline std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path)
   return rows;
 }
 
+// How many times `needle` occurs in `haystack` (overlapping matches count): e.g. how many ranks
+// printed a line in a launcher's combined output.
+inline int count_occurrences(const std::string& haystack, const std::string& needle) {
+  int n = 0;
+  for (size_t pos = haystack.find(needle); pos != std::string::npos;
+       pos = haystack.find(needle, pos + 1)) {
+    ++n;
+  }
+  return n;
+}
+
 }  // namespace loom::testing

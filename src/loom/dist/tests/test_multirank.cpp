@@ -18,6 +18,7 @@
 namespace {
 
 using loom::testing::bin_dir;
+using loom::testing::count_occurrences;
 using loom::testing::run;
 using loom::testing::RunResult;
 
@@ -31,22 +32,13 @@ RunResult run_worker(int nproc, const std::vector<std::string>& scenarios) {
   return run(command);
 }
 
-int count(const std::string& haystack, const std::string& needle) {
-  int n = 0;
-  for (size_t pos = haystack.find(needle); pos != std::string::npos;
-       pos = haystack.find(needle, pos + 1)) {
-    ++n;
-  }
-  return n;
-}
-
 void expect_all_ranks_ok(const RunResult& r, int nproc, const std::vector<std::string>& scenarios) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   for (const auto& scenario : scenarios) {
     for (int rank = 0; rank < nproc; ++rank) {
       const std::string line = "rank " + std::to_string(rank) + "/" + std::to_string(nproc) + " " +
                                scenario + ": ok";
-      EXPECT_EQ(count(r.output, line), 1) << "missing '" << line << "' in:\n" << r.output;
+      EXPECT_EQ(count_occurrences(r.output, line), 1) << "missing '" << line << "' in:\n" << r.output;
     }
   }
 }
@@ -117,7 +109,7 @@ TEST(Launcher, PicksAFreePortAndRunsItselfWithoutExec) {
   // Without --exec each rank runs this loom binary with the given arguments.
   const RunResult r = run(loom_launch(2) + " -- launch --help");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "Ranks to start on this node"), 2) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "Ranks to start on this node"), 2) << r.output;
   const RunResult port = run(loom_launch(1) + " --exec -- sh -c 'echo port=$MASTER_PORT'");
   std::smatch m;
   ASSERT_TRUE(std::regex_search(port.output, m, std::regex("port=([0-9]+)"))) << port.output;

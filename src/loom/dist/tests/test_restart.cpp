@@ -15,6 +15,7 @@
 namespace {
 
 using loom::testing::bin_dir;
+using loom::testing::count_occurrences;
 using loom::testing::RunResult;
 
 RunResult run(const std::string& command) { return loom::testing::run(command, 60); }
@@ -25,15 +26,6 @@ std::string launch(int nproc, const std::string& flags) {
 
 std::string worker(const std::string& scenario) {
   return c10::str("--exec -- ", bin_dir(), "/loom_dist_worker ", scenario);
-}
-
-int count(const std::string& haystack, const std::string& needle) {
-  int n = 0;
-  for (size_t pos = haystack.find(needle); pos != std::string::npos;
-       pos = haystack.find(needle, pos + 1)) {
-    ++n;
-  }
-  return n;
 }
 
 bool contains(const std::string& haystack, const std::string& needle) {
@@ -47,16 +39,16 @@ TEST(Restart, RankKilledOnTheFirstAttemptIsRestartedOnTheSamePort) {
   const RunResult r = run(launch(2, c10::str("--max-restarts 2 --master-port ", port, " ",
                                              worker("die_once"))));
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "rank 1 attempt 0: killing itself"), 1) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "rank 1 attempt 0: killing itself"), 1) << r.output;
   EXPECT_TRUE(std::regex_search(
       r.output, std::regex("loom launch: restart 1 of 2 \\(attempt 2 of 3\\) after attempt 1 "
                            "failed: .*rank 1 \\(local rank 1, pid [0-9]+\\) was killed by signal "
                            "9 \\(SIGKILL\\)")))
       << r.output;
   EXPECT_FALSE(contains(r.output, "restart 2 of 2")) << r.output;
-  EXPECT_EQ(count(r.output, "rank 0 attempt 1: all_reduce ok"), 1) << r.output;
-  EXPECT_EQ(count(r.output, "rank 1 attempt 1: all_reduce ok"), 1) << r.output;
-  EXPECT_EQ(count(r.output, "die_once: ok"), 2) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "rank 0 attempt 1: all_reduce ok"), 1) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "rank 1 attempt 1: all_reduce ok"), 1) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "die_once: ok"), 2) << r.output;
   EXPECT_LT(r.seconds, 30.0) << r.output;
 }
 
@@ -80,7 +72,7 @@ TEST(Restart, EachAttemptSeesItsRestartCountAndAFreshRendezvous) {
     for (int rank = 0; rank < 2; ++rank) {
       const std::string line = c10::str("rank=", rank, " attempt=", attempt, " te=", attempt,
                                         " max=3 temax=3 port=");
-      EXPECT_EQ(count(r.output, line), 1) << line << "\n" << r.output;
+      EXPECT_EQ(count_occurrences(r.output, line), 1) << line << "\n" << r.output;
     }
   }
   EXPECT_FALSE(contains(r.output, "attempt=3")) << r.output;
@@ -101,7 +93,7 @@ TEST(Restart, EachAttemptSeesItsRestartCountAndAFreshRendezvous) {
   EXPECT_TRUE(contains(r.output, "loom launch: restart 2 of 3 (attempt 3 of 4) after attempt 2 "
                                  "failed: rank 1 (local rank 1, pid "))
       << r.output;
-  EXPECT_EQ(count(r.output, ") exited with code 3; stopped the other "), 2) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, ") exited with code 3; stopped the other "), 2) << r.output;
 }
 
 TEST(Restart, GivesUpAfterMaxRestartsNamingTheLastFailure) {
@@ -112,8 +104,8 @@ TEST(Restart, GivesUpAfterMaxRestartsNamingTheLastFailure) {
       2, c10::str("--max-restarts 2 --checkpoint-folder ", dir.str(),
                   " --exec -- sh -c 'if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 30'")));
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_EQ(count(r.output, "loom launch: restart "), 2) << r.output;
-  EXPECT_EQ(count(r.output, c10::str("'", dir.str(), "'")), 2) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "loom launch: restart "), 2) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, c10::str("'", dir.str(), "'")), 2) << r.output;
   EXPECT_TRUE(std::regex_search(
       r.output, std::regex("error: rank 1 \\(local rank 1, pid [0-9]+\\) exited with code 3; "
                            "stopped the other [01] running rank\\(s\\); attempt 3 of 3 failed and "
@@ -151,19 +143,19 @@ TEST(Restart, StalledCollectiveEndsTheRankThroughTheWatchdog) {
 TEST(Restart, StalledCollectiveOnTheFirstAttemptIsRestarted) {
   const RunResult r = run(launch(2, c10::str("--max-restarts 1 ", worker("stall_once"))));
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "collective watchdog: all_reduce world[0,1] gseq=2"), 1) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "collective watchdog: all_reduce world[0,1] gseq=2"), 1) << r.output;
   EXPECT_TRUE(contains(r.output, "loom launch: restart 1 of 1 (attempt 2 of 2) after attempt 1 "
                                  "failed: rank 0 (local rank 0, pid "))
       << r.output;
   EXPECT_TRUE(contains(r.output, "exited with code 124 (collective watchdog timeout")) << r.output;
-  EXPECT_EQ(count(r.output, "attempt 1: all_reduce ok"), 2) << r.output;
-  EXPECT_EQ(count(r.output, "stall_once: ok"), 2) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "attempt 1: all_reduce ok"), 2) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "stall_once: ok"), 2) << r.output;
 }
 
 TEST(Restart, BackendErrorsNameTheCollective) {
   const RunResult r = run(launch(2, worker("peer_exit")));
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "peer_exit: ok"), 2) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "peer_exit: ok"), 2) << r.output;
   EXPECT_TRUE(contains(r.output, "rank 0 peer_exit error: all_reduce world[0,1] gseq=2 in=[4] "
                                  "out=[4] Float 16B failed on group rank 0: "))
       << r.output;
@@ -172,7 +164,7 @@ TEST(Restart, BackendErrorsNameTheCollective) {
 TEST(Restart, WatchdogIgnoresFinishedButUnwaitedAsyncCollectives) {
   const RunResult r = run(launch(2, worker("unwaited_async")));
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "unwaited_async: ok"), 2) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "unwaited_async: ok"), 2) << r.output;
   EXPECT_FALSE(contains(r.output, "collective watchdog")) << r.output;
 }
 
