@@ -5,6 +5,7 @@
 #include "loom/apps/commands.h"
 #include "loom/apps/restart_policy.h"
 #include "loom/core/error.h"
+#include "loom/core/error_report.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"Loom: LLM pre-training with composable N-D parallelism (C++ on libtorch)", "loom"};
@@ -22,15 +23,10 @@ int main(int argc, char** argv) {
     if (e.get_exit_code() == 0) return app.exit(e);
     std::fprintf(stderr, "error: %s (see 'loom --help')\n", e.what());
     return loom::kExitUsage;
-  } catch (const loom::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return e.exit_code();
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what_without_backtrace());
-    return loom::kExitFailure;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return loom::kExitFailure;
+  } catch (const loom::ReportedError& e) {
+    return e.exit_code();  // printed (and propagated to the other ranks) where it happened
+  } catch (...) {
+    return loom::report_error(loom::describe_exception(std::current_exception())).exit_code;
   }
   return 0;
 }

@@ -76,6 +76,12 @@ LoadResult load_checkpoint(const fs::path& dir, const ShardedStateDict& dest, in
   LOOM_REQUIRE_USAGE(fs::is_directory(dir, ec), "checkpoint '", dir.string(),
                      "' does not exist; check the checkpoint folder and step");
   const CheckpointMetadata metadata = verify_checkpoint(dir, Verification::kStructure);
+  if (metadata.model_only && options.skip_model_only) {
+    throw ModelOnlyCheckpointError(c10::str(
+        "checkpoint '", dir.string(), "' holds model weights only (checkpoint.model_only) and "
+        "cannot resume training; start a new run from it with checkpoint.initial_load_path = '",
+        dir.string(), "'"));
+  }
   LoadResult result;
   result.step = metadata.step;
   result.path = dir;
@@ -119,20 +125,25 @@ std::optional<LoadResult> load_latest(const fs::path& folder, const ShardedState
     for (const CheckpointInfo& info : list_complete_checkpoints(folder)) steps.push_back(info.step);
   }
   steps = Json::parse(group.all_gather(steps.dump())[0]);
+  std::vector<fs::path> model_only;
   for (const auto& step_json : steps) {
     const auto step = step_json.get<int64_t>();
     const fs::path dir = folder / step_dir_name(step);
     Timer timer;
     std::optional<LoadResult> result;
     std::exception_ptr error;
-    int code = 0;  // 0 loaded, 1 corrupt (try an earlier one), 2 unusable here (stop)
+    // 0 loaded; 1 corrupt, 2 model-only (both: try an earlier one); 3 unusable here (stop).
+    int code = 0;
     try {
       result = load_checkpoint(dir, dest, group.rank(), options);
     } catch (const CorruptCheckpointError& e) {
       code = 1;
       log::warn("checkpoint '", dir.string(), "' is unusable: ", e.what());
-    } catch (const std::exception&) {
+    } catch (const ModelOnlyCheckpointError&) {
       code = 2;
+      model_only.push_back(dir);
+    } catch (const std::exception&) {
+      code = 3;
       error = std::current_exception();
     }
     const int64_t worst = group.all_reduce_max(code);
@@ -144,13 +155,24 @@ std::optional<LoadResult> load_latest(const fs::path& folder, const ShardedState
       }
       return result;
     }
-    if (worst == 2) {
+    if (worst == 3) {
       if (error) std::rethrow_exception(error);
       fail("loading checkpoint '", dir.string(), "' failed on another rank (see its log)");
     }
     if (group.rank() == 0) {
-      log::warn("skipping corrupt checkpoint '", dir.string(), "'; falling back to an earlier one");
+      if (worst == 2) {
+        log::info("checkpoint '", dir.string(), "' holds model weights only; resuming from an "
+                  "earlier full checkpoint instead");
+      } else {
+        log::warn("skipping corrupt checkpoint '", dir.string(), "'; falling back to an earlier one");
+      }
     }
+  }
+  if (!model_only.empty() && model_only.size() == steps.size()) {
+    fail_usage("checkpoint folder '", folder.string(), "' holds only model-only checkpoints (newest: '",
+               model_only.front().string(), "'), which cannot resume training; to continue from "
+               "those weights set checkpoint.initial_load_path to it and checkpoint.folder (or "
+               "job.dump_folder) to a new folder");
   }
   LOOM_REQUIRE(steps.empty(), "none of the ", steps.size(), " complete checkpoints in '",
                folder.string(), "' could be loaded (see the warnings above); move them away to "

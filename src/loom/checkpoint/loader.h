@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "loom/checkpoint/group.h"
+#include "loom/core/error.h"
 #include "loom/checkpoint/state_dict.h"
 
 namespace loom::checkpoint {
@@ -22,6 +23,16 @@ struct LoadOptions {
   // Every destination tensor must be in the checkpoint; false skips missing ones (listed in
   // LoadResult::missing), e.g. to initialise a model from a model-only checkpoint.
   bool strict = true;
+  // Resuming training: a model-only checkpoint (checkpoint.model_only's last save) holds no
+  // optimizer or trainer state, so load_latest passes over it to the newest full checkpoint, and
+  // load_checkpoint refuses it with ModelOnlyCheckpointError.
+  bool skip_model_only = false;
+};
+
+// A model-only checkpoint where full training state was asked for (LoadOptions::skip_model_only).
+class ModelOnlyCheckpointError : public Error {
+ public:
+  using Error::Error;
 };
 
 struct LoadResult {
@@ -44,7 +55,8 @@ LoadResult load_checkpoint(const std::filesystem::path& dir, const ShardedStateD
 
 // The newest complete checkpoint in `folder` that loads on every rank (collective). A checkpoint
 // any rank finds corrupt is skipped on all ranks, with a warning naming the file, for the previous
-// one. nullopt when the folder holds none. A checkpoint that does not fit `dest` is an error on
+// one; so is a model-only one under skip_model_only (UsageError when nothing else is left). nullopt
+// when the folder holds none. A checkpoint that does not fit `dest` is an error on
 // every rank. `dest` may have been partly overwritten by a skipped checkpoint: on success every
 // destination chunk comes from the one returned.
 std::optional<LoadResult> load_latest(const std::filesystem::path& folder,

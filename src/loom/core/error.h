@@ -1,6 +1,14 @@
 // User-facing errors. Every bad input becomes one line that names the problem and the fix; the CLI
-// prints it as "error: <message>" and exits with the error's code (2 = bad configuration or usage,
-// 1 = everything else). Internal invariants use TORCH_CHECK / TORCH_INTERNAL_ASSERT instead.
+// prints it as "error: <message>" and exits with the error's code. Internal invariants use
+// TORCH_CHECK / TORCH_INTERNAL_ASSERT instead.
+//
+// Exit codes, and what `loom launch` does with each (a restart repeats the same run from the
+// newest checkpoint, so it only helps where the cause can go away):
+//   1    an error (I/O, a crashed peer, ...)                     restarted
+//   2    bad configuration or usage                              never restarted
+//   3    training diverged (non-finite loss or gradient norm)    never restarted
+//   4    stopped because another rank failed first               restarted
+//   124  a collective outlived comm.timeout_seconds (watchdog)   restarted
 #pragma once
 #include <c10/util/StringUtil.h>
 
@@ -11,6 +19,11 @@ namespace loom {
 
 inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
+inline constexpr int kExitDiverged = 3;
+inline constexpr int kExitPeerFailed = 4;
+
+// Whether a restart of the same job can succeed where this exit code failed.
+inline bool exit_code_is_retryable(int code) { return code != kExitUsage && code != kExitDiverged; }
 
 class Error : public std::runtime_error {
  public:
@@ -26,6 +39,12 @@ class Error : public std::runtime_error {
 class UsageError : public Error {
  public:
   explicit UsageError(const std::string& message) : Error(message, kExitUsage) {}
+};
+
+// Training produced a non-finite loss or gradient norm: exit code 3.
+class DivergedError : public Error {
+ public:
+  explicit DivergedError(const std::string& message) : Error(message, kExitDiverged) {}
 };
 
 template <typename... Args>

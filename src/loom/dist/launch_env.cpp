@@ -201,9 +201,11 @@ LaunchEnv detect_launch_env() {
     e = from_mpirun();
   } else if (env("SLURM_PROCID")) {
     e = from_slurm();
-  } else {
-    return e;  // single process
   }
+  // Restarts apply to one process too (`loom launch --nproc 1 --max-restarts R`).
+  e.restart_count = std::max(0, env_int("TORCHELASTIC_RESTART_COUNT").value_or(0));
+  e.max_restarts = std::max(0, env_int("TORCHELASTIC_MAX_RESTARTS").value_or(0));
+  if (e.launcher == LauncherKind::kSingleProcess) return e;
   validate(e);
   read_master(e);
   validate(e);

@@ -31,6 +31,10 @@ struct LaunchEnv {
   int node_rank = 0;
   std::string master_addr = kDefaultMasterAddr;
   int master_port = kDefaultMasterPort;
+  // The launcher's restart count and limit (TORCHELASTIC_RESTART_COUNT / _MAX_RESTARTS, set by
+  // torchrun and `loom launch`); 0 when not launched so.
+  int restart_count = 0;
+  int max_restarts = 0;
 
   bool distributed() const { return world_size > 1; }
   // All ranks on this node: loopback transport suffices and no MASTER_ADDR is needed.

@@ -12,7 +12,10 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <optional>
 #include <set>
 
 #include "loom/core/error.h"
@@ -100,7 +103,15 @@ struct RankProcess {
   pid_t pid = -1;
   bool running = false;
   int wait_status = 0;
+  std::string error_line;  // what the rank reported in its LOOM_ERROR_FILE, if anything
+  int reported_code = 0;   // the exit code it reported there (0: no report)
 };
+
+// The exit code a rank ended with (128+signal when killed).
+int exit_code_of(const RankProcess& r) {
+  if (WIFSIGNALED(r.wait_status)) return 128 + WTERMSIG(r.wait_status);
+  return WEXITSTATUS(r.wait_status);
+}
 
 struct GroupOutcome {
   enum class Kind { kSucceeded, kRankFailed, kInterrupted } kind = Kind::kSucceeded;
@@ -112,6 +123,10 @@ struct GroupOutcome {
   // the ranks: either way the launch ends without a restart.
   int launcher_signal = 0;
   int stopped = 0;  // ranks still running that had to be stopped
+  // kRankFailed: the first error report (LOOM_ERROR_FILE) of a rank that failed on its own rather
+  // than stopping because a peer failed; a rank may have reported and still been stopped while it
+  // lingered. Empty when no rank reported one.
+  std::optional<RankProcess> root_cause;
 };
 
 std::string describe_exit(int wait_status) {
@@ -119,11 +134,15 @@ std::string describe_exit(int wait_status) {
     return c10::str("was killed by signal ", describe_signal(WTERMSIG(wait_status)));
   }
   const int code = WEXITSTATUS(wait_status);
-  if (code == kExitCollectiveTimeout) {
-    return c10::str("exited with code ", code, " (collective watchdog timeout; its log names the "
-                    "stalled collective)");
+  switch (code) {
+    case kExitCollectiveTimeout:
+      return c10::str("exited with code ", code, " (collective watchdog timeout; its log names the "
+                      "stalled collective)");
+    case kExitUsage: return c10::str("exited with code ", code, " (configuration or usage error)");
+    case kExitDiverged: return c10::str("exited with code ", code, " (training diverged)");
+    case kExitPeerFailed: return c10::str("exited with code ", code, " (stopped: another rank failed)");
+    default: return c10::str("exited with code ", code);
   }
-  return c10::str("exited with code ", code);
 }
 
 std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
@@ -134,8 +153,25 @@ std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
     if (opts.nnodes > 1) message += c10::str("node ", opts.node_rank, ", ");
     message += c10::str("local rank ", r.local_rank, ", pid ", r.pid, ") ",
                         describe_exit(r.wait_status));
+    if (!r.error_line.empty()) message += c10::str(": ", r.error_line);
   }
-  return c10::str(message, "; stopped the other ", o.stopped, " running rank(s)");
+  message += c10::str("; stopped the other ", o.stopped, " running rank(s)");
+  if (o.root_cause) {
+    bool named = false;
+    for (const RankProcess& r : o.failed) named = named || r.rank == o.root_cause->rank;
+    if (!named) message += c10::str("; rank ", o.root_cause->rank, " failed first: ", o.root_cause->error_line);
+  }
+  return message;
+}
+
+// The exit code that stands for an attempt: that of the first failed rank that failed on its own
+// (not merely stopped because a peer failed, kExitPeerFailed).
+int attempt_exit_code(const GroupOutcome& o) {
+  if (o.root_cause) return o.root_cause->reported_code;
+  for (const RankProcess& r : o.failed) {
+    if (exit_code_of(r) != kExitPeerFailed) return exit_code_of(r);
+  }
+  return o.failed.empty() ? kExitFailure : exit_code_of(o.failed.front());
 }
 
 [[noreturn]] void throw_interrupted(int sig, int stopped) {
@@ -148,8 +184,10 @@ std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
 // the launcher even when it unwinds through an exception.
 class WorkerGroup {
  public:
-  WorkerGroup(const ResolvedLaunch& plan, int restart_count, int master_port)
-      : plan_(plan), restart_count_(restart_count), master_port_(master_port) {}
+  WorkerGroup(const ResolvedLaunch& plan, int restart_count, int master_port,
+              std::filesystem::path error_dir)
+      : plan_(plan), restart_count_(restart_count), master_port_(master_port),
+        error_dir_(std::move(error_dir)) {}
   ~WorkerGroup() {
     for (auto& p : procs_) {
       if (p.running) {
@@ -168,6 +206,8 @@ class WorkerGroup {
       RankProcess p;
       p.local_rank = local;
       p.rank = o.node_rank * o.nproc_per_node + local;
+      std::error_code ec;
+      std::filesystem::remove(error_file(p), ec);  // a previous attempt's report
       p.pid = spawn(p);
       p.running = true;
       procs_.push_back(p);
@@ -181,6 +221,7 @@ class WorkerGroup {
         out.kind = GroupOutcome::Kind::kRankFailed;
         out.failed = std::move(failed);
         out.stopped = stop_all(SIGTERM, signals, &out.launcher_signal);
+        out.root_cause = first_root_cause();
         return out;
       }
       if (running_count() == 0) return {};
@@ -202,6 +243,29 @@ class WorkerGroup {
     return n;
   }
 
+  std::filesystem::path error_file(const RankProcess& p) const {
+    return error_dir_ / c10::str("rank-", p.rank, ".error");
+  }
+
+  // The report a rank wrote through loom::report_error: its exit code, then its line. Leaves
+  // both unset when it wrote none (killed before reporting, or not a Loom program).
+  void read_error_report(RankProcess& p) const {
+    std::ifstream in(error_file(p));
+    std::string code, line;
+    if (!std::getline(in, code) || !std::getline(in, line)) return;
+    p.error_line = line;
+    p.reported_code = std::atoi(code.c_str());
+  }
+
+  // After an attempt has ended: the lowest rank that reported an error of its own.
+  std::optional<RankProcess> first_root_cause() {
+    for (auto& p : procs_) {
+      read_error_report(p);
+      if (p.reported_code != 0 && p.reported_code != kExitPeerFailed) return p;
+    }
+    return std::nullopt;
+  }
+
   static void kill_rank(const RankProcess& p, int sig) {
     if (kill(-p.pid, sig) != 0) kill(p.pid, sig);  // whole process group, else the rank itself
   }
@@ -217,7 +281,10 @@ class WorkerGroup {
       p.running = false;
       p.wait_status = status;
       const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      if (!ok) failed.push_back(p);
+      if (!ok) {
+        read_error_report(p);
+        failed.push_back(p);
+      }
     }
     return failed;
   }
@@ -270,6 +337,7 @@ class WorkerGroup {
         {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts)},
         {"LOOM_RESTART_COUNT", std::to_string(restart_count_)},
         {"LOOM_MAX_RESTARTS", std::to_string(o.max_restarts)},
+        {"LOOM_ERROR_FILE", error_file(p).string()},
     };
     std::set<std::string> ours;
     for (const auto& [k, v] : vars) ours.insert(k);
@@ -346,7 +414,28 @@ class WorkerGroup {
   const ResolvedLaunch& plan_;
   int restart_count_;
   int master_port_;
+  std::filesystem::path error_dir_;
   std::vector<RankProcess> procs_;
+};
+
+// A private folder for the ranks' error reports (LOOM_ERROR_FILE), removed with the launch.
+class ErrorFolder {
+ public:
+  ErrorFolder() {
+    std::string templ = (std::filesystem::temp_directory_path() / "loom-launch-XXXXXX").string();
+    LOOM_REQUIRE(mkdtemp(templ.data()) != nullptr, "loom launch: cannot create a temporary folder "
+                 "in ", std::filesystem::temp_directory_path().string(), ": ", std::strerror(errno),
+                 "; set TMPDIR to a writable folder");
+    path_ = templ;
+  }
+  ~ErrorFolder() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
 };
 
 ResolvedLaunch resolve(const LaunchOptions& o) {
@@ -414,6 +503,7 @@ int launch(const LaunchOptions& options) {
   const int max_restarts = plan.options.max_restarts;
   const int attempts = max_restarts + 1;
   SignalScope signals;
+  const ErrorFolder errors;
   // One iteration per attempt: start every local rank, monitor until they all finish or one fails.
   // A failed attempt has been fully stopped and reaped (rank 0's store included) before the next
   // one starts, so the next rendezvous is fresh even on a fixed --master-port.
@@ -421,7 +511,7 @@ int launch(const LaunchOptions& options) {
     const int master_port = plan.options.master_port ? *plan.options.master_port : pick_free_port();
     GroupOutcome outcome;
     {
-      WorkerGroup group(plan, restart, master_port);
+      WorkerGroup group(plan, restart, master_port, errors.path());
       group.start();
       outcome = group.monitor(signals);
     }
@@ -435,10 +525,23 @@ int launch(const LaunchOptions& options) {
     }
     if (outcome.launcher_signal != 0) throw_interrupted(outcome.launcher_signal, outcome.stopped);
     const std::string failure = failure_message(outcome, plan.options);
+    // The launch ends with the failing rank's own code where it means something (2: fix the
+    // configuration, 3: diverged), else 1.
+    const int code = attempt_exit_code(outcome);
+    const int launch_code = exit_code_is_retryable(code) ? kExitFailure : code;
+    if (!exit_code_is_retryable(code)) {
+      // A restart would meet the same configuration error or diverge the same way again.
+      std::string why = code == kExitUsage ? "a configuration or usage error"
+                                           : "a divergence (non-finite loss or gradient norm)";
+      if (max_restarts == 0) throw Error(failure, launch_code);
+      throw Error(c10::str(failure, "; not restarted: ", why, " does not go away with a restart"),
+                  launch_code);
+    }
     if (restart == max_restarts) {
-      if (max_restarts == 0) throw Error(failure);
+      if (max_restarts == 0) throw Error(failure, launch_code);
       throw Error(c10::str(failure, "; attempt ", restart + 1, " of ", attempts,
-                           " failed and no restarts are left (--max-restarts ", max_restarts, ")"));
+                           " failed and no restarts are left (--max-restarts ", max_restarts, ")"),
+                  launch_code);
     }
     std::string line = c10::str("loom launch: restart ", restart + 1, " of ", max_restarts,
                                 " (attempt ", restart + 2, " of ", attempts, ") after attempt ",

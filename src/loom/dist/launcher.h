@@ -9,7 +9,11 @@
 //   loom launch: restart 1 of 3 (attempt 2 of 4) after attempt 1 failed: rank 1 (local rank 1,
 //   pid 4242) was killed by signal 9 (SIGKILL); stopped the other 1 running rank(s)
 // Ranks resume on their own (the trainer loads the newest complete checkpoint when checkpointing
-// is enabled); the launcher only restarts. Once no restarts are left the launch fails with one
+// is enabled); the launcher only restarts, and only what a restart can fix: a rank that exits with
+// 2 (configuration or usage error) or 3 (training diverged) ends the launch at once with that code
+// (core/error.h lists the codes). Each rank gets LOOM_ERROR_FILE, a file where a Loom rank writes
+// the error line that ended it (core/error_report.h); the failure line quotes it:
+//   error: rank 1 (local rank 1, pid 4242) exited with code 1: [rank1] error: token id 9000 ... Once no restarts are left the launch fails with one
 // line naming the last failure. SIGINT/SIGTERM to the launcher are forwarded to the ranks and end
 // the launch without a restart.
 //
@@ -44,8 +48,9 @@ struct LaunchOptions {
 };
 
 // Validates the options (one-line loom::UsageError), runs the job, and returns 0 when every rank
-// of an attempt exited 0. Otherwise throws loom::Error: exit code 1 naming the failed rank(s) of
-// the last attempt, or 128+signal when the launcher was interrupted.
+// of an attempt exited 0. Otherwise throws loom::Error naming the failed rank(s) of the last
+// attempt and their error lines, with exit code 2 or 3 when the failing rank exited so (never
+// restarted), else 1; or 128+signal when the launcher was interrupted.
 int launch(const LaunchOptions& options);
 
 // `loom launch --checkpoint-folder DIR` notes on each restart what the ranks will resume from. The

@@ -55,9 +55,27 @@ void register_launch_command(CLI::App& app) {
       "--checkpoint-folder,--checkpoint_folder", *checkpoint_folder,
       "The job's checkpoint folder: each restart line names the checkpoint the ranks will resume "
       "from (the ranks load it themselves)");
-  cmd->add_option("command", options->command, "Arguments for each rank (after '--')")
-      ->required();
-  cmd->callback([options, master_port, grace_seconds, port_opt, checkpoint_folder, folder_opt] {
+  cmd->add_option("command", options->command, "Arguments for each rank (after '--')");
+  // Options meant for the ranks but given without '--' land here, so the error can say so.
+  cmd->allow_extras();
+  cmd->callback([cmd, options, master_port, grace_seconds, port_opt, checkpoint_folder, folder_opt] {
+    std::vector<std::string> extras;
+    for (const auto& a : cmd->remaining()) {
+      if (a != "--") extras.push_back(a);  // CLI11 passes the separator itself on as an extra
+    }
+    if (!extras.empty() || options->command.empty()) {
+      std::string given;
+      for (const auto& a : options->command) given += " " + a;
+      for (const auto& a : extras) given += " " + a;
+      fail_usage(options->command.empty() && extras.empty()
+                     ? std::string("loom launch needs the ranks' command after '--'")
+                     : c10::str("loom launch does not take '", extras.empty() ? options->command.front()
+                                                                              : extras.front(),
+                                "'"),
+                 "; put the ranks' command after '--', e.g. 'loom launch --nproc ",
+                 options->nproc_per_node, " --", given.empty() ? " train --config c.toml" : given,
+                 "'");
+    }
     if (port_opt->count() > 0) options->master_port = *master_port;
     options->stop_grace = std::chrono::milliseconds(static_cast<int64_t>(*grace_seconds * 1000));
     if (folder_opt->count() > 0) {

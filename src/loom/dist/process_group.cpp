@@ -17,6 +17,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
+#include "loom/dist/peer_abort.h"
 #include "loom/dist/watchdog.h"
 
 namespace loom::dist {
@@ -168,7 +169,15 @@ std::shared_ptr<Comm> Distributed::new_group(const std::vector<int>& ranks,
   return std::make_shared<Comm>(it->second, name, ranks, group_rank);
 }
 
+void Distributed::enable_peer_abort() {
+  if (env_.world_size > 1 && store_ && !peer_abort_) {
+    peer_abort_ = std::make_unique<PeerAbort>(env_, store_);
+  }
+}
+
 void Distributed::shutdown() {
+  // Stop listening for peer failures first: once rank 0 passes the barrier its store may go away.
+  if (peer_abort_) peer_abort_->stop();
   if (world_ && world_->size() > 1) world_->barrier();
   std::lock_guard<std::mutex> lock(mutex_);
   backends_.clear();
@@ -202,7 +211,9 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
          "; check MASTER_ADDR/MASTER_PORT and that all ", env.world_size, " ranks were started");
   }
   try {
-    return std::make_shared<Distributed>(env, timeout, backend, std::move(store));
+    auto dist = std::make_shared<Distributed>(env, timeout, backend, std::move(store));
+    dist->enable_peer_abort();
+    return dist;
   } catch (const c10::Error& e) {
     fail("creating the world process group failed on rank ", env.rank, " of ", env.world_size,
          ": ", e.what_without_backtrace());

@@ -21,6 +21,7 @@ class Device;
 namespace loom::dist {
 
 class CollectiveWatchdog;
+class PeerAbort;
 
 enum class BackendKind { kGloo, kNccl };
 
@@ -58,9 +59,15 @@ class Distributed {
   // groups in the same relative order (construction blocks until all members arrive).
   std::shared_ptr<Comm> new_group(const std::vector<int>& ranks, const std::string& name);
 
+  // Starts the peer-failure monitor (peer_abort.h): this rank's error report tells the others to
+  // stop, and another rank's makes this one stop. init_distributed turns it on for every world of
+  // more than one rank.
+  void enable_peer_abort();
+
   // Waits for every rank at a world barrier, then drops this context's cache of group backends
   // (each closes when the last Comm using it is gone). Call once before a normal exit so rank 0's
-  // store outlives the other ranks' last use of it.
+  // store outlives the other ranks' last use of it. Never call it while unwinding from an error:
+  // the peers may never arrive (report the error instead, see core/error_report.h).
   void shutdown();
 
  private:
@@ -75,6 +82,7 @@ class Distributed {
   std::shared_ptr<Comm> world_;
   mutable std::mutex mutex_;  // guards timeout_ and backends_
   std::map<std::vector<int>, c10::intrusive_ptr<c10d::Backend>> backends_;
+  std::unique_ptr<PeerAbort> peer_abort_;
   std::unique_ptr<CollectiveWatchdog> watchdog_;  // last: stops before anything else goes
 };
 

@@ -83,6 +83,11 @@ const std::vector<ConfigKey> kSchema = {
      {"float32", "bfloat16"}},
     {LOOM_CONFIG_KEY(training, mixed_precision_reduce), "Dtype gradients are reduced in.",
      {"float32", "bfloat16"}},
+    {LOOM_CONFIG_KEY(training, skip_nonfinite_steps),
+     "A step whose loss or gradient norm is NaN/inf is skipped (no update) up to this many times "
+     "per run; past that, or with 0, training stops with exit code 3 before the bad update "
+     "reaches the weights or a checkpoint.",
+     {}},
     // [parallelism]
     {LOOM_CONFIG_KEY(parallelism, data_parallel_replicate_degree),
      "Replicated data-parallel ranks (DDP; HSDP together with sharding).", {}},
@@ -572,6 +577,7 @@ void validate(const JobConfig& c) {
   require(c.training.seq_len > 0, key("training.seq_len"), "> 0", c);
   require(c.training.max_norm > 0.0, key("training.max_norm"), "> 0", c);
   require(c.training.steps > 0, key("training.steps"), "> 0", c);
+  require(c.training.skip_nonfinite_steps >= 0, key("training.skip_nonfinite_steps"), ">= 0", c);
   require(c.parallelism.data_parallel_replicate_degree >= 1,
           key("parallelism.data_parallel_replicate_degree"), ">= 1", c);
   require(c.parallelism.data_parallel_shard_degree == -1 ||

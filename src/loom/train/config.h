@@ -72,6 +72,7 @@ struct TrainingSection {
   bool deterministic = false;
   std::string mixed_precision_param = "float32";   // "float32" | "bfloat16"
   std::string mixed_precision_reduce = "float32";  // "float32" | "bfloat16"
+  int64_t skip_nonfinite_steps = 0;  // NaN/inf loss or grad norm: steps skipped before stopping
 
   bool operator==(const TrainingSection&) const = default;
 };

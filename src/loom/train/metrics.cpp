@@ -90,9 +90,36 @@ MetricsLogger::MetricsLogger(MetricsLoggerOptions options)
   std::filesystem::create_directories(options_.dump_folder, ec);
   LOOM_REQUIRE(!ec, "cannot create dump folder '", options_.dump_folder.string(),
                "': ", ec.message(), "; set job.dump_folder to a writable path");
-  file_.reset(std::fopen(jsonl_path_.c_str(), options_.append ? "a" : "w"));
+  const bool resuming = options_.resumed_from_step.has_value();
+  if (!resuming && std::filesystem::file_size(jsonl_path_, ec) > 0 && !ec) {
+    // A fresh run in a folder that already holds metrics: keep them, under the first free name.
+    for (int k = 1;; ++k) {
+      const auto candidate = options_.dump_folder / c10::str("metrics.", k, ".jsonl");
+      if (std::filesystem::exists(candidate, ec)) continue;
+      std::filesystem::rename(jsonl_path_, candidate, ec);
+      LOOM_REQUIRE(!ec, "cannot move the previous '", jsonl_path_.string(), "' aside to '",
+                   candidate.string(), "': ", ec.message(), "; move it away yourself");
+      rotated_to_ = candidate;
+      log::info("metrics: the previous run's metrics.jsonl was moved to ", candidate.string());
+      break;
+    }
+  }
+  file_.reset(std::fopen(jsonl_path_.c_str(), resuming ? "a" : "w"));
   LOOM_REQUIRE(file_ != nullptr, "cannot open '", jsonl_path_.string(), "' for writing: ",
                std::strerror(errno), "; set job.dump_folder to a writable path");
+  if (resuming) {
+    nlohmann::ordered_json marker;
+    marker["event"] = "resume";
+    marker["step"] = *options_.resumed_from_step;
+    marker["attempt"] = options_.attempt;
+    write_line(marker.dump());
+  }
+}
+
+void MetricsLogger::write_line(const std::string& json) {
+  const bool ok = std::fputs(json.c_str(), file_.get()) >= 0 && std::fputc('\n', file_.get()) != EOF &&
+                  std::fflush(file_.get()) == 0;
+  LOOM_REQUIRE(ok, "cannot write to '", jsonl_path_.string(), "': ", std::strerror(errno));
 }
 
 std::string MetricsLogger::console_line(const StepMetrics& m) {
@@ -131,9 +158,7 @@ void MetricsLogger::log(const StepMetrics& metrics) {
   const std::string json = json_line(metrics);  // validates extra keys before printing anything
   log::info(console_line(metrics));
   if (file_ == nullptr) return;
-  const bool ok = std::fputs(json.c_str(), file_.get()) >= 0 && std::fputc('\n', file_.get()) != EOF &&
-                  std::fflush(file_.get()) == 0;
-  LOOM_REQUIRE(ok, "cannot write to '", jsonl_path_.string(), "': ", std::strerror(errno));
+  write_line(json);
 }
 
 }  // namespace loom::train

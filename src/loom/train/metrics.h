@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace loom::train {
@@ -42,13 +43,20 @@ struct StepMetrics {
 struct MetricsLoggerOptions {
   std::filesystem::path dump_folder;
   bool enable_jsonl = true;
-  int rank = 0;         // only rank 0 prints and writes
-  bool append = false;  // keep earlier lines of metrics.jsonl (resuming); otherwise start afresh
+  int rank = 0;  // only rank 0 prints and writes
+  // Set when the run resumes from a checkpoint of this step: metrics.jsonl is appended to, after a
+  // marker line {"event":"resume","step":N,"attempt":A} (rows logged after N by the interrupted
+  // run are superseded by the rows that follow the marker). Unset: a fresh run, and an existing
+  // non-empty metrics.jsonl is first moved aside to metrics.K.jsonl (first free K), never
+  // overwritten.
+  std::optional<int64_t> resumed_from_step;
+  int attempt = 0;  // the launcher's restart count (LOOM_RESTART_COUNT), recorded in the marker
 };
 
 class MetricsLogger {
  public:
-  // Creates dump_folder and opens metrics.jsonl on rank 0; loom::Error if it cannot.
+  // Creates dump_folder and opens metrics.jsonl on rank 0 (see MetricsLoggerOptions for what
+  // happens to an existing one); loom::Error if it cannot.
   explicit MetricsLogger(MetricsLoggerOptions options);
 
   // Prints the console line and appends + flushes the JSON line (rank 0 only), so a crash loses
@@ -63,10 +71,15 @@ class MetricsLogger {
   static std::string json_line(const StepMetrics& metrics);
 
   const std::filesystem::path& jsonl_path() const { return jsonl_path_; }
+  // Where a fresh run moved the previous metrics.jsonl; empty when there was none.
+  const std::filesystem::path& rotated_to() const { return rotated_to_; }
 
  private:
+  void write_line(const std::string& json);
+
   MetricsLoggerOptions options_;
   std::filesystem::path jsonl_path_;
+  std::filesystem::path rotated_to_;
   std::unique_ptr<FILE, int (*)(FILE*)> file_{nullptr, &std::fclose};
 };
 

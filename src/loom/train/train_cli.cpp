@@ -2,11 +2,40 @@
 // `loom launch`, torchrun, mpirun or srun for several ranks).
 #include <CLI/CLI.hpp>
 
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+
 #include "loom/apps/commands.h"
+#include "loom/core/error_report.h"
 #include "loom/train/config.h"
 #include "loom/train/trainer.h"
 
 namespace loom::apps {
+namespace {
+
+// Runs the job. An error is reported at once, before the Trainer's destructors run: those could
+// wait on peers (a barrier, an async save's finalization) and hide the error behind a hang. In a
+// world of several ranks the process then ends without unwinding further; the report has already
+// told the other ranks to stop (dist/peer_abort.h), and every checkpoint on disk is complete or
+// marked incomplete, so nothing is lost.
+void run_training(train::JobConfig config) {
+  std::unique_ptr<train::Trainer> trainer;
+  try {
+    trainer = std::make_unique<train::Trainer>(std::move(config));
+    trainer->train();
+  } catch (...) {
+    const ErrorReport report = report_error(describe_exception(std::current_exception()));
+    if (several_ranks_launched()) {
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::_Exit(report.exit_code);
+    }
+    throw ReportedError(report.exit_code);
+  }
+}
+
+}  // namespace
 
 void register_train_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("train", "Train a model (one rank; use 'loom launch' for several)");
@@ -15,9 +44,7 @@ void register_train_command(CLI::App& app) {
   cmd->allow_extras();
   cmd->footer("Any config key can be overridden: --section.key=value (see docs/config.md).");
   cmd->callback([cmd, config_path] {
-    train::JobConfig config = train::load_job_config(*config_path, cmd->remaining());
-    train::Trainer trainer(std::move(config));
-    trainer.train();
+    run_training(train::load_job_config(*config_path, cmd->remaining()));
   });
 }
 

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
@@ -22,6 +23,8 @@ namespace fs = std::filesystem;
 Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   validate(config_);
   init_distributed();  // 1. world, ParallelDims, mesh
+  // One job per run folder: a second one would interleave metrics and mix checkpoints.
+  if (dist_->rank() == 0) run_folder_lock_ = std::make_unique<RunFolderLock>(config_.job.dump_folder);
   // 2. Determinism: same seed + same layout => bitwise-identical losses. CPU kernels are
   //    deterministic for a fixed thread count; the flag also makes any nondeterministic op fail.
   torch::manual_seed(static_cast<uint64_t>(config_.training.seed));
@@ -41,12 +44,14 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
     std::ofstream(dump / "config.toml") << config_.to_toml();
     if (config_.job.print_config) log::info("resolved config:\n", config_.to_toml());
   }
-  metrics_ = std::make_unique<MetricsLogger>(
-      MetricsLoggerOptions{dump, config_.metrics.enable_jsonl, dist_->rank(), /*append=*/step_ > 0});
+  MetricsLoggerOptions metrics_options{dump, config_.metrics.enable_jsonl, dist_->rank()};
+  if (step_ > 0) metrics_options.resumed_from_step = step_;
+  metrics_options.attempt = dist_->env().restart_count;
+  metrics_ = std::make_unique<MetricsLogger>(metrics_options);
 }
 
 Trainer::~Trainer() {
-  if (dist_) dist_->shutdown();
+  if (dist_ && std::uncaught_exceptions() == 0) dist_->shutdown();
 }
 
 void Trainer::init_distributed() {
@@ -163,6 +168,17 @@ void Trainer::init_optimizer() {
 
 void Trainer::init_checkpointing() {
   const auto& c = config_.checkpoint;
+  const int attempt = dist_->env().restart_count;
+  if (!c.enable && dist_->env().max_restarts > 0 && dist_->rank() == 0) {
+    // A restart without checkpoints repeats the whole run; say so instead of starting silently.
+    if (attempt > 0) {
+      log::warn("restart ", attempt, " of ", dist_->env().max_restarts, ": checkpoint.enable is "
+                "false, so training starts again from step 1");
+    } else {
+      log::warn("--max-restarts ", dist_->env().max_restarts, " without checkpoint.enable: a "
+                "restart would start again from step 1; set checkpoint.enable = true to resume");
+    }
+  }
   if (c.enable) {
     checkpoint::CheckpointOptions options;
     options.folder = fs::path(config_.job.dump_folder) / c.folder;
@@ -173,14 +189,24 @@ void Trainer::init_checkpointing() {
     // export_dtype applies to the final model-only save (TorchTitan's model_weights_only).
     if (c.model_only) options.export_dtype = checkpoint::parse_export_dtype(c.export_dtype);
     options.validate();
+    // Every rank writes its own files: find an unwritable or blocked folder now, not at the first
+    // save after `interval` steps of compute.
+    require_writable_folder(options.folder, dist_->rank(),
+                            "the checkpoint folder (job.dump_folder/checkpoint.folder)");
     auto group = dist_->world_size() > 1 ? checkpoint::comm_group(dist_->world())
                                          : checkpoint::single_process_group();
     checkpointer_ = std::make_unique<checkpoint::Checkpointer>(options, group);
-    if (auto loaded = checkpointer_->load(state_dict())) {
+    checkpoint::LoadOptions load_options;
+    load_options.skip_model_only = true;  // a model-only last save cannot resume training
+    if (auto loaded = checkpointer_->load(state_dict(), load_options)) {
       LOOM_REQUIRE(!loaded->model_only, "checkpoint ", loaded->path.string(),
                    " holds only model weights and cannot resume training; set "
                    "checkpoint.initial_load_path to it instead, or remove it");
       step_ = loaded->json.at("step").get<int64_t>();
+      LOOM_REQUIRE_USAGE(step_ < config_.training.steps, "checkpoint ", loaded->path.string(),
+                         " is at step ", step_, ", which is not before training.steps = ",
+                         config_.training.steps, ": nothing left to train; raise training.steps "
+                         "to continue, or set job.dump_folder to a new folder for a new run");
       loader_->load_state_dict(loaded->json.at("data_loader"));
       lr_scheduler_->load_state_dict(lr_scheduler_state_);
       if (loaded->rank_json && loaded->rank_json->contains("rng")) {
@@ -269,20 +295,48 @@ void Trainer::load_initial_weights(const std::string& path) {
   log::info("initial weights loaded from ", path);
 }
 
-// Fault injection for restart tests and drills: LOOM_FAULT_KILL="<rank>:<step>" makes that rank
-// SIGKILL itself after finishing that step, on the launcher's first attempt only.
-void Trainer::maybe_inject_fault() {
-  static const char* spec = std::getenv("LOOM_FAULT_KILL");
-  if (spec == nullptr) return;
-  const char* attempt = std::getenv("LOOM_RESTART_COUNT");
-  if (attempt != nullptr && std::string(attempt) != "0") return;
+namespace {
+
+// Fault injection for restart tests and drills (README, "Fault injection"): each variable is
+// "<rank>:<step>" and acts on the launcher's first attempt only (LOOM_RESTART_COUNT 0 or unset).
+//   LOOM_FAULT_KILL   that rank SIGKILLs itself after finishing that step
+//   LOOM_FAULT_THROW  that rank throws an error after finishing that step
+//   LOOM_FAULT_NAN    that rank's loss becomes NaN in that step (before backward)
+struct FaultSpec {
   int rank = -1;
+  int64_t step = -1;
+};
+
+std::optional<FaultSpec> fault_spec(const char* variable) {
+  const char* spec = std::getenv(variable);
+  if (spec == nullptr) return std::nullopt;
+  const char* attempt = std::getenv("LOOM_RESTART_COUNT");
+  if (attempt != nullptr && std::string(attempt) != "0") return std::nullopt;
+  FaultSpec f;
   long long step = -1;
-  LOOM_REQUIRE_USAGE(std::sscanf(spec, "%d:%lld", &rank, &step) == 2,
-                     "LOOM_FAULT_KILL must be <rank>:<step>, got '", spec, "'");
-  if (rank == dist_->rank() && step == step_) {
+  char extra = 0;
+  LOOM_REQUIRE_USAGE(std::sscanf(spec, "%d:%lld%c", &f.rank, &step, &extra) == 2, variable,
+                     " must be <rank>:<step>, got '", spec, "'");
+  f.step = step;
+  return f;
+}
+
+bool fault_due(const char* variable, int rank, int64_t step) {
+  const auto f = fault_spec(variable);
+  return f && f->rank == rank && f->step == step;
+}
+
+}  // namespace
+
+void Trainer::maybe_inject_fault(bool after_step) {
+  const int rank = dist_->rank();
+  if (!after_step) return;
+  if (fault_due("LOOM_FAULT_KILL", rank, step_)) {
     log::warn("LOOM_FAULT_KILL: rank ", rank, " kills itself after step ", step_);
     std::raise(SIGKILL);
+  }
+  if (fault_due("LOOM_FAULT_THROW", rank, step_)) {
+    fail("LOOM_FAULT_THROW: injected failure on rank ", rank, " after step ", step_);
   }
 }
 
@@ -310,6 +364,9 @@ StepResult Trainer::train_step() {
     if (fsdp_) fsdp_->set_requires_gradient_sync(last);
     // Head and loss fused: the [tokens, vocab] logits are never materialised.
     torch::Tensor loss = model_->forward_loss(batch.inputs, batch.labels);
+    if (micro == 0 && fault_due("LOOM_FAULT_NAN", dist_->rank(), step_)) {
+      loss = loss * std::numeric_limits<float>::quiet_NaN();
+    }
     local_loss += loss.item<double>() / static_cast<double>(grad_accum_steps_);
     // Mean over micro-batches: each contributes 1/k of the step's gradient.
     (grad_accum_steps_ > 1 ? loss / static_cast<double>(grad_accum_steps_) : loss).backward();
@@ -329,16 +386,74 @@ StepResult Trainer::train_step() {
   StepResult result;
   result.step = step_;
   result.lr = optimizer_->lr();
+  result.grad_norm = grad_norm;
+  // Global (identical on every rank) before the optimizer step, so the guard below decides the
+  // same everywhere.
+  result.loss = global_mean_loss(local_loss);
+  if (!std::isfinite(result.loss) || !std::isfinite(grad_norm)) {
+    handle_nonfinite_step(result);  // throws unless the step may be skipped
+    result.skipped = true;
+    result.seconds = timer.seconds();
+    return result;
+  }
   // An async save of the previous step may still be copying parameters and optimizer state out
   // (it overlapped this step's forward and backward); the optimizer step is the first thing that
   // changes them.
   if (checkpointer_) checkpointer_->wait_staged();
   optimizer_->step();
   lr_scheduler_->step();
-  result.grad_norm = grad_norm;
   result.seconds = timer.seconds();
-  result.loss = global_mean_loss(local_loss);
   return result;
+}
+
+std::string Trainer::first_nonfinite_gradient() {
+  // Local gradient pieces in module order (the same names, in the same order, on every rank).
+  std::vector<std::pair<std::string, torch::Tensor>> grads;
+  if (fsdp_) {
+    for (fsdp::FSDPParamGroup* group : fsdp_->param_groups()) {
+      for (const auto& p : group->params()) grads.emplace_back(fsdp_->param_fqn(*group, p), p.sharded_grad);
+    }
+  } else {
+    for (const auto& p : model_->named_parameters()) grads.emplace_back(p.name, p.slot->tensor.grad());
+  }
+  int64_t first = static_cast<int64_t>(grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const torch::Tensor& g = grads[i].second;
+    if (g.defined() && g.numel() > 0 && !torch::isfinite(g).all().item<bool>()) {
+      first = static_cast<int64_t>(i);
+      break;
+    }
+  }
+  if (dist_->world_size() > 1) {
+    torch::Tensor t = torch::tensor({-first}, torch::kInt64);  // max of -index = min index
+    dist_->world()->all_reduce(t, dist::ReduceOp::kMax);
+    first = -t.item<int64_t>();
+  }
+  return first < static_cast<int64_t>(grads.size()) ? grads[static_cast<size_t>(first)].first : "";
+}
+
+void Trainer::handle_nonfinite_step(const StepResult& r) {
+  const std::string param = first_nonfinite_gradient();
+  const std::string what = c10::str("non-finite ", !std::isfinite(r.loss) ? "loss " : "",
+                                    !std::isfinite(r.loss) ? c10::str(r.loss, " ") : "",
+                                    !std::isfinite(r.loss) && !std::isfinite(r.grad_norm) ? "and " : "",
+                                    !std::isfinite(r.grad_norm) ? c10::str("gradient norm ", r.grad_norm, " ") : "",
+                                    "at step ", r.step,
+                                    param.empty() ? std::string() : c10::str(" (first non-finite gradient: ", param, ")"));
+  const int64_t allowed = config_.training.skip_nonfinite_steps;
+  if (nonfinite_steps_skipped_ < allowed) {
+    ++nonfinite_steps_skipped_;
+    log::warn(what, "; step skipped (", nonfinite_steps_skipped_, " of ", allowed,
+              " allowed by training.skip_nonfinite_steps): weights, optimizer state and LR "
+              "schedule unchanged");
+    return;
+  }
+  // A checkpoint still being written holds the last finite state: let it land before stopping.
+  if (checkpointer_) checkpointer_->wait();
+  throw DivergedError(c10::str(
+      "training diverged: ", what, "; stopped before applying it, so every checkpoint holds "
+      "finite weights. Lower optimizer.lr, raise lr_scheduler.warmup_steps or lower "
+      "training.max_norm, or allow skipping with training.skip_nonfinite_steps"));
 }
 
 std::vector<StepResult> Trainer::train() {
@@ -382,7 +497,7 @@ std::vector<StepResult> Trainer::train() {
       memory::reset_peak_rss();
       dist::comm_stats().reset();
     }
-    maybe_inject_fault();
+    maybe_inject_fault(/*after_step=*/true);
   }
   if (checkpointer_) checkpointer_->wait();
   return results;

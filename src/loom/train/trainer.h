@@ -3,14 +3,16 @@
 // itself knows nothing of ranks.
 //
 // Build order:
-//   1. distributed world (launch env -> rendezvous -> ParallelDims -> DeviceMesh)
+//   1. distributed world (launch env -> rendezvous -> ParallelDims -> DeviceMesh), then the run
+//      folder: rank 0 locks job.dump_folder (one job per folder)
 //   2. determinism and seeds
 //   3. tokenizer, then the data loader for this rank's data-parallel slice
 //   4. model on the meta device (no memory), parameter count and FLOPs/token
 //   5. parallelize: FSDP over dp_shard (HSDP with dp_replicate), or DDP over dp_replicate alone
 //   6. materialize and initialize every parameter from the seed (sharded: each rank only its shard)
 //   7. optimizer (AdamW, weight-decay groups) and LR schedule
-//   8. checkpointer: resume from the newest complete checkpoint (or start from initial_load_path)
+//   8. checkpointer: folder checked writable on every rank, then resume from the newest complete
+//      full checkpoint (or start from initial_load_path)
 //   9. metrics (console + metrics.jsonl) and the resolved config saved in the run folder
 #pragma once
 #include <memory>
@@ -30,6 +32,7 @@
 #include "loom/optim/lr_scheduler.h"
 #include "loom/train/config.h"
 #include "loom/train/metrics.h"
+#include "loom/train/run_folder.h"
 
 namespace loom::train {
 
@@ -40,11 +43,16 @@ struct StepResult {
   double grad_norm = 0.0;
   double lr = 0.0;
   double seconds = 0.0;
+  // The loss or gradient norm was not finite and training.skip_nonfinite_steps allowed skipping:
+  // no optimizer or LR-schedule step was taken.
+  bool skipped = false;
 };
 
 class Trainer {
  public:
   explicit Trainer(JobConfig config);
+  // A normal end waits for every rank at a barrier; unwinding from an error does not (the peers
+  // may never arrive: the error report tells them to stop instead, see dist/peer_abort.h).
   ~Trainer();
 
   // Runs training.steps steps; returns every step's result (loss etc.), identical on all ranks.
@@ -67,10 +75,19 @@ class Trainer {
   checkpoint::ShardedStateDict state_dict();
   void load_initial_weights(const std::string& path);
   double global_mean_loss(double local_loss_sum);
-  void maybe_inject_fault();
+  // The non-finite guard: called when the step's global loss or gradient norm is NaN/inf (the
+  // same on every rank). Skips the step while training.skip_nonfinite_steps allows, else waits for
+  // any checkpoint still being written (it holds the last finite state) and throws DivergedError
+  // naming the step and the first parameter with a non-finite gradient. Nothing non-finite is ever
+  // applied to the weights, so no checkpoint can hold it.
+  void handle_nonfinite_step(const StepResult& result);
+  // The first parameter (module order) whose gradient has a NaN/inf on any rank; "" if none.
+  std::string first_nonfinite_gradient();
+  void maybe_inject_fault(bool after_step);
 
   JobConfig config_;
   std::shared_ptr<dist::Distributed> dist_;
+  std::unique_ptr<RunFolderLock> run_folder_lock_;  // rank 0 only
   std::unique_ptr<dist::ParallelDims> parallel_dims_;
   std::unique_ptr<dist::DeviceMesh> mesh_;
   std::unique_ptr<data::Tokenizer> tokenizer_;
@@ -88,6 +105,7 @@ class Trainer {
   int64_t grad_accum_steps_ = 1;
   double flops_per_token_ = 0.0;
   int64_t step_ = 0;
+  int64_t nonfinite_steps_skipped_ = 0;
 };
 
 }  // namespace loom::train

@@ -50,7 +50,7 @@ StepMetrics sample(int64_t step) {
 }
 
 TEST_F(MetricsLoggerTest, JsonlLinesHaveExactlyTheStandardKeysAndAreFlushed) {
-  MetricsLogger logger({.dump_folder = dir_, .enable_jsonl = true, .rank = 0, .append = false});
+  MetricsLogger logger({.dump_folder = dir_, .enable_jsonl = true, .rank = 0});
   EXPECT_EQ(logger.jsonl_path(), dir_ / "metrics.jsonl");
   logger.log(sample(10));
   StepMetrics with_extra = sample(20);
@@ -72,16 +72,36 @@ TEST_F(MetricsLoggerTest, JsonlLinesHaveExactlyTheStandardKeysAndAreFlushed) {
   EXPECT_DOUBLE_EQ(lines[1]["comm_bytes"].get<double>(), 4096.0);
 }
 
-TEST_F(MetricsLoggerTest, AppendKeepsEarlierLinesAndFreshRunTruncates) {
+TEST_F(MetricsLoggerTest, ResumeAppendsAfterAMarkerAndAFreshRunNeverOverwrites) {
   { MetricsLogger({.dump_folder = dir_}).log(sample(1)); }
-  { MetricsLogger({.dump_folder = dir_, .append = true}).log(sample(2)); }
+  {
+    MetricsLogger resumed({.dump_folder = dir_, .resumed_from_step = 1, .attempt = 2});
+    EXPECT_TRUE(resumed.rotated_to().empty());
+    resumed.log(sample(2));
+  }
   auto lines = read_lines();
-  ASSERT_EQ(lines.size(), 2u);
-  EXPECT_EQ(lines[1]["step"].get<int64_t>(), 2);
-  { MetricsLogger({.dump_folder = dir_}).log(sample(3)); }
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_EQ(lines[0]["step"].get<int64_t>(), 1);
+  EXPECT_EQ(lines[1]["event"], "resume");
+  EXPECT_EQ(lines[1]["step"].get<int64_t>(), 1);
+  EXPECT_EQ(lines[1]["attempt"].get<int>(), 2);
+  EXPECT_EQ(lines[2]["step"].get<int64_t>(), 2);
+  // A fresh run moves the earlier metrics aside (first free metrics.K.jsonl), then starts anew.
+  {
+    MetricsLogger fresh({.dump_folder = dir_});
+    EXPECT_EQ(fresh.rotated_to(), dir_ / "metrics.1.jsonl");
+    fresh.log(sample(3));
+  }
   lines = read_lines();
   ASSERT_EQ(lines.size(), 1u);
   EXPECT_EQ(lines[0]["step"].get<int64_t>(), 3);
+  { MetricsLogger({.dump_folder = dir_}).log(sample(4)); }
+  EXPECT_TRUE(fs::exists(dir_ / "metrics.2.jsonl"));
+  std::ifstream first(dir_ / "metrics.1.jsonl");
+  std::string line;
+  int n = 0;
+  while (std::getline(first, line)) ++n;
+  EXPECT_EQ(n, 3);  // the first run's rows and the resume marker, untouched
 }
 
 TEST_F(MetricsLoggerTest, OnlyRankZeroWrites) {

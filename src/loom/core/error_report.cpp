@@ -1,0 +1,99 @@
+#include "loom/core/error_report.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "loom/core/error.h"
+#include "loom/core/logging.h"
+
+namespace loom {
+namespace {
+
+std::mutex g_mutex;
+std::map<int, std::function<void(ErrorReport&)>> g_hooks;
+int g_next_id = 0;
+std::atomic<bool> g_reported{false};
+
+// Keeps the report one line: a multi-line message (a c10 error with context) is joined.
+std::string one_line(std::string s) {
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  for (char& c : s) {
+    if (c == '\n') c = ' ';
+  }
+  return s;
+}
+
+}  // namespace
+
+bool several_ranks_launched() {
+  // torchrun / loom launch, mpirun, srun (dist/launch_env.h reads the same variables).
+  for (const char* name : {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"}) {
+    const char* v = std::getenv(name);
+    if (v != nullptr) return std::atoi(v) > 1;
+  }
+  return false;
+}
+
+ErrorReport describe_exception(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error& e) {
+    return {one_line(e.what()), e.exit_code()};
+  } catch (const c10::Error& e) {
+    return {one_line(e.what_without_backtrace()), kExitFailure};
+  } catch (const std::exception& e) {
+    return {one_line(e.what()), kExitFailure};
+  } catch (...) {
+    return {"unknown error (a non-standard exception)", kExitFailure};
+  }
+}
+
+ErrorReport report_error(ErrorReport report) {
+  if (g_reported.exchange(true)) return report;
+  std::map<int, std::function<void(ErrorReport&)>> hooks;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    hooks = g_hooks;
+  }
+  for (auto it = hooks.rbegin(); it != hooks.rend(); ++it) {
+    try {
+      it->second(report);
+    } catch (...) {
+      // A hook that fails (e.g. the store is already gone) must not hide the report.
+    }
+  }
+  const std::string line = several_ranks_launched()
+                               ? c10::str("[rank", log::rank(), "] error: ", report.message)
+                               : c10::str("error: ", report.message);
+  std::fflush(stdout);
+  std::fprintf(stderr, "%s\n", line.c_str());
+  std::fflush(stderr);
+  if (const char* path = std::getenv("LOOM_ERROR_FILE"); path != nullptr && *path != '\0') {
+    if (FILE* f = std::fopen(path, "w")) {
+      std::fprintf(f, "%d\n%s\n", report.exit_code, line.c_str());
+      std::fclose(f);
+    }
+  }
+  if (report.linger_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(report.linger_ms));
+  return report;
+}
+
+int add_abort_hook(std::function<void(ErrorReport&)> hook) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const int id = g_next_id++;
+  g_hooks.emplace(id, std::move(hook));
+  return id;
+}
+
+void remove_abort_hook(int id) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_hooks.erase(id);
+}
+
+}  // namespace loom

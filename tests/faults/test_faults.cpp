@@ -1,0 +1,313 @@
+// The fault suite (ctest label "faults"): what a careful user does wrong and what goes wrong under a
+// real job — divergence, a rank that throws, a rank killed without checkpoints, two runs in one
+// folder, a blocked checkpoint folder, leftovers that must not block a resume — each asserted on
+// exit codes, the one-line messages a person reads, and what is left on disk. Every case drives the
+// `loom` binary as a user would (a debug model at seq 64, a few seconds a run).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <thread>
+
+#include "loom/checkpoint/safetensors.h"
+#include "loom/core/build_paths.h"
+#include "loom/testing/run.h"
+
+namespace {
+namespace fs = std::filesystem;
+using loom::testing::count_occurrences;
+using loom::testing::loom_bin;
+using loom::testing::read_jsonl;
+using loom::testing::run;
+using loom::testing::RunResult;
+using loom::testing::TempDir;
+
+std::string src(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
+
+// `train ...` for a small FSDP/single-process debug run in `dir` (seq 64, batch 2 per rank).
+std::string train_args(const TempDir& dir, int steps, const std::string& extra = "") {
+  return " train --config " + src("configs/llama3_debug.toml") +
+         " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+         " --training.dataset_path=" + src("data/default/corpus.jsonl") +
+         " --job.dump_folder=" + dir.str() + " --training.seq_len=64 --training.local_batch_size=2" +
+         " --training.steps=" + std::to_string(steps) +
+         " --lr_scheduler.warmup_steps=2 --metrics.log_freq=1 --metrics.peak_flops=1e11"
+         " --comm.timeout_seconds=120" + extra;
+}
+
+std::string launch(int nproc, const std::string& flags = "") {
+  return loom_bin() + " launch --nproc " + std::to_string(nproc) + flags + " --";
+}
+
+std::vector<int64_t> checkpoint_steps(const fs::path& folder) {
+  std::vector<int64_t> steps;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(folder, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step-", 0) == 0 && name.find('.') == std::string::npos &&
+        fs::exists(e.path() / "COMPLETE", ec)) {
+      steps.push_back(std::stoll(name.substr(5)));
+    }
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Every floating-point tensor of every rank file of a checkpoint is finite.
+void expect_all_finite(const fs::path& dir) {
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() != ".safetensors") continue;
+    ++files;
+    loom::checkpoint::SafetensorsFile f(e.path());
+    for (const auto& name : f.names()) {
+      const torch::Tensor t = f.tensor(name);
+      if (t.is_floating_point()) EXPECT_TRUE(torch::isfinite(t).all().item<bool>()) << dir << " " << name;
+    }
+  }
+  EXPECT_GT(files, 0) << dir;
+}
+
+}  // namespace
+
+// Issue 8, item 1: lr 1e3 diverges. Before: NaN from step 7, exit 0, a checkpoint full of NaN, and
+// pruning deleted the good ones. Now: exit 3 naming the step, nothing non-finite saved, the good
+// checkpoints kept.
+TEST(Faults, DivergenceStopsBeforeAnyNonFiniteCheckpoint) {
+  TempDir dir("diverge");
+  RunResult r = run(loom_bin() + train_args(dir, 20, " --optimizer.lr=1e3 --checkpoint.enable=true"
+                                                     " --checkpoint.interval=5 --checkpoint.keep_latest_k=2"
+                                                     " --parallelism.data_parallel_shard_degree=1"));
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  std::smatch m;
+  const std::regex line("error: training diverged: non-finite (loss|gradient norm)[^\\n]* at step (\\d+)");
+  ASSERT_TRUE(std::regex_search(r.output, m, line)) << r.output;
+  const int64_t bad_step = std::stoll(m[2]);
+  EXPECT_NE(r.output.find("first non-finite gradient: "), std::string::npos) << r.output;
+  const auto steps = checkpoint_steps(dir.path() / "checkpoint");
+  ASSERT_FALSE(steps.empty()) << "the good checkpoints were lost\n" << r.output;
+  EXPECT_EQ(steps.back(), (bad_step - 1) / 5 * 5);  // the last interval save before the bad step
+  for (int64_t s : steps) expect_all_finite(dir.path() / "checkpoint" / ("step-" + std::to_string(s)));
+  std::printf("lr 1e3: diverged at step %lld; checkpoints kept:", static_cast<long long>(bad_step));
+  for (int64_t s : steps) std::printf(" step-%lld", static_cast<long long>(s));
+  std::printf("\n");
+}
+
+// The guard on 2 FSDP ranks with a NaN injected on one rank at step 7: both ranks stop (exit 3),
+// `loom launch` does not restart a divergence, and the newest checkpoint (step 4) is bitwise the
+// one the same run writes when nothing goes wrong.
+TEST(Faults, DivergenceOnOneRankStopsEveryRankAndKeepsTheLastFiniteCheckpointBitwise) {
+  TempDir bad("nan"), clean("clean");
+  const std::string ckpt = " --checkpoint.enable=true --checkpoint.interval=4 --training.deterministic=true";
+  RunResult r = run("env LOOM_FAULT_NAN=1:7 " + launch(2, " --max-restarts 2") +
+                    train_args(bad, 12, ckpt + " --checkpoint.keep_latest_k=2"));
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("training diverged: non-finite loss nan and gradient norm nan at step 7"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("not restarted"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("loom launch: restart"), std::string::npos) << r.output;
+  EXPECT_EQ(checkpoint_steps(bad.path() / "checkpoint"), (std::vector<int64_t>{4}));
+  RunResult ref = run(launch(2) + train_args(clean, 12, ckpt + " --checkpoint.keep_latest_k=0"));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  for (const char* f : {"rank-0.safetensors", "rank-1.safetensors"}) {
+    const auto a = file_bytes(bad.path() / "checkpoint" / "step-4" / f);
+    const auto b = file_bytes(clean.path() / "checkpoint" / "step-4" / f);
+    ASSERT_FALSE(a.empty()) << f;
+    EXPECT_TRUE(a == b) << f << " differs from the clean run's step-4 checkpoint";
+  }
+}
+
+// training.skip_nonfinite_steps: the NaN step is skipped with a warning and the run completes.
+TEST(Faults, SkipNonfiniteStepsSkipsAndFinishes) {
+  TempDir dir("skip");
+  RunResult r = run("env LOOM_FAULT_NAN=0:3 " + loom_bin() +
+                    train_args(dir, 6, " --training.skip_nonfinite_steps=1"
+                                       " --parallelism.data_parallel_shard_degree=1"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("non-finite loss nan and gradient norm nan at step 3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step skipped (1 of 1 allowed"), std::string::npos) << r.output;
+  // Non-finite config values are refused before anything runs.
+  RunResult inf = run(loom_bin() + train_args(dir, 6, " --optimizer.lr=inf"));
+  EXPECT_EQ(inf.exit_code, 2) << inf.output;
+}
+
+// Issue 8, item 2: one rank throws. Before: both ranks sat in the shutdown barrier until the
+// 300 s watchdog, exit 124, the error never shown. Now: the rank's own line, the launcher naming
+// it, and the job over in seconds, on 2 and on 4 ranks.
+TEST(Faults, ThrowingRankEndsTheJobPromptlyWithItsOwnError) {
+  for (int nproc : {2, 4}) {
+    TempDir dir("throw");
+    const int bad = nproc - 1;
+    RunResult r = run("env LOOM_FAULT_THROW=" + std::to_string(bad) + ":2 " + launch(nproc) +
+                      train_args(dir, 50, " --comm.timeout_seconds=300"), 120);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    const std::string own = "[rank" + std::to_string(bad) + "] error: LOOM_FAULT_THROW: injected failure on rank " +
+                            std::to_string(bad) + " after step 2";
+    EXPECT_NE(r.output.find(own), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("error: rank " + std::to_string(bad) + " (local rank " + std::to_string(bad)),
+              std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("exited with code 1: " + own), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("watchdog"), std::string::npos) << r.output;
+    EXPECT_LT(r.seconds, 30.0) << r.output;  // start-up + 2 steps; a hang would take 300 s
+    std::printf("%d ranks: a throwing rank ended the job in %.1f s (exit %d)\n", nproc, r.seconds, r.exit_code);
+  }
+}
+
+// Without `loom launch` (torchrun, srun, mpirun start ranks that nobody stops): the failing rank
+// tells the others through the rendezvous store, and they stop with exit code 4, naming it.
+TEST(Faults, PeersStopOnTheirOwnWithoutALauncher) {
+  TempDir dir("peer");
+  const int port = 20000 + static_cast<int>(getpid() % 20000);
+  const std::string env = "env WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                          std::to_string(port) + " LOOM_FAULT_THROW=1:2 ";
+  const std::string args = train_args(dir, 200, " --comm.timeout_seconds=300");
+  const std::string script = "(" + env + "RANK=0 LOCAL_RANK=0 " + loom_bin() + args + "; echo rank0-exit=$?) & (" +
+                             env + "RANK=1 LOCAL_RANK=1 " + loom_bin() + args + "; echo rank1-exit=$?) & wait";
+  RunResult r = run("bash -c '" + script + "'", 120);
+  EXPECT_NE(r.output.find("rank1-exit=1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank0-exit=4"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank0] error: stopping: rank 1: LOOM_FAULT_THROW"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 30.0) << r.output;
+}
+
+// Issue 8, item 6: a configuration error is not retried (before: 4 attempts x 2 ranks = 8
+// identical lines, exit 1); the launch exits 2 like the README says.
+TEST(Faults, ConfigErrorsAreNotRestarted) {
+  TempDir dir("usage");
+  RunResult r = run(launch(2, " --max-restarts 3") + train_args(dir, 4, " --optimizer.lr=-1"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(r.output.find("loom launch: restart"), std::string::npos) << r.output;
+  // Each rank's line, and the launcher quoting the failed rank(s): no longer 8 identical lines.
+  const int lines = count_occurrences(r.output, "'optimizer.lr' must be >= 0");
+  EXPECT_GE(lines, 2) << r.output;
+  EXPECT_LE(lines, 4) << r.output;
+  EXPECT_NE(r.output.find("not restarted: a configuration or usage error"), std::string::npos) << r.output;
+  // A missing file cannot appear by restarting either.
+  RunResult missing = run(launch(2, " --max-restarts 3") + " train --config /nonexistent.toml");
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_EQ(missing.output.find("loom launch: restart"), std::string::npos) << missing.output;
+  // Options for the ranks given without '--' get a hint instead of a parser message.
+  RunResult dashes = run(loom_bin() + " launch --nproc 2 train --config x.toml");
+  EXPECT_EQ(dashes.exit_code, 2) << dashes.output;
+  EXPECT_NE(dashes.output.find("put the ranks' command after '--'"), std::string::npos) << dashes.output;
+}
+
+// Issue 8, item 6: a rank killed with restarts allowed but checkpointing off. Before: restarted
+// from step 1 without a word. Now: warned at start and at the restart; the restart still works.
+TEST(Faults, RestartWithoutCheckpointsSaysItStartsOver) {
+  TempDir dir("nockpt");
+  RunResult r = run("env LOOM_FAULT_KILL=1:2 " + launch(2, " --max-restarts 1") + train_args(dir, 4));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("killed by signal 9"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--max-restarts 1 without checkpoint.enable"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("restart 1 of 1: checkpoint.enable is false, so training starts again from step 1"),
+            std::string::npos) << r.output;
+}
+
+// A throwing rank with restarts and checkpoints: the restart resumes and the metrics say where.
+TEST(Faults, ThrowingRankRestartsFromTheCheckpointWithAResumeMarker) {
+  TempDir dir("retry");
+  RunResult r = run("env LOOM_FAULT_THROW=0:5 " + launch(2, " --max-restarts 1") +
+                    train_args(dir, 8, " --checkpoint.enable=true --checkpoint.interval=3"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  const auto rows = read_jsonl(dir.path() / "metrics.jsonl");
+  std::vector<int64_t> steps;
+  int markers = 0;
+  for (const auto& row : rows) {
+    if (row.contains("event")) {
+      ++markers;
+      EXPECT_EQ(row["event"], "resume");
+      EXPECT_EQ(row["step"], 3);
+      EXPECT_EQ(row["attempt"], 1);
+    }
+    steps.push_back(row["step"]);
+  }
+  EXPECT_EQ(markers, 1);
+  // Steps 1..5 of the first attempt, the marker at 3, then 4..8 again.
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8}));
+}
+
+// Issue 8, item 4: two runs in one folder. Before: both exit 0 with interleaved metrics and mixed
+// checkpoints. Now: the second is refused naming the first's pid; a later run moves the old
+// metrics aside instead of overwriting them.
+TEST(Faults, SecondRunInTheSameFolderIsRefused) {
+  TempDir dir("concurrent");
+  const fs::path out = dir.path() / "first.log";
+  // The first run, in the background for long enough; its pid is the lock holder's.
+  const std::string first = loom_bin() + train_args(dir, 100000, " --parallelism.data_parallel_shard_degree=1") +
+                            " > " + out.string() + " 2>&1 & echo $!";
+  RunResult started = run("bash -c '" + first + "'", 30);
+  const pid_t pid = static_cast<pid_t>(std::stol(started.output));
+  bool training = false;
+  for (int i = 0; i < 600 && !training; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    training = fs::exists(dir.path() / "metrics.jsonl") && fs::file_size(dir.path() / "metrics.jsonl") > 0;
+  }
+  ASSERT_TRUE(training) << file_bytes(out);
+  RunResult second = run(loom_bin() + train_args(dir, 3, " --parallelism.data_parallel_shard_degree=1"));
+  kill(pid, SIGKILL);
+  EXPECT_EQ(second.exit_code, 2) << second.output;
+  EXPECT_NE(second.output.find("is in use by another Loom run (pid " + std::to_string(pid)), std::string::npos)
+      << second.output;
+  // The lock dies with its holder; the next run keeps the killed run's metrics as metrics.1.jsonl.
+  for (int i = 0; i < 100 && kill(pid, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  RunResult third = run(loom_bin() + train_args(dir, 3, " --parallelism.data_parallel_shard_degree=1"));
+  ASSERT_EQ(third.exit_code, 0) << third.output;
+  EXPECT_TRUE(fs::exists(dir.path() / "metrics.1.jsonl"));
+  EXPECT_EQ(read_jsonl(dir.path() / "metrics.jsonl").size(), 3u);
+  EXPECT_GT(read_jsonl(dir.path() / "metrics.1.jsonl").size(), 0u);
+}
+
+// Issue 8, item 7: a blocked checkpoint folder is found before the first step, not at the first
+// save; nothing is trained and the exit code is 2 (not retried).
+TEST(Faults, BlockedCheckpointFolderFailsAtStart) {
+  TempDir dir("blocked");
+  std::ofstream(dir.path() / "checkpoint") << "a file where the checkpoint folder should be\n";
+  RunResult r = run(loom_bin() + train_args(dir, 50, " --checkpoint.enable=true --checkpoint.interval=49"
+                                                     " --parallelism.data_parallel_shard_degree=1"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("the checkpoint folder (job.dump_folder/checkpoint.folder)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("step:"), std::string::npos) << "trained before failing:\n" << r.output;
+}
+
+// Issue 8, item 7: a model-only last save does not block a later resume (the run resumes from the
+// newest full checkpoint); a folder with only model-only checkpoints says what to do; resuming
+// with training.steps not past the checkpoint is an error, not a silent exit 0.
+TEST(Faults, ModelOnlyCheckpointsAndFinishedRuns) {
+  TempDir dir("modelonly");
+  const std::string ckpt = " --checkpoint.enable=true --checkpoint.interval=3 --checkpoint.model_only=true"
+                           " --parallelism.data_parallel_shard_degree=1";
+  ASSERT_EQ(run(loom_bin() + train_args(dir, 6, ckpt)).exit_code, 0);
+  RunResult more = run(loom_bin() + train_args(dir, 8, ckpt));
+  ASSERT_EQ(more.exit_code, 0) << more.output;
+  EXPECT_NE(more.output.find("holds model weights only; resuming from an earlier full checkpoint"),
+            std::string::npos) << more.output;
+  EXPECT_NE(more.output.find("at step 3"), std::string::npos) << more.output;
+
+  TempDir only("onlymodel");
+  const std::string last_only = " --checkpoint.enable=true --checkpoint.interval=100 --checkpoint.model_only=true"
+                                " --parallelism.data_parallel_shard_degree=1";
+  ASSERT_EQ(run(loom_bin() + train_args(only, 2, last_only)).exit_code, 0);
+  RunResult blocked = run(loom_bin() + train_args(only, 4, last_only));
+  EXPECT_EQ(blocked.exit_code, 2) << blocked.output;
+  EXPECT_NE(blocked.output.find("holds only model-only checkpoints"), std::string::npos) << blocked.output;
+  EXPECT_EQ(blocked.output.find("ShardedStateDict"), std::string::npos) << blocked.output;
+
+  TempDir done("done");
+  const std::string full = " --checkpoint.enable=true --checkpoint.interval=3 --parallelism.data_parallel_shard_degree=1";
+  ASSERT_EQ(run(loom_bin() + train_args(done, 3, full)).exit_code, 0);
+  RunResult again = run(loom_bin() + train_args(done, 3, full));
+  EXPECT_EQ(again.exit_code, 2) << again.output;
+  EXPECT_NE(again.output.find("nothing left to train; raise training.steps"), std::string::npos) << again.output;
+}
