@@ -129,7 +129,9 @@ struct GroupOutcome {
   std::optional<RankProcess> root_cause;
 };
 
-std::string describe_exit(int wait_status) {
+// `reported`: the rank reported its error through LOOM_ERROR_FILE, so Loom's exit codes apply (a
+// foreign program's 2 or 3 means whatever it means there).
+std::string describe_exit(int wait_status, bool reported) {
   if (WIFSIGNALED(wait_status)) {
     return c10::str("was killed by signal ", describe_signal(WTERMSIG(wait_status)));
   }
@@ -138,11 +140,19 @@ std::string describe_exit(int wait_status) {
     case kExitCollectiveTimeout:
       return c10::str("exited with code ", code, " (collective watchdog timeout; its log names the "
                       "stalled collective)");
-    case kExitUsage: return c10::str("exited with code ", code, " (configuration or usage error)");
-    case kExitDiverged: return c10::str("exited with code ", code, " (training diverged)");
-    case kExitPeerFailed: return c10::str("exited with code ", code, " (stopped: another rank failed)");
-    default: return c10::str("exited with code ", code);
+    case kExitUsage:
+      if (reported) return c10::str("exited with code ", code, " (configuration or usage error)");
+      break;
+    case kExitDiverged:
+      if (reported) return c10::str("exited with code ", code, " (training diverged)");
+      break;
+    case kExitPeerFailed:
+      if (reported) return c10::str("exited with code ", code, " (stopped: another rank failed)");
+      break;
+    default:
+      break;
   }
+  return c10::str("exited with code ", code);
 }
 
 std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
@@ -152,7 +162,7 @@ std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
     message += c10::str("rank ", r.rank, " (");
     if (opts.nnodes > 1) message += c10::str("node ", opts.node_rank, ", ");
     message += c10::str("local rank ", r.local_rank, ", pid ", r.pid, ") ",
-                        describe_exit(r.wait_status));
+                        describe_exit(r.wait_status, r.reported_code != 0));
     if (!r.error_line.empty()) message += c10::str(": ", r.error_line);
   }
   message += c10::str("; stopped the other ", o.stopped, " running rank(s)");
@@ -164,14 +174,11 @@ std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
   return message;
 }
 
-// The exit code that stands for an attempt: that of the first failed rank that failed on its own
-// (not merely stopped because a peer failed, kExitPeerFailed).
+// The exit code that stands for an attempt: the one the root-cause rank reported through
+// LOOM_ERROR_FILE. Exit codes of programs that report nothing there (--exec of a foreign program, a
+// rank killed before it could report) carry no agreed meaning: 1, which may be restarted.
 int attempt_exit_code(const GroupOutcome& o) {
-  if (o.root_cause) return o.root_cause->reported_code;
-  for (const RankProcess& r : o.failed) {
-    if (exit_code_of(r) != kExitPeerFailed) return exit_code_of(r);
-  }
-  return o.failed.empty() ? kExitFailure : exit_code_of(o.failed.front());
+  return o.root_cause ? o.root_cause->reported_code : kExitFailure;
 }
 
 [[noreturn]] void throw_interrupted(int sig, int stopped) {

@@ -9,9 +9,9 @@
 //   loom launch: restart 1 of 3 (attempt 2 of 4) after attempt 1 failed: rank 1 (local rank 1,
 //   pid 4242) was killed by signal 9 (SIGKILL); stopped the other 1 running rank(s)
 // Ranks resume on their own (the trainer loads the newest complete checkpoint when checkpointing
-// is enabled); the launcher only restarts, and only what a restart can fix: a rank that exits with
-// 2 (configuration or usage error) or 3 (training diverged) ends the launch at once with that code
-// (core/error.h lists the codes). Each rank gets LOOM_ERROR_FILE, a file where a Loom rank writes
+// is enabled); the launcher only restarts, and only what a restart can fix: a rank that reports
+// exit code 2 (configuration or usage error) or 3 (training diverged) ends the launch at once with
+// that code (core/error.h lists the codes). Each rank gets LOOM_ERROR_FILE, a file where a Loom rank writes
 // the error line that ended it (core/error_report.h); the failure line quotes it:
 //   error: rank 1 (local rank 1, pid 4242) exited with code 1: [rank1] error: token id 9000 ... Once no restarts are left the launch fails with one
 // line naming the last failure. SIGINT/SIGTERM to the launcher are forwarded to the ranks and end
