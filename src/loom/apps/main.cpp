@@ -1,11 +1,47 @@
 // The `loom` command line: a thin dispatcher. Every subcommand is implemented by its concept folder.
 #include <cstdio>
+#include <cstring>
 #include <exception>
+#include <string>
+#include <vector>
 
 #include "loom/apps/commands.h"
 #include "loom/apps/restart_policy.h"
 #include "loom/core/error.h"
 #include "loom/core/error_report.h"
+
+namespace {
+
+// The registered subcommands (CLI11 keeps option groups there too, without a name).
+std::vector<CLI::App*> commands(CLI::App& app) {
+  return app.get_subcommands([](CLI::App* sub) { return !sub->get_name().empty(); });
+}
+
+// "launch, train, ...": from the registered commands, so the list cannot drift from them.
+std::string command_list(CLI::App& app) {
+  std::string out;
+  for (const CLI::App* sub : commands(app)) out += (out.empty() ? "" : ", ") + sub->get_name();
+  return out;
+}
+
+// CLI11 answers a first argument that is neither a command nor --help with only "A subcommand is
+// required": name the word it did not know and list the commands instead. Returns the message, or
+// an empty string when argv starts with a command or a help flag.
+std::string unknown_command(CLI::App& app, int argc, char** argv) {
+  const std::string see = "; available: " + command_list(app) + " (see 'loom --help')";
+  if (argc < 2) return "no command given" + see;
+  const std::string first = argv[1];
+  if (first == "-h" || first == "--help" || first == "--help-all") return {};
+  if (!first.empty() && first[0] == '-') return "unknown option '" + first + "'" + see;
+  for (const CLI::App* sub : commands(app)) {
+    if (sub->check_name(first)) return {};
+  }
+  // Users of LLM tools expect it: say it is missing on purpose rather than treat it as a typo.
+  const char* planned = first == "generate" ? " (text generation is not available yet)" : "";
+  return "unknown command '" + first + "'" + planned + see;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Loom: LLM pre-training with composable N-D parallelism (C++ on libtorch)", "loom"};
@@ -17,6 +53,10 @@ int main(int argc, char** argv) {
   loom::apps::register_tokenizer_command(app);
   loom::apps::register_info_command(app);
   loom::apps::register_convert_command(app);
+  if (const std::string unknown = unknown_command(app, argc, argv); !unknown.empty()) {
+    std::fprintf(stderr, "error: %s\n", unknown.c_str());
+    return loom::kExitUsage;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -208,6 +208,9 @@ std::string BpeTrainer::to_json() const {
 void BpeTrainer::save(const std::string& path) const {
   const std::string text = to_json();
   const std::filesystem::path p(path);
+  std::error_code dir_ec;
+  LOOM_REQUIRE(!std::filesystem::is_directory(p, dir_ec), "cannot write tokenizer '", path,
+               "': it is a directory; pass a file path such as ", (p / "tokenizer.json").string());
   if (p.has_parent_path()) {
     std::error_code ec;
     std::filesystem::create_directories(p.parent_path(), ec);
@@ -221,7 +224,12 @@ void BpeTrainer::save(const std::string& path) const {
     std::remove(tmp.c_str());
     fail("cannot write tokenizer '", path, "': ", std::strerror(errno));
   }
-  std::filesystem::rename(tmp, p);
+  std::error_code ec;
+  std::filesystem::rename(tmp, p, ec);
+  if (ec) {
+    std::remove(tmp.c_str());  // a failed save leaves nothing behind
+    fail("cannot move tokenizer into place at '", path, "': ", ec.message());
+  }
 }
 
 }  // namespace loom::data

@@ -1,6 +1,7 @@
 #include "loom/data/loader.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
@@ -25,14 +26,24 @@ void TokenCorpus::add_memory_document(const std::vector<int64_t>& tokens) {
   doc_start_.push_back(doc_start_.back() + static_cast<int64_t>(tokens.size()) + 2);
 }
 
-void TokenCorpus::add_token_file(std::shared_ptr<const TokenFile> file) {
+void TokenCorpus::add_token_file(std::shared_ptr<const TokenFile> file, int64_t model_vocab_size) {
   if (file->size() == 0) return;
   Shard shard;
   shard.first_doc = num_documents();
-  // Index the documents: each ends at an EOS; in the stream it gains a BOS in front.
+  // Index the documents: each ends at an EOS; in the stream it gains a BOS in front. The same pass
+  // checks every id against the model's vocabulary (ids are unsigned, so only the top can be off).
+  const int64_t id_limit = model_vocab_size > 0 ? model_vocab_size : std::numeric_limits<int64_t>::max();
   int64_t doc_begin = 0;
   for (int64_t i = 0; i < file->size(); ++i) {
-    if ((*file)[i] == eos_id_) {
+    const int64_t id = (*file)[i];
+    if (id >= id_limit) {
+      fail("token file '", file->path(), "' has token id ", id, " at document ",
+           num_documents() - shard.first_doc, ", offset ", i - doc_begin, " (token ", i,
+           " of the file), outside the model's vocabulary of ", model_vocab_size,
+           " ids; re-run 'loom tokenizer pretokenize' with the model's tokenizer (model.tokenizer_path)",
+           " or raise model.vocab_size above ", id);
+    }
+    if (id == eos_id_) {
       doc_start_.push_back(doc_start_.back() + (i + 1 - doc_begin) + 1);
       doc_begin = i + 1;
     }
@@ -52,7 +63,8 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::from_documents(const std::vector
 }
 
 std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::string>& inputs,
-                                                     const Tokenizer* tokenizer, const SourceOptions& options) {
+                                                     const Tokenizer* tokenizer, const SourceOptions& options,
+                                                     int64_t model_vocab_size) {
   Timer timer;
   const std::vector<std::string> files = resolve_inputs(inputs);
   auto corpus = std::shared_ptr<TokenCorpus>(new TokenCorpus());
@@ -68,10 +80,15 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
     ids_from = c10::str("tokenizer '", tokenizer->path(), "'");
   }
   for (const std::string& path : files) {
-    const SourceFormat format = detect_format(path);
+    const SourceFormat format = resolve_format(path, options);
     if (format == SourceFormat::kTokens) {
       auto file = std::make_shared<const TokenFile>(path);
       const TokenFileHeader& h = file->header();
+      // The cheap check first; add_token_file still scans the ids, as the header can lie.
+      LOOM_REQUIRE(model_vocab_size <= 0 || h.vocab_size <= model_vocab_size, "token file '", path,
+                   "' was written for vocab size ", h.vocab_size, ", more than the model's vocabulary of ",
+                   model_vocab_size, " ids; re-run 'loom tokenizer pretokenize' with the model's tokenizer ",
+                   "(model.tokenizer_path) or raise model.vocab_size to at least ", h.vocab_size);
       if (vocab_size < 0) {
         LOOM_REQUIRE(h.bos_id >= 0, "token file '", path, "' records no BOS id; pass the tokenizer too");
         corpus->bos_id_ = h.bos_id;
@@ -84,7 +101,7 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
                    "token file '", path, "' was written for vocab size ", h.vocab_size, ", BOS ", h.bos_id,
                    ", EOS ", h.eos_id, " but ", ids_from, " has vocab size ", vocab_size, ", BOS ",
                    corpus->bos_id_, ", EOS ", corpus->eos_id_, "; re-run 'loom tokenizer pretokenize'");
-      corpus->add_token_file(std::move(file));
+      corpus->add_token_file(std::move(file), model_vocab_size);
     } else {
       LOOM_REQUIRE(tokenizer, source_format_name(format), " input '", path,
                    "' needs a tokenizer (or pre-tokenize it with 'loom tokenizer pretokenize')");
@@ -170,7 +187,16 @@ Batch DataLoader::next() {
     std::memcpy(batch.positions.data_ptr<int64_t>() + b * L, positions.data(), bytes);
     std::memcpy(batch.document_ids.data_ptr<int64_t>() + b * L, documents.data(), bytes);
   }
+  // A small corpus repeats silently otherwise: say once when the global cursor enters a new epoch
+  // (compared with the epoch of the last row already consumed, so a resumed run does not repeat it).
+  const int64_t rows = packer_.rows_per_epoch();
+  const int64_t last_epoch = rows_consumed_ == 0 ? 0 : (rows_consumed_ - 1) / rows;
   rows_consumed_ += global_batch_size();
+  const int64_t epoch = (rows_consumed_ - 1) / rows;
+  if (epoch > last_epoch) {
+    log::info("data: starting epoch ", epoch + 1, " at row ", epoch * rows, ": the ", rows,
+              " rows of the corpus repeat in the same order");
+  }
   return batch;
 }
 

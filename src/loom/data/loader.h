@@ -51,12 +51,18 @@ struct Batch {
 // memory-mapped token files), addressed as the packed stream described above.
 class TokenCorpus {
  public:
-  // Resolves the inputs (files, directories, globs; see sources.h). Text and JSONL files are
-  // tokenized with `tokenizer` (required for them); token files are mapped and must carry the
-  // tokenizer's vocab size, BOS and EOS. Without a tokenizer, BOS/EOS come from the token files.
+  // Resolves the inputs (files, directories, globs; see sources.h) and reads each in
+  // options.format (or its guessed format when unset). Text and JSONL files are tokenized with
+  // `tokenizer` (required for them); token files are mapped and must carry the tokenizer's vocab
+  // size, BOS and EOS. Without a tokenizer, BOS/EOS come from the token files.
+  // `model_vocab_size` > 0 is the model's embedding rows: a token file with a larger vocabulary,
+  // or with any id at or above it, is rejected here, naming the document and id, instead of
+  // failing inside the embedding lookup mid-training. Every id is checked, not just the header's
+  // vocab size, because a hand-made or damaged file's header can understate its ids.
   static std::shared_ptr<const TokenCorpus> load(const std::vector<std::string>& inputs,
                                                  const Tokenizer* tokenizer,
-                                                 const SourceOptions& options = {});
+                                                 const SourceOptions& options = {},
+                                                 int64_t model_vocab_size = 0);
   // Documents given as ids (without BOS/EOS), e.g. for tests or programmatic data.
   static std::shared_ptr<const TokenCorpus> from_documents(const std::vector<std::vector<int64_t>>& documents,
                                                            int64_t bos_id, int64_t eos_id);
@@ -80,7 +86,7 @@ class TokenCorpus {
     int64_t token(int64_t i) const { return file ? (*file)[i] : static_cast<int64_t>(memory[i]); }
   };
   void add_memory_document(const std::vector<int64_t>& tokens);
-  void add_token_file(std::shared_ptr<const TokenFile> file);
+  void add_token_file(std::shared_ptr<const TokenFile> file, int64_t model_vocab_size);
 
   std::vector<Shard> shards_;
   std::vector<int64_t> doc_start_{0};  // stream offset of each document's BOS, then the end
@@ -115,7 +121,8 @@ class DataLoader {
  public:
   DataLoader(std::shared_ptr<const TokenCorpus> corpus, DataLoaderOptions options);
 
-  // This rank's next local batch; advances the global cursor by one global batch.
+  // This rank's next local batch; advances the global cursor by one global batch. Logs one line
+  // when the cursor enters a new epoch (the corpus starts repeating).
   Batch next();
 
   int64_t rows_consumed() const { return rows_consumed_; }  // by all ranks together

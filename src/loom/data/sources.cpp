@@ -93,15 +93,43 @@ std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs) {
   return unique;
 }
 
-SourceFormat detect_format(const std::string& path) {
+SourceFormat parse_source_format(std::string_view name) {
+  for (SourceFormat f : {SourceFormat::kText, SourceFormat::kJsonl, SourceFormat::kTokens}) {
+    if (name == source_format_name(f)) return f;
+  }
+  fail_usage("unknown data format '", name, "'; use \"jsonl\", \"text\" or \"tokens\"");
+}
+
+bool is_token_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   char magic[sizeof(kTokenFileMagic)] = {};
-  if (in.read(magic, sizeof(magic)) && std::memcmp(magic, kTokenFileMagic, sizeof(magic)) == 0) {
-    return SourceFormat::kTokens;
-  }
+  return in.read(magic, sizeof(magic)) && std::memcmp(magic, kTokenFileMagic, sizeof(magic)) == 0;
+}
+
+SourceFormat detect_format(const std::string& path) {
+  if (is_token_file(path)) return SourceFormat::kTokens;
   const std::string ext = fs::path(path).extension().string();
   if (ext == ".jsonl" || ext == ".ndjson") return SourceFormat::kJsonl;
   return SourceFormat::kText;
+}
+
+SourceFormat resolve_format(const std::string& path, const SourceOptions& options) {
+  if (!options.format) return detect_format(path);
+  const SourceFormat format = *options.format;
+  const char* name = source_format_name(format);
+  // Only the token magic is checked here: it is certain, where JSONL and text can hold each other
+  // (a JSONL line that is not JSON fails later, naming its line).
+  const bool tokens = is_token_file(path);
+  if (format == SourceFormat::kTokens) {
+    LOOM_REQUIRE_USAGE(tokens, "data file '", path, "' is not a loom token file (no LOOMTOK magic) but ",
+                       options.format_setting, " is \"tokens\"; pre-tokenize it with 'loom tokenizer ",
+                       "pretokenize', or set ", options.format_setting,
+                       " to the file's format (\"jsonl\", \"text\" or \"auto\")");
+  } else {
+    LOOM_REQUIRE_USAGE(!tokens, "data file '", path, "' is a loom token file but ", options.format_setting,
+                       " is \"", name, "\"; set ", options.format_setting, " to \"tokens\" (or \"auto\")");
+  }
+  return format;
 }
 
 std::string read_file(const std::string& path, const char* what) {
@@ -120,7 +148,7 @@ std::string read_file(const std::string& path, const char* what) {
 
 void for_each_text_document(const std::string& path, const SourceOptions& options,
                             const std::function<void(std::string_view)>& fn) {
-  const SourceFormat format = detect_format(path);
+  const SourceFormat format = resolve_format(path, options);
   LOOM_REQUIRE(format != SourceFormat::kTokens, "'", path,
                "' is a pre-tokenized token file, not text; use it as loader input directly");
   if (format == SourceFormat::kText) {
@@ -150,12 +178,15 @@ void for_each_text_document(const std::string& path, const SourceOptions& option
     } catch (const nlohmann::json::parse_error& e) {
       std::string m = e.what();
       if (const size_t close = m.find("] "); m[0] == '[' && close != std::string::npos) m = m.substr(close + 2);
-      fail(path, ":", line_no, ": not valid JSON: ", m);
+      // A configured format may be the mistake (plain text read as JSONL): say how to change it.
+      fail(path, ":", line_no, ": not valid JSON: ", m,
+           options.format ? c10::str(" (", options.format_setting, " is \"jsonl\"; set it to \"text\" for plain text)")
+                          : std::string());
     }
     auto field = record.is_object() ? record.find(options.jsonl_field) : record.end();
     LOOM_REQUIRE(record.is_object() && field != record.end() && field->is_string(), path, ":", line_no,
                  ": no string field '", options.jsonl_field, "' (each JSONL line must be an object with the",
-                 " document text in that field; choose the field with the jsonl_field option)");
+                 " document text in that field; choose the field with ", options.jsonl_field_setting, ")");
     const std::string& text = field->get_ref<const std::string&>();
     if (!text.empty() || !options.skip_empty) fn(text);
   }
@@ -202,6 +233,9 @@ TokenFileWriter::TokenFileWriter(const std::string& path, int64_t vocab_size, in
                " is not in [0, ", vocab_size, "); documents are delimited by EOS, so the tokenizer needs one");
   LOOM_REQUIRE(bos_id >= -1 && bos_id < vocab_size, "token file '", path, "': BOS id ", bos_id,
                " is not in [0, ", vocab_size, ") or -1");
+  std::error_code dir_ec;
+  LOOM_REQUIRE(!fs::is_directory(path, dir_ec), "cannot write token file '", path,
+               "': it is a directory; pass a file path such as ", (fs::path(path) / "corpus.bin").string());
   header_.bytes_per_token = vocab_size <= 65536 ? 2 : 4;
   header_.vocab_size = vocab_size;
   header_.bos_id = bos_id;
@@ -271,7 +305,10 @@ void TokenFileWriter::close() {
   }
   std::error_code ec;
   fs::rename(tmp_path_, path_, ec);
-  LOOM_REQUIRE(!ec, "cannot move token file into place at '", path_, "': ", ec.message());
+  if (ec) {
+    std::remove(tmp_path_.c_str());  // a failed write leaves nothing behind
+    fail("cannot move token file into place at '", path_, "': ", ec.message());
+  }
 }
 
 TokenFile::TokenFile(const std::string& path) : path_(path) {

@@ -2,7 +2,9 @@
 //
 // An input spec is a file, a directory (every regular file below it, recursively) or a glob
 // ("data/*.jsonl"); the files it names are taken in sorted order so every rank and every run sees
-// the same documents in the same order. A file's format is decided by its content and name:
+// the same documents in the same order. A file's format is the one the caller configures
+// (SourceOptions::format; a token file given as text, or a non-token file given as tokens, is an
+// error), or, when none is configured, is guessed from its content and name:
 //   token file  starts with the magic "LOOMTOK\0" (written by TokenFileWriter / `loom tokenizer
 //               pretokenize`): pre-tokenized documents, memory-mapped;
 //   JSONL       name ends in .jsonl or .ndjson: one JSON object per line, the document is the
@@ -30,6 +32,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -43,17 +46,33 @@ struct SourceOptions {
   std::string text_separator;        // empty: one text file is one document
   std::string jsonl_field = "text";  // the JSONL field holding a document's text
   bool skip_empty = true;            // false: empty documents are passed on too (as "")
+  // Every file's format; unset = guess each file's (detect_format).
+  std::optional<SourceFormat> format;
+  // How the user sets `format` and `jsonl_field` where these options come from (a config key or a
+  // command-line flag): error messages name them as the fix.
+  std::string format_setting = "the data format option";
+  std::string jsonl_field_setting = "the jsonl_field option";
 };
 
 // The files named by input specs (file, directory or glob), sorted within each spec, in spec
 // order, without duplicates. Throws loom::Error for a spec that names no file.
 std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs);
 
-SourceFormat detect_format(const std::string& path);
+// "text", "jsonl" or "tokens"; throws loom::UsageError for anything else.
+SourceFormat parse_source_format(std::string_view name);
 
-// Calls fn(document) for every document of a text or JSONL file, in file order. Throws loom::Error
-// naming file:line for a JSONL line that is not an object with a string field `jsonl_field`, and
-// for a token file (which holds ids, not text).
+// Whether the file starts with the token file magic.
+bool is_token_file(const std::string& path);
+// The format guessed from the file: the token magic, else the name (.jsonl/.ndjson), else text.
+SourceFormat detect_format(const std::string& path);
+// The format to read `path` in: options.format when set (throws loom::UsageError naming the file,
+// the format and the setting to change when the file is a token file and the format is not
+// "tokens", or the other way round), else detect_format(path).
+SourceFormat resolve_format(const std::string& path, const SourceOptions& options);
+
+// Calls fn(document) for every document of a text or JSONL file (format: resolve_format), in file
+// order. Throws loom::Error naming file:line for a JSONL line that is not an object with a string
+// field `jsonl_field`, and for a token file (which holds ids, not text).
 void for_each_text_document(const std::string& path, const SourceOptions& options,
                             const std::function<void(std::string_view)>& fn);
 

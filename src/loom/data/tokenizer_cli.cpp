@@ -1,5 +1,6 @@
 // `loom tokenizer {train,encode,decode,pretokenize}`.
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -61,8 +62,24 @@ std::vector<int64_t> parse_ids(const std::string& text, const std::string& where
 struct SourceArgs {
   std::string text_separator;
   std::string jsonl_field = "text";
-  data::SourceOptions options() const { return {text_separator, jsonl_field, true}; }
+  // The format stays guessed per file (these commands take mixed inputs); errors name the flags.
+  data::SourceOptions options() const {
+    data::SourceOptions o;
+    o.text_separator = text_separator;
+    o.jsonl_field = jsonl_field;
+    o.jsonl_field_setting = "--jsonl-field";
+    return o;
+  }
 };
+
+// An --output that is a directory would fail only after all the work (and, before the writers
+// cleaned up, left "<output>.tmp" in the directory): refuse it before reading any input.
+void check_output_file(const std::string& output, const char* example) {
+  std::error_code ec;
+  LOOM_REQUIRE_USAGE(!std::filesystem::is_directory(output, ec), "--output '", output,
+                     "' is a directory; pass a file path such as ",
+                     (std::filesystem::path(output) / example).string());
+}
 
 void add_source_options(CLI::App* cmd, SourceArgs& args) {
   cmd->add_option("--text-separator", args.text_separator,
@@ -90,6 +107,7 @@ void register_train(CLI::App* parent) {
   cmd->add_option("--output", args->output, "Where to write tokenizer.json")->required();
   add_source_options(cmd, args->source);
   cmd->callback([args] {
+    check_output_file(args->output, "tokenizer.json");
     Timer timer;
     data::BpeTrainerOptions options;
     options.vocab_size = args->vocab_size;
@@ -103,6 +121,12 @@ void register_train(CLI::App* parent) {
         bytes += static_cast<int64_t>(doc.size());
       });
     }
+    std::string inputs;
+    for (const std::string& i : args->inputs) inputs += (inputs.empty() ? "'" : ", '") + i + "'";
+    // A tokenizer of byte tokens only is never what was meant: the inputs were empty, or the
+    // JSONL/text split found nothing in them.
+    LOOM_REQUIRE(documents > 0, "--input ", inputs, " holds no documents (every file is empty or has only ",
+                 "empty documents); give files with text to train the tokenizer on");
     const data::BpeTrainingResult r = trainer.train();
     trainer.save(args->output);
     std::printf("trained tokenizer: vocab %lld (%lld merges) from %lld documents, %lld bytes, %lld distinct words "
@@ -142,6 +166,7 @@ void register_encode(CLI::App* parent) {
     if (jsonl->count()) {
       data::SourceOptions options;
       options.jsonl_field = args->field;
+      options.jsonl_field_setting = "--field";
       options.skip_empty = false;  // one output line per input line
       LOOM_REQUIRE_USAGE(data::detect_format(args->jsonl) == data::SourceFormat::kJsonl, "--jsonl '",
                          args->jsonl, "' must be a .jsonl file");
@@ -207,6 +232,7 @@ void register_pretokenize(CLI::App* parent) {
   cmd->add_option("--output", args->output, "Token file to write, e.g. corpus.bin")->required();
   add_source_options(cmd, args->source);
   cmd->callback([args] {
+    check_output_file(args->output, "corpus.bin");
     Timer timer;
     const Tokenizer tok = Tokenizer::from_file(args->tokenizer);
     data::TokenFileWriter writer(args->output, tok.vocab_size(), tok.bos_id(), tok.eos_id());

@@ -63,10 +63,15 @@ const std::vector<ConfigKey> kSchema = {
     {LOOM_CONFIG_KEY(lr_scheduler, min_lr_factor),
      "The decay ends at lr * min_lr_factor instead of 0.", {}},
     // [training]
-    {LOOM_CONFIG_KEY(training, dataset_path), "Training data file.", {}},
+    {LOOM_CONFIG_KEY(training, dataset_path),
+     "Training data: a file, a directory (every file below it) or a glob.", {}},
     {LOOM_CONFIG_KEY(training, dataset_format),
-     "jsonl = one {\"text\": ...} object per line; text = plain UTF-8; tokens = pre-tokenized ids.",
-     {"jsonl", "text", "tokens"}},
+     "How every data file is read, whatever its name: jsonl = one {\"text\": ...} object per line; "
+     "text = plain UTF-8, one document per file; tokens = a token file from 'loom tokenizer "
+     "pretokenize'; auto = guess each file's format from its content and name.",
+     {"jsonl", "text", "tokens", "auto"}},
+    {LOOM_CONFIG_KEY(training, jsonl_field),
+     "The JSONL field holding each document's text (dataset_format jsonl/auto).", {}},
     {LOOM_CONFIG_KEY(training, local_batch_size), "Sequences per rank per micro-batch.", {}},
     {LOOM_CONFIG_KEY(training, global_batch_size),
      "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree. "
@@ -97,12 +102,16 @@ const std::vector<ConfigKey> kSchema = {
      "Free gathered parameters after forward: default (all but the last group), always, never, or "
      "an integer world size to reshard to.",
      {"default", "always", "never"}, /*integer_allowed=*/true},
-    {LOOM_CONFIG_KEY(parallelism, tensor_parallel_degree), "Tensor-parallel ranks.", {}},
-    {LOOM_CONFIG_KEY(parallelism, context_parallel_degree), "Context-parallel ranks.", {}},
-    {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_degree), "Pipeline stages (ranks).", {}},
+    {LOOM_CONFIG_KEY(parallelism, tensor_parallel_degree),
+     "Tensor-parallel ranks. Not available yet: only 1 is accepted; `loom train` refuses more.", {}},
+    {LOOM_CONFIG_KEY(parallelism, context_parallel_degree),
+     "Context-parallel ranks. Not available yet: only 1 is accepted; `loom train` refuses more.", {}},
+    {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_degree),
+     "Pipeline stages (ranks). Not available yet: only 1 is accepted; `loom train` refuses more.", {}},
     // [activation_checkpoint]
     {LOOM_CONFIG_KEY(activation_checkpoint, mode),
-     "Recompute activations in backward: none, full (every block), selective.",
+     "Recompute activations in backward: none, full (every block), selective. Not available yet: "
+     "only none is accepted; `loom train` refuses full and selective.",
      {"none", "full", "selective"}},
     // [metrics]
     {LOOM_CONFIG_KEY(metrics, log_freq), "Log metrics every this many steps.", {}},
@@ -131,7 +140,7 @@ const std::vector<ConfigKey> kSchema = {
      "Checkpoint to start from when the run's own checkpoint folder is empty; empty = none.", {}},
     // [comm]
     {LOOM_CONFIG_KEY(comm, timeout_seconds),
-     "Timeout for rendezvous and each collective, in seconds.", {}},
+     "Timeout for rendezvous and each collective, in seconds (1 to 604800, one week).", {}},
 };
 
 #undef LOOM_CONFIG_KEY
@@ -176,6 +185,23 @@ std::vector<std::string> all_key_names() {
   std::vector<std::string> names;
   for (const ConfigKey& k : kSchema) names.push_back(k.name());
   return names;
+}
+
+// The full "section.key" name nearest to `name`. A name without a section ("steps") is matched
+// against the key part of every name, since comparing it with whole names favours short sections
+// ("model.name") over the key the user meant ("training.steps").
+std::string suggest_key(std::string_view name) {
+  if (name.find('.') != std::string_view::npos) return nearest(name, all_key_names());
+  std::string best;
+  size_t best_distance = std::numeric_limits<size_t>::max();
+  for (const ConfigKey& k : kSchema) {
+    const size_t d = edit_distance(name, k.key);
+    if (d < best_distance) {
+      best_distance = d;
+      best = k.name();
+    }
+  }
+  return best;
 }
 
 // A TOML basic string: double quotes, backslash escapes for quotes, backslashes and controls.
@@ -292,7 +318,8 @@ void set_from_node(JobConfig& config, const ConfigKey& key, const toml::node& no
         } else if constexpr (std::is_same_v<T, std::optional<double>>) {
           if (!node.is_number()) wrong_type();
           const double v = *node.value<double>();
-          *field = v < 0.0 ? std::nullopt : std::optional<double>(v);
+          // Negative means unset; -inf is kept so that validate() rejects it as non-finite.
+          *field = v < 0.0 && std::isfinite(v) ? std::nullopt : std::optional<double>(v);
         } else {
           static_assert(std::is_same_v<T, std::string>);
           if (node.is_string()) {
@@ -347,7 +374,7 @@ void set_from_string(JobConfig& config, const ConfigKey& key, const std::string&
           if (value == "none" || value == "null") {
             *field = std::nullopt;
           } else if (parse_number(value, v)) {
-            *field = v < 0.0 ? std::nullopt : std::optional<double>(v);
+            *field = v < 0.0 && std::isfinite(v) ? std::nullopt : std::optional<double>(v);
           } else {
             wrong_type();
           }
@@ -461,17 +488,8 @@ JobConfig parse_config_toml(std::string_view toml_text, const std::string& origi
     const std::string where = location(section_key.source(), origin);
     if (!section_node.is_table()) {
       // A bare key outside any [section]: point at the key of the nearest name.
-      std::string suggestion;
-      size_t best = std::numeric_limits<size_t>::max();
-      for (const ConfigKey& k : kSchema) {
-        const size_t d = edit_distance(section, k.key);
-        if (d < best) {
-          best = d;
-          suggestion = k.name();
-        }
-      }
       fail_usage("config key '", section, "' in ", where, " is outside any [section] (did you mean '",
-                 suggestion, "'?)");
+                 suggest_key(section), "'?)");
     }
     if (!is_section(section)) {
       fail_usage("unknown config section '", section, "' in ", where, " (did you mean '",
@@ -492,6 +510,10 @@ JobConfig parse_config_toml(std::string_view toml_text, const std::string& origi
 
 JobConfig load_config_file(const std::string& path) {
   std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    fail_usage("config file '", path, "' is a directory; pass a TOML file, e.g. --config ",
+               "configs/llama3_debug.toml");
+  }
   if (!std::filesystem::is_regular_file(path, ec)) {
     fail_usage("config file '", path, "' not found; pass an existing TOML file, e.g. --config ",
                "configs/llama3_debug.toml");
@@ -515,7 +537,7 @@ void apply_overrides(JobConfig& config, const std::vector<std::string>& args) {
     const ConfigKey* spec = find_key(name);
     if (spec == nullptr) {
       fail_usage("unknown config key '", name, "' in command-line override '", arg,
-                 "' (did you mean '", nearest(name, all_key_names()), "'?)");
+                 "' (did you mean '", suggest_key(name), "'?)");
     }
     std::string value;
     std::string where;
@@ -552,6 +574,23 @@ void validate(const JobConfig& c) {
     TORCH_INTERNAL_ASSERT(k != nullptr, "validate() names unknown config key ", name);
     return *k;
   };
+  // Every number first, over the whole schema so a new key cannot be missed: inf and nan (which
+  // TOML and the command line both accept) pass the range checks below (inf >= 0) or make their
+  // messages confusing, and would reach the optimizer as a NaN loss much later.
+  for (const ConfigKey& k : kSchema) {
+    std::visit(
+        [&](auto* field) {
+          using T = std::remove_pointer_t<decltype(field)>;
+          bool finite = true;
+          if constexpr (std::is_same_v<T, double>) {
+            finite = std::isfinite(*field);
+          } else if constexpr (std::is_same_v<T, std::optional<double>>) {
+            finite = !field->has_value() || std::isfinite(**field);
+          }
+          require(finite, k, "a finite number", c);
+        },
+        k.field(const_cast<JobConfig&>(c)));  // only read
+  }
   require(!c.job.dump_folder.empty(), key("job.dump_folder"), "a non-empty path", c);
   require(c.model.vocab_size >= 0, key("model.vocab_size"), ">= 0", c);
   require(c.optimizer.lr >= 0.0, key("optimizer.lr"), ">= 0", c);
@@ -597,7 +636,11 @@ void validate(const JobConfig& c) {
   require(c.checkpoint.interval > 0, key("checkpoint.interval"), "> 0", c);
   require(c.checkpoint.keep_latest_k == 0 || c.checkpoint.keep_latest_k >= 2,
           key("checkpoint.keep_latest_k"), "0 (keep all) or >= 2", c);
-  require(c.comm.timeout_seconds > 0, key("comm.timeout_seconds"), "> 0", c);
+  require(c.comm.timeout_seconds > 0 && c.comm.timeout_seconds <= kMaxCommTimeoutSeconds,
+          key("comm.timeout_seconds"),
+          c10::str("in [1, ", kMaxCommTimeoutSeconds,
+                   "] (at most one week: larger values overflow the millisecond timeouts)"),
+          c);
 }
 
 int64_t gradient_accumulation_steps(const JobConfig& config, int64_t data_parallel_degree) {

@@ -62,7 +62,8 @@ struct LRSchedulerSection {
 
 struct TrainingSection {
   std::string dataset_path = "data/default/corpus.jsonl";
-  std::string dataset_format = "jsonl";  // "jsonl" | "text" | "tokens"
+  std::string dataset_format = "jsonl";  // "jsonl" | "text" | "tokens" | "auto"
+  std::string jsonl_field = "text";      // the JSONL field holding each document's text
   int64_t local_batch_size = 8;
   int64_t global_batch_size = -1;  // -1 = local_batch_size x data-parallel degree
   int64_t seq_len = 2048;
@@ -117,10 +118,14 @@ struct CheckpointSection {
 };
 
 struct CommSection {
-  int64_t timeout_seconds = 300;
+  int64_t timeout_seconds = 300;  // at most kMaxCommTimeoutSeconds
 
   bool operator==(const CommSection&) const = default;
 };
+
+// comm.timeout_seconds is turned into std::chrono milliseconds (and nanoseconds deeper down);
+// one week is far beyond any real rendezvous or collective and far from overflowing them.
+inline constexpr int64_t kMaxCommTimeoutSeconds = 7 * 24 * 3600;
 
 struct JobConfig {
   JobSection job;
@@ -183,8 +188,9 @@ void apply_overrides(JobConfig& config, const std::vector<std::string>& args);
 // Defaults, then the file (if `path` is non-empty), then the overrides, then validate().
 JobConfig load_job_config(const std::string& path, const std::vector<std::string>& overrides = {});
 
-// Cross-field and range checks that do not depend on the world size (positive sizes, beta ranges,
-// global batch a multiple of the local batch, ...). Throws loom::UsageError.
+// Cross-field and range checks that do not depend on the world size (every number finite,
+// positive sizes, beta ranges, global batch a multiple of the local batch, ...). Throws
+// loom::UsageError.
 void validate(const JobConfig& config);
 
 // Gradient-accumulation steps per optimizer step for `data_parallel_degree` ranks: 1 when

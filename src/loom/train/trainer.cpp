@@ -1,5 +1,6 @@
 #include "loom/train/trainer.h"
 
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +23,20 @@ namespace fs = std::filesystem;
 
 Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   validate(config_);
+  // Features whose keys exist (TorchTitan's configs set them) but which are not built yet. Checked
+  // before rendezvous and data loading, so the answer is this line on every rank, whatever the
+  // world size, not a world-size mismatch or a wait for peers.
+  const auto& p = config_.parallelism;
+  LOOM_REQUIRE_USAGE(p.tensor_parallel_degree == 1 && p.context_parallel_degree == 1 &&
+                         p.pipeline_parallel_degree == 1,
+                     "tensor, context and pipeline parallelism are not available yet (tensor_parallel_degree ",
+                     p.tensor_parallel_degree, ", context_parallel_degree ", p.context_parallel_degree,
+                     ", pipeline_parallel_degree ", p.pipeline_parallel_degree,
+                     "); set parallelism.tensor_parallel_degree, context_parallel_degree and "
+                     "pipeline_parallel_degree to 1");
+  LOOM_REQUIRE_USAGE(config_.activation_checkpoint.mode == "none",
+                     "activation_checkpoint.mode '", config_.activation_checkpoint.mode,
+                     "' is not available yet; use \"none\"");
   init_distributed();  // 1. world, ParallelDims, mesh
   // One job per run folder: a second one would interleave metrics and mix checkpoints.
   if (dist_->rank() == 0) run_folder_lock_ = std::make_unique<RunFolderLock>(config_.job.dump_folder);
@@ -66,10 +81,6 @@ void Trainer::init_distributed() {
   degrees.pp = static_cast<int>(p.pipeline_parallel_degree);
   parallel_dims_ = std::make_unique<dist::ParallelDims>(degrees, env.world_size, env.rank);
   const auto& pd = *parallel_dims_;
-  LOOM_REQUIRE_USAGE(!pd.tp_enabled() && !pd.cp_enabled() && !pd.pp_enabled(),
-                     "tensor, context and pipeline parallelism are not available yet (",
-                     pd.describe(), "); set parallelism.tensor_parallel_degree, "
-                     "context_parallel_degree and pipeline_parallel_degree to 1");
   mesh_ = std::make_unique<dist::DeviceMesh>(pd.build_mesh(dist_));
   log::info("parallelism: ", pd.describe());
 }
@@ -78,7 +89,14 @@ void Trainer::init_data() {
   const auto& t = config_.training;
   tokenizer_ = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(config_.model.tokenizer_path));
   Timer timer;
-  auto corpus = data::TokenCorpus::load({t.dataset_path}, tokenizer_.get());
+  data::SourceOptions source;
+  if (t.dataset_format != "auto") source.format = data::parse_source_format(t.dataset_format);
+  source.jsonl_field = t.jsonl_field;
+  source.format_setting = "training.dataset_format";
+  source.jsonl_field_setting = "training.jsonl_field";
+  // Token ids are checked against the embedding here, so a token file from another tokenizer
+  // fails at load naming the file, not mid-step inside the embedding lookup.
+  auto corpus = data::TokenCorpus::load({t.dataset_path}, tokenizer_.get(), source, model_vocab_size());
   data::DataLoaderOptions options;
   options.seq_len = t.seq_len;
   options.local_batch_size = t.local_batch_size;
@@ -91,14 +109,31 @@ void Trainer::init_data() {
             " rows of ", t.seq_len, " per epoch (", timer.seconds(), " s); global batch ",
             loader_->global_batch_size() * grad_accum_steps_, " rows, ", grad_accum_steps_,
             " micro-batch(es) per step");
+  // A corpus smaller than the run would otherwise repeat without a word (the loader also logs each
+  // new epoch as it starts).
+  const int64_t rows_per_epoch = loader_->packer().rows_per_epoch();
+  const int64_t total_rows = t.steps * loader_->global_batch_size() * grad_accum_steps_;
+  if (dist_->rank() == 0 && total_rows > rows_per_epoch) {
+    char epochs[32];  // rounded up, so a run just past one epoch does not read "1.0"
+    std::snprintf(epochs, sizeof(epochs), "%.1f",
+                  std::ceil(10.0 * static_cast<double>(total_rows) / static_cast<double>(rows_per_epoch)) / 10.0);
+    log::warn("data: training.steps = ", t.steps, " takes ", total_rows, " rows, ", epochs,
+              " epochs of this corpus's ", rows_per_epoch,
+              " rows: the data repeats in the same order (use more data or fewer steps to avoid it)");
+  }
 }
 
-void Trainer::build_model() {
+int64_t Trainer::model_vocab_size() const {
   const int64_t tokenizer_vocab = tokenizer_->vocab_size();
   const int64_t vocab = config_.model.vocab_size > 0 ? config_.model.vocab_size : tokenizer_vocab;
   LOOM_REQUIRE_USAGE(vocab >= tokenizer_vocab, "model.vocab_size ", vocab,
                      " is smaller than the tokenizer's vocabulary (", tokenizer_vocab,
                      "); raise it or set 0 to use the tokenizer's");
+  return vocab;
+}
+
+void Trainer::build_model() {
+  const int64_t vocab = model_vocab_size();
   LOOM_REQUIRE_USAGE(config_.model.name == "llama3", "unknown model.name '", config_.model.name,
                      "'; available: llama3");
   llama3::ModelArgs args = llama3::flavor(config_.model.flavor, vocab);
@@ -112,9 +147,6 @@ void Trainer::build_model() {
 }
 
 void Trainer::parallelize() {
-  LOOM_REQUIRE_USAGE(config_.activation_checkpoint.mode == "none",
-                     "activation_checkpoint.mode '", config_.activation_checkpoint.mode,
-                     "' is not available yet; use \"none\"");
   const auto& t = config_.training;
   if (parallel_dims_->fsdp_enabled()) {
     // FSDP (HSDP when dp_replicate > 1): shard on the meta-device model, then initialize each

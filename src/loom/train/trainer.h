@@ -68,6 +68,8 @@ class Trainer {
   void init_distributed();
   void init_data();
   void build_model();
+  // The model's embedding rows: model.vocab_size, or the tokenizer's vocabulary when it is 0.
+  int64_t model_vocab_size() const;
   void parallelize();
   void init_optimizer();
   void init_checkpointing();

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "loom/testing/errors.h"
+#include "loom/testing/run.h"
 #include "loom/core/error.h"
 #include "loom/data/bpe_trainer.h"
 #include "loom/data/loader.h"
@@ -307,4 +308,157 @@ TEST(Sources, CorpusFromTextJsonlAndTokenFiles) {
   expect_error([&] { TokenCorpus::load({(dir / "other.bin").string()}, &tok); },
                {"other.bin", "vocab size 5000", "pretokenize"});
   fs::remove_all(dir);
+}
+
+namespace {
+
+// A one-line loom::UsageError (exit code 2) whose message contains every part.
+template <typename Fn>
+void expect_usage_error(Fn&& fn, const std::vector<std::string>& parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected loom::UsageError";
+  } catch (const loom::UsageError& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    for (const auto& p : parts) EXPECT_NE(message.find(p), std::string::npos) << message << " lacks " << p;
+  }
+}
+
+std::vector<std::string> text_documents(const std::string& path, const SourceOptions& o) {
+  std::vector<std::string> docs;
+  for_each_text_document(path, o, [&](std::string_view d) { docs.emplace_back(d); });
+  return docs;
+}
+
+SourceOptions with_format(std::optional<SourceFormat> format) {
+  SourceOptions o;
+  o.format = format;
+  o.format_setting = "training.dataset_format";
+  o.jsonl_field_setting = "training.jsonl_field";
+  return o;
+}
+
+}  // namespace
+
+// Issue 8 A: the format was guessed from the file name even when one was configured, so JSONL
+// named .json/.txt trained as one raw-text document and a JSONL file given as "tokens" was
+// tokenized anyway.
+TEST(Sources, ConfiguredFormatIsHonoured) {
+  const fs::path dir = temp_dir();
+  const std::string jsonl_lines = "{\"text\": \"first\"}\n{\"text\": \"second\"}\n";
+  write(dir / "data.json", jsonl_lines);
+  write(dir / "data.txt", jsonl_lines);
+  write(dir / "notes.jsonl", "just prose\n");
+  {
+    TokenFileWriter writer((dir / "ids.jsonl").string(), 1002, kBos, kEos);  // a token file, misnamed
+    writer.add_document({1, 2});
+    writer.close();
+  }
+  const std::vector<std::string> two{"first", "second"};
+  for (const char* name : {"data.json", "data.txt"}) {
+    SCOPED_TRACE(name);
+    const std::string path = (dir / name).string();
+    EXPECT_EQ(text_documents(path, with_format(SourceFormat::kJsonl)), two);
+    EXPECT_EQ(text_documents(path, with_format(std::nullopt)), std::vector<std::string>{jsonl_lines});  // auto
+    EXPECT_EQ(resolve_format(path, with_format(SourceFormat::kJsonl)), SourceFormat::kJsonl);
+  }
+  // Text under "jsonl" fails at its first line and says which setting chose JSONL.
+  expect_error([&] { text_documents((dir / "notes.jsonl").string(), with_format(SourceFormat::kJsonl)); },
+               {"notes.jsonl:1", "not valid JSON", "training.dataset_format is \"jsonl\"", "\"text\""});
+  EXPECT_EQ(text_documents((dir / "notes.jsonl").string(), with_format(SourceFormat::kText)),
+            std::vector<std::string>{"just prose\n"});
+  // Mismatches with the token magic are one usage error naming the file, the format and the fix.
+  expect_usage_error([&] { resolve_format((dir / "data.txt").string(), with_format(SourceFormat::kTokens)); },
+                     {"data.txt", "not a loom token file", "training.dataset_format is \"tokens\"", "pretokenize"});
+  expect_usage_error([&] { resolve_format((dir / "ids.jsonl").string(), with_format(SourceFormat::kJsonl)); },
+                     {"ids.jsonl", "is a loom token file", "training.dataset_format is \"jsonl\"", "\"tokens\""});
+  expect_usage_error([&] { resolve_format((dir / "ids.jsonl").string(), with_format(SourceFormat::kText)); },
+                     {"ids.jsonl", "training.dataset_format is \"text\""});
+  EXPECT_EQ(resolve_format((dir / "ids.jsonl").string(), with_format(SourceFormat::kTokens)), SourceFormat::kTokens);
+  EXPECT_EQ(resolve_format((dir / "ids.jsonl").string(), with_format(std::nullopt)), SourceFormat::kTokens);
+
+  // The corpus follows the configured format too.
+  BpeTrainerOptions options;
+  options.vocab_size = 280;
+  BpeTrainer trainer(options);
+  trainer.add_text("first second");
+  trainer.train();
+  trainer.save((dir / "tokenizer.json").string());
+  const Tokenizer tok = Tokenizer::from_file((dir / "tokenizer.json").string());
+  EXPECT_EQ(TokenCorpus::load({(dir / "data.json").string()}, &tok, with_format(SourceFormat::kJsonl))->num_documents(), 2);
+  EXPECT_EQ(TokenCorpus::load({(dir / "data.json").string()}, &tok, with_format(std::nullopt))->num_documents(), 1);
+  expect_usage_error([&] { TokenCorpus::load({(dir / "data.json").string()}, &tok, with_format(SourceFormat::kTokens)); },
+                     {"data.json", "not a loom token file"});
+
+  EXPECT_EQ(parse_source_format("tokens"), SourceFormat::kTokens);
+  expect_usage_error([] { parse_source_format("parquet"); }, {"parquet", "\"jsonl\""});
+  fs::remove_all(dir);
+}
+
+// Issue 8 B: the missing-field message named a "jsonl_field option" that `loom train` lacked; it
+// now names the caller's setting.
+TEST(Sources, MissingJsonlFieldNamesTheSetting) {
+  const fs::path dir = temp_dir();
+  write(dir / "a.jsonl", "{\"body\": \"x\"}\n");
+  expect_error([&] { text_documents((dir / "a.jsonl").string(), with_format(SourceFormat::kJsonl)); },
+               {"a.jsonl:1", "no string field 'text'", "choose the field with training.jsonl_field"});
+  SourceOptions body = with_format(SourceFormat::kJsonl);
+  body.jsonl_field = "body";
+  EXPECT_EQ(text_documents((dir / "a.jsonl").string(), body), std::vector<std::string>{"x"});
+  fs::remove_all(dir);
+}
+
+// Issue 8 C: ids beyond the model's vocabulary were found only by the embedding ("index out of
+// range in self"); they are now rejected at load, by the header and by a scan of every id.
+TEST(Sources, TokenIdsAreCheckedAgainstTheModelVocabulary) {
+  const fs::path dir = temp_dir();
+  const std::string big = (dir / "big.bin").string(), lying = (dir / "lying.bin").string();
+  for (const std::string& path : {big, lying}) {
+    TokenFileWriter writer(path, 5000, kBos, kEos);
+    writer.add_document({1, 2});
+    writer.add_document({3, 4000, 5});
+    writer.close();
+  }
+  // The header check: a file written for 5000 ids cannot feed a 1002-row embedding.
+  expect_error([&] { TokenCorpus::load({big}, nullptr, {}, 1002); },
+               {"big.bin", "vocab size 5000", "model's vocabulary of 1002", "model.vocab_size"});
+  EXPECT_EQ(TokenCorpus::load({big}, nullptr, {}, 5000)->num_documents(), 2);
+  // The scan: the header claims 1002 ids but document 1 holds id 4000 at offset 1.
+  {
+    std::fstream f(lying, std::ios::in | std::ios::out | std::ios::binary);
+    const int64_t claimed = 1002;
+    f.seekp(32);
+    f.write(reinterpret_cast<const char*>(&claimed), sizeof(claimed));
+  }
+  ASSERT_EQ(TokenFile(lying).header().vocab_size, 1002);
+  expect_error([&] { TokenCorpus::load({lying}, nullptr, {}, 1002); },
+               {"lying.bin", "token id 4000", "document 1, offset 1", "vocabulary of 1002", "pretokenize"});
+  EXPECT_EQ(TokenCorpus::load({lying}, nullptr)->num_documents(), 2);  // no limit: no check
+  fs::remove_all(dir);
+}
+
+// Issue 8 D: a corpus smaller than the run repeated without a word; the loader now says when each
+// new epoch starts, once, and not again after a resume inside an epoch.
+TEST(Loader, LogsEachNewEpochOnce) {
+  // 3 documents of 5 tokens: a stream of 21 tokens, 3 rows of seq_len 6 (+1) per epoch.
+  const auto corpus = TokenCorpus::from_documents({{1, 2, 3, 4, 5}, {6, 7, 8, 9, 10}, {11, 12, 13, 14, 15}}, kBos, kEos);
+  DataLoader loader(corpus, {6, 1, 0, 1});
+  ASSERT_EQ(loader.packer().rows_per_epoch(), 3);
+  ::testing::internal::CaptureStdout();
+  for (int i = 0; i < 8; ++i) loader.next();  // rows 0..7: epochs 1, 2 and the start of 3
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  EXPECT_EQ(loom::testing::count_occurrences(out, "starting epoch"), 2) << out;
+  EXPECT_NE(out.find("data: starting epoch 2 at row 3: the 3 rows of the corpus repeat"), std::string::npos) << out;
+  EXPECT_NE(out.find("starting epoch 3 at row 6"), std::string::npos) << out;
+
+  DataLoader resumed(corpus, {6, 1, 0, 1});
+  resumed.load_state_dict({{"rows_consumed", 4}, {"seq_len", 6}, {"stream_tokens", corpus->stream_length()}});
+  ::testing::internal::CaptureStdout();
+  resumed.next();  // row 4: still epoch 2, already announced before the checkpoint
+  resumed.next();  // row 5
+  EXPECT_EQ(::testing::internal::GetCapturedStdout(), "");
+  ::testing::internal::CaptureStdout();
+  resumed.next();  // row 6: epoch 3
+  EXPECT_NE(::testing::internal::GetCapturedStdout().find("starting epoch 3"), std::string::npos);
 }

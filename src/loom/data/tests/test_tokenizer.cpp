@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "loom/testing/errors.h"
+#include "loom/testing/run.h"
 #include "loom/core/build_paths.h"
 #include "loom/core/error.h"
 #include "loom/data/bpe_trainer.h"
@@ -424,4 +425,72 @@ TEST(BpeTrainer, RejectsTooSmallVocab) {
   BpeTrainerOptions options;
   options.vocab_size = 100;
   expect_error([&] { BpeTrainer{options}; }, {"vocab size 100", "at least 259"});
+}
+
+// Issue 8 J, through the `loom` binary: `tokenizer train` on empty input wrote a tokenizer "from 0
+// documents" and exited 0; an --output directory failed after all the work and left
+// "<output>.tmp" behind.
+TEST(TokenizerCli, TrainRejectsEmptyInputAndDirectoryOutput) {
+  using loom::testing::loom_bin;
+  using loom::testing::run;
+  const fs::path dir = temp_dir();
+  write(dir / "empty.txt", "");
+  write(dir / "text.txt", "the cat sat on the mat and the dog sat on the log");
+  fs::create_directories(dir / "out");
+
+  const auto empty = run(loom_bin() + " tokenizer train --input " + (dir / "empty.txt").string() +
+                         " --vocab-size 260 --output " + (dir / "tok.json").string(), 60);
+  EXPECT_EQ(empty.exit_code, 1) << empty.output;
+  EXPECT_NE(empty.output.find("error: --input '" + (dir / "empty.txt").string() + "' holds no documents"),
+            std::string::npos) << empty.output;
+  EXPECT_EQ(loom::testing::count_occurrences(empty.output, "\n"), 1) << empty.output;  // one line
+  EXPECT_FALSE(fs::exists(dir / "tok.json"));
+  EXPECT_FALSE(fs::exists(dir / "tok.json.tmp"));
+
+  const auto to_dir = run(loom_bin() + " tokenizer train --input " + (dir / "text.txt").string() +
+                          " --vocab-size 260 --output " + (dir / "out").string(), 60);
+  EXPECT_EQ(to_dir.exit_code, 2) << to_dir.output;
+  EXPECT_NE(to_dir.output.find("error: --output '" + (dir / "out").string() + "' is a directory; pass a file "
+                               "path such as " + (dir / "out/tokenizer.json").string()),
+            std::string::npos) << to_dir.output;
+  EXPECT_FALSE(fs::exists(dir / "out.tmp"));
+  EXPECT_TRUE(fs::is_empty(dir / "out"));
+
+  const auto pretokenize = run(loom_bin() + " tokenizer pretokenize --tokenizer " + loom::kSourceDir +
+                               "/data/default/tokenizer.json --input " + (dir / "text.txt").string() +
+                               " --output " + (dir / "out").string(), 60);
+  EXPECT_EQ(pretokenize.exit_code, 2) << pretokenize.output;
+  EXPECT_NE(pretokenize.output.find("is a directory"), std::string::npos) << pretokenize.output;
+  EXPECT_FALSE(fs::exists(dir / "out.tmp"));
+
+  // The writers themselves refuse a directory too and leave no temporary file, whoever calls them.
+  BpeTrainerOptions options;
+  options.vocab_size = 260;
+  BpeTrainer trainer(options);
+  trainer.add_text("the cat sat");
+  trainer.train();
+  expect_error([&] { trainer.save((dir / "out").string()); }, {"out", "is a directory"});
+  EXPECT_FALSE(fs::exists(dir / "out.tmp"));
+  fs::remove_all(dir);
+}
+
+// Issue 8 B: the JSONL-field error names the flag of the command that read the file.
+TEST(TokenizerCli, MissingJsonlFieldNamesTheFlag) {
+  using loom::testing::loom_bin;
+  using loom::testing::run;
+  const fs::path dir = temp_dir();
+  write(dir / "a.jsonl", "{\"body\": \"the cat sat\"}\n");
+  const auto r = run(loom_bin() + " tokenizer train --input " + (dir / "a.jsonl").string() +
+                     " --vocab-size 260 --output " + (dir / "tok.json").string(), 60);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("no string field 'text'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("choose the field with --jsonl-field)"), std::string::npos) << r.output;
+  const auto ok = run(loom_bin() + " tokenizer train --input " + (dir / "a.jsonl").string() +
+                      " --jsonl-field body --vocab-size 260 --output " + (dir / "tok.json").string(), 60);
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  const auto encode = run(loom_bin() + " tokenizer encode --tokenizer " + (dir / "tok.json").string() +
+                          " --jsonl " + (dir / "a.jsonl").string(), 60);
+  EXPECT_EQ(encode.exit_code, 1) << encode.output;
+  EXPECT_NE(encode.output.find("choose the field with --field)"), std::string::npos) << encode.output;
+  fs::remove_all(dir);
 }

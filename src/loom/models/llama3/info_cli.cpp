@@ -58,8 +58,13 @@ void register_info_command(CLI::App& app) {
   auto options = std::make_shared<InfoOptions>();
   CLI::App* cmd = app.add_subcommand(
       "info", "Parameter counts and FLOPs/token of a Llama 3 flavor (built on the meta device)");
-  cmd->add_option("--flavor", options->flavor, "debugmodel, 1B, 3B, 8B, 70B or 405B")
-      ->capture_default_str();
+  // Listed from the flavor table so the help cannot drift from it.
+  std::string flavors;
+  const std::vector<std::string> names = llama3::flavor_names();
+  for (size_t i = 0; i < names.size(); ++i) {
+    flavors += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + names[i];
+  }
+  cmd->add_option("--flavor", options->flavor, flavors)->capture_default_str();
   cmd->add_option("--seq-len", options->seq_len,
                   "Sequence length for the attention FLOPs (default: the flavor's max_seq_len)");
   cmd->add_option("--vocab-size", options->vocab_size, "Override the flavor's vocabulary size");

@@ -43,9 +43,9 @@ struct ModelArgs {
   std::string summary() const;  // "dim 4096, 32 layers, 32 heads (8 kv), ffn 14336, vocab 128256"
 };
 
-// Named flavors: debugmodel, 1B, 3B, 8B, 70B, 405B. `vocab_size` overrides the flavor's (the
-// debug model's vocabulary comes from the tokenizer; default 2048). Unknown names throw a
-// loom::UsageError listing the valid ones.
+// Named flavors, as listed by flavor_names(): debugmodel, 124M, 1B, 3B, 8B, 70B, 405B.
+// `vocab_size` overrides the flavor's (the debug model's vocabulary comes from the tokenizer;
+// default 2048). Unknown names throw a loom::UsageError listing the valid ones.
 //
 // Loom's output head is always untied from tok_embeddings. Meta ties them in Llama 3.2 1B/3B, so
 // those flavors here have vocab_size * dim more parameters than the published counts

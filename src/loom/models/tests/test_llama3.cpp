@@ -14,6 +14,7 @@
 #include "loom/models/llama3/hf_adapter.h"
 #include "loom/models/llama3/model.h"
 #include "loom/models/llama3/model_dir.h"
+#include "loom/testing/run.h"
 
 namespace {
 namespace fs = std::filesystem;
@@ -385,6 +386,22 @@ TEST(ModelDir, TiedHfCheckpointAndMissingTensorErrors) {
   }
   // A directory without config.json.
   EXPECT_THROW(detect_model_dir_format(tmp.path()), loom::Error);
+}
+
+}  // namespace
+
+namespace {
+
+// Issue 8 K: `loom info --help` listed flavors from a hand-written string that lacked 124M.
+TEST(InfoCli, HelpListsEveryFlavor) {
+  const auto r = loom::testing::run(loom::testing::loom_bin() + " info --help", 60);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const size_t flag = r.output.find("--flavor");
+  ASSERT_NE(flag, std::string::npos) << r.output;
+  const std::string line = r.output.substr(flag, r.output.find('\n', flag) - flag);
+  for (const std::string& name : flavor_names()) {
+    EXPECT_NE(line.find(name), std::string::npos) << name << " missing from: " << line;
+  }
 }
 
 }  // namespace

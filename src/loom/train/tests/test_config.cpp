@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -287,6 +288,115 @@ TEST(Config, OptimizerAndScheduleOptions) {
   EXPECT_EQ(schedule.decay_ratio, 0.3);
   EXPECT_EQ(schedule.decay_type, optim::DecayType::kCosine);
   EXPECT_DOUBLE_EQ(schedule.min_lr_factor, 0.0);
+}
+
+// Issue 8 F: inf/nan parse as numbers (from_chars and TOML both take them) and passed the range
+// checks (inf >= 0); every float key of the schema must reject them.
+TEST(Config, NonFiniteNumbersAreRejected) {
+  EXPECT_EQ(usage_error([] { load_job_config("", {"--optimizer.lr=inf"}); }),
+            "config key 'optimizer.lr' must be a finite number, got inf");
+  EXPECT_EQ(usage_error([] { load_job_config("", {"--optimizer.beta1=nan"}); }),
+            "config key 'optimizer.beta1' must be a finite number, got nan");
+  // TOML's own literals, including -inf for the optional key whose negative values mean unset.
+  EXPECT_EQ(usage_error([] { validate(parse("[training]\nmax_norm = inf\n")); }),
+            "config key 'training.max_norm' must be a finite number, got inf");
+  EXPECT_EQ(usage_error([] { validate(parse("[lr_scheduler]\ndecay_ratio = nan\n")); }),
+            "config key 'lr_scheduler.decay_ratio' must be a finite number, got nan");
+  EXPECT_EQ(usage_error([] { validate(parse("[lr_scheduler]\ndecay_ratio = -inf\n")); }),
+            "config key 'lr_scheduler.decay_ratio' must be a finite number, got -inf");
+  EXPECT_EQ(usage_error([] { load_job_config("", {"--lr_scheduler.decay_ratio=-inf"}); }),
+            "config key 'lr_scheduler.decay_ratio' must be a finite number, got -inf");
+  // Every float key, found through the schema, so a key added later is covered too.
+  int float_keys = 0;
+  for (const ConfigKey& key : config_schema()) {
+    JobConfig probe;
+    const ConfigField field = key.field(probe);
+    if (!std::holds_alternative<double*>(field) && !std::holds_alternative<std::optional<double>*>(field)) continue;
+    ++float_keys;
+    for (const char* value : {"inf", "-inf", "nan"}) {
+      EXPECT_EQ(usage_error([&] { load_job_config("", {"--" + key.name() + "=" + value}); }),
+                "config key '" + key.name() + "' must be a finite number, got " + value);
+    }
+  }
+  // lr, eps, beta1, beta2, weight_decay, decay_ratio, min_lr_factor, max_norm, peak_flops so far.
+  EXPECT_GE(float_keys, 9);
+  EXPECT_NO_THROW(load_job_config("", {"--optimizer.lr=1e-3", "--lr_scheduler.decay_ratio=-1"}));
+}
+
+// Issue 8 E: INT64_MAX seconds became "-1000 ms" and 1e10 an immediate rendezvous failure.
+TEST(Config, CommTimeoutHasAnUpperBound) {
+  const std::string expected =
+      "config key 'comm.timeout_seconds' must be in [1, 604800] (at most one week: larger values "
+      "overflow the millisecond timeouts), got ";
+  EXPECT_EQ(usage_error([] { load_job_config("", {"--comm.timeout_seconds=9223372036854775807"}); }),
+            expected + "9223372036854775807");
+  EXPECT_EQ(usage_error([] { load_job_config("", {"--comm.timeout_seconds=10000000000"}); }),
+            expected + "10000000000");
+  EXPECT_EQ(usage_error([] { load_job_config("", {"--comm.timeout_seconds=0"}); }), expected + "0");
+  EXPECT_EQ(load_job_config("", {"--comm.timeout_seconds=604800"}).comm.timeout_seconds, 604800);
+}
+
+// Issue 8 G: a key without its section was compared with whole "section.key" names, so
+// "--steps=2" suggested "model.name".
+TEST(Config, KeyWithoutSectionSuggestsTheFullName) {
+  JobConfig c;
+  EXPECT_EQ(usage_error([&] { apply_overrides(c, {"--steps=2"}); }),
+            "unknown config key 'steps' in command-line override '--steps=2' (did you mean "
+            "'training.steps'?)");
+  EXPECT_EQ(usage_error([&] { apply_overrides(c, {"--lr", "0.1"}); }),
+            "unknown config key 'lr' in command-line override '--lr' (did you mean "
+            "'optimizer.lr'?)");
+  EXPECT_EQ(usage_error([&] { apply_overrides(c, {"--seqlen=8"}); }),
+            "unknown config key 'seqlen' in command-line override '--seqlen=8' (did you mean "
+            "'training.seq_len'?)");
+}
+
+// Issue 8 I: a directory was reported as "not found".
+TEST(Config, ConfigPathThatIsADirectory) {
+  EXPECT_EQ(usage_error([] { load_config_file(kSource + "/configs"); }),
+            "config file '" + kSource + "/configs' is a directory; pass a TOML file, e.g. --config "
+            "configs/llama3_debug.toml");
+}
+
+// Issue 8 A/B: the data format is a choice that includes "auto", and the JSONL field is a key.
+TEST(Config, DatasetFormatAndJsonlField) {
+  const JobConfig defaults;
+  EXPECT_EQ(defaults.training.dataset_format, "jsonl");
+  EXPECT_EQ(defaults.training.jsonl_field, "text");
+  const JobConfig c = load_job_config("", {"--training.dataset_format=auto", "--training.jsonl_field=body"});
+  EXPECT_EQ(c.training.dataset_format, "auto");
+  EXPECT_EQ(c.training.jsonl_field, "body");
+  EXPECT_EQ(parse("[training]\ndataset_format = \"tokens\"\njsonl_field = \"content\"\n").training.jsonl_field,
+            "content");
+  EXPECT_EQ(usage_error([] { parse("[training]\ndataset_format = \"json\"\n"); }),
+            "config key 'training.dataset_format' must be \"jsonl\", \"text\", \"tokens\" or \"auto\", "
+            "got \"json\" in configs/x.toml:2:18 (did you mean \"jsonl\"?)");
+}
+
+// Issue 8 L: the keys of features that are not built yet say so in their help and their docs.
+TEST(Config, UnavailableFeaturesSayTheyAreNotAvailable) {
+  std::ifstream in(kSource + "/docs/config.md");
+  std::stringstream doc;
+  doc << in.rdbuf();
+  const std::string docs = doc.str();
+  for (const char* name : {"parallelism.tensor_parallel_degree", "parallelism.context_parallel_degree",
+                           "parallelism.pipeline_parallel_degree", "activation_checkpoint.mode"}) {
+    SCOPED_TRACE(name);
+    const auto key = std::find_if(config_schema().begin(), config_schema().end(),
+                                  [&](const ConfigKey& k) { return k.name() == name; });
+    ASSERT_NE(key, config_schema().end());
+    EXPECT_NE(key->help.find("Not available yet"), std::string_view::npos) << key->help;
+    const size_t row = docs.find("| `" + std::string(name) + "` |");
+    ASSERT_NE(row, std::string::npos);
+    const std::string line = docs.substr(row, docs.find('\n', row) - row);
+    EXPECT_NE(line.find("Not available yet"), std::string::npos) << line;
+  }
+  std::ifstream readme_in(kSource + "/README.md");
+  std::stringstream readme;
+  readme << readme_in.rdbuf();
+  EXPECT_NE(readme.str().find("Tensor, context and pipeline parallelism and activation checkpointing are not "
+                              "available yet"),
+            std::string::npos);
 }
 
 TEST(Config, EditDistance) {

@@ -4,8 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 
 #include "loom/core/build_paths.h"
+#include "loom/data/sources.h"
+#include "loom/data/tokenizer.h"
 #include "loom/testing/run.h"
 
 namespace {
@@ -133,7 +136,38 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"world_size_mismatch", "train --config " + src("configs/llama3_debug.toml") +
                                             " --parallelism.data_parallel_replicate_degree=2"
                                             " --parallelism.data_parallel_shard_degree=1",
-                 2, "world size 1"}),
+                 2, "world size 1"},
+        // Issue 8: the probe of bad inputs.
+        BadInput{"key_without_section", "train --config " + src("configs/llama3_debug.toml") + " --steps=2", 2,
+                 "did you mean 'training.steps'"},
+        BadInput{"misspelt_config_flag", "train --confg x", 2,
+                 "unknown option '--confg' for 'loom train' (did you mean '--config'?)"},
+        BadInput{"infinite_lr", "train --config " + src("configs/llama3_debug.toml") + " --optimizer.lr=inf", 2,
+                 "config key 'optimizer.lr' must be a finite number, got inf"},
+        BadInput{"timeout_overflow", "train --config " + src("configs/llama3_debug.toml") +
+                                         " --comm.timeout_seconds=9223372036854775807",
+                 2, "config key 'comm.timeout_seconds' must be in [1, 604800]"},
+        BadInput{"config_is_directory", "train --config " + src("configs"), 2,
+                 "is a directory; pass a TOML file"},
+        BadInput{"tokens_format_on_jsonl", "train --config " + src("configs/llama3_debug.toml") +
+                                               " --training.dataset_format=tokens" +
+                                               " --training.dataset_path=" + src("data/default/corpus.jsonl") +
+                                               " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+                                               " --parallelism.data_parallel_shard_degree=1",
+                 2, "is not a loom token file (no LOOMTOK magic) but training.dataset_format is \"tokens\""},
+        BadInput{"missing_jsonl_field", "train --config " + src("configs/llama3_debug.toml") +
+                                            " --training.jsonl_field=body" +
+                                            " --training.dataset_path=" + src("data/default/corpus.jsonl") +
+                                            " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+                                            " --parallelism.data_parallel_shard_degree=1",
+                 1, "no string field 'body' (each JSONL line must be an object with the document text in "
+                    "that field; choose the field with training.jsonl_field)"},
+        BadInput{"tensor_parallel", "train --config " + src("configs/llama3_debug.toml") +
+                                        " --parallelism.tensor_parallel_degree=2",
+                 2, "tensor, context and pipeline parallelism are not available yet"},
+        BadInput{"activation_checkpoint", "train --config " + src("configs/llama3_debug.toml") +
+                                              " --activation_checkpoint.mode=selective",
+                 2, "activation_checkpoint.mode 'selective' is not available yet; use \"none\""}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(TrainerE2E, MalformedTomlIsOneLineError) {
@@ -143,6 +177,71 @@ TEST(TrainerE2E, MalformedTomlIsOneLineError) {
   RunResult r = run(bin_dir() + "/loom train --config " + path.string(), 60);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("bad.toml"), std::string::npos) << r.output;
+}
+
+// Issue 8 A + D: JSONL in a file named .txt is read as JSONL when dataset_format says so (it was
+// one raw-text document), and a corpus smaller than the run says that it repeats, at startup and
+// at each new epoch.
+TEST(TrainerE2E, ConfiguredFormatIsHonouredAndEpochsAreAnnounced) {
+  TempDir dir("format");
+  const auto data = dir.path() / "tiny.txt";
+  {
+    std::ofstream out(data);
+    for (int i = 0; i < 6; ++i) out << "{\"text\": \"the quick brown fox jumps over the lazy dog " << i << "\"}\n";
+  }
+  RunResult r = run(bin_dir() + "/loom train --config " + src("configs/llama3_debug.toml") +
+                        " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+                        " --training.dataset_path=" + data.string() + " --training.dataset_format=jsonl" +
+                        " --job.dump_folder=" + (dir.path() / "run").string() +
+                        " --training.seq_len=16 --training.local_batch_size=2 --training.steps=6"
+                        " --lr_scheduler.warmup_steps=1 --metrics.log_freq=1 --metrics.peak_flops=1e11"
+                        " --parallelism.data_parallel_shard_degree=1",
+                    300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tiny.txt: 6 documents"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("warning: data: training.steps = 6 takes 12 rows, "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("epochs of this corpus's"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("data: starting epoch 2 at row"), std::string::npos) << r.output;
+  EXPECT_EQ(loom::testing::count_occurrences(r.output, "starting epoch 2 "), 1) << r.output;
+}
+
+// Issue 8 C: a token file whose ids exceed the model's vocabulary (its header says otherwise)
+// failed mid-step in the embedding ("index out of range in self"); now it fails at load, naming
+// the file, the position and the id.
+TEST(TrainerE2E, TokenIdsBeyondTheVocabularyFailAtLoad) {
+  TempDir dir("ids");
+  const std::string path = (dir.path() / "corpus.bin").string();
+  const auto tok = loom::data::Tokenizer::from_file(src("data/default/tokenizer.json"));
+  const int64_t vocab = tok.vocab_size();
+  {
+    loom::data::TokenFileWriter writer(path, vocab + 100, tok.bos_id(), tok.eos_id());
+    std::vector<int64_t> doc(200, 5);
+    writer.add_document(doc);
+    doc[7] = vocab + 42;
+    writer.add_document(doc);
+    writer.close();
+  }
+  {
+    // The header now matches the tokenizer, as a hand-made or damaged file's might.
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(32);
+    f.write(reinterpret_cast<const char*>(&vocab), sizeof(vocab));
+  }
+  RunResult r = run(bin_dir() + "/loom train --config " + src("configs/llama3_debug.toml") +
+                        " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+                        " --training.dataset_path=" + path + " --training.dataset_format=tokens" +
+                        " --job.dump_folder=" + (dir.path() / "run").string() +
+                        " --training.seq_len=16 --training.local_batch_size=2 --training.steps=30"
+                        " --metrics.peak_flops=1e11 --parallelism.data_parallel_shard_degree=1",
+                    300);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("error: token file '" + path + "' has token id " + std::to_string(vocab + 42) +
+                          " at document 1, offset 7"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("outside the model's vocabulary of " + std::to_string(vocab)), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("index out of range"), std::string::npos) << r.output;
 }
 
 // Issue 4: a run interrupted after 10 steps and resumed from its checkpoint continues bitwise
