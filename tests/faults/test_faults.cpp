@@ -179,6 +179,48 @@ TEST(Faults, PeersStopOnTheirOwnWithoutALauncher) {
   EXPECT_LT(r.seconds, 30.0) << r.output;
 }
 
+// Issue 8, items 2 and 5: a token id >= the vocabulary in a token file, trained on 2 ranks with
+// restarts allowed. Before: "index out of range in self" from the embedding, naming nothing, then a
+// 300 s hang in the shutdown barrier, three times. Now: found at load, naming the file and the
+// position, on every rank's console, exit 2 without restarts, in seconds.
+TEST(Faults, OutOfRangeTokenIdIsNamedAtLoadAndEndsTheJob) {
+  TempDir dir("badtokens");
+  // A token file (format in data/sources.h) whose header claims the model's 2048-id vocabulary but
+  // whose second document holds id 3000.
+  const fs::path tokens = dir.path() / "bad.tokens";
+  {
+    std::ofstream out(tokens, std::ios::binary);
+    auto u32 = [&](uint32_t v) { out.write(reinterpret_cast<const char*>(&v), 4); };
+    auto i64 = [&](int64_t v) { out.write(reinterpret_cast<const char*>(&v), 8); };
+    std::vector<uint16_t> ids;
+    for (int d = 0; d < 200; ++d) {
+      for (int t = 0; t < 40; ++t) ids.push_back(static_cast<uint16_t>(10 + (d * 7 + t) % 1000));
+      ids.push_back(2046);  // EOS of the default tokenizer
+    }
+    ids[41 + 5] = 3000;  // document 1, offset 5
+    out.write("LOOMTOK", 8);
+    u32(1);
+    u32(2);
+    i64(static_cast<int64_t>(ids.size()));
+    i64(200);
+    i64(2048);
+    i64(2045);  // BOS of the default tokenizer
+    i64(2046);  // EOS
+    i64(0);
+    out.write(reinterpret_cast<const char*>(ids.data()), static_cast<std::streamsize>(ids.size() * 2));
+  }
+  RunResult r = run(launch(2, " --max-restarts 2") +
+                    train_args(dir, 20, " --training.dataset_path=" + tokens.string() +
+                                        " --training.dataset_format=tokens --comm.timeout_seconds=300"), 120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("[rank1] error: token file '" + tokens.string() + "' has token id 3000 at document 1, offset 5"),
+            std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("loom launch: restart"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("index out of range"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 10.0) << r.output;
+  std::printf("token id 3000 >= vocab 2048 on 2 ranks: exit %d after %.1f s\n", r.exit_code, r.seconds);
+}
+
 // Issue 8, item 6: a configuration error is not retried (before: 4 attempts x 2 ranks = 8
 // identical lines, exit 1); the launch exits 2 like the README says.
 TEST(Faults, ConfigErrorsAreNotRestarted) {

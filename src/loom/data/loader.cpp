@@ -37,7 +37,8 @@ void TokenCorpus::add_token_file(std::shared_ptr<const TokenFile> file, int64_t 
   for (int64_t i = 0; i < file->size(); ++i) {
     const int64_t id = (*file)[i];
     if (id >= id_limit) {
-      fail("token file '", file->path(), "' has token id ", id, " at document ",
+      // Bad input, not a transient failure: exit 2, which `loom launch` never restarts.
+      fail_usage("token file '", file->path(), "' has token id ", id, " at document ",
            num_documents() - shard.first_doc, ", offset ", i - doc_begin, " (token ", i,
            " of the file), outside the model's vocabulary of ", model_vocab_size,
            " ids; re-run 'loom tokenizer pretokenize' with the model's tokenizer (model.tokenizer_path)",
@@ -85,7 +86,7 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
       auto file = std::make_shared<const TokenFile>(path);
       const TokenFileHeader& h = file->header();
       // The cheap check first; add_token_file still scans the ids, as the header can lie.
-      LOOM_REQUIRE(model_vocab_size <= 0 || h.vocab_size <= model_vocab_size, "token file '", path,
+      LOOM_REQUIRE_USAGE(model_vocab_size <= 0 || h.vocab_size <= model_vocab_size, "token file '", path,
                    "' was written for vocab size ", h.vocab_size, ", more than the model's vocabulary of ",
                    model_vocab_size, " ids; re-run 'loom tokenizer pretokenize' with the model's tokenizer ",
                    "(model.tokenizer_path) or raise model.vocab_size to at least ", h.vocab_size);
@@ -96,7 +97,7 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
         vocab_size = h.vocab_size;
         ids_from = c10::str("token file '", path, "'");
       }
-      LOOM_REQUIRE(h.vocab_size == vocab_size && h.eos_id == corpus->eos_id_ &&
+      LOOM_REQUIRE_USAGE(h.vocab_size == vocab_size && h.eos_id == corpus->eos_id_ &&
                        (h.bos_id == corpus->bos_id_ || h.bos_id < 0),
                    "token file '", path, "' was written for vocab size ", h.vocab_size, ", BOS ", h.bos_id,
                    ", EOS ", h.eos_id, " but ", ids_from, " has vocab size ", vocab_size, ", BOS ",
