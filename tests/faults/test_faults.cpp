@@ -233,6 +233,9 @@ TEST(Faults, ConfigErrorsAreNotRestarted) {
   EXPECT_GE(lines, 2) << r.output;
   EXPECT_LE(lines, 4) << r.output;
   EXPECT_NE(r.output.find("not restarted: a configuration or usage error"), std::string::npos) << r.output;
+  // Found before rendezvous, yet each rank names itself.
+  EXPECT_NE(r.output.find("[rank1] error: config key 'optimizer.lr'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank0] error: config key 'optimizer.lr'"), std::string::npos) << r.output;
   // A missing file cannot appear by restarting either.
   RunResult missing = run(launch(2, " --max-restarts 3") + " train --config /nonexistent.toml");
   EXPECT_EQ(missing.exit_code, 2) << missing.output;

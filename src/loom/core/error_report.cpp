@@ -29,6 +29,15 @@ std::string one_line(std::string s) {
   return s;
 }
 
+// This process's rank: from the launcher's environment, since an error may come before the dist
+// layer has told the logger (a configuration error is found before rendezvous).
+int launched_rank() {
+  for (const char* name : {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"}) {
+    if (const char* v = std::getenv(name)) return std::atoi(v);
+  }
+  return log::rank();
+}
+
 }  // namespace
 
 bool several_ranks_launched() {
@@ -69,7 +78,7 @@ ErrorReport report_error(ErrorReport report) {
     }
   }
   const std::string line = several_ranks_launched()
-                               ? c10::str("[rank", log::rank(), "] error: ", report.message)
+                               ? c10::str("[rank", launched_rank(), "] error: ", report.message)
                                : c10::str("error: ", report.message);
   std::fflush(stdout);
   std::fprintf(stderr, "%s\n", line.c_str());
