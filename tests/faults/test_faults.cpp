@@ -20,6 +20,7 @@
 namespace {
 namespace fs = std::filesystem;
 using loom::testing::count_occurrences;
+using loom::testing::file_bytes;
 using loom::testing::loom_bin;
 using loom::testing::read_jsonl;
 using loom::testing::run;
@@ -55,11 +56,6 @@ std::vector<int64_t> checkpoint_steps(const fs::path& folder) {
   }
   std::sort(steps.begin(), steps.end());
   return steps;
-}
-
-std::string file_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 // Every floating-point tensor of every rank file of a checkpoint is finite.

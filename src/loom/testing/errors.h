@@ -3,19 +3,21 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 #include "loom/core/error.h"
 
 namespace loom::testing {
 
-// Expects `fn` to throw loom::Error whose message is one line and contains every one of `parts`.
-template <typename Fn>
+// Expects `fn` to throw loom::Error (or the subclass `E`, e.g. loom::UsageError for exit code 2)
+// whose message is one line and contains every one of `parts`.
+template <typename E = loom::Error, typename Fn>
 void expect_error(Fn&& fn, const std::vector<std::string>& parts) {
   try {
     fn();
-    ADD_FAILURE() << "expected loom::Error";
-  } catch (const loom::Error& e) {
+    ADD_FAILURE() << "expected " << typeid(E).name();
+  } catch (const E& e) {
     const std::string message = e.what();
     EXPECT_EQ(message.find('\n'), std::string::npos) << message;
     for (const auto& p : parts) {

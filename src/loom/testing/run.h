@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -72,6 +73,12 @@ inline std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path)
     if (!line.empty()) rows.push_back(nlohmann::json::parse(line));
   }
   return rows;
+}
+
+// A file's whole content (empty when it cannot be read): e.g. to compare checkpoints bitwise.
+inline std::string file_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 // How many times `needle` occurs in `haystack` (overlapping matches count): e.g. how many ranks

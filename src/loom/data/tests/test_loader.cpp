@@ -315,14 +315,7 @@ namespace {
 // A one-line loom::UsageError (exit code 2) whose message contains every part.
 template <typename Fn>
 void expect_usage_error(Fn&& fn, const std::vector<std::string>& parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected loom::UsageError";
-  } catch (const loom::UsageError& e) {
-    const std::string message = e.what();
-    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-    for (const auto& p : parts) EXPECT_NE(message.find(p), std::string::npos) << message << " lacks " << p;
-  }
+  loom::testing::expect_error<loom::UsageError>(std::forward<Fn>(fn), parts);
 }
 
 std::vector<std::string> text_documents(const std::string& path, const SourceOptions& o) {

@@ -13,6 +13,7 @@
 
 namespace {
 using loom::testing::bin_dir;
+using loom::testing::file_bytes;
 using loom::testing::read_jsonl;
 using loom::testing::run;
 using loom::testing::RunResult;
@@ -297,13 +298,6 @@ TEST(TrainerE2E, CheckpointReshardsAcrossLayouts) {
     }
   }
 }
-
-namespace {
-std::string file_bytes(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-}  // namespace
 
 // Issue 4 kill test: rank 1 is SIGKILLed after step 7 of 12; `loom launch --max-restarts 2` restarts
 // both ranks, which resume from the step-5 checkpoint. The final losses and the final parameters
