@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/core/torch_compat.h"
 #include "loom/dist/comm.h"
 #include "loom/nn/module.h"
 
@@ -80,7 +81,7 @@ class DataParallel {
   std::vector<Bucket> buckets_;
   std::vector<torch::Tensor> bucket_buffers_;
   // Autograd holds grad accumulators weakly; keeping them here keeps our hooks alive.
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> grad_accumulators_;
+  std::vector<compat::GradAccumulatorPtr> grad_accumulators_;
   int next_bucket_to_issue_ = 0;
   bool sync_enabled_ = true;
   bool backward_started_ = false;

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "loom/core/torch_compat.h"
 #include "loom/dist/comm.h"
 #include "loom/fsdp/distributed_buffer.h"
 #include "loom/fsdp/planner.h"
@@ -188,7 +189,7 @@ class FSDPParamGroup {
   std::optional<PendingReduce> pending_;
   std::function<void()> on_grads_ready_;
   std::function<void()> drain_pending_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> grad_accumulators_;
+  std::vector<compat::GradAccumulatorPtr> grad_accumulators_;
 };
 
 }  // namespace loom::fsdp

@@ -40,3 +40,17 @@ TEST(LoomCli, UnknownCommandsAndOptionsListTheCommands) {
 }
 
 }  // namespace
+
+// The binary binds the C++ standard library to libstdc++ before libtorch: with torch 2.11, whose
+// libtorch exports copies of std::filesystem symbols, the other order crashed every
+// std::filesystem::remove_all (issue 9). libstdc++ must be the first NEEDED entry.
+TEST(LoomBinary, LinksLibstdcxxBeforeLibtorch) {
+  const auto r = run("readelf -d " + loom_bin());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const size_t stdcxx = r.output.find("[libstdc++.so");
+  const size_t torch = r.output.find("[libtorch");
+  ASSERT_NE(stdcxx, std::string::npos) << r.output;
+  ASSERT_NE(torch, std::string::npos) << r.output;
+  EXPECT_LT(stdcxx, torch) << r.output;
+  EXPECT_LT(stdcxx, r.output.find("[libc10")) << r.output;
+}
