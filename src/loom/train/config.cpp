@@ -93,6 +93,10 @@ const std::vector<ConfigKey> kSchema = {
      "per run; past that, or with 0, training stops with exit code 3 before the bad update "
      "reaches the weights or a checkpoint.",
      {}},
+    {LOOM_CONFIG_KEY(training, device),
+     "Device each rank computes on: auto = the rank's GPU (cuda:LOCAL_RANK) when CUDA is usable, "
+     "else the CPU. CUDA runs are single-process without FSDP for now.",
+     {"auto", "cpu", "cuda"}},
     // [parallelism]
     {LOOM_CONFIG_KEY(parallelism, data_parallel_replicate_degree),
      "Replicated data-parallel ranks (DDP; HSDP together with sharding).", {}},

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 
+#include "loom/core/device.h"
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
 #include "loom/core/memory.h"
@@ -20,6 +21,22 @@
 
 namespace loom::train {
 namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<uint8_t> rng_state_bytes(const at::Generator& generator) {
+  const torch::Tensor state = generator.get_state();
+  return std::vector<uint8_t>(state.data_ptr<uint8_t>(), state.data_ptr<uint8_t>() + state.numel());
+}
+
+void restore_rng_state(const nlohmann::json& rank_json, const std::string& key, at::Generator generator) {
+  if (!rank_json.contains(key)) return;
+  const auto bytes = rank_json.at(key).get<std::vector<uint8_t>>();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(torch::tensor(bytes, torch::kUInt8));
+}
+
+}  // namespace
 
 Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   validate(config_);
@@ -71,6 +88,14 @@ Trainer::~Trainer() {
 
 void Trainer::init_distributed() {
   const dist::LaunchEnv env = dist::detect_launch_env();
+  // The device, once, before anything is allocated: the model is materialized there and every
+  // batch is moved there.
+  device_ = select_device(config_.training.device, env.local_rank);
+  LOOM_REQUIRE_USAGE(device_.is_cpu() || env.world_size == 1,
+                     "training.device = \"", config_.training.device, "\" with ", env.world_size,
+                     " ranks: CUDA runs are single-process for now (multi-rank CUDA needs NCCL "
+                     "process groups and device-resident FSDP buffers, not built yet); run one "
+                     "process or set training.device = \"cpu\"");
   dist_ = dist::init_distributed(env, std::chrono::seconds(config_.comm.timeout_seconds));
   const auto& p = config_.parallelism;
   dist::ParallelDegrees degrees;
@@ -82,7 +107,7 @@ void Trainer::init_distributed() {
   parallel_dims_ = std::make_unique<dist::ParallelDims>(degrees, env.world_size, env.rank);
   const auto& pd = *parallel_dims_;
   mesh_ = std::make_unique<dist::DeviceMesh>(pd.build_mesh(dist_));
-  log::info("parallelism: ", pd.describe());
+  log::info("parallelism: ", pd.describe(), "; device: ", device_.str());
 }
 
 void Trainer::init_data() {
@@ -167,7 +192,7 @@ void Trainer::parallelize() {
                      "(parallelism.data_parallel_shard_degree > 1)");
   // Materialize then initialize every parameter from the seed: the values are the same whatever
   // the layout, so any parallel run starts from the single-process reference's weights.
-  model_->to_empty(torch::kCPU);
+  model_->to_empty(device_);
   model_->init_weights(static_cast<uint64_t>(t.seed));
   if (parallel_dims_->dp_replicate_enabled()) {
     ddp_ = std::make_unique<ddp::DataParallel>(*model_, mesh_->comm("dp_replicate"));
@@ -241,11 +266,13 @@ void Trainer::init_checkpointing() {
                          "to continue, or set job.dump_folder to a new folder for a new run");
       loader_->load_state_dict(loaded->json.at("data_loader"));
       lr_scheduler_->load_state_dict(lr_scheduler_state_);
-      if (loaded->rank_json && loaded->rank_json->contains("rng")) {
-        const auto bytes = loaded->rank_json->at("rng").get<std::vector<uint8_t>>();
-        auto gen = at::detail::getDefaultCPUGenerator();
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        gen.set_state(torch::tensor(bytes, torch::kUInt8));
+      if (loaded->rank_json) {
+        // The CPU stream always; the device's own when this run and the saved one both have it.
+        restore_rng_state(*loaded->rank_json, "rng", at::detail::getDefaultCPUGenerator());
+        if (!device_.is_cpu()) {
+          restore_rng_state(*loaded->rank_json, "rng_" + device_.str(),
+                            at::globalContext().defaultGenerator(device_));
+        }
       }
       log::info("resumed from ", loaded->path.string(), " at step ", step_);
       return;
@@ -286,9 +313,11 @@ checkpoint::ShardedStateDict Trainer::state_dict() {
   // The model config makes the checkpoint self-describing: `loom score` and `loom convert` read it.
   sd.json()[llama3::kModelConfigKey] = llama3::model_config_json(model_->args());
   sd.json()["data_loader"] = loader_->state_dict();
-  const auto rng = at::detail::getDefaultCPUGenerator().get_state();
-  sd.rank_json()["rng"] =
-      std::vector<uint8_t>(rng.data_ptr<uint8_t>(), rng.data_ptr<uint8_t>() + rng.numel());
+  sd.rank_json()["rng"] = rng_state_bytes(at::detail::getDefaultCPUGenerator());
+  if (!device_.is_cpu()) {
+    sd.rank_json()["rng_" + device_.str()] =
+        rng_state_bytes(at::globalContext().defaultGenerator(device_));
+  }
   return sd;
 }
 
@@ -395,7 +424,9 @@ StepResult Trainer::train_step() {
     // Accumulate unsharded gradients locally; reduce-scatter once, on the last micro-batch.
     if (fsdp_) fsdp_->set_requires_gradient_sync(last);
     // Head and loss fused: the [tokens, vocab] logits are never materialised.
-    torch::Tensor loss = model_->forward_loss(batch.inputs, batch.labels);
+    // Packed on the host; copied to the device (a no-op on the CPU).
+    torch::Tensor loss = model_->forward_loss(batch.inputs.to(device_, /*non_blocking=*/true),
+                                              batch.labels.to(device_, /*non_blocking=*/true));
     if (micro == 0 && fault_due("LOOM_FAULT_NAN", dist_->rank(), step_)) {
       loss = loss * std::numeric_limits<float>::quiet_NaN();
     }

@@ -62,6 +62,7 @@ class Trainer {
   llama3::Transformer& model() { return *model_; }
   const dist::ParallelDims& parallel_dims() const { return *parallel_dims_; }
   const JobConfig& config() const { return config_; }
+  const c10::Device& device() const { return device_; }
   int64_t step() const { return step_; }
 
  private:
@@ -90,6 +91,7 @@ class Trainer {
   JobConfig config_;
   std::shared_ptr<dist::Distributed> dist_;
   std::unique_ptr<RunFolderLock> run_folder_lock_;  // rank 0 only
+  c10::Device device_{c10::kCPU};  // this rank's device (training.device), chosen once
   std::unique_ptr<dist::ParallelDims> parallel_dims_;
   std::unique_ptr<dist::DeviceMesh> mesh_;
   std::unique_ptr<data::Tokenizer> tokenizer_;

@@ -3,6 +3,9 @@
 
 #include <string>
 
+#include <torch/cuda.h>
+
+#include "loom/core/build_paths.h"
 #include "loom/testing/run.h"
 
 namespace {
@@ -53,4 +56,27 @@ TEST(LoomBinary, LinksLibstdcxxBeforeLibtorch) {
   ASSERT_NE(torch, std::string::npos) << r.output;
   EXPECT_LT(stdcxx, torch) << r.output;
   EXPECT_LT(stdcxx, r.output.find("[libc10")) << r.output;
+}
+
+// Issue 9: asking for a GPU where there is none is one line and exit 2, before any work; where
+// there is one, a short single-process run trains on it.
+TEST(LoomBinary, TrainingDeviceCuda) {
+  const std::string src = loom::kSourceDir;
+  const loom::testing::TempDir dir("cuda");
+  const auto r = run(loom_bin() + " train --config " + src + "/configs/llama3_debug.toml" +
+                     " --model.tokenizer_path=" + src + "/data/default/tokenizer.json" +
+                     " --training.dataset_path=" + src + "/data/default/corpus.jsonl" +
+                     " --job.dump_folder=" + dir.str() + " --training.device=cuda --training.steps=3" +
+                     " --training.seq_len=64 --training.local_batch_size=2 --metrics.log_freq=1" +
+                     " --metrics.peak_flops=1e11", 300);
+  if (torch::cuda::is_available()) {
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("device: cuda:0"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("step:     3"), std::string::npos) << r.output;
+    return;
+  }
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "error: "), 1) << r.output;
+  EXPECT_NE(r.output.find("error: training.device = \"cuda\" but"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("step:"), std::string::npos) << r.output;
 }

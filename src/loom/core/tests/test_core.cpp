@@ -2,7 +2,12 @@
 
 #include <vector>
 
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/cuda.h>
+
+#include "loom/core/device.h"
 #include "loom/core/error.h"
+#include "loom/core/error_report.h"
 #include "loom/core/memory.h"
 
 TEST(Error, CarriesMessageAndExitCode) {
@@ -26,4 +31,42 @@ TEST(Memory, PeakTracksAllocationAndResets) {
   if (loom::memory::reset_peak_rss()) {
     EXPECT_LT(loom::memory::peak_rss_bytes(), before + (60 << 20));
   }
+}
+
+TEST(Device, SelectionFollowsTrainingDevice) {
+  EXPECT_EQ(loom::select_device("cpu", 0), c10::Device(c10::kCPU));
+  const bool usable = torch::cuda::is_available();
+  EXPECT_EQ(loom::select_device("auto", 0),
+            usable ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU));
+  if (usable) {
+    EXPECT_EQ(loom::select_device("cuda", 0), c10::Device(c10::kCUDA, 0));
+    return;
+  }
+  // No GPU here: asking for one is a one-line usage error (exit 2) that names the fix.
+  try {
+    loom::select_device("cuda", 0);
+    ADD_FAILURE() << "expected loom::UsageError";
+  } catch (const loom::UsageError& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    EXPECT_NE(message.find(at::detail::getCUDAHooks().isBuilt() ? "no CUDA device is visible"
+                                                                  : "libtorch has no CUDA support"),
+              std::string::npos) << message;
+    EXPECT_NE(message.find("training.device = \"cpu\""), std::string::npos) << message;
+  }
+}
+
+TEST(ErrorReport, DescribesEachKindOfException) {
+  const auto usage = loom::describe_exception(std::make_exception_ptr(loom::UsageError("bad key")));
+  EXPECT_EQ(usage.message, "bad key");
+  EXPECT_EQ(usage.exit_code, loom::kExitUsage);
+  const auto diverged = loom::describe_exception(std::make_exception_ptr(loom::DivergedError("nan")));
+  EXPECT_EQ(diverged.exit_code, loom::kExitDiverged);
+  const auto other = loom::describe_exception(std::make_exception_ptr(std::runtime_error("two\nlines")));
+  EXPECT_EQ(other.message, "two lines");  // always one line
+  EXPECT_EQ(other.exit_code, loom::kExitFailure);
+  EXPECT_FALSE(loom::exit_code_is_retryable(loom::kExitUsage));
+  EXPECT_FALSE(loom::exit_code_is_retryable(loom::kExitDiverged));
+  EXPECT_TRUE(loom::exit_code_is_retryable(loom::kExitPeerFailed));
+  EXPECT_TRUE(loom::exit_code_is_retryable(loom::kExitFailure));
 }
