@@ -529,7 +529,7 @@ std::vector<StepResult> Trainer::train() {
   const int64_t tokens_per_step = t.local_batch_size * t.seq_len * grad_accum_steps_;
   double window_seconds = 0.0;
   int64_t window_steps = 0;
-  memory::reset_peak_rss();
+  memory::reset_peak(device_);
   dist::comm_stats().reset();
   while (step_ < t.steps) {
     // A step's time is the whole iteration: the training step plus the checkpoint call after it,
@@ -551,13 +551,17 @@ std::vector<StepResult> Trainer::train() {
       m.lr = r.lr;
       m.tps = tokens_per_second(tokens_per_step * window_steps, window_seconds);
       m.mfu = mfu_percent(m.tps, flops_per_token_, peak_flops);
-      m.mem_peak_gib = static_cast<double>(memory::peak_rss_bytes()) / (1024.0 * 1024.0 * 1024.0);
+      m.mem_peak_gib = static_cast<double>(memory::peak_bytes(device_)) / (1024.0 * 1024.0 * 1024.0);
+      if (!device_.is_cpu()) {
+        m.extra["mem_reserved_gib"] =
+            static_cast<double>(memory::reserved_bytes(device_)) / (1024.0 * 1024.0 * 1024.0);
+      }
       const auto comm = dist::comm_stats().snapshot().total();
       m.extra["comm_bytes"] = comm.wire_bytes.value() / static_cast<double>(window_steps);
       metrics_->log(m);
       window_seconds = 0.0;
       window_steps = 0;
-      memory::reset_peak_rss();
+      memory::reset_peak(device_);
       dist::comm_stats().reset();
     }
     maybe_inject_fault(/*after_step=*/true);

@@ -70,3 +70,18 @@ TEST(ErrorReport, DescribesEachKindOfException) {
   EXPECT_TRUE(loom::exit_code_is_retryable(loom::kExitPeerFailed));
   EXPECT_TRUE(loom::exit_code_is_retryable(loom::kExitFailure));
 }
+
+TEST(Memory, PeakBytesPerDevice) {
+  const c10::Device cpu(c10::kCPU);
+  EXPECT_GT(loom::memory::peak_bytes(cpu), 0);
+  EXPECT_EQ(loom::memory::reserved_bytes(cpu), 0);
+  if (!torch::cuda::is_available()) return;  // the accelerator half needs a GPU
+  const c10::Device gpu(c10::kCUDA, 0);
+  loom::memory::reset_peak(gpu);
+  const int64_t before = loom::memory::peak_bytes(gpu);
+  {
+    auto t = torch::empty({64 << 20}, torch::TensorOptions().dtype(torch::kUInt8).device(gpu));
+    EXPECT_GE(loom::memory::peak_bytes(gpu), before + (64 << 20));
+    EXPECT_GE(loom::memory::reserved_bytes(gpu), 64 << 20);
+  }
+}
