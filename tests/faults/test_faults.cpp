@@ -15,11 +15,13 @@
 
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/build_paths.h"
+#include "loom/testing/checkpoint_files.h"
 #include "loom/testing/run.h"
 
 namespace {
 namespace fs = std::filesystem;
 using loom::testing::count_occurrences;
+using loom::testing::expect_identical_checkpoint_files;
 using loom::testing::file_bytes;
 using loom::testing::loom_bin;
 using loom::testing::read_jsonl;
@@ -114,12 +116,9 @@ TEST(Faults, DivergenceOnOneRankStopsEveryRankAndKeepsTheLastFiniteCheckpointBit
   EXPECT_EQ(checkpoint_steps(bad.path() / "checkpoint"), (std::vector<int64_t>{4}));
   RunResult ref = run(launch(2) + train_args(clean, 12, ckpt + " --checkpoint.keep_latest_k=0"));
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  for (const char* f : {"rank-0.safetensors", "rank-1.safetensors"}) {
-    const auto a = file_bytes(bad.path() / "checkpoint" / "step-4" / f);
-    const auto b = file_bytes(clean.path() / "checkpoint" / "step-4" / f);
-    ASSERT_FALSE(a.empty()) << f;
-    EXPECT_TRUE(a == b) << f << " differs from the clean run's step-4 checkpoint";
-  }
+  expect_identical_checkpoint_files(bad.path() / "checkpoint" / "step-4",
+                                    clean.path() / "checkpoint" / "step-4",
+                                    {"rank-0.safetensors", "rank-1.safetensors"});
 }
 
 // training.skip_nonfinite_steps: the NaN step is skipped with a warning and the run completes.

@@ -9,11 +9,12 @@
 #include "loom/core/build_paths.h"
 #include "loom/data/sources.h"
 #include "loom/data/tokenizer.h"
+#include "loom/testing/checkpoint_files.h"
 #include "loom/testing/run.h"
 
 namespace {
 using loom::testing::bin_dir;
-using loom::testing::file_bytes;
+using loom::testing::expect_identical_checkpoint_files;
 using loom::testing::read_jsonl;
 using loom::testing::run;
 using loom::testing::RunResult;
@@ -323,12 +324,9 @@ TEST(TrainerE2E, KilledRankRestartsAndMatchesUninterruptedRunBitwise) {
   ASSERT_EQ(ref.size(), 12u);
   ASSERT_EQ(by_step.size(), 12u);
   for (int s = 1; s <= 12; ++s) EXPECT_EQ(by_step[s], ref[s - 1]) << "step " << s;
-  for (const char* f : {"rank-0.safetensors", "rank-1.safetensors"}) {
-    const auto x = file_bytes(clean.path() / "checkpoint" / "step-12" / f);
-    const auto y = file_bytes(killed.path() / "checkpoint" / "step-12" / f);
-    ASSERT_FALSE(x.empty()) << f;
-    EXPECT_TRUE(x == y) << f << " differs";
-  }
+  expect_identical_checkpoint_files(clean.path() / "checkpoint" / "step-12",
+                                    killed.path() / "checkpoint" / "step-12",
+                                    {"rank-0.safetensors", "rank-1.safetensors"});
 }
 
 // Issue 4, async save: a save started after step N copies the state out while step N+1's forward
@@ -345,12 +343,9 @@ TEST(TrainerE2E, AsyncSaveEveryStepWritesTheSameCheckpointsAsSyncSave) {
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_EQ(losses(sync), losses(async));
   for (int step = 1; step <= 5; ++step) {
-    for (const char* f : {"rank-0.safetensors", "rank-1.safetensors", "metadata.json"}) {
-      const auto dir = "step-" + std::to_string(step);
-      const auto x = file_bytes(sync.path() / "checkpoint" / dir / f);
-      ASSERT_FALSE(x.empty()) << dir << "/" << f;
-      EXPECT_TRUE(x == file_bytes(async.path() / "checkpoint" / dir / f)) << dir << "/" << f << " differs";
-    }
+    const auto dir = "step-" + std::to_string(step);
+    expect_identical_checkpoint_files(sync.path() / "checkpoint" / dir, async.path() / "checkpoint" / dir,
+                                      {"rank-0.safetensors", "rank-1.safetensors", "metadata.json"});
   }
 }
 
