@@ -155,22 +155,29 @@ std::string describe_exit(int wait_status, bool reported) {
   return c10::str("exited with code ", code);
 }
 
+// Names the rank that failed first (the root cause) before the ranks the launcher saw exit: when a
+// peer stopped by the root cause exits before it (exit 4 races the root cause's linger), the line
+// still leads with the error that matters.
 std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
+  auto who = [&](const RankProcess& r) {
+    std::string s = c10::str("rank ", r.rank, " (");
+    if (opts.nnodes > 1) s += c10::str("node ", opts.node_rank, ", ");
+    return s + c10::str("local rank ", r.local_rank, ", pid ", r.pid, ")");
+  };
   std::string message;
+  if (o.root_cause) {
+    // Its reported code is the one it was exiting with, even if it was stopped while lingering.
+    message += who(*o.root_cause) + " " +
+               describe_exit(W_EXITCODE(o.root_cause->reported_code, 0), /*reported=*/true) + ": " +
+               o.root_cause->error_line;
+  }
   for (const RankProcess& r : o.failed) {
-    if (!message.empty()) message += " and ";
-    message += c10::str("rank ", r.rank, " (");
-    if (opts.nnodes > 1) message += c10::str("node ", opts.node_rank, ", ");
-    message += c10::str("local rank ", r.local_rank, ", pid ", r.pid, ") ",
-                        describe_exit(r.wait_status, r.reported_code != 0));
+    if (o.root_cause && r.rank == o.root_cause->rank) continue;
+    message += message.empty() ? "" : (o.root_cause ? "; then " : " and ");
+    message += who(r) + " " + describe_exit(r.wait_status, r.reported_code != 0);
     if (!r.error_line.empty()) message += c10::str(": ", r.error_line);
   }
   message += c10::str("; stopped the other ", o.stopped, " running rank(s)");
-  if (o.root_cause) {
-    bool named = false;
-    for (const RankProcess& r : o.failed) named = named || r.rank == o.root_cause->rank;
-    if (!named) message += c10::str("; rank ", o.root_cause->rank, " failed first: ", o.root_cause->error_line);
-  }
   return message;
 }
 
