@@ -1,7 +1,13 @@
 #include "loom/core/device.h"
 
+#include <ATen/DeviceAccelerator.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/cuda.h>
+
+#ifdef LOOM_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
 
 #include "loom/core/error.h"
 
@@ -28,6 +34,46 @@ c10::Device select_device(const std::string& requested, int local_rank) {
                      "own: ", count, " visible on this node; start at most ", count,
                      " ranks per node (loom launch --nproc ", count, ")");
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+}
+
+std::optional<double> peak_bf16_flops_by_name(const std::string& name) {
+  auto has = [&](const char* part) { return name.find(part) != std::string::npos; };
+  // Most specific first: "H200" contains "H20", "H100 NVL" contains "H100".
+  if (has("H200")) return 989e12;  // SXM; same tensor cores as the H100 SXM
+  if (has("H100")) {
+    if (has("NVL")) return 835e12;
+    if (has("PCIe")) return 756e12;
+    return 989e12;  // SXM (HBM3)
+  }
+  if (has("H20")) return 148e12;
+  if (has("GB200") || has("B200")) return 2250e12;
+  if (has("A100")) return 312e12;
+  if (has("A800")) return 312e12;
+  if (has("L40S")) return 362e12;
+  if (has("L4")) return 121e12;
+  if (has("A10G")) return 70e12;  // AWS's A10G: 70 TFLOP/s dense bf16
+  if (has("A10")) return 125e12;
+  return std::nullopt;
+}
+
+DeviceInfo device_info(c10::Device device) {
+  DeviceInfo info;
+  if (device.is_cpu()) {
+    info.name = "cpu";
+    return info;
+  }
+  info.total_memory_bytes = static_cast<int64_t>(at::accelerator::getMemoryInfo(device.index()).second);
+#ifdef LOOM_WITH_CUDA
+  if (device.is_cuda()) info.name = at::cuda::getDeviceProperties(device.index())->name;
+#endif
+  if (info.name.empty()) info.name = device.str();
+  info.peak_bf16_flops = peak_bf16_flops_by_name(info.name);
+  return info;
+}
+
+void synchronize(c10::Device device) {
+  if (device.is_cpu()) return;
+  at::accelerator::synchronizeDevice(device.index());
 }
 
 }  // namespace loom

@@ -4,6 +4,8 @@
 #pragma once
 #include <c10/core/Device.h>
 
+#include <cstdint>
+#include <optional>
 #include <string>
 
 namespace loom {
@@ -12,5 +14,25 @@ namespace loom {
 // for but this libtorch has no CUDA support, or no CUDA device is visible, or the rank's local
 // index has no GPU of its own.
 c10::Device select_device(const std::string& requested, int local_rank);
+
+// What the metrics need to know about a device: its name, its memory, and the peak it is measured
+// against. The CPU's name is "cpu" and its memory 0 (its peak FLOP/s are measured, not looked up:
+// train/metrics.h).
+struct DeviceInfo {
+  std::string name;
+  int64_t total_memory_bytes = 0;
+  std::optional<double> peak_bf16_flops;  // dense bf16 tensor-core peak, when the table knows it
+};
+DeviceInfo device_info(c10::Device device);
+
+// Dense (no sparsity) bf16 peak FLOP/s of an accelerator from its reported name (e.g. "NVIDIA
+// H100 80GB HBM3"), from the vendors' data sheets: what MFU is measured against, as TorchTitan
+// does. nullopt for a name the table does not know: MFU is then not guessed (set
+// metrics.peak_flops).
+std::optional<double> peak_bf16_flops_by_name(const std::string& name);
+
+// Waits for the work queued on `device` (a no-op on the CPU), so a host timer read after it covers
+// the device's work too.
+void synchronize(c10::Device device);
 
 }  // namespace loom

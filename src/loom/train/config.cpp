@@ -84,9 +84,12 @@ const std::vector<ConfigKey> kSchema = {
     {LOOM_CONFIG_KEY(training, deterministic),
      "Use deterministic algorithms: same seed and layout give bitwise-identical losses.", {}},
     {LOOM_CONFIG_KEY(training, mixed_precision_param),
-     "Dtype parameters are gathered and computed in (master weights stay float32).",
+     "Dtype parameters are gathered and computed in (master weights stay float32). With FSDP the "
+     "parameters are cast when gathered; without it (one device, or DDP) the forward runs under "
+     "autocast in this dtype.",
      {"float32", "bfloat16"}},
-    {LOOM_CONFIG_KEY(training, mixed_precision_reduce), "Dtype gradients are reduced in.",
+    {LOOM_CONFIG_KEY(training, mixed_precision_reduce),
+     "Dtype gradients are reduced in. bfloat16 needs FSDP: without it gradients are float32.",
      {"float32", "bfloat16"}},
     {LOOM_CONFIG_KEY(training, skip_nonfinite_steps),
      "A step whose loss or gradient norm is NaN/inf is skipped (no update) up to this many times "
@@ -97,6 +100,11 @@ const std::vector<ConfigKey> kSchema = {
      "Device each rank computes on: auto = the rank's GPU (cuda:LOCAL_RANK) when CUDA is usable, "
      "else the CPU. CUDA runs are single-process without FSDP for now.",
      {"auto", "cpu", "cuda"}},
+    {LOOM_CONFIG_KEY(training, allow_tf32),
+     "Let float32 matmuls and convolutions on CUDA use TF32 tensor cores (PyTorch's "
+     "allow_tf32): several times faster float32 GEMMs with 10-bit-mantissa inputs. No effect on "
+     "the CPU or in bfloat16.",
+     {}},
     // [parallelism]
     {LOOM_CONFIG_KEY(parallelism, data_parallel_replicate_degree),
      "Replicated data-parallel ranks (DDP; HSDP together with sharding).", {}},

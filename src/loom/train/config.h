@@ -73,10 +73,11 @@ struct TrainingSection {
   bool deterministic = false;
   std::string mixed_precision_param = "float32";   // "float32" | "bfloat16"
   std::string mixed_precision_reduce = "float32";  // "float32" | "bfloat16"
-  int64_t skip_nonfinite_steps = 0;
-  // "auto" | "cpu" | "cuda". The default stays "cpu" while CUDA runs are single-process only, so
-  // `make train` (2 FSDP ranks) behaves the same on a machine that has a GPU.
-  std::string device = "cpu";  // NaN/inf loss or grad norm: steps skipped before stopping
+  int64_t skip_nonfinite_steps = 0;  // NaN/inf loss or grad norm: steps skipped before stopping
+  // "auto" | "cpu" | "cuda". The default stays "cpu" so `make train` (2 FSDP ranks on the CPU)
+  // behaves the same on a machine that has a GPU.
+  std::string device = "cpu";
+  bool allow_tf32 = false;  // TF32 tensor cores for float32 matmuls/convolutions on CUDA
 
   bool operator==(const TrainingSection&) const = default;
 };

@@ -128,7 +128,8 @@ std::string MetricsLogger::console_line(const StepMetrics& m) {
                               "  grad_norm: ", printf_string("%8.4f", m.grad_norm),
                               "  lr: ", printf_string("%.2e", m.lr),
                               "  tps: ", with_thousands(m.tps),
-                              "  mfu: ", printf_string("%.2f", m.mfu), "%",
+                              // nan: the device's peak is unknown (metrics.peak_flops unset)
+                              "  mfu: ", std::isfinite(m.mfu) ? printf_string("%.2f", m.mfu) + "%" : std::string("n/a"),
                               "  memory: ", printf_string("%.2f", m.mem_peak_gib), "GiB");
   for (const auto& [key, value] : m.extra) line += c10::str("  ", key, ": ", value);
   return line;

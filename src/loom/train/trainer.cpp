@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 
+#include "loom/core/autocast.h"
 #include "loom/core/device.h"
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
@@ -55,6 +56,13 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
                      "activation_checkpoint.mode '", config_.activation_checkpoint.mode,
                      "' is not available yet; use \"none\"");
   init_distributed();  // 1. world, ParallelDims, mesh
+  // TF32 tensor cores for float32 matmuls and convolutions on CUDA (PyTorch's allow_tf32 flags);
+  // the CPU ignores it.
+  if (config_.training.allow_tf32) {
+    auto& ctx = at::globalContext();
+    ctx.setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL, at::Float32Precision::TF32);
+    ctx.setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, at::Float32Precision::TF32);
+  }
   // One job per run folder: a second one would interleave metrics and mix checkpoints.
   if (dist_->rank() == 0) run_folder_lock_ = std::make_unique<RunFolderLock>(config_.job.dump_folder);
   // 2. Determinism: same seed + same layout => bitwise-identical losses. CPU kernels are
@@ -187,9 +195,14 @@ void Trainer::parallelize() {
     llama3::init_sharded_weights(*model_, *fsdp_, static_cast<uint64_t>(t.seed));
     return;
   }
-  LOOM_REQUIRE_USAGE(t.mixed_precision_param == "float32" && t.mixed_precision_reduce == "float32",
-                     "training.mixed_precision_param/reduce other than float32 need FSDP "
-                     "(parallelism.data_parallel_shard_degree > 1)");
+  // Without FSDP (one device, or DDP), mixed precision is autocast around the forward, as in
+  // TorchTitan: float32 master weights, gradients and optimizer state; DDP all-reduces the float32
+  // gradients, so a bfloat16 reduce has nothing to apply to.
+  LOOM_REQUIRE_USAGE(t.mixed_precision_reduce == "float32",
+                     "training.mixed_precision_reduce = \"", t.mixed_precision_reduce,
+                     "\" needs FSDP (parallelism.data_parallel_shard_degree > 1): without it "
+                     "gradients are float32 master-weight gradients; set it to \"float32\"");
+  if (t.mixed_precision_param == "bfloat16") autocast_dtype_ = torch::kBFloat16;
   // Materialize then initialize every parameter from the seed: the values are the same whatever
   // the layout, so any parallel run starts from the single-process reference's weights.
   model_->to_empty(device_);
@@ -416,36 +429,48 @@ StepResult Trainer::train_step() {
   } else {
     optimizer_->zero_grad(/*set_to_none=*/true);  // FSDP: zeroes the flat gradient buffers
   }
-  double local_loss = 0.0;
+  // The step's loss is summed on the device and read back once, with the gradient norm, after
+  // backward: no host-device sync per micro-batch.
+  torch::Tensor loss_sum;
   for (int64_t micro = 0; micro < grad_accum_steps_; ++micro) {
     data::Batch batch = loader_->next();
     const bool last = micro + 1 == grad_accum_steps_;
     if (ddp_) ddp_->set_gradient_sync(last);
     // Accumulate unsharded gradients locally; reduce-scatter once, on the last micro-batch.
     if (fsdp_) fsdp_->set_requires_gradient_sync(last);
-    // Head and loss fused: the [tokens, vocab] logits are never materialised.
-    // Packed on the host; copied to the device (a no-op on the CPU).
-    torch::Tensor loss = model_->forward_loss(batch.inputs.to(device_, /*non_blocking=*/true),
-                                              batch.labels.to(device_, /*non_blocking=*/true));
+    // Packed on the host; copied to the device (a no-op on the CPU). Head and loss fused: the
+    // [tokens, vocab] logits are never materialised. Autocast covers the forward only; backward
+    // runs each op in the dtype its forward used.
+    torch::Tensor loss;
+    {
+      AutocastScope autocast(device_, autocast_dtype_);
+      loss = model_->forward_loss(batch.inputs.to(device_, /*non_blocking=*/true),
+                                  batch.labels.to(device_, /*non_blocking=*/true));
+    }
     if (micro == 0 && fault_due("LOOM_FAULT_NAN", dist_->rank(), step_)) {
       loss = loss * std::numeric_limits<float>::quiet_NaN();
     }
-    local_loss += loss.item<double>() / static_cast<double>(grad_accum_steps_);
+    const torch::Tensor part = loss.detach().to(torch::kFloat64) / static_cast<double>(grad_accum_steps_);
+    loss_sum = loss_sum.defined() ? loss_sum + part : part;
     // Mean over micro-batches: each contributes 1/k of the step's gradient.
     (grad_accum_steps_ > 1 ? loss / static_cast<double>(grad_accum_steps_) : loss).backward();
   }
   if (ddp_) ddp_->finish_gradient_sync();
 
-  double grad_norm = 0.0;
+  torch::Tensor grad_norm_t;
   if (fsdp_) {
     // Waits for the outstanding reduce-scatters, then sums squares across shards.
-    grad_norm = fsdp_->clip_grad_norm_(config_.training.max_norm).item<double>();
+    grad_norm_t = fsdp_->clip_grad_norm_(config_.training.max_norm);
   } else {
     std::vector<torch::Tensor> grads;
     grads.reserve(trainable_params_.size());
     for (const auto& p : trainable_params_) grads.push_back(p.grad());
-    grad_norm = optim::clip_grad_norm_(grads, config_.training.max_norm).item<double>();
+    grad_norm_t = optim::clip_grad_norm_(grads, config_.training.max_norm);
   }
+  const torch::Tensor host = torch::stack({loss_sum, grad_norm_t.detach().to(loss_sum.device(), torch::kFloat64)})
+                                 .to(torch::kCPU);
+  const double local_loss = host[0].item<double>();
+  const double grad_norm = host[1].item<double>();
   StepResult result;
   result.step = step_;
   result.lr = optimizer_->lr();
@@ -521,10 +546,28 @@ void Trainer::handle_nonfinite_step(const StepResult& r) {
 
 std::vector<StepResult> Trainer::train() {
   const auto& t = config_.training;
-  const double peak_flops =
-      config_.metrics.peak_flops > 0 ? config_.metrics.peak_flops : measure_peak_fp32_flops();
-  log::info("training ", t.steps, " steps; MFU against a peak of ", peak_flops / 1e9,
-            " GFLOP/s per rank");
+  // MFU's denominator: metrics.peak_flops when set; else the CPU's fp32 GEMM peak, measured now,
+  // or an accelerator's dense bf16 peak from its data sheet (TorchTitan's convention, whatever the
+  // run's dtype). An accelerator the table does not know gets no MFU rather than a guess.
+  const DeviceInfo info = device_info(device_);
+  double peak_flops = std::numeric_limits<double>::quiet_NaN();
+  if (config_.metrics.peak_flops > 0) {
+    peak_flops = config_.metrics.peak_flops;
+    log::info("training ", t.steps, " steps; MFU against metrics.peak_flops = ", peak_flops / 1e9,
+              " GFLOP/s per rank");
+  } else if (device_.is_cpu()) {
+    peak_flops = measure_peak_fp32_flops();
+    log::info("training ", t.steps, " steps; MFU against a peak of ", peak_flops / 1e9,
+              " GFLOP/s per rank (this CPU's measured fp32 GEMM peak)");
+  } else if (info.peak_bf16_flops) {
+    peak_flops = *info.peak_bf16_flops;
+    log::info("training ", t.steps, " steps on ", info.name, "; MFU against its dense bf16 peak of ",
+              peak_flops / 1e12, " TFLOP/s");
+  } else {
+    log::warn("training ", t.steps, " steps on ", info.name, ": its peak FLOP/s is not in Loom's "
+              "table, so MFU is not reported; set metrics.peak_flops to the device's dense bf16 "
+              "peak to get it");
+  }
   std::vector<StepResult> results;
   const int64_t tokens_per_step = t.local_batch_size * t.seq_len * grad_accum_steps_;
   double window_seconds = 0.0;
@@ -539,22 +582,32 @@ std::vector<StepResult> Trainer::train() {
     if (checkpointer_) {
       checkpointer_->maybe_save(step_, [this] { return state_dict(); }, step_ == t.steps);
     }
+    const bool log_step = step_ == 1 || step_ % config_.metrics.log_freq == 0 || step_ == t.steps;
+    // The host runs ahead of an accelerator: at a log step, wait for the device so the window's
+    // time covers all the work queued in it (between log steps, the next step's loss read-back
+    // keeps the host at most one step ahead).
+    if (log_step) synchronize(device_);
     r.seconds = iteration.seconds();
     results.push_back(r);
     window_seconds += r.seconds;
     ++window_steps;
-    if (step_ == 1 || step_ % config_.metrics.log_freq == 0 || step_ == t.steps) {
+    if (log_step) {
       StepMetrics m;
       m.step = r.step;
       m.loss = r.loss;
       m.grad_norm = r.grad_norm;
       m.lr = r.lr;
       m.tps = tokens_per_second(tokens_per_step * window_steps, window_seconds);
-      m.mfu = mfu_percent(m.tps, flops_per_token_, peak_flops);
-      m.mem_peak_gib = static_cast<double>(memory::peak_bytes(device_)) / (1024.0 * 1024.0 * 1024.0);
+      m.mfu = std::isnan(peak_flops) ? peak_flops : mfu_percent(m.tps, flops_per_token_, peak_flops);
+      const int64_t peak_bytes = memory::peak_bytes(device_);
+      m.mem_peak_gib = static_cast<double>(peak_bytes) / (1024.0 * 1024.0 * 1024.0);
       if (!device_.is_cpu()) {
         m.extra["mem_reserved_gib"] =
             static_cast<double>(memory::reserved_bytes(device_)) / (1024.0 * 1024.0 * 1024.0);
+        if (info.total_memory_bytes > 0) {
+          m.extra["mem_peak_pct"] = 100.0 * static_cast<double>(peak_bytes) /
+                                    static_cast<double>(info.total_memory_bytes);
+        }
       }
       const auto comm = dist::comm_stats().snapshot().total();
       m.extra["comm_bytes"] = comm.wire_bytes.value() / static_cast<double>(window_steps);

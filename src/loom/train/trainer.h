@@ -16,6 +16,7 @@
 //   9. metrics (console + metrics.jsonl) and the resolved config saved in the run folder
 #pragma once
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "loom/checkpoint/checkpointer.h"
@@ -92,6 +93,9 @@ class Trainer {
   std::shared_ptr<dist::Distributed> dist_;
   std::unique_ptr<RunFolderLock> run_folder_lock_;  // rank 0 only
   c10::Device device_{c10::kCPU};  // this rank's device (training.device), chosen once
+  // bf16 autocast around forward when FSDP is off and training.mixed_precision_param asks for it
+  // (FSDP casts parameters itself); nullopt: full precision.
+  std::optional<c10::ScalarType> autocast_dtype_;
   std::unique_ptr<dist::ParallelDims> parallel_dims_;
   std::unique_ptr<dist::DeviceMesh> mesh_;
   std::unique_ptr<data::Tokenizer> tokenizer_;

@@ -5,6 +5,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/cuda.h>
 
+#include "loom/core/autocast.h"
 #include "loom/core/device.h"
 #include "loom/core/error.h"
 #include "loom/core/error_report.h"
@@ -84,4 +85,45 @@ TEST(Memory, PeakBytesPerDevice) {
     EXPECT_GE(loom::memory::peak_bytes(gpu), before + (64 << 20));
     EXPECT_GE(loom::memory::reserved_bytes(gpu), 64 << 20);
   }
+}
+
+// MFU's denominator on accelerators: dense bf16 peaks from the data sheets, by the name the driver
+// reports; the specific names before the general ones they contain.
+TEST(Device, PeakFlopsTableByName) {
+  EXPECT_EQ(loom::peak_bf16_flops_by_name("NVIDIA H100 80GB HBM3"), 989e12);
+  EXPECT_EQ(loom::peak_bf16_flops_by_name("NVIDIA H100 PCIe"), 756e12);
+  EXPECT_EQ(loom::peak_bf16_flops_by_name("NVIDIA H100 NVL"), 835e12);
+  EXPECT_EQ(loom::peak_bf16_flops_by_name("NVIDIA H200"), 989e12);
+  EXPECT_EQ(loom::peak_bf16_flops_by_name("NVIDIA H20"), 148e12);
+  EXPECT_EQ(loom::peak_bf16_flops_by_name("NVIDIA A100-SXM4-80GB"), 312e12);
+  EXPECT_EQ(loom::peak_bf16_flops_by_name("NVIDIA B200"), 2250e12);
+  EXPECT_EQ(loom::peak_bf16_flops_by_name("NVIDIA L40S"), 362e12);
+  EXPECT_EQ(loom::peak_bf16_flops_by_name("NVIDIA A10G"), 70e12);
+  EXPECT_FALSE(loom::peak_bf16_flops_by_name("Some Future GPU").has_value());
+  // The CPU is measured, not looked up.
+  const loom::DeviceInfo cpu = loom::device_info(c10::Device(c10::kCPU));
+  EXPECT_EQ(cpu.name, "cpu");
+  EXPECT_FALSE(cpu.peak_bf16_flops.has_value());
+  loom::synchronize(c10::Device(c10::kCPU));  // a no-op, but callable on every device
+}
+
+// The AMP path without FSDP: inside the scope matmuls run in bf16 and norms stay fp32; leaving it
+// restores whatever was set before (nesting included).
+TEST(Autocast, ScopeCastsMatmulsAndRestores) {
+  const c10::Device cpu(c10::kCPU);
+  const torch::Tensor a = torch::randn({4, 8}), b = torch::randn({8, 3});
+  ASSERT_FALSE(at::autocast::is_autocast_enabled(c10::kCPU));
+  {
+    loom::AutocastScope scope(cpu, torch::kBFloat16);
+    EXPECT_TRUE(at::autocast::is_autocast_enabled(c10::kCPU));
+    EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(torch::log_softmax(a, 1).scalar_type(), torch::kFloat32);
+    {
+      loom::AutocastScope none(cpu, std::nullopt);  // full precision: changes nothing
+      EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kBFloat16);
+    }
+    EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kBFloat16);
+  }
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::kCPU));
+  EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kFloat32);
 }
