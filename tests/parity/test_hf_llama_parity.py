@@ -11,9 +11,15 @@ Checked, in fp32:
 The scaling band is made to matter: original_max_position_embeddings is 32 and the sequence is 48
 tokens long, and the script checks that transformers without rope scaling differs clearly.
 
-Environment: LOOM_BIN (the loom executable). Exits non-zero on any mismatch.
+  * the fp32 model computed in bf16 (`loom score --dtype bfloat16`): its distance from
+    transformers' fp32 logits is at most 1.5x that of transformers' own bf16 model.
+
+Environment: LOOM_BIN (the loom executable); LOOM_SCORE_DEVICE (cpu, the default, or cuda: loom
+scores on the GPU, and without one the script exits 77, which ctest reports as skipped). Exits
+non-zero on any mismatch.
 """
 
+import copy
 import os
 import re
 import subprocess
@@ -27,6 +33,11 @@ from transformers.utils import logging as hf_logging
 
 LOGIT_TOLERANCE = 1e-4
 NLL_TOLERANCE = 1e-5
+# bf16 compute is judged against transformers' own bf16 error on the same model (x1.5).
+BF16_ERROR_RATIO = 1.5
+BF16_NLL_TOLERANCE = 2e-2
+DEVICE = os.environ.get("LOOM_SCORE_DEVICE", "cpu")
+SKIPPED = 77
 SEQ_LEN = 48
 
 
@@ -80,7 +91,7 @@ def torch_mean_nll(logits, tokens):
     return torch.nn.functional.cross_entropy(logits[:-1].double(), targets).item()
 
 
-def loom_score(checkpoint, tokens, logits_out):
+def loom_score(checkpoint, tokens, logits_out, dtype="float32"):
     cmd = [
         os.environ["LOOM_BIN"],
         "score",
@@ -90,6 +101,10 @@ def loom_score(checkpoint, tokens, logits_out):
         ",".join(str(t) for t in tokens),
         "--logits-out",
         logits_out,
+        "--device",
+        DEVICE,
+        "--dtype",
+        dtype,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -100,8 +115,12 @@ def loom_score(checkpoint, tokens, logits_out):
     return load_file(logits_out)["logits"], float(match.group(1)), proc.stdout
 
 
-def check(label, checkpoint, reference_logits, tokens, workdir, failures):
-    logits, nll, _ = loom_score(checkpoint, tokens, os.path.join(workdir, label + ".safetensors"))
+def check(label, checkpoint, reference_logits, tokens, workdir, failures, dtype="float32",
+          logit_tolerance=LOGIT_TOLERANCE):
+    nll_tolerance = BF16_NLL_TOLERANCE if dtype == "bfloat16" else NLL_TOLERANCE
+    logits, nll, _ = loom_score(
+        checkpoint, tokens, os.path.join(workdir, label.replace(" ", "_") + ".safetensors"), dtype
+    )
     if logits.shape != reference_logits.shape or logits.dtype != torch.float32:
         failures.append(f"{label}: logits {tuple(logits.shape)} {logits.dtype}")
         return
@@ -113,13 +132,17 @@ def check(label, checkpoint, reference_logits, tokens, workdir, failures):
         f"{reference_logits.abs().max().item():.2f}), mean NLL loom {nll:.8f} "
         f"torch {ref_nll:.8f} (|d| = {nll_diff:.1e})"
     )
-    if max_diff > LOGIT_TOLERANCE:
-        failures.append(f"{label}: max |dlogit| {max_diff:.3e} > {LOGIT_TOLERANCE}")
-    if nll_diff > NLL_TOLERANCE:
-        failures.append(f"{label}: NLL differs by {nll_diff:.3e} > {NLL_TOLERANCE}")
+    if max_diff > logit_tolerance:
+        failures.append(f"{label}: max |dlogit| {max_diff:.3e} > {logit_tolerance}")
+    if nll_diff > nll_tolerance:
+        failures.append(f"{label}: NLL differs by {nll_diff:.3e} > {nll_tolerance}")
 
 
 def main():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("skipped: no CUDA device")
+        return SKIPPED
+    print(f"loom score on {DEVICE}")
     torch.set_num_threads(2)
     hf_logging.disable_progress_bar()
     failures = []
@@ -141,6 +164,12 @@ def main():
         single = os.path.join(workdir, "single")
         model.save_pretrained(single, safe_serialization=True)
         check("single file", single, reference, tokens, workdir, failures)
+        with torch.no_grad():
+            hf_bf16 = copy.deepcopy(model).to(torch.bfloat16)(torch.tensor([tokens])).logits[0]
+        hf_bf16_error = (hf_bf16.to(torch.float32) - reference).abs().max().item()
+        print(f"transformers in bf16: max |dlogit| = {hf_bf16_error:.3e} from its fp32 logits")
+        check("bf16 compute", single, reference, tokens, workdir, failures, dtype="bfloat16",
+              logit_tolerance=BF16_ERROR_RATIO * hf_bf16_error)
 
         sharded = os.path.join(workdir, "sharded")
         model.save_pretrained(sharded, safe_serialization=True, max_shard_size="200KB")

@@ -13,21 +13,24 @@
 
 namespace loom {
 
-c10::Device select_device(const std::string& requested, int local_rank) {
+c10::Device select_device(const std::string& requested, int local_rank, const std::string& setting) {
+  // How the user writes a value of the setting: `training.device = "cpu"` or `--device cpu`.
+  const bool flag = setting.rfind("--", 0) == 0;
+  auto value = [&](const char* v) {
+    return flag ? c10::str(setting, " ", v) : c10::str(setting, " = \"", v, "\"");
+  };
   if (requested == "cpu") return c10::Device(c10::kCPU);
   const bool usable = torch::cuda::is_available();
   if (requested == "auto") {
     if (!usable) return c10::Device(c10::kCPU);
   } else {
-    LOOM_REQUIRE_USAGE(requested == "cuda", "training.device must be \"auto\", \"cpu\" or \"cuda\", "
+    LOOM_REQUIRE_USAGE(requested == "cuda", setting, " must be \"auto\", \"cpu\" or \"cuda\", "
                        "got \"", requested, "\"");
     LOOM_REQUIRE_USAGE(at::detail::getCUDAHooks().isBuilt(),
-                       "training.device = \"cuda\" but this Loom build's libtorch has no CUDA "
-                       "support; build against a CUDA torch (README, \"On a GPU machine\") or set "
-                       "training.device = \"cpu\"");
-    LOOM_REQUIRE_USAGE(usable, "training.device = \"cuda\" but no CUDA device is visible (check "
-                       "nvidia-smi and CUDA_VISIBLE_DEVICES); set training.device = \"cpu\" or "
-                       "\"auto\"");
+                       value("cuda"), " but this Loom build's libtorch has no CUDA support; build "
+                       "against a CUDA torch (README, \"On a GPU machine\") or use ", value("cpu"));
+    LOOM_REQUIRE_USAGE(usable, value("cuda"), " but no CUDA device is visible (check nvidia-smi and "
+                       "CUDA_VISIBLE_DEVICES); use ", value("cpu"), " or ", value("auto"));
   }
   const int count = static_cast<int>(torch::cuda::device_count());
   LOOM_REQUIRE_USAGE(local_rank < count, "rank with LOCAL_RANK ", local_rank, " has no GPU of its "

@@ -12,8 +12,10 @@ namespace loom {
 
 // `requested`: "auto", "cpu" or "cuda". loom::UsageError (exit 2, one line) when CUDA is asked
 // for but this libtorch has no CUDA support, or no CUDA device is visible, or the rank's local
-// index has no GPU of its own.
-c10::Device select_device(const std::string& requested, int local_rank);
+// index has no GPU of its own. `setting` names where the choice came from in those messages (a
+// config key, or a command-line flag such as "--device").
+c10::Device select_device(const std::string& requested, int local_rank,
+                          const std::string& setting = "training.device");
 
 // What the metrics need to know about a device: its name, its memory, and the peak it is measured
 // against. The CPU's name is "cpu" and its memory 0 (its peak FLOP/s are measured, not looked up:

@@ -80,3 +80,19 @@ TEST(LoomBinary, TrainingDeviceCuda) {
   EXPECT_NE(r.output.find("error: training.device = \"cuda\" but"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("step:"), std::string::npos) << r.output;
 }
+
+// `loom score` and `loom convert` take --device too; without a GPU, cuda is one line and exit 2
+// before any model is read. GPUs are hidden, so a GPU machine checks the same thing (tests/cuda
+// runs both commands on its GPU).
+TEST(LoomBinary, ScoreAndConvertDeviceCuda) {
+  const loom::testing::TempDir dir("device");
+  for (const std::string& cmd :
+       {" score --device cuda --tokens 1,2,3 --checkpoint " + dir.str(),
+        " convert --to loom --device cuda --input " + dir.str() + " --output " + dir.str() + "/out"}) {
+    const auto r = run("env CUDA_VISIBLE_DEVICES= " + loom_bin() + cmd);
+    EXPECT_EQ(r.exit_code, 2) << cmd << "\n" << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "error: "), 1) << r.output;
+    EXPECT_NE(r.output.find("error: --device cuda but"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("use --device cpu"), std::string::npos) << r.output;
+  }
+}

@@ -1,4 +1,5 @@
-// `loom convert --input DIR --output DIR --to hf|loom [--dtype float32|bfloat16|float16]`:
+// `loom convert --input DIR --output DIR --to hf|loom [--dtype float32|bfloat16|float16]
+// [--device cpu|cuda|auto]`:
 // converts Llama weights between a Hugging Face model directory and a Loom checkpoint (the input
 // format is detected). `--to loom` writes a model-only checkpoint in the trainer's own format
 // (rank-0.safetensors, metadata.json with CRC-32C per chunk and the model config, COMPLETE);
@@ -8,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include "loom/apps/commands.h"
+#include "loom/core/device.h"
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
 #include "loom/models/llama3/model_dir.h"
@@ -17,6 +19,7 @@ namespace loom::apps {
 void register_convert_command(CLI::App& app) {
   struct Args {
     std::string input, output, to, dtype;
+    std::string device = "cpu";
   };
   auto args = std::make_shared<Args>();
   auto* cmd = app.add_subcommand("convert", "Convert Llama weights between a HF directory and a Loom checkpoint");
@@ -25,13 +28,19 @@ void register_convert_command(CLI::App& app) {
   cmd->add_option("--to", args->to, "Output format")->required()->check(CLI::IsMember({"hf", "loom"}));
   cmd->add_option("--dtype", args->dtype, "Stored dtype of the weights (default: float32)")
       ->check(CLI::IsMember({"float32", "bfloat16", "float16"}));
+  // The weights pass through this device (loaded there, written back from it): a checkpoint
+  // trained on a GPU converts there, and the round trip through either device is exact.
+  cmd->add_option("--device", args->device, "Device the weights are loaded on: cpu, cuda, or auto")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   cmd->callback([args] {
     namespace fs = std::filesystem;
     LOOM_REQUIRE_USAGE(fs::weakly_canonical(args->input) != fs::weakly_canonical(args->output),
                        "convert: --output must differ from --input (", args->input, ")");
     LOOM_REQUIRE_USAGE(!fs::exists(args->output), "convert: --output '", args->output,
                        "' already exists; choose a new directory or remove it");
-    auto loaded = llama3::load_model_dir(args->input);
+    llama3::LoadOptions load;
+    load.options = load.options.device(select_device(args->device, /*local_rank=*/0, "--device"));
+    auto loaded = llama3::load_model_dir(args->input, load);
     std::optional<c10::ScalarType> dtype;
     if (args->dtype == "bfloat16") dtype = torch::kBFloat16;
     if (args->dtype == "float16") dtype = torch::kFloat16;

@@ -7,6 +7,7 @@
 
 #include "loom/apps/commands.h"
 #include "loom/checkpoint/safetensors.h"
+#include "loom/core/device.h"
 #include "loom/core/error.h"
 #include "loom/core/timer.h"
 #include "loom/data/tokenizer.h"
@@ -22,6 +23,8 @@ struct ScoreOptions {
   std::string text_file;
   std::string tokenizer;
   std::string logits_out;
+  std::string device = "cpu";
+  std::string dtype = "float32";
   bool no_bos = false;
 };
 
@@ -74,6 +77,10 @@ void run_score(const ScoreOptions& o) {
   Timer load_timer;
   llama3::LoadOptions load;
   load.max_seq_len = seq_len;  // the RoPE cache only needs this sequence
+  const c10::Device device = select_device(o.device, /*local_rank=*/0, "--device");
+  load.options = torch::TensorOptions()
+                     .dtype(o.dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32)
+                     .device(device);
   const auto loaded = llama3::load_model_dir(o.checkpoint, load);
   llama3::Transformer& model = *loaded.model;
   model.eval();
@@ -87,7 +94,9 @@ void run_score(const ScoreOptions& o) {
   torch::InferenceMode inference;
   const torch::Tensor tokens = torch::tensor(ids, torch::kInt64).unsqueeze(0);
   Timer forward_timer;
-  const torch::Tensor logits = model.forward(tokens).squeeze(0).to(torch::kFloat32);  // [T, V]
+  // Computed on the device in the model's dtype; scored in fp32 on the host.
+  const torch::Tensor logits =
+      model.forward(tokens.to(device)).squeeze(0).to(torch::kCPU, torch::kFloat32);  // [T, V]
   const double forward_seconds = forward_timer.seconds();
 
   // NLL of token t+1 given tokens 0..t.
@@ -96,9 +105,9 @@ void run_score(const ScoreOptions& o) {
   const torch::Tensor nll = -log_probs.gather(1, targets).squeeze(1).to(torch::kFloat64);
   const auto nll_values = nll.accessor<double, 1>();
 
-  std::printf("checkpoint: %s (%s), %s\n", o.checkpoint.c_str(),
+  std::printf("checkpoint: %s (%s), %s; %s on %s\n", o.checkpoint.c_str(),
               loaded.format == llama3::ModelDirFormat::kLoom ? "loom" : "huggingface",
-              model.args().summary().c_str());
+              model.args().summary().c_str(), o.dtype.c_str(), device.str().c_str());
   std::printf("%8s %10s %12s\n", "position", "token", "nll");
   for (int64_t t = 1; t < seq_len; ++t) {
     std::printf("%8ld %10ld %12.6f\n", static_cast<long>(t), static_cast<long>(ids[t]),
@@ -133,6 +142,11 @@ void register_score_command(CLI::App& app) {
                   "tokenizer.json for --text-file (default: the checkpoint's)")
       ->check(CLI::ExistingFile);
   cmd->add_flag("--no-bos", options->no_bos, "Do not prepend the tokenizer's BOS to --text-file");
+  cmd->add_option("--device", options->device,
+                  "Device to run the model on: cpu, cuda, or auto (the GPU when there is one)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  cmd->add_option("--dtype", options->dtype, "Dtype the model computes in (default: float32)")
+      ->check(CLI::IsMember({"float32", "bfloat16"}));
   cmd->add_option("--logits-out", options->logits_out,
                   "Write the logits [T, V] fp32 as safetensors tensor 'logits'");
   cmd->callback([options, tokens, text] {
