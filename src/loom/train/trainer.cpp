@@ -421,6 +421,13 @@ double Trainer::global_mean_loss(double local_loss) {
   return t.item<double>();
 }
 
+torch::Tensor Trainer::to_device(const torch::Tensor& host) const {
+  if (device_.is_cpu()) return host;
+  // Through pinned (page-locked) memory, so the copy is a real asynchronous DMA that overlaps the
+  // work already queued on the device (from pageable memory it would stage and block).
+  return host.pin_memory().to(device_, /*non_blocking=*/true);
+}
+
 StepResult Trainer::train_step() {
   Timer timer;
   ++step_;
@@ -438,14 +445,13 @@ StepResult Trainer::train_step() {
     if (ddp_) ddp_->set_gradient_sync(last);
     // Accumulate unsharded gradients locally; reduce-scatter once, on the last micro-batch.
     if (fsdp_) fsdp_->set_requires_gradient_sync(last);
-    // Packed on the host; copied to the device (a no-op on the CPU). Head and loss fused: the
+    // Packed on the host; copied to the device (none on the CPU). Head and loss fused: the
     // [tokens, vocab] logits are never materialised. Autocast covers the forward only; backward
     // runs each op in the dtype its forward used.
     torch::Tensor loss;
     {
       AutocastScope autocast(device_, autocast_dtype_);
-      loss = model_->forward_loss(batch.inputs.to(device_, /*non_blocking=*/true),
-                                  batch.labels.to(device_, /*non_blocking=*/true));
+      loss = model_->forward_loss(to_device(batch.inputs), to_device(batch.labels));
     }
     if (micro == 0 && fault_due("LOOM_FAULT_NAN", dist_->rank(), step_)) {
       loss = loss * std::numeric_limits<float>::quiet_NaN();

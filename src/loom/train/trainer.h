@@ -88,6 +88,8 @@ class Trainer {
   // The first parameter (module order) whose gradient has a NaN/inf on any rank; "" if none.
   std::string first_nonfinite_gradient();
   void maybe_inject_fault(bool after_step);
+  // A batch tensor packed on the host, on this rank's device (the tensor itself on the CPU).
+  torch::Tensor to_device(const torch::Tensor& host) const;
 
   JobConfig config_;
   std::shared_ptr<dist::Distributed> dist_;
