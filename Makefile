@@ -5,7 +5,7 @@ CONFIG ?= configs/llama3_debug.toml
 JOBS ?= $(shell nproc)
 LOOM := $(BUILD)/bin/loom
 
-.PHONY: all setup configure build train test bench clean
+.PHONY: all setup configure build train test bench docs clean
 
 all: build
 
@@ -31,6 +31,12 @@ data/default/tokenizer.json: data/default/corpus.txt | build
 # Every unit, multi-rank and parity test (ctest runs the gtest binaries and the Python parity checks).
 test: build data/default/tokenizer.json
 	ctest --test-dir $(BUILD) --output-on-failure --timeout 900 -j 1
+
+# docs/config.md's tables come from the config schema (src/loom/train/config.cpp): rewrite them.
+docs: build
+	sed '/^<!-- generated below/q' docs/config.md > docs/config.md.new
+	$(LOOM) train --config-reference >> docs/config.md.new
+	mv docs/config.md.new docs/config.md
 
 bench: build
 	bench/run_all.sh $(BUILD)

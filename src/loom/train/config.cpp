@@ -30,129 +30,228 @@ ConfigField bind(JobConfig& config) {
 const std::vector<ConfigKey> kSchema = {
     // [job]
     {LOOM_CONFIG_KEY(job, dump_folder),
-     "Folder for this run's outputs: config.toml, metrics.jsonl, checkpoints.", {}},
-    {LOOM_CONFIG_KEY(job, description), "Free-text description of the job.", {}},
-    {LOOM_CONFIG_KEY(job, print_config), "Print the resolved config at startup.", {}},
+     "Folder for this run's outputs: `config.toml`, `metrics.jsonl`, checkpoints. Created if "
+     "missing.", {}},
+    {LOOM_CONFIG_KEY(job, description),
+     "Free-text description of the job.", {}},
+    {LOOM_CONFIG_KEY(job, print_config),
+     "Print the resolved config (as TOML) at startup.", {}},
     // [model]
-    {LOOM_CONFIG_KEY(model, name), "Model family to train.", {"llama3"}},
+    {LOOM_CONFIG_KEY(model, name),
+     "Model family to train.", {"llama3"}},
     {LOOM_CONFIG_KEY(model, flavor),
-     "Model size within the family (debugmodel, 8B, 70B, 405B, ...).", {}},
-    {LOOM_CONFIG_KEY(model, tokenizer_path), "Hugging Face tokenizer.json to use.", {}},
+     "Size within the family: `debugmodel`, `8B`, `70B`, `405B`, ... (the family's list of "
+     "flavors decides what is valid).", {}},
+    {LOOM_CONFIG_KEY(model, tokenizer_path),
+     "Hugging Face `tokenizer.json` (byte-level BPE). `make train` creates the default one from"
+     " the bundled corpus.", {}},
     {LOOM_CONFIG_KEY(model, vocab_size),
-     "Embedding rows; 0 = the tokenizer's vocabulary size.", {}},
+     "Rows of the token embedding and output projection; `0` = the tokenizer's vocabulary size."
+     " A larger value pads the vocabulary (e.g. to a multiple of the TP degree).", {}},
     // [optimizer]
-    {LOOM_CONFIG_KEY(optimizer, name), "Optimizer to use.", {"AdamW"}},
-    {LOOM_CONFIG_KEY(optimizer, lr), "Peak learning rate (after warmup).", {}},
-    {LOOM_CONFIG_KEY(optimizer, eps), "AdamW epsilon added to the denominator.", {}},
-    {LOOM_CONFIG_KEY(optimizer, beta1), "AdamW first-moment decay.", {}},
-    {LOOM_CONFIG_KEY(optimizer, beta2), "AdamW second-moment decay.", {}},
+    {LOOM_CONFIG_KEY(optimizer, name),
+     "Optimizer. AdamW follows `torch.optim.AdamW` exactly (bias correction, decoupled weight "
+     "decay).", {"AdamW"}},
+    {LOOM_CONFIG_KEY(optimizer, lr),
+     "Peak learning rate, reached at the end of warmup.", {}},
+    {LOOM_CONFIG_KEY(optimizer, eps),
+     "Added to the denominator `sqrt(v_hat)`.", {}},
+    {LOOM_CONFIG_KEY(optimizer, beta1),
+     "First-moment decay, in [0, 1).", {}},
+    {LOOM_CONFIG_KEY(optimizer, beta2),
+     "Second-moment decay, in [0, 1).", {}},
     {LOOM_CONFIG_KEY(optimizer, weight_decay),
-     "Decoupled weight decay for matrices and embeddings; norms and biases get 0.", {}},
+     "Decoupled weight decay for every matrix, including the token embedding and output "
+     "projection; 1-D parameters (norm scales) and biases get 0.", {}},
     {LOOM_CONFIG_KEY(optimizer, implementation),
-     "fused = one vectorised kernel per parameter group (fastest); foreach = multi-tensor ops.",
+     "`fused`: one vectorised kernel (`at::_fused_adamw_`) per parameter group and dtype, one "
+     "pass over parameter, gradient and both moments (about 4x faster than foreach on CPU). "
+     "`foreach`: the multi-tensor `at::_foreach_*` sequence of PyTorch's `foreach=True`. Both "
+     "give the same result to float rounding.",
      {"fused", "foreach"}},
     // [lr_scheduler]
     {LOOM_CONFIG_KEY(lr_scheduler, warmup_steps),
-     "Linear warmup steps: step k (1-based) runs at lr * k / warmup_steps.", {}},
+     "Linear warmup steps (shortened to `training.steps` if longer).", {}},
     {LOOM_CONFIG_KEY(lr_scheduler, decay_ratio),
-     "Fraction of steps spent decaying at the end (WSD: stable before it); unset or negative = "
-     "decay over all steps after warmup.",
+     "Fraction of the steps spent decaying at the end, in [0, 1] (Warmup-Stable-Decay, "
+     "arXiv:2404.06395). Unset, a negative value in TOML, or `none` on the command line = decay"
+     " over all steps after warmup.",
      {}},
-    {LOOM_CONFIG_KEY(lr_scheduler, decay_type), "Shape of the decay.",
+    {LOOM_CONFIG_KEY(lr_scheduler, decay_type),
+     "Shape of the decay.",
      {"linear", "sqrt", "cosine"}},
     {LOOM_CONFIG_KEY(lr_scheduler, min_lr_factor),
-     "The decay ends at lr * min_lr_factor instead of 0.", {}},
+     "The decay ends at `lr * min_lr_factor`, in [0, 1].", {}},
     // [training]
     {LOOM_CONFIG_KEY(training, dataset_path),
-     "Training data: a file, a directory (every file below it) or a glob.", {}},
+     "Training data: a file, a directory (every non-hidden file below it, sorted) or a glob.", {}},
     {LOOM_CONFIG_KEY(training, dataset_format),
-     "How every data file is read, whatever its name: jsonl = one {\"text\": ...} object per line; "
-     "text = plain UTF-8, one document per file; tokens = a token file from 'loom tokenizer "
-     "pretokenize'; auto = guess each file's format from its content and name.",
+     "How every data file is read, whatever its name: `jsonl`: one `{\"text\": ...}` object per"
+     " line; `text`: plain UTF-8, one document per file; `tokens`: a token file written by "
+     "`loom tokenizer pretokenize`; `auto`: guess each file's format (token files by their "
+     "magic, `.jsonl`/`.ndjson` as JSONL, anything else as text). A token file under "
+     "`jsonl`/`text`, or any other file under `tokens`, is an error naming the file. Token ids "
+     "are checked against the model's vocabulary at load.",
      {"jsonl", "text", "tokens", "auto"}},
     {LOOM_CONFIG_KEY(training, jsonl_field),
-     "The JSONL field holding each document's text (dataset_format jsonl/auto).", {}},
-    {LOOM_CONFIG_KEY(training, local_batch_size), "Sequences per rank per micro-batch.", {}},
+     "The JSONL field holding each document's text.", {}},
+    {LOOM_CONFIG_KEY(training, local_batch_size),
+     "Sequences per rank per micro-batch.", {}},
     {LOOM_CONFIG_KEY(training, global_batch_size),
-     "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree. "
-     "Larger multiples accumulate gradients over global / (local x dp) micro-batches.",
+     "Sequences per optimizer step over all ranks. `-1` = `local_batch_size x` data-parallel "
+     "degree. Otherwise it must be a multiple of `local_batch_size x dp` and the trainer "
+     "accumulates gradients over `global / (local x dp)` micro-batches.",
      {}},
-    {LOOM_CONFIG_KEY(training, seq_len), "Tokens per sequence.", {}},
-    {LOOM_CONFIG_KEY(training, max_norm), "Clip gradients to this global 2-norm.", {}},
-    {LOOM_CONFIG_KEY(training, steps), "Optimizer steps to run.", {}},
-    {LOOM_CONFIG_KEY(training, seed), "Seed for initialization and data order.", {}},
+    {LOOM_CONFIG_KEY(training, seq_len),
+     "Tokens per sequence.", {}},
+    {LOOM_CONFIG_KEY(training, max_norm),
+     "Gradients are clipped to this global 2-norm (over all shards), `> 0`.", {}},
+    {LOOM_CONFIG_KEY(training, steps),
+     "Optimizer steps to run.", {}},
+    {LOOM_CONFIG_KEY(training, seed),
+     "Seed for parameter initialization and data order.", {}},
     {LOOM_CONFIG_KEY(training, deterministic),
-     "Use deterministic algorithms: same seed and layout give bitwise-identical losses.", {}},
+     "Use deterministic algorithms: the same seed and layout give bitwise-identical losses.", {}},
     {LOOM_CONFIG_KEY(training, mixed_precision_param),
-     "Dtype parameters are gathered and computed in (master weights stay float32). With FSDP the "
-     "parameters are cast when gathered; without it (one device, or DDP) the forward runs under "
-     "autocast in this dtype.",
+     "Dtype parameters are gathered and computed in; master weights, gradients and optimizer "
+     "state stay float32. With FSDP the parameters are cast to it when gathered; without FSDP "
+     "(one device, or DDP) the forward runs under autocast in this dtype (matmuls and attention"
+     " in bfloat16, norms, softmax and the loss in float32), as TorchTitan does. TorchTitan "
+     "defaults to bfloat16; on CPUs without fast bf16 GEMMs float32 is much faster.",
      {"float32", "bfloat16"}},
     {LOOM_CONFIG_KEY(training, mixed_precision_reduce),
-     "Dtype gradients are reduced in. bfloat16 needs FSDP: without it gradients are float32.",
+     "Dtype gradients are reduced (all-reduce / reduce-scatter) in. `bfloat16` needs FSDP: "
+     "without it the gradients are the float32 master weights' own, and `bfloat16` is a "
+     "one-line error.",
      {"float32", "bfloat16"}},
     {LOOM_CONFIG_KEY(training, skip_nonfinite_steps),
-     "A step whose loss or gradient norm is NaN/inf is skipped (no update) up to this many times "
-     "per run; past that, or with 0, training stops with exit code 3 before the bad update "
-     "reaches the weights or a checkpoint.",
+     "A step whose loss or gradient norm is NaN/inf is skipped (no optimizer or LR-schedule "
+     "step) up to this many times per run. Past that, or with `0`, training stops with one line"
+     " naming the step and the first parameter with a non-finite gradient, exit code 3 (`loom "
+     "launch` does not restart it), before the bad update reaches the weights or any "
+     "checkpoint.",
      {}},
     {LOOM_CONFIG_KEY(training, device),
-     "Device each rank computes on: auto = the rank's GPU (cuda:LOCAL_RANK) when CUDA is usable, "
-     "else the CPU. CUDA runs are single-process without FSDP for now.",
+     "Device each rank computes on: `auto` = the rank's GPU (`cuda:LOCAL_RANK`) when CUDA is "
+     "usable, else the CPU. `cuda` without a usable GPU, or with a libtorch built without CUDA,"
+     " is a one-line error (exit 2). CUDA runs are single-process without FSDP for now (other "
+     "layouts are refused with a one-line error), which is why the default is `cpu`; the model,"
+     " its buffers, gradients, optimizer state and every batch live on the device.",
      {"auto", "cpu", "cuda"}},
     {LOOM_CONFIG_KEY(training, allow_tf32),
      "Let float32 matmuls and convolutions on CUDA use TF32 tensor cores (PyTorch's "
-     "allow_tf32): several times faster float32 GEMMs with 10-bit-mantissa inputs. No effect on "
-     "the CPU or in bfloat16.",
+     "`allow_tf32`): several times faster float32 GEMMs whose inputs are rounded to a 10-bit "
+     "mantissa. No effect on the CPU or in bfloat16.",
      {}},
     // [parallelism]
     {LOOM_CONFIG_KEY(parallelism, data_parallel_replicate_degree),
-     "Replicated data-parallel ranks (DDP; HSDP together with sharding).", {}},
+     "Replicated data-parallel ranks: DDP, or HSDP together with sharding.", {}},
     {LOOM_CONFIG_KEY(parallelism, data_parallel_shard_degree),
-     "Sharded data-parallel ranks (FSDP); -1 = the ranks left over by the other degrees.", {}},
+     "Sharded data-parallel ranks (FSDP); `-1` = the ranks left over by the other degrees.", {}},
     {LOOM_CONFIG_KEY(parallelism, fsdp_reshard_after_forward),
-     "Free gathered parameters after forward: default (all but the last group), always, never, or "
-     "an integer world size to reshard to.",
+     "Whether FSDP frees gathered parameters after forward (re-gathering them in backward). "
+     "`default`: all groups but the last (whose backward starts immediately); `always`; "
+     "`never`; or a positive integer world size to reshard to (keeps a partially gathered "
+     "copy).",
      {"default", "always", "never"}, /*integer_allowed=*/true},
     {LOOM_CONFIG_KEY(parallelism, tensor_parallel_degree),
-     "Tensor-parallel ranks. Not available yet: only 1 is accepted; `loom train` refuses more.", {}},
+     "Tensor-parallel ranks. **Not available yet: only `1` is accepted** (see below).", {}},
     {LOOM_CONFIG_KEY(parallelism, context_parallel_degree),
-     "Context-parallel ranks. Not available yet: only 1 is accepted; `loom train` refuses more.", {}},
+     "Context-parallel ranks. **Not available yet: only `1` is accepted** (see below).", {}},
     {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_degree),
-     "Pipeline stages (ranks). Not available yet: only 1 is accepted; `loom train` refuses more.", {}},
+     "Pipeline stages (ranks). **Not available yet: only `1` is accepted** (see below).", {}},
     // [activation_checkpoint]
     {LOOM_CONFIG_KEY(activation_checkpoint, mode),
-     "Recompute activations in backward: none, full (every block), selective. Not available yet: "
-     "only none is accepted; `loom train` refuses full and selective.",
+     "Recompute activations in backward instead of storing them. **Not available yet: only "
+     "`\"none\"` is accepted**; `full` and `selective` (TorchTitan's names) stop `loom train` "
+     "with exit code 2 and `error: activation_checkpoint.mode 'full' is not available yet; use "
+     "\"none\"`.",
      {"none", "full", "selective"}},
     // [metrics]
-    {LOOM_CONFIG_KEY(metrics, log_freq), "Log metrics every this many steps.", {}},
+    {LOOM_CONFIG_KEY(metrics, log_freq),
+     "Log every this many steps.", {}},
     {LOOM_CONFIG_KEY(metrics, enable_jsonl),
-     "Append one JSON object per logged step to <dump_folder>/metrics.jsonl.", {}},
+     "Write `metrics.jsonl`.", {}},
     {LOOM_CONFIG_KEY(metrics, enable_tensorboard),
-     "Write TensorBoard event files (not supported by this build; must stay false).", {}},
+     "TensorBoard event files are not written by this build; the key exists for TorchTitan "
+     "compatibility and must stay `false`.", {}},
     {LOOM_CONFIG_KEY(metrics, peak_flops),
-     "Peak FLOP/s per rank for MFU; 0 = measure this machine's fp32 GEMM peak at startup.", {}},
+     "Peak FLOP/s per rank that MFU is measured against. `0` = on the CPU, measure this "
+     "machine's fp32 GEMM peak at startup (best rate of 1024x1024 matmuls for ~0.3 s at the "
+     "rank's thread count); on a GPU, its dense bf16 peak from the data-sheet table in "
+     "`core/device.cpp` (H100 SXM 989e12, A100 312e12, ...), and no MFU (with a warning) for a "
+     "GPU the table does not know. Set it to compare runs across machines.", {}},
     // [checkpoint]
-    {LOOM_CONFIG_KEY(checkpoint, enable), "Save checkpoints.", {}},
-    {LOOM_CONFIG_KEY(checkpoint, folder), "Checkpoint folder, relative to job.dump_folder.", {}},
-    {LOOM_CONFIG_KEY(checkpoint, interval), "Save every this many steps (and at the end).", {}},
+    {LOOM_CONFIG_KEY(checkpoint, enable),
+     "Save checkpoints (and resume from the newest one in the folder at startup).", {}},
+    {LOOM_CONFIG_KEY(checkpoint, folder),
+     "Checkpoint folder, relative to `job.dump_folder`.", {}},
+    {LOOM_CONFIG_KEY(checkpoint, interval),
+     "Save every this many steps, and at the last step.", {}},
     {LOOM_CONFIG_KEY(checkpoint, keep_latest_k),
-     "Keep only the newest k checkpoints; 0 = keep all (1 is not allowed: the newest may still "
-     "be being written).",
+     "Keep only the newest k checkpoints; `0` keeps all. `1` is rejected: the newest may still "
+     "be being written when the previous one would be deleted.",
      {}},
     {LOOM_CONFIG_KEY(checkpoint, async_mode),
-     "disabled = save in the training loop; async = stage to memory and write in the background.",
+     "`disabled`: save inside the training loop. `async`: the save returns after planning; "
+     "background threads copy the state into reused host buffers while the next step's forward "
+     "and backward run (its optimizer step waits for the copy, not for the write) and write it "
+     "with O_DIRECT where the filesystem allows.",
      {"disabled", "async"}},
     {LOOM_CONFIG_KEY(checkpoint, model_only),
-     "Final save holds model weights only (in export_dtype), not optimizer/trainer state.", {}},
-    {LOOM_CONFIG_KEY(checkpoint, export_dtype), "Dtype of model-only final weights.",
+     "The final save holds model weights only (in `export_dtype`), without optimizer, "
+     "scheduler, data loader and RNG state; it cannot resume training.", {}},
+    {LOOM_CONFIG_KEY(checkpoint, export_dtype),
+     "Dtype of model-only final weights.",
      {"float32", "bfloat16", "float16"}},
     {LOOM_CONFIG_KEY(checkpoint, initial_load_path),
-     "Checkpoint to start from when the run's own checkpoint folder is empty; empty = none.", {}},
+     "Model weights to start from when the run's own checkpoint folder is empty: a Loom "
+     "checkpoint (`loom convert --to loom` output, another run's `step-N`, or a checkpoint "
+     "folder = its newest complete step; model tensors only, resharded to this layout) or a "
+     "Hugging Face Llama directory; empty = none.", {}},
     // [comm]
     {LOOM_CONFIG_KEY(comm, timeout_seconds),
-     "Timeout for rendezvous and each collective, in seconds (1 to 604800, one week).", {}},
+     "Timeout for rendezvous and for each collective, in seconds: 1 to 604800 (one week; larger"
+     " values would overflow the millisecond timeouts).", {}},
+};
+
+// Prose of docs/config.md around a section's table (the keys' own text is in kSchema).
+struct SectionDoc {
+  std::string_view section;
+  std::string_view before;  // between the heading and the table
+  std::string_view after;   // after the table
+};
+
+const std::vector<SectionDoc> kSectionDocs = {
+    {"lr_scheduler",
+     R"md(Linear warmup, an optional stable phase, then decay: TorchTitan's `linear_warmup_stable_decay`.
+Training step *k* (1-based) runs at `lr * factor(k - 1)`:
+
+- warmup (`k <= warmup_steps`): `factor = k / warmup_steps`, so the first step runs at
+  `lr / warmup_steps` and the last warmup step at `lr`;
+- `decay_steps = round(steps * decay_ratio)` (or `steps - warmup_steps` when `decay_ratio` is
+  unset), shortened if warmup + decay exceed the run; the stable phase is what is left plus one
+  virtual step, so the last training step is not at exactly the floor;
+- decay: with progress `p = (k - warmup - stable) / decay_steps`, `factor = min_lr_factor +
+  (1 - min_lr_factor) * f(p)`, `f = 1 - p` (linear), `1 - sqrt(p)` (sqrt) or `(1 + cos(pi p)) / 2`
+  (cosine).)md",
+     R"md()md"},
+    {"parallelism",
+     R"md(The degrees multiply to the number of ranks; `data_parallel_shard_degree = -1` takes whatever the
+others leave.)md",
+     R"md(Tensor, context and pipeline parallelism are not available yet. The keys exist for TorchTitan
+compatibility; any degree other than 1 stops `loom train` with exit code 2 and
+`error: tensor, context and pipeline parallelism are not available yet (...); set parallelism.tensor_parallel_degree, context_parallel_degree and pipeline_parallel_degree to 1`.)md"},
+    {"metrics",
+     R"md(Every `log_freq` steps rank 0 prints one line (step, loss, grad_norm, lr, tokens/s, MFU %,
+peak memory) and appends one JSON object to `<dump_folder>/metrics.jsonl` with the keys `step`,
+`loss`, `grad_norm`, `lr`, `tps` (tokens/s per rank), `mfu` (percent), `mem_peak_gib` (peak
+resident memory of the rank since the previous log; on a GPU, the peak allocated by the CUDA
+caching allocator), plus extra keys: `comm_bytes` (bytes sent per step), and on a GPU
+`mem_reserved_gib` (held by the caching allocator) and `mem_peak_pct` (peak as a percentage of the
+device's memory). Each line is flushed when written; NaN/inf are written as `null` (and an MFU that
+cannot be computed prints as `n/a`).)md",
+     R"md()md"},
 };
 
 #undef LOOM_CONFIG_KEY
@@ -453,6 +552,54 @@ std::string ConfigKey::value_as_toml(const JobConfig& config) const {
 }
 
 const std::vector<ConfigKey>& config_schema() { return kSchema; }
+
+std::string ConfigKey::doc_type() const {
+  JobConfig probe;
+  std::string choice_list;
+  for (std::string_view c : choices) {
+    choice_list += c10::str(choice_list.empty() ? "" : " \\| ", "`\"", c, "\"`");
+  }
+  return std::visit(
+      [&](auto* field) -> std::string {
+        using T = std::remove_pointer_t<decltype(field)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          return "bool";
+        } else if constexpr (std::is_same_v<T, int64_t>) {
+          return "int";
+        } else if constexpr (std::is_same_v<T, double>) {
+          return "float";
+        } else if constexpr (std::is_same_v<T, std::optional<double>>) {
+          return "float or unset";
+        } else {
+          if (choice_list.empty()) return "string";
+          return integer_allowed ? choice_list + " \\| int" : choice_list;
+        }
+      },
+      field(probe));
+}
+
+std::string config_reference_markdown() {
+  const JobConfig defaults;
+  std::string out;
+  for (std::string_view section : config_sections()) {
+    out += c10::str("## [", section, "]\n\n");
+    const SectionDoc* doc = nullptr;
+    for (const SectionDoc& d : kSectionDocs) {
+      if (d.section == section) doc = &d;
+    }
+    if (doc != nullptr && !doc->before.empty()) out += c10::str(doc->before, "\n\n");
+    out += "| key | type | default | meaning |\n| --- | --- | --- | --- |\n";
+    for (const ConfigKey& k : kSchema) {
+      if (k.section != section) continue;
+      const std::string value = k.value_as_toml(defaults);
+      const std::string shown = value == "none" ? "unset" : c10::str("`", value, "`");
+      out += c10::str("| `", k.name(), "` | ", k.doc_type(), " | ", shown, " | ", k.help, " |\n");
+    }
+    if (doc != nullptr && !doc->after.empty()) out += c10::str("\n", doc->after, "\n");
+    out += "\n";
+  }
+  return out;
+}
 
 std::vector<std::string_view> config_sections() {
   std::vector<std::string_view> sections;

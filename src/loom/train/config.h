@@ -169,12 +169,18 @@ struct ConfigKey {
   std::string type_description() const;
   // The value held in `config`, as TOML.
   std::string value_as_toml(const JobConfig& config) const;
+  // The type column of docs/config.md: bool, int, float, string, or the allowed values.
+  std::string doc_type() const;
 };
 
 // Every key, grouped by section in a fixed order.
 const std::vector<ConfigKey>& config_schema();
 // Section names in schema order.
 std::vector<std::string_view> config_sections();
+// The reference part of docs/config.md (one table per section, with the section's prose), generated
+// from the schema: `loom train --config-reference` prints it and `make docs` writes it; a unit test
+// fails when the page differs.
+std::string config_reference_markdown();
 
 // ---- Loading --------------------------------------------------------------------------------
 

@@ -62,9 +62,16 @@ void register_train_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("train", "Train a model (one rank; use 'loom launch' for several)");
   auto config_path = std::make_shared<std::string>("configs/llama3_debug.toml");
   cmd->add_option("--config", *config_path, "TOML job config")->capture_default_str();
+  auto reference = std::make_shared<bool>(false);
+  cmd->add_flag("--config-reference", *reference,
+                "Print every config key (type, default, meaning) as Markdown and exit");
   cmd->allow_extras();
   cmd->footer("Any config key can be overridden: --section.key=value (see docs/config.md).");
-  cmd->callback([cmd, config_path] {
+  cmd->callback([cmd, config_path, reference] {
+    if (*reference) {
+      std::fputs(train::config_reference_markdown().c_str(), stdout);
+      return;
+    }
     check_misspelt_options(*cmd, cmd->remaining());
     run_training(train::load_job_config(*config_path, cmd->remaining()));
   });
