@@ -1,0 +1,198 @@
+#include "loom/tensor/collectives.h"
+
+#include "loom/core/error.h"
+
+namespace loom::tensor {
+namespace raw {
+namespace {
+
+int64_t normalized_dim(const torch::Tensor& t, int64_t dim) {
+  const int64_t n = t.dim();
+  LOOM_REQUIRE(dim >= -n && dim < n, "dim ", dim, " out of range for a ", n, "-D tensor");
+  return dim < 0 ? dim + n : dim;
+}
+
+}  // namespace
+
+torch::Tensor gather(const torch::Tensor& local, int64_t dim, dist::Comm& comm) {
+  if (comm.size() == 1) return local;
+  dim = normalized_dim(local, dim);
+  // The comm layer gathers along dim 0 of contiguous tensors: move the dim to the front and back.
+  const torch::Tensor front = local.movedim(dim, 0).contiguous();
+  std::vector<int64_t> shape = front.sizes().vec();
+  shape[0] *= comm.size();
+  torch::Tensor out = torch::empty(shape, front.options());
+  comm.all_gather_into_tensor(out, front);
+  return out.movedim(0, dim);
+}
+
+torch::Tensor reduce_scatter(const torch::Tensor& partial, int64_t dim, dist::Comm& comm) {
+  if (comm.size() == 1) return partial;
+  dim = normalized_dim(partial, dim);
+  LOOM_REQUIRE(partial.size(dim) % comm.size() == 0, "reduce_scatter along dim ", dim, " of size ",
+               partial.size(dim), " over ", comm.size(), " ranks: not divisible");
+  const torch::Tensor front = partial.movedim(dim, 0).contiguous();
+  std::vector<int64_t> shape = front.sizes().vec();
+  shape[0] /= comm.size();
+  torch::Tensor out = torch::empty(shape, front.options());
+  comm.reduce_scatter_tensor(out, front, dist::ReduceOp::kSum);
+  return out.movedim(0, dim);
+}
+
+torch::Tensor sum(const torch::Tensor& partial, dist::Comm& comm) {
+  if (comm.size() == 1) return partial;
+  torch::Tensor out = partial.clone(at::MemoryFormat::Contiguous);  // in place, not on the input
+  comm.all_reduce(out, dist::ReduceOp::kSum);
+  return out;
+}
+
+torch::Tensor chunk(const torch::Tensor& replicated, int64_t dim, const dist::Comm& comm) {
+  if (comm.size() == 1) return replicated;
+  dim = normalized_dim(replicated, dim);
+  LOOM_REQUIRE(replicated.size(dim) % comm.size() == 0, "scatter along dim ", dim, " of size ",
+               replicated.size(dim), " over ", comm.size(), " ranks: not divisible");
+  const int64_t piece = replicated.size(dim) / comm.size();
+  return replicated.narrow(dim, piece * comm.rank(), piece);
+}
+
+torch::Tensor all_to_all(const torch::Tensor& local, int64_t from_dim, int64_t to_dim, dist::Comm& comm) {
+  if (comm.size() == 1) return local;
+  from_dim = normalized_dim(local, from_dim);
+  to_dim = normalized_dim(local, to_dim);
+  if (from_dim == to_dim) return local;
+  const int w = comm.size();
+  LOOM_REQUIRE(local.size(to_dim) % w == 0, "all_to_all to dim ", to_dim, " of size ",
+               local.size(to_dim), " over ", w, " ranks: not divisible");
+  // Piece j of this rank's tensor along to_dim goes to rank j; rank i's piece for this rank is
+  // its slice of from_dim, so the received pieces concatenate along from_dim in rank order.
+  const torch::Tensor send = torch::stack(local.chunk(w, to_dim), 0).contiguous();
+  torch::Tensor recv = torch::empty_like(send);
+  comm.all_to_all(recv, send);
+  return torch::cat(recv.unbind(0), from_dim);
+}
+
+}  // namespace raw
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The comm travels with the autograd node: a capsule is the IValue that holds any C++ object.
+struct CommCapsule : torch::CustomClassHolder {
+  explicit CommCapsule(CommPtr c) : comm(std::move(c)) {}
+  CommPtr comm;
+};
+
+void save_comm(AutogradContext* ctx, const CommPtr& comm) {
+  LOOM_REQUIRE(comm != nullptr, "collective without a comm");
+  ctx->saved_data["comm"] = c10::IValue::make_capsule(c10::make_intrusive<CommCapsule>(comm));
+}
+
+dist::Comm& saved_comm(AutogradContext* ctx) {
+  return *c10::static_intrusive_pointer_cast<CommCapsule>(ctx->saved_data["comm"].toCapsule())->comm;
+}
+
+struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t dim, const CommPtr& comm) {
+    save_comm(ctx, comm);
+    ctx->saved_data["dim"] = dim;
+    return raw::gather(x, dim, *comm);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {raw::reduce_scatter(g[0], ctx->saved_data["dim"].toInt(), saved_comm(ctx)), {}, {}};
+  }
+};
+
+struct ReduceScatterFn : torch::autograd::Function<ReduceScatterFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t dim, const CommPtr& comm) {
+    save_comm(ctx, comm);
+    ctx->saved_data["dim"] = dim;
+    return raw::reduce_scatter(x, dim, *comm);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {raw::gather(g[0], ctx->saved_data["dim"].toInt(), saved_comm(ctx)), {}, {}};
+  }
+};
+
+struct AllReduceFn : torch::autograd::Function<AllReduceFn> {
+  static torch::Tensor forward(AutogradContext* /*ctx*/, const torch::Tensor& x, const CommPtr& comm) {
+    return raw::sum(x, *comm);
+  }
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list g) { return {g[0], {}}; }
+};
+
+struct AllReduceInBackwardFn : torch::autograd::Function<AllReduceInBackwardFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const CommPtr& comm) {
+    save_comm(ctx, comm);
+    return x.view_as(x);  // a new autograd node over the same values
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {raw::sum(g[0], saved_comm(ctx)), {}};
+  }
+};
+
+struct ScatterFn : torch::autograd::Function<ScatterFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t dim, const CommPtr& comm) {
+    save_comm(ctx, comm);
+    ctx->saved_data["dim"] = dim;
+    return raw::chunk(x, dim, *comm).clone();  // own storage: the full input may be freed
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {raw::gather(g[0], ctx->saved_data["dim"].toInt(), saved_comm(ctx)), {}, {}};
+  }
+};
+
+struct AllToAllFn : torch::autograd::Function<AllToAllFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t from_dim,
+                               int64_t to_dim, const CommPtr& comm) {
+    save_comm(ctx, comm);
+    ctx->saved_data["from"] = from_dim;
+    ctx->saved_data["to"] = to_dim;
+    return raw::all_to_all(x, from_dim, to_dim, *comm);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {raw::all_to_all(g[0], ctx->saved_data["to"].toInt(), ctx->saved_data["from"].toInt(),
+                            saved_comm(ctx)),
+            {}, {}, {}};
+  }
+};
+
+}  // namespace
+
+torch::Tensor all_gather(const torch::Tensor& local, int64_t dim, const CommPtr& comm) {
+  return comm->size() == 1 ? local : AllGatherFn::apply(local, dim, comm);
+}
+torch::Tensor reduce_scatter(const torch::Tensor& partial, int64_t dim, const CommPtr& comm) {
+  return comm->size() == 1 ? partial : ReduceScatterFn::apply(partial, dim, comm);
+}
+torch::Tensor all_reduce(const torch::Tensor& partial, const CommPtr& comm) {
+  return comm->size() == 1 ? partial : AllReduceFn::apply(partial, comm);
+}
+torch::Tensor all_reduce_in_backward(const torch::Tensor& replicated, const CommPtr& comm) {
+  return comm->size() == 1 ? replicated : AllReduceInBackwardFn::apply(replicated, comm);
+}
+torch::Tensor scatter(const torch::Tensor& replicated, int64_t dim, const CommPtr& comm) {
+  return comm->size() == 1 ? replicated : ScatterFn::apply(replicated, dim, comm);
+}
+torch::Tensor all_to_all(const torch::Tensor& local, int64_t from_dim, int64_t to_dim, const CommPtr& comm) {
+  return comm->size() == 1 ? local : AllToAllFn::apply(local, from_dim, to_dim, comm);
+}
+
+torch::Tensor redistribute(const torch::Tensor& local, const Placement& from, const Placement& to,
+                           const CommPtr& comm) {
+  if (from == to) return local;
+  const auto* from_shard = std::get_if<Shard>(&from);
+  const auto* to_shard = std::get_if<Shard>(&to);
+  const bool from_partial = std::holds_alternative<Partial>(from);
+  const bool from_replicate = std::holds_alternative<Replicate>(from);
+  const bool to_replicate = std::holds_alternative<Replicate>(to);
+  if (from_shard && to_replicate) return all_gather(local, from_shard->dim, comm);
+  if (from_shard && to_shard) return all_to_all(local, from_shard->dim, to_shard->dim, comm);
+  if (from_partial && to_replicate) return all_reduce(local, comm);
+  if (from_partial && to_shard) return reduce_scatter(local, to_shard->dim, comm);
+  if (from_replicate && to_shard) return scatter(local, to_shard->dim, comm);
+  fail("redistribute from ", to_string(from), " to ", to_string(to), " is not supported");
+}
+
+}  // namespace loom::tensor
