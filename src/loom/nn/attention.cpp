@@ -24,10 +24,15 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Attention::project_qkv(
     const torch::Tensor& x) {
   const int64_t batch = x.size(0);
   const int64_t seq = x.size(1);
-  // Linear outputs are contiguous [B, T, heads * D], so these views are free.
-  torch::Tensor q = wq_->forward(x).view({batch, seq, n_heads_, head_dim_});
-  torch::Tensor k = wk_->forward(x).view({batch, seq, n_kv_heads_, head_dim_});
-  torch::Tensor v = wv_->forward(x).view({batch, seq, n_kv_heads_, head_dim_});
+  // Linear outputs are contiguous [B, T, heads * D], so these views are free. The head counts come
+  // from the projections' outputs: under tensor parallelism each rank's wq/wk/wv hold only its
+  // heads, and this module needs to know nothing about it.
+  torch::Tensor q = wq_->forward(x);
+  torch::Tensor k = wk_->forward(x);
+  torch::Tensor v = wv_->forward(x);
+  q = q.view({batch, seq, q.size(-1) / head_dim_, head_dim_});
+  k = k.view({batch, seq, k.size(-1) / head_dim_, head_dim_});
+  v = v.view({batch, seq, v.size(-1) / head_dim_, head_dim_});
   return {q, k, v};
 }
 
@@ -35,14 +40,15 @@ torch::Tensor Attention::attend(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v) const {
   const int64_t batch = q.size(0);
   const int64_t seq = q.size(1);
+  const int64_t heads = q.size(2);  // this rank's query heads (all of them without TP)
   // SDPA wants [B, heads, T, D]; the transposes are strided views the flash kernel reads directly.
   torch::Tensor out = at::scaled_dot_product_attention(
       q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), /*attn_mask=*/std::nullopt,
       /*dropout_p=*/0.0, /*is_causal=*/true, /*scale=*/std::nullopt,
-      /*enable_gqa=*/n_heads_ != n_kv_heads_);
+      /*enable_gqa=*/heads != k.size(2));
   // The CPU/CUDA flash kernels allocate the output as [B, T, H, D] and return a transposed view,
   // so this reshape is a view, not a copy.
-  return out.transpose(1, 2).reshape({batch, seq, n_heads_ * head_dim_});
+  return out.transpose(1, 2).reshape({batch, seq, heads * head_dim_});
 }
 
 torch::Tensor Attention::forward(const torch::Tensor& x, const torch::Tensor& rope_cache) {

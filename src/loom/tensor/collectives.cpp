@@ -94,13 +94,19 @@ dist::Comm& saved_comm(AutogradContext* ctx) {
 }
 
 struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t dim, const CommPtr& comm) {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t dim,
+                               const CommPtr& comm, bool partial_grad) {
     save_comm(ctx, comm);
     ctx->saved_data["dim"] = dim;
+    ctx->saved_data["partial"] = partial_grad;
     return raw::gather(x, dim, *comm);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {raw::reduce_scatter(g[0], ctx->saved_data["dim"].toInt(), saved_comm(ctx)), {}, {}};
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    dist::Comm& comm = saved_comm(ctx);
+    torch::Tensor grad = ctx->saved_data["partial"].toBool() ? raw::reduce_scatter(g[0], dim, comm)
+                                                             : raw::chunk(g[0], dim, comm).contiguous();
+    return {grad, {}, {}, {}};
   }
 };
 
@@ -160,8 +166,10 @@ struct AllToAllFn : torch::autograd::Function<AllToAllFn> {
 
 }  // namespace
 
-torch::Tensor all_gather(const torch::Tensor& local, int64_t dim, const CommPtr& comm) {
-  return comm->size() == 1 ? local : AllGatherFn::apply(local, dim, comm);
+torch::Tensor all_gather(const torch::Tensor& local, int64_t dim, const CommPtr& comm,
+                         ReplicatedGrad grad) {
+  return comm->size() == 1 ? local
+                           : AllGatherFn::apply(local, dim, comm, grad == ReplicatedGrad::kPartial);
 }
 torch::Tensor reduce_scatter(const torch::Tensor& partial, int64_t dim, const CommPtr& comm) {
   return comm->size() == 1 ? partial : ReduceScatterFn::apply(partial, dim, comm);
@@ -180,14 +188,14 @@ torch::Tensor all_to_all(const torch::Tensor& local, int64_t from_dim, int64_t t
 }
 
 torch::Tensor redistribute(const torch::Tensor& local, const Placement& from, const Placement& to,
-                           const CommPtr& comm) {
+                           const CommPtr& comm, ReplicatedGrad grad) {
   if (from == to) return local;
   const auto* from_shard = std::get_if<Shard>(&from);
   const auto* to_shard = std::get_if<Shard>(&to);
   const bool from_partial = std::holds_alternative<Partial>(from);
   const bool from_replicate = std::holds_alternative<Replicate>(from);
   const bool to_replicate = std::holds_alternative<Replicate>(to);
-  if (from_shard && to_replicate) return all_gather(local, from_shard->dim, comm);
+  if (from_shard && to_replicate) return all_gather(local, from_shard->dim, comm, grad);
   if (from_shard && to_shard) return all_to_all(local, from_shard->dim, to_shard->dim, comm);
   if (from_partial && to_replicate) return all_reduce(local, comm);
   if (from_partial && to_shard) return reduce_scatter(local, to_shard->dim, comm);

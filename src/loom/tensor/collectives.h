@@ -4,7 +4,8 @@
 // and its backward moves the gradient the opposite way:
 //
 //   forward                               placements               backward
-//   all_gather(x, d)                      Shard(d)   -> Replicate  reduce-scatter along d
+//   all_gather(x, d, kPartial)            Shard(d)   -> Replicate  reduce-scatter along d
+//   all_gather(x, d, kIdentical)          Shard(d)   -> Replicate  this rank's piece of the grad
 //   reduce_scatter(x, d)                  Partial    -> Shard(d)   all-gather along d
 //   all_reduce(x)                         Partial    -> Replicate  identity
 //   all_reduce_in_backward(x)             Replicate  -> Replicate  all-reduce (inputs whose users
@@ -13,11 +14,13 @@
 //   scatter(x, d)                         Replicate  -> Shard(d)   all-gather along d
 //   all_to_all(x, from, to)               Shard(from)-> Shard(to)  all-to-all back
 //
-// A Replicate input whose consumers differ per rank receives, per rank, only its own consumers'
-// share of the gradient; the ops above are placed so that every gradient leaving them is complete
-// (that is why all_gather's backward reduce-scatters). Sharded dims must divide evenly. A group of
-// one rank makes every op the identity. Tensors stay on their device; the Comm's backend must
-// accept it (Gloo: CPU).
+// A Replicate tensor whose consumers differ per rank (a colwise linear's sharded weight after it)
+// receives, per rank, only its own consumers' share of the gradient: all_gather's backward must
+// then sum the ranks' gradients (kPartial, Megatron's gather with tensor_parallel_output_grad).
+// When every rank computes the same from it (gathered logits into a replicated loss) each rank's
+// gradient is already whole, and summing would count it t times (kIdentical: DTensor's default).
+// Sharded dims must divide evenly. A group of one rank makes every op the identity. Tensors stay on
+// their device; the Comm's backend must accept it (Gloo: CPU).
 #pragma once
 #include <torch/torch.h>
 
@@ -30,7 +33,11 @@ namespace loom::tensor {
 
 using CommPtr = std::shared_ptr<dist::Comm>;
 
-torch::Tensor all_gather(const torch::Tensor& local, int64_t dim, const CommPtr& comm);
+// How the gradient of a gathered (Replicate) tensor arrives on the ranks; see above.
+enum class ReplicatedGrad { kPartial, kIdentical };
+
+torch::Tensor all_gather(const torch::Tensor& local, int64_t dim, const CommPtr& comm,
+                         ReplicatedGrad grad);
 torch::Tensor reduce_scatter(const torch::Tensor& partial, int64_t dim, const CommPtr& comm);
 torch::Tensor all_reduce(const torch::Tensor& partial, const CommPtr& comm);
 torch::Tensor all_reduce_in_backward(const torch::Tensor& replicated, const CommPtr& comm);
@@ -39,10 +46,11 @@ torch::Tensor all_to_all(const torch::Tensor& local, int64_t from_dim, int64_t t
                          const CommPtr& comm);
 
 // Moves `local` (this rank's piece under `from`) to its piece under `to` with the ops above.
-// Supported: any placement to itself (identity), Shard -> Replicate, Shard -> Shard, Partial ->
-// Replicate, Partial -> Shard, Replicate -> Shard. Anything else is a loom::Error naming the pair.
+// Supported: any placement to itself (identity), Shard -> Replicate (gradient as `grad` says),
+// Shard -> Shard, Partial -> Replicate, Partial -> Shard, Replicate -> Shard. Anything else is a
+// loom::Error naming the pair.
 torch::Tensor redistribute(const torch::Tensor& local, const Placement& from, const Placement& to,
-                           const CommPtr& comm);
+                           const CommPtr& comm, ReplicatedGrad grad = ReplicatedGrad::kIdentical);
 
 // The same movements without autograd, on plain tensors (the gradient paths above use them).
 namespace raw {

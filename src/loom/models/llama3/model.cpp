@@ -93,6 +93,7 @@ torch::Tensor Transformer::forward_loss(const torch::Tensor& tokens, const torch
                " exceeds max_seq_len ", args_.max_seq_len, "; build the model with a larger one");
   return call_with_hooks(tokens, [&](const torch::Tensor& in) {
     const torch::Tensor hidden = norm_->forward(run_layers(embed(in)));
+    if (head_loss_) return head_loss_(hidden, *output_, labels);
     if (output_->has_forward_hooks() || output_->has_bias()) {
       // The head is wrapped (e.g. by a parallel style): keep its forward, take the plain loss.
       const torch::Tensor logits = output_->forward(hidden).to(torch::kFloat32);

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -62,6 +63,13 @@ class Transformer : public nn::Module {
   // Recomputes the non-persistent RoPE cache on the current device (after to_empty / to).
   void reset_buffers();
 
+  // Replaces the loss forward_loss computes from the final hidden states [B, T', dim] (after the
+  // final norm), the output head and the labels [B, T]: a parallelization that shards the
+  // vocabulary installs its loss here (loss parallel). Unset: the fused chunked head + loss.
+  using HeadLoss = std::function<torch::Tensor(const torch::Tensor& hidden, nn::Linear& output,
+                                               const torch::Tensor& labels)>;
+  void set_head_loss(HeadLoss loss) { head_loss_ = std::move(loss); }
+
   const ModelArgs& args() const { return args_; }
   nn::Embedding& tok_embeddings() { return *tok_embeddings_; }
   nn::ModuleDict& layers() { return *layers_; }
@@ -76,6 +84,7 @@ class Transformer : public nn::Module {
   std::shared_ptr<nn::RMSNorm> norm_;
   std::shared_ptr<nn::Linear> output_;
   nn::BufferSlot* rope_cache_;  // "freqs": [2, max_seq_len, head_dim], non-persistent
+  HeadLoss head_loss_;
 };
 
 // TorchTitan's initialization of parameter `name` (a dotted name of Transformer):

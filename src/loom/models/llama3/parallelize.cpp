@@ -49,4 +49,82 @@ void init_sharded_weights(Transformer& model, fsdp::FSDPModule& fsdp, uint64_t s
   });
 }
 
+namespace {
+
+// The degrees up to 2x `degree` that divide every size, for the error message.
+std::string divisors_near(const std::vector<int64_t>& sizes, int64_t degree) {
+  std::string out;
+  for (int64_t d = 1; d <= std::max<int64_t>(8, 2 * degree); ++d) {
+    bool ok = true;
+    for (int64_t s : sizes) ok = ok && s % d == 0;
+    if (ok) out += c10::str(out.empty() ? "" : ", ", d);
+  }
+  return out;
+}
+
+}  // namespace
+
+void validate_tp_degree(const ModelArgs& args, int64_t degree, int64_t seq_len, const TPOptions& options) {
+  LOOM_REQUIRE_USAGE(degree >= 1, "parallelism.tensor_parallel_degree must be >= 1, got ", degree);
+  if (degree == 1) return;
+  std::vector<int64_t> sizes = {args.n_heads, args.n_kv_heads, args.ffn_hidden_dim(), args.vocab_size};
+  const char* names[] = {"n_heads", "n_kv_heads", "the FFN hidden size", "the vocabulary size"};
+  if (options.sequence_parallel) sizes.push_back(seq_len);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const std::string what = i < 4 ? std::string(names[i]) + " of the model" : "training.seq_len (sequence parallel)";
+    LOOM_REQUIRE_USAGE(sizes[i] % degree == 0, "parallelism.tensor_parallel_degree = ", degree,
+                       " does not divide ", what, " (", sizes[i], "); degrees that split this model: ",
+                       divisors_near(sizes, degree),
+                       i == 3 ? " (or pad the vocabulary with model.vocab_size)" : "");
+  }
+}
+
+std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr comm,
+                                             const TPOptions& options) {
+  auto tp = std::make_shared<tp::TensorParallel>(std::move(comm), options.sequence_parallel);
+  tp->rowwise_embedding(model.tok_embeddings(), "tok_embeddings");
+  for (const auto& [id, layer] : model.layers().named_children()) {
+    auto& block = static_cast<TransformerBlock&>(*layer);
+    const std::string prefix = "layers." + id + ".";
+    tp->sequence_parallel(block.attention_norm(), prefix + "attention_norm");
+    tp->prepare_input(block.attention());
+    tp->colwise(block.attention().wq(), prefix + "attention.wq");
+    tp->colwise(block.attention().wk(), prefix + "attention.wk");
+    tp->colwise(block.attention().wv(), prefix + "attention.wv");
+    tp->rowwise(block.attention().wo(), prefix + "attention.wo");
+    tp->sequence_parallel(block.ffn_norm(), prefix + "ffn_norm");
+    tp->prepare_input(block.feed_forward());
+    tp->colwise(block.feed_forward().w1(), prefix + "feed_forward.w1");
+    tp->colwise(block.feed_forward().w3(), prefix + "feed_forward.w3");
+    tp->rowwise(block.feed_forward().w2(), prefix + "feed_forward.w2");
+  }
+  tp->sequence_parallel(model.norm(), "norm");
+  tp->colwise_output(model.output(), "output", options.loss_parallel);
+  if (options.loss_parallel) {
+    const tensor::CommPtr& group = tp->comm();
+    const bool sp = options.sequence_parallel;
+    model.set_head_loss([group, sp](const torch::Tensor& hidden, nn::Linear& output, const torch::Tensor& labels) {
+      // The head's input as colwise needs it (every token on every rank); the gather's backward
+      // sums the ranks' partial gradients of it.
+      const torch::Tensor full = sp ? tensor::all_gather(hidden, tp::kSequenceDim, group,
+                                                         tensor::ReplicatedGrad::kPartial)
+                                    : tensor::all_reduce_in_backward(hidden, group);
+      const torch::Tensor& weight = output.weight();
+      return tp::vocab_parallel_cross_entropy(full.flatten(0, 1), weight, labels.flatten(0, 1),
+                                              weight.size(0) * group->rank(), group);
+    });
+  }
+  return tp;
+}
+
+void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t seed) {
+  const ModelArgs& args = model.args();
+  for (const auto& p : model.named_parameters()) {
+    tp.init_local(p.name, p.slot->tensor, [&](const std::string& name, torch::Tensor& full) {
+      nn::init_parameter(parameter_init(args, name), name, seed, full);
+    });
+  }
+  model.reset_buffers();
+}
+
 }  // namespace loom::llama3

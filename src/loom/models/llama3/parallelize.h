@@ -19,8 +19,38 @@
 #include "loom/dist/device_mesh.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/models/llama3/model.h"
+#include "loom/tp/tensor_parallel.h"
 
 namespace loom::llama3 {
+
+// ---- Tensor parallelism (TorchTitan's apply_tp for Llama 3) ------------------------------------
+
+struct TPOptions {
+  bool sequence_parallel = true;  // shard the residual stream along the sequence between blocks
+  bool loss_parallel = true;      // cross-entropy on vocabulary-sharded logits, never gathered
+};
+
+// Checks that `degree` splits the model as TP needs: query heads, key/value heads, the FFN hidden
+// size and the vocabulary (the output head is always vocabulary-sharded), and, with sequence
+// parallelism, the sequence length. loom::UsageError (exit 2) naming the value and the nearest
+// degrees that would work. Called before any process group exists.
+void validate_tp_degree(const ModelArgs& args, int64_t degree, int64_t seq_len, const TPOptions& options);
+
+// The Megatron-LM / TorchTitan plan, on the model in place (any device, meta included):
+//   tok_embeddings  rowwise embedding (vocab rows)     output: SP sequence-sharded, else reduced
+//   per block       attention_norm, ffn_norm: sequence parallel (SP only)
+//                   attention, feed_forward: prepare input (SP: gather the sequence)
+//                   wq, wk, wv, w1, w3: colwise   wo, w2: rowwise
+//   norm            sequence parallel
+//   output          colwise; with loss parallel the model's loss becomes
+//                   tp::vocab_parallel_cross_entropy, else the logits are gathered
+// Each rank keeps n_heads/t query and n_kv_heads/t key/value heads. Returns the applied plan (the
+// parameters' layouts; the gradients to sum over the group after backward).
+std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr comm,
+                                             const TPOptions& options);
+
+// Initializes the TP-sharded model exactly as init_weights(seed) initializes the whole one.
+void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t seed);
 
 // parallelism.fsdp_reshard_after_forward as TorchTitan reads it: "default" reshards every block
 // but the last (backward needs it first, so re-gathering it would only cost an all-gather),

@@ -43,10 +43,14 @@ void scenario_collectives(const CommPtr& comm) {
     const std::string at_dim = c10::str(" along dim ", dim);
     // Shard -> Replicate; the backward sums the ranks' gradients and keeps this rank's piece.
     torch::Tensor local = x.chunk(w, d)[r].clone().requires_grad_(true);
-    torch::Tensor full = lt::all_gather(local, dim, comm);
+    torch::Tensor full = lt::all_gather(local, dim, comm, lt::ReplicatedGrad::kPartial);
     expect_equal(full, x, "all_gather" + at_dim);
     (full * grad_of_rank(r)).sum().backward();
     expect_equal(local.grad(), g_sum.chunk(w, d)[r], "all_gather backward" + at_dim);
+    // Identical consumers on every rank: each rank's gradient is whole; keep this rank's piece.
+    torch::Tensor local2 = x.chunk(w, d)[r].clone().requires_grad_(true);
+    (lt::all_gather(local2, dim, comm, lt::ReplicatedGrad::kIdentical) * g).sum().backward();
+    expect_equal(local2.grad(), g.chunk(w, d)[r], "all_gather (identical consumers) backward" + at_dim);
 
     // Partial -> Shard; the backward gathers the pieces' gradients.
     torch::Tensor addend = (x * (r + 1)).requires_grad_(true);

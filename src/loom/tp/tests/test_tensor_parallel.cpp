@@ -1,0 +1,67 @@
+// Tensor parallelism: the degree checks (one process) and the Llama plan against the
+// single-process model on 2 and 4 ranks (tests/worker/tp_worker.cpp: loss and every gradient
+// shard, sequence parallel and loss parallel on and off, three SGD steps).
+#include <gtest/gtest.h>
+
+#include "loom/core/error.h"
+#include "loom/models/llama3/parallelize.h"
+#include "loom/testing/run.h"
+
+namespace {
+
+void expect_usage_error(const std::function<void()>& fn, const std::string& expected) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected loom::UsageError containing: " << expected;
+  } catch (const loom::UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+  }
+}
+
+void expect_workers(int nproc) {
+  using loom::testing::bin_dir;
+  auto r = loom::testing::run(bin_dir() + "/loom launch --nproc " + std::to_string(nproc) +
+                                  " --exec -- " + bin_dir() + "/loom_tp_worker llama",
+                              300);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < nproc; ++rank) {
+    EXPECT_NE(r.output.find(c10::str("rank ", rank, "/", nproc, " llama: ok")), std::string::npos) << r.output;
+  }
+  std::printf("%s", r.output.c_str());
+}
+
+}  // namespace
+
+TEST(TensorParallel, DegreeMustSplitHeadsFfnVocabAndSequence) {
+  loom::llama3::ModelArgs a = loom::llama3::flavor("debugmodel");  // 16 heads (16 kv), ffn 768, vocab 2048
+  const loom::llama3::TPOptions sp_on{true, true};
+  loom::llama3::validate_tp_degree(a, 4, 64, sp_on);
+  expect_usage_error([&] { loom::llama3::validate_tp_degree(a, 3, 64, sp_on); },
+                     "parallelism.tensor_parallel_degree = 3 does not divide n_heads of the model (16); "
+                     "degrees that split this model: 1, 2, 4, 8");
+  a.vocab_size = 2050;
+  expect_usage_error([&] { loom::llama3::validate_tp_degree(a, 4, 64, sp_on); },
+                     "does not divide the vocabulary size of the model (2050); degrees that split this model: 1, 2 "
+                     "(or pad the vocabulary with model.vocab_size)");
+  a.vocab_size = 2048;
+  expect_usage_error([&] { loom::llama3::validate_tp_degree(a, 8, 60, sp_on); },
+                     "does not divide training.seq_len (sequence parallel) (60)");
+  loom::llama3::validate_tp_degree(a, 8, 60, {false, true});  // without SP the sequence is whole
+}
+
+// On one rank the plan changes nothing: same loss and gradients as the plain model.
+TEST(TensorParallel, OneRankPlanIsThePlainModel) {
+  loom::llama3::ModelArgs a = loom::llama3::flavor("debugmodel");
+  a.n_layers = 1;
+  loom::llama3::Transformer plain(a), parallel(a);
+  plain.init_weights(3);
+  auto plan = loom::llama3::apply_tp(parallel, loom::dist::Comm::single("tp", 0), {});
+  loom::llama3::init_tp_weights(parallel, *plan, 3);
+  const torch::Tensor tokens = torch::randint(0, a.vocab_size, {2, 8});
+  const torch::Tensor a_loss = plain.forward_loss(tokens, tokens), b_loss = parallel.forward_loss(tokens, tokens);
+  EXPECT_NEAR(a_loss.item<double>(), b_loss.item<double>(), 1e-6 * a_loss.item<double>());
+}
+
+TEST(TensorParallel, LlamaPlanMatchesTheSingleProcessModelOnTwoRanks) { expect_workers(2); }
+TEST(TensorParallel, LlamaPlanMatchesTheSingleProcessModelOnFourRanks) { expect_workers(4); }
