@@ -127,4 +127,45 @@ void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t 
   model.reset_buffers();
 }
 
+std::map<dist::CommOp, dist::CommCounter> tp_comm_volume(const ModelArgs& args, int64_t batch, int64_t seq,
+                                                         int degree, const TPOptions& options,
+                                                         int64_t element_bytes, int64_t chunk_tokens) {
+  std::map<dist::CommOp, dist::CommCounter> volume;
+  if (degree <= 1) return volume;
+  auto add = [&](dist::CommOp op, int64_t calls, int64_t payload_each) {
+    dist::CommCounter& c = volume[op];
+    c.calls += calls;
+    c.payload_bytes += calls * payload_each;
+    for (int64_t i = 0; i < calls; ++i) c.wire_bytes += dist::ring_wire_bytes(op, payload_each, degree);
+  };
+  using dist::CommOp;
+  const int64_t L = args.n_layers, tokens = batch * seq;
+  const int64_t activation = tokens * args.dim * element_bytes;  // one [b, s, h] tensor, whole
+  if (options.sequence_parallel) {
+    // Per block: forward gathers the sequence before attention and the FFN and reduce-scatters
+    // after wo and w2; backward does the opposite of each. The embedding reduce-scatters (backward:
+    // gathers) and the head gathers (backward: reduce-scatters).
+    add(CommOp::kAllGather, 4 * L + 2, activation);
+    add(CommOp::kReduceScatter, 4 * L + 2, activation);
+    // Once per step: the SP norms' gradients (2 per block + the final norm), fp32.
+    add(CommOp::kAllReduce, 1, (2 * L + 1) * args.dim * 4);
+  } else {
+    // Per block: all-reduce after wo and w2, and of the input gradients of attention and the FFN;
+    // the embedding's output, and the head input's gradient.
+    add(CommOp::kAllReduce, 4 * L + 2, activation);
+  }
+  if (options.loss_parallel) {
+    // Per chunk of tokens: the row max [n], then sum-exp and target logit [2, n], fp32.
+    for (int64_t begin = 0; begin < tokens; begin += chunk_tokens) {
+      const int64_t n = std::min(chunk_tokens, tokens - begin);
+      add(CommOp::kAllReduce, 1, n * 4);
+      add(CommOp::kAllReduce, 1, 2 * n * 4);
+    }
+  } else {
+    // The vocabulary-sharded logits gathered for the plain loss (backward keeps the local piece).
+    add(CommOp::kAllGather, 1, tokens * args.vocab_size * element_bytes);
+  }
+  return volume;
+}
+
 }  // namespace loom::llama3

@@ -13,6 +13,7 @@
 //   gather:   fsdp->full_state_dict()  (or fsdp->unshard() ... fsdp->reshard())
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -51,6 +52,15 @@ std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr
 
 // Initializes the TP-sharded model exactly as init_weights(seed) initializes the whole one.
 void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t seed);
+
+// What the plan sends over the tensor-parallel group for one micro-batch (forward and backward)
+// of `batch` x `seq` tokens in `element_bytes`-byte activations, plus the once-per-step gradient
+// sum of the SP norms; per collective: calls, payload bytes and ring-model wire bytes (the formula
+// of docs/tensor_parallel.md, which the TP tests compare with the measured counters exactly).
+// `chunk_tokens` is loss parallel's chunk.
+std::map<dist::CommOp, dist::CommCounter> tp_comm_volume(const ModelArgs& args, int64_t batch, int64_t seq,
+                                                         int degree, const TPOptions& options,
+                                                         int64_t element_bytes = 4, int64_t chunk_tokens = 1024);
 
 // parallelism.fsdp_reshard_after_forward as TorchTitan reads it: "default" reshards every block
 // but the last (backward needs it first, so re-gathering it would only cost an all-gather),

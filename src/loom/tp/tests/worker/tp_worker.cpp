@@ -67,12 +67,27 @@ void check_configuration(const tensor::CommPtr& comm, bool sp, bool loss_paralle
     reference.zero_grad();
     model.zero_grad();
     const torch::Tensor ref_loss = reference.forward_loss(tokens, labels);
+    dist::comm_stats().reset();
     const torch::Tensor loss = model.forward_loss(tokens, labels);
     ref_loss.backward();
     loss.backward();
     std::vector<torch::Tensor> partial;
     for (const auto& name : plan->partial_gradient_parameters()) partial.push_back(model.parameter_slot(name).tensor.grad());
     plan->sum_partial_gradients(partial);
+    // What went over the group equals the documented formula, call for call and byte for byte.
+    const dist::CommSnapshot sent = dist::comm_stats().snapshot();
+    const auto expected = llama3::tp_comm_volume(args, tokens.size(0), tokens.size(1), comm->size(), options);
+    for (auto op : {dist::CommOp::kAllGather, dist::CommOp::kReduceScatter, dist::CommOp::kAllReduce}) {
+      const dist::CommCounter got = sent.get(op, comm->name());
+      const auto it = expected.find(op);
+      const dist::CommCounter want = it == expected.end() ? dist::CommCounter{} : it->second;
+      LOOM_REQUIRE(got.calls == want.calls && got.payload_bytes == want.payload_bytes && got.wire_bytes == want.wire_bytes,
+                   config, ": ", dist::to_string(op), " sent ", got.calls, " calls, ", got.payload_bytes,
+                   " payload bytes, ", got.wire_bytes.value(), " wire bytes; the formula says ", want.calls, ", ",
+                   want.payload_bytes, ", ", want.wire_bytes.value());
+    }
+    LOOM_REQUIRE(sent.total().calls == sent.total_for_dim(comm->name()).calls, config,
+                 ": collectives outside the tp group: ", sent.format());
     const double loss_diff = std::abs(loss.item<double>() - ref_loss.item<double>()) / ref_loss.item<double>();
     LOOM_REQUIRE(loss_diff <= 1e-6, config, " step ", step, ": loss ", loss.item<double>(), " vs reference ",
                  ref_loss.item<double>());
