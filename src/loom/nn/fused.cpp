@@ -1,6 +1,8 @@
 #include "loom/nn/fused.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
 #include <bit>
@@ -16,8 +18,26 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-bool is_fast_path(const torch::Tensor& t) {
+// What the CPU kernels can take beyond the device/dtype choice: fp32 CPU tensors throughout.
+bool cpu_fp32(const torch::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == torch::kFloat32;
+}
+
+// Resolves `forced` or the device/dtype choice to the implementation that runs. `cpu_ok` says
+// whether the CPU kernel can take these particular inputs; when it cannot, an automatic choice
+// degrades to kGeneric and a forced kCpuFp32 is an error.
+FusedImpl resolve(std::optional<FusedImpl> forced, FusedImpl chosen, bool cpu_ok, const char* op) {
+  const FusedImpl impl = forced.value_or(chosen);
+  if (impl == FusedImpl::kGeneric || cpu_ok) return impl;
+  LOOM_REQUIRE(!forced.has_value(), op, ": the CPU fp32 kernel cannot take these inputs (it needs "
+               "non-empty fp32 CPU tensors of matching shapes); use FusedImpl::kGeneric");
+  return FusedImpl::kGeneric;
+}
+
+[[noreturn]] void fail_label(int64_t label, int64_t position, int64_t vocab) {
+  loom::fail("cross-entropy label ", label, " at position ", position,
+             " is outside the vocabulary [0, ", vocab, "); check the tokenizer and "
+             "model.vocab_size");
 }
 
 // Rows per at::parallel_for task: ~32k elements, so a task is worth a thread wake-up.
@@ -296,9 +316,7 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
     int64_t n_valid = 0;
     for (int64_t i = 0; i < tokens; ++i) {
       if (lp[i] == ignore_index) continue;
-      LOOM_REQUIRE(lp[i] >= 0 && lp[i] < vocab, "cross-entropy label ", lp[i], " at position ", i,
-                   " is outside the vocabulary [0, ", vocab, "); check the tokenizer and "
-                   "model.vocab_size");
+      if (lp[i] < 0 || lp[i] >= vocab) fail_label(lp[i], i, vocab);
       ++n_valid;
     }
     // mean over valid tokens (nan when none, as PyTorch); each softmax row is pre-scaled by it.
@@ -367,30 +385,177 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
   }
 };
 
+// Device-generic twin of LinearCrossEntropyFunction, in ATen ops only (CUDA, bf16/fp16/fp64,
+// autocast, or forced on the CPU). Same chunking and the same Liger-kernel choice: the gradients
+// of hidden and weight are computed chunk by chunk in the forward, while the chunk's logits exist,
+// and the backward only scales them. Recomputing in backward instead would hold nothing extra
+// between forward and backward (the gradients are as big as the inputs, which are alive anyway)
+// but would run the [chunk, dim] x [dim, vocab] logits GEMM twice: +50% of the head's FLOPs, the
+// largest GEMM of a small model. The cost of this choice: a forward under grad mode does the
+// gradient work even if no backward follows, so the entry point asks for gradients only when
+// GradMode is on and the input requires them.
+//
+// Per chunk, with c = chunk tokens, V = vocab, compute dtype ct (see linear_compute_dtype):
+//   logits [c, V] in ct -> fp32 (softmax math in fp32 whatever ct; fp64 stays fp64)
+//   lse = logsumexp(logits); loss += sum over valid rows of lse - logits[label]
+//   logits <- exp(logits - lse) - onehot(label), times 1/num_valid on valid rows, 0 on ignored
+//   grad_hidden[chunk] = dlogits(ct) @ W;  grad_weight += dlogits(ct)^T @ h_chunk, in fp32
+// so the peak extra memory is a few [c, V] buffers, never [N, V].
+struct GenericLinearCrossEntropyFunction
+    : public torch::autograd::Function<GenericLinearCrossEntropyFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
+                               const torch::Tensor& weight, const torch::Tensor& labels,
+                               int64_t ignore_index, int64_t chunk_tokens,
+                               c10::ScalarType compute_dtype, bool need_hidden_grad,
+                               bool need_weight_grad) {
+    // The ops below are written for the dtypes they name; keep autocast from re-casting them (the
+    // entry point already resolved autocast's choice into compute_dtype).
+    const c10::DeviceType device_type = hidden.device().type();
+    std::optional<c10::impl::ExcludeDispatchKeyGuard> no_autocast;
+    if (at::autocast::is_autocast_available(device_type)) {
+      no_autocast.emplace(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+    }
+    const torch::Tensor h = hidden.contiguous();
+    const torch::Tensor w = weight.to(compute_dtype).contiguous();  // no copy when it already is
+    const torch::Tensor lab = labels.contiguous();
+    const int64_t tokens = h.size(0);
+    const int64_t vocab = w.size(0);
+    const c10::ScalarType math_dtype = c10::promoteTypes(compute_dtype, torch::kFloat32);
+
+    // One host sync for the two numbers the chunks need up front: the count of valid tokens
+    // (every gradient row is scaled by its inverse, and the loss divided by it, as the CPU path
+    // does) and whether any label is out of range (gather would read out of bounds on the host
+    // and trip a device-side assert on CUDA, which poisons the context).
+    const torch::Tensor valid = lab.ne(ignore_index);
+    const torch::Tensor bad = valid.logical_and(lab.lt(0).logical_or(lab.ge(vocab)));
+    const torch::Tensor counts = at::stack({valid.sum(), bad.sum()}).cpu();
+    const int64_t n_valid = counts[0].item<int64_t>();
+    if (counts[1].item<int64_t>() > 0) {
+      const int64_t pos = at::nonzero(bad).select(1, 0)[0].item<int64_t>();
+      fail_label(lab[pos].item<int64_t>(), pos, vocab);
+    }
+    // mean over valid tokens: the loss is nan when none is valid (0 * inf, as PyTorch), the
+    // gradients are then all zero (row_scale 0, not 0 * inf).
+    const double scale = 1.0 / static_cast<double>(n_valid);
+    const double row_scale = n_valid > 0 ? scale : 0.0;
+
+    const bool need_grad = need_hidden_grad || need_weight_grad;
+    torch::Tensor grad_hidden = need_hidden_grad ? torch::empty_like(h) : torch::Tensor();
+    torch::Tensor grad_weight;  // fp32 (math dtype) accumulator
+    torch::Tensor loss_sum = torch::zeros({}, h.options().dtype(math_dtype));
+    const int64_t chunk = std::max<int64_t>(1, std::min(chunk_tokens, tokens));
+    for (int64_t c0 = 0; c0 < tokens; c0 += chunk) {
+      const int64_t c = std::min(chunk, tokens - c0);
+      const torch::Tensor hc = h.narrow(0, c0, c).to(compute_dtype);
+      const torch::Tensor lab_c = lab.narrow(0, c0, c);
+      const torch::Tensor valid_c = valid.narrow(0, c0, c);
+      // Ignored rows gather column 0 and are masked out below.
+      const torch::Tensor target = lab_c.masked_fill(valid_c.logical_not(), 0).unsqueeze(1);
+      // In the compute dtype (the GEMM), then the math dtype; the compute-dtype logits die here.
+      torch::Tensor logits = at::mm(hc, w.t()).to(math_dtype);
+      const torch::Tensor lse = at::logsumexp(logits, {1}, /*keepdim=*/true);
+      const torch::Tensor row_loss = (lse - logits.gather(1, target)).squeeze(1);
+      loss_sum.add_(row_loss.masked_fill(valid_c.logical_not(), 0).sum());
+      if (!need_grad) continue;
+      // logits -> d loss / d logits in place: softmax - onehot, times the row's scale.
+      logits.sub_(lse).exp_();
+      logits.scatter_add_(1, target, valid_c.to(math_dtype).neg().unsqueeze(1));
+      logits.mul_(valid_c.to(math_dtype).mul_(row_scale).unsqueeze(1));
+      const torch::Tensor dlogits = logits.to(compute_dtype);
+      logits = torch::Tensor();  // the math-dtype copy is not needed once dlogits exists
+      if (need_hidden_grad) {
+        torch::Tensor out = grad_hidden.narrow(0, c0, c);
+        if (out.scalar_type() == compute_dtype) {
+          at::mm_out(out, dlogits, w);
+        } else {
+          out.copy_(at::mm(dlogits, w));
+        }
+      }
+      if (need_weight_grad) {
+        if (!grad_weight.defined()) {
+          grad_weight = at::mm(dlogits.t(), hc).to(math_dtype);
+        } else if (compute_dtype == math_dtype) {
+          grad_weight.addmm_(dlogits.t(), hc);
+        } else {
+          // addmm_ does not mix dtypes: the chunk's product in the compute dtype (the GEMM still
+          // accumulates in fp32 inside), the sum over chunks in fp32.
+          grad_weight.add_(at::mm(dlogits.t(), hc));
+        }
+      }
+    }
+    if (need_weight_grad) {
+      grad_weight = grad_weight.defined() ? grad_weight.to(weight.scalar_type())
+                                          : torch::zeros_like(weight);
+    }
+    ctx->saved_data["grad_hidden"] = grad_hidden;
+    ctx->saved_data["grad_weight"] = grad_weight;
+    return loss_sum.mul(scale).to(torch::kFloat32);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    torch::Tensor grad_hidden = ctx->saved_data["grad_hidden"].toTensor();
+    torch::Tensor grad_weight = ctx->saved_data["grad_weight"].toTensor();
+    ctx->saved_data.erase("grad_hidden");
+    ctx->saved_data.erase("grad_weight");
+    // Always a device-side multiply: reading the incoming gradient on the host (as the CPU path
+    // does to skip a multiply by 1) would be a sync on an accelerator.
+    const torch::Tensor& g = grad_outputs[0];
+    if (grad_hidden.defined()) grad_hidden.mul_(g);
+    if (grad_weight.defined()) grad_weight.mul_(g);
+    return {grad_hidden, grad_weight, torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
 
-torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  if (!is_fast_path(x) || !is_fast_path(weight) || x.dim() == 0 ||
-      weight.dim() != 1 || weight.size(0) != x.size(-1) || x.numel() == 0) {
+FusedImpl fused_impl_for(c10::Device device, c10::ScalarType compute_dtype) {
+  if (device.is_cpu() && compute_dtype == torch::kFloat32) return FusedImpl::kCpuFp32;
+  return FusedImpl::kGeneric;
+}
+
+c10::ScalarType linear_compute_dtype(const torch::Tensor& hidden, const torch::Tensor& weight) {
+  const c10::DeviceType device_type = hidden.device().type();
+  if (at::autocast::is_autocast_available(device_type) &&
+      at::autocast::is_autocast_enabled(device_type) &&
+      at::autocast::is_eligible(hidden, device_type) &&
+      at::autocast::is_eligible(weight, device_type)) {
+    return at::autocast::get_autocast_dtype(device_type);
+  }
+  return c10::promoteTypes(hidden.scalar_type(), weight.scalar_type());
+}
+
+torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                             std::optional<FusedImpl> impl) {
+  const bool cpu_ok = cpu_fp32(x) && cpu_fp32(weight) && x.dim() > 0 && weight.dim() == 1 &&
+                      weight.size(0) == x.size(-1) && x.numel() > 0;
+  if (resolve(impl, fused_impl_for(x.device(), x.scalar_type()), cpu_ok, "fused_rms_norm") ==
+      FusedImpl::kGeneric) {
     return at::rms_norm(x, {weight.size(-1)}, weight, eps);
   }
   return RMSNormFunction::apply(x, weight, eps);
 }
 
-torch::Tensor fused_rotary_embedding(const torch::Tensor& x, const torch::Tensor& cache) {
+torch::Tensor fused_rotary_embedding(const torch::Tensor& x, const torch::Tensor& cache,
+                                     std::optional<FusedImpl> impl) {
   TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0,
               "fused_rotary_embedding expects [B, T, H, D] with even D, got ", x.sizes());
   TORCH_CHECK(cache.dim() == 3 && cache.size(0) == 2 && cache.size(2) == x.size(3) &&
                   cache.size(1) >= x.size(1),
               "RoPE cache of shape ", cache.sizes(), " does not fit x of shape ", x.sizes());
-  if (!is_fast_path(x) || !is_fast_path(cache) || !cache.is_contiguous() || x.numel() == 0) {
+  const bool cpu_ok = cpu_fp32(x) && cpu_fp32(cache) && cache.is_contiguous() && x.numel() > 0;
+  if (resolve(impl, fused_impl_for(x.device(), x.scalar_type()), cpu_ok,
+              "fused_rotary_embedding") == FusedImpl::kGeneric) {
     return rotary_composite(x, cache);
   }
   return RotaryFunction::apply(x, cache);
 }
 
-torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
-  if (!is_fast_path(gate) || !is_fast_path(up) || gate.sizes() != up.sizes()) {
+torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up,
+                           std::optional<FusedImpl> impl) {
+  const bool cpu_ok = cpu_fp32(gate) && cpu_fp32(up) && gate.sizes() == up.sizes();
+  if (resolve(impl, fused_impl_for(gate.device(), gate.scalar_type()), cpu_ok, "fused_swiglu") ==
+      FusedImpl::kGeneric) {
     return at::silu(gate) * up;
   }
   return SwiGLUFunction::apply(gate, up);
@@ -398,7 +563,7 @@ torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
 
 torch::Tensor fused_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                          const torch::Tensor& labels, int64_t ignore_index,
-                                         int64_t chunk_tokens) {
+                                         int64_t chunk_tokens, std::optional<FusedImpl> impl) {
   LOOM_REQUIRE(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
                "fused_linear_cross_entropy needs hidden [N, dim] and weight [vocab, dim], got ",
                hidden.sizes(), " and ", weight.sizes());
@@ -408,16 +573,26 @@ torch::Tensor fused_linear_cross_entropy(const torch::Tensor& hidden, const torc
                labels.scalar_type(), " ", labels.sizes());
   LOOM_REQUIRE(chunk_tokens > 0, "fused_linear_cross_entropy chunk_tokens must be > 0, got ",
                chunk_tokens);
-  if (!is_fast_path(hidden) || !is_fast_path(weight) || !labels.device().is_cpu() ||
-      hidden.size(0) == 0) {
-    torch::Tensor logits = at::linear(hidden, weight).to(torch::kFloat32);
-    return torch::nn::functional::cross_entropy(
-        logits, labels, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));
-  }
+  LOOM_REQUIRE(labels.device() == hidden.device() && weight.device() == hidden.device(),
+               "fused_linear_cross_entropy needs hidden, weight and labels on one device, got ",
+               hidden.device(), ", ", weight.device(), " and ", labels.device());
+  const c10::ScalarType compute_dtype = linear_compute_dtype(hidden, weight);
+  // The CPU kernel computes in its inputs' fp32: both must be fp32 and autocast off (under CPU
+  // autocast compute_dtype is bf16 and the choice is kGeneric).
+  const bool cpu_ok = cpu_fp32(hidden) && cpu_fp32(weight) && compute_dtype == torch::kFloat32 &&
+                      hidden.size(0) > 0;
+  const FusedImpl chosen = resolve(impl, fused_impl_for(hidden.device(), compute_dtype), cpu_ok,
+                                   "fused_linear_cross_entropy");
   const bool grad = torch::GradMode::is_enabled();
+  const bool need_hidden_grad = grad && hidden.requires_grad();
+  const bool need_weight_grad = grad && weight.requires_grad();
+  if (chosen == FusedImpl::kGeneric) {
+    return GenericLinearCrossEntropyFunction::apply(hidden, weight, labels, ignore_index,
+                                                    chunk_tokens, compute_dtype, need_hidden_grad,
+                                                    need_weight_grad);
+  }
   return LinearCrossEntropyFunction::apply(hidden, weight, labels, ignore_index, chunk_tokens,
-                                           grad && hidden.requires_grad(),
-                                           grad && weight.requires_grad());
+                                           need_hidden_grad, need_weight_grad);
 }
 
 }  // namespace loom::nn

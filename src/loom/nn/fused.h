@@ -1,39 +1,85 @@
-// Fused CPU kernels for the Llama layers, each an autograd Function with a hand-written backward.
+// Fused kernels for the Llama layers, each an autograd Function with a hand-written backward.
 //
 // Why: the plain libtorch compositions run one memory pass per elementwise op (at::rms_norm on CPU
 // decomposes into pow / mean / add / rsqrt / mul forward and ~12 ops backward; RoPE is cat + mul +
 // addcmul; cross-entropy over the vocabulary materialises the [tokens, vocab] logits, their
-// log-softmax, a zero-filled gradient and its log-softmax backward). Each kernel here makes one
+// log-softmax, a zero-filled gradient and its log-softmax backward). Each CPU kernel here makes one
 // pass forward and one backward (parallelised with at::parallel_for), and saves only what its
 // backward reads.
 //
-// Fast paths are fp32 CPU tensors; other dtypes/devices fall back to the libtorch composition, so
-// callers never branch. Results match the composition to fp32 rounding (tests state tolerances).
+// Two implementations sit behind every entry point, and `fused_impl_for` alone picks one from the
+// device and the compute dtype:
+//   kCpuFp32  hand-written fp32 CPU kernels (raw pointers, SIMD loops);
+//   kGeneric  ATen ops only, so it runs on any device and dtype: at::rms_norm (which itself takes
+//             the fused _fused_rms_norm kernel with its own backward on CUDA), at::silu * up, the
+//             RoPE composition, and a chunked linear + cross-entropy that, like the CPU kernel,
+//             never materialises the [tokens, vocab] logits.
+// Callers never branch; model code calls the same functions on every device. Results match the
+// libtorch compositions to the rounding of the compute dtype (tests state tolerances).
 #pragma once
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace loom::nn {
 
+enum class FusedImpl {
+  kCpuFp32,  // hand-written CPU kernels; fp32 only
+  kGeneric,  // ATen ops; any device, any floating dtype
+};
+
+// The one place that maps a device and the dtype an op computes in to an implementation: CPU +
+// fp32 -> kCpuFp32, everything else (CUDA and other accelerators, bf16/fp16/fp64, CPU autocast)
+// -> kGeneric. Every entry point below asks it unless the caller forces `impl`; an entry point
+// whose inputs the CPU kernel cannot take (mixed dtypes, empty tensors, strided caches) runs
+// kGeneric instead, or throws loom::Error when kCpuFp32 was forced.
+//
+// Why a function and not the libtorch dispatcher: the dispatcher keys on the backend (CPU, CUDA,
+// Autograd, Autocast...), not on dtype, so registering loom:: ops would still leave a dtype branch
+// inside the CPU kernel, and would take a CPU, a CUDA, an Autograd and an Autocast registration
+// per op for what is a two-way choice. One function keeps the choice in sight and testable.
+FusedImpl fused_impl_for(c10::Device device, c10::ScalarType compute_dtype);
+
+// The dtype the output head's GEMMs run in, as at::linear would under the current autocast state:
+// the autocast dtype when autocast is on for hidden's device type and both inputs are eligible
+// floating-point tensors there (not fp64, as autocast), else promote_types(hidden, weight).
+c10::ScalarType linear_compute_dtype(const torch::Tensor& hidden, const torch::Tensor& weight);
+
 // x / sqrt(mean(x^2, -1) + eps) * weight over the last dimension. Saves x and one fp32 rstd per row.
-torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// kGeneric: at::rms_norm (CUDA: the fused _fused_rms_norm kernel and its backward).
+torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                             std::optional<FusedImpl> impl = std::nullopt);
 
 // Rotate-half RoPE (loom/nn/rope.h convention). x: [B, T, H, D]; cache: [2, >=T, D] fp32
 // (cos, sign-folded sin). Saves nothing but the cache: the backward is the inverse rotation.
-torch::Tensor fused_rotary_embedding(const torch::Tensor& x, const torch::Tensor& cache);
+// kGeneric: (x * cos).addcmul_(swap_halves(x), sin) in x's dtype.
+torch::Tensor fused_rotary_embedding(const torch::Tensor& x, const torch::Tensor& cache,
+                                     std::optional<FusedImpl> impl = std::nullopt);
 
-// silu(gate) * up. Saves gate, up and sigmoid(gate); the backward is one pass.
-torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up);
+// silu(gate) * up. Saves gate and up (sigmoid is recomputed); the backward is one pass.
+// kGeneric: at::silu(gate) * up (ATen has no fused SwiGLU; silu is one kernel with its own
+// backward, so this is two passes forward instead of one).
+torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up,
+                           std::optional<FusedImpl> impl = std::nullopt);
 
 // mean over non-ignored tokens of cross_entropy(hidden @ weight^T, labels), without materialising
 // the [N, vocab] logits: tokens are processed `chunk_tokens` at a time (logits chunk -> logsumexp
-// -> softmax - onehot in place -> the two gradient GEMMs), so the gradients of hidden and weight
-// are computed in the forward and the backward only scales them by the incoming gradient.
-// hidden: [N, dim], weight: [vocab, dim], labels: [N] int64 (ignore_index marks padding).
-// Returns a 0-dim loss in fp32. Throws loom::Error for out-of-range labels.
+// -> softmax - onehot -> the two gradient GEMMs), so the gradients of hidden and weight are
+// computed in the forward and the backward only scales them by the incoming gradient. Extra memory
+// is O(chunk_tokens * vocab) on every device and dtype.
+// hidden: [N, dim], weight: [vocab, dim], labels: [N] int64 on hidden's device (ignore_index marks
+// padding). Returns a 0-dim fp32 loss (nan when every label is ignored, as PyTorch). Throws
+// loom::Error for out-of-range labels.
+//
+// The GEMMs run in linear_compute_dtype(hidden, weight) -- under autocast that is the autocast
+// dtype, exactly what autocast does for the at::linear this replaces (bf16 hidden and an fp32
+// master weight compute in bf16) -- while the softmax math is fp32 and the weight gradient is
+// accumulated over chunks in fp32. Gradients come back in each input's own dtype (an fp32 master
+// weight gets an fp32 gradient).
 torch::Tensor fused_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                          const torch::Tensor& labels, int64_t ignore_index = -100,
-                                         int64_t chunk_tokens = 512);
+                                         int64_t chunk_tokens = 512,
+                                         std::optional<FusedImpl> impl = std::nullopt);
 
 }  // namespace loom::nn
