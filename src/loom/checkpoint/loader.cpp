@@ -52,18 +52,43 @@ class ChunkReader {
   int64_t bytes_read_ = 0;
 };
 
-void copy_overlaps(const SavedTensor& saved, const LocalChunk& dest, ChunkReader& reader) {
+// Every saved chunk of one tensor cut into runs (checkpoint/region.h), sorted by global position.
+struct SavedRuns {
+  struct Piece {
+    Run run;
+    const SavedChunk* chunk;
+  };
+  std::vector<Piece> pieces;
+
+  explicit SavedRuns(const SavedTensor& saved) {
+    for (const SavedChunk& c : saved.chunks) {
+      for (const Run& r : runs_of(saved.shape, c.region())) pieces.push_back({r, &c});
+    }
+    std::sort(pieces.begin(), pieces.end(),
+              [](const Piece& a, const Piece& b) { return a.run.global < b.run.global; });
+  }
+};
+
+// Fills `dest` from the saved chunks it overlaps: each destination run takes the pieces of the
+// saved runs it intersects (for two ranges of the whole tensor that is one copy per overlap).
+void copy_overlaps(const SavedTensor& saved, const SavedRuns& saved_runs, const LocalChunk& dest,
+                   ChunkReader& reader) {
   const bool in_place = dest.data.is_contiguous();
   torch::Tensor flat = in_place ? dest.data.view(-1) : torch::empty({dest.data.numel()},
                                                                      dest.data.options());
-  // The first saved chunk ending after dest.begin, then every one starting before dest.end().
-  auto it = std::upper_bound(saved.chunks.begin(), saved.chunks.end(), dest.begin,
-                             [](int64_t v, const SavedChunk& c) { return v < c.end; });
-  for (; it != saved.chunks.end() && it->begin < dest.end(); ++it) {
-    const int64_t lo = std::max(dest.begin, it->begin);
-    const int64_t hi = std::min(dest.end(), it->end);
-    const torch::Tensor& src = reader.data(*it, saved.dtype);
-    flat.narrow(0, lo - dest.begin, hi - lo).copy_(src.narrow(0, lo - it->begin, hi - lo));
+  const auto& pieces = saved_runs.pieces;
+  for (const Run& want : runs_of(saved.shape, dest.region())) {
+    const int64_t want_end = want.global + want.length;
+    // The first saved run ending after the start, then every one starting before the end.
+    auto it = std::upper_bound(pieces.begin(), pieces.end(), want.global,
+                               [](int64_t v, const SavedRuns::Piece& p) { return v < p.run.global + p.run.length; });
+    for (; it != pieces.end() && it->run.global < want_end; ++it) {
+      const int64_t lo = std::max(want.global, it->run.global);
+      const int64_t hi = std::min(want_end, it->run.global + it->run.length);
+      const torch::Tensor& src = reader.data(*it->chunk, saved.dtype);
+      flat.narrow(0, want.local + (lo - want.global), hi - lo)
+          .copy_(src.narrow(0, it->run.local + (lo - it->run.global), hi - lo));
+    }
   }
   if (!in_place) dest.data.copy_(flat.view(dest.data.sizes()));
 }
@@ -111,7 +136,8 @@ LoadResult load_checkpoint(const fs::path& dir, const ShardedStateDict& dest, in
     LOOM_REQUIRE(saved.shape == t.shape, "tensor '", name, "' has shape ", shape_text(saved.shape),
                  " in checkpoint '", dir.string(), "' but ", shape_text(t.shape),
                  " here; it was saved from another model configuration");
-    for (const LocalChunk& chunk : t.chunks) copy_overlaps(saved, chunk, reader);
+    const SavedRuns saved_runs(saved);
+    for (const LocalChunk& chunk : t.chunks) copy_overlaps(saved, saved_runs, chunk, reader);
   }
   result.bytes_read = reader.bytes_read();
   return result;

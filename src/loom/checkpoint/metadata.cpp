@@ -50,8 +50,39 @@ std::optional<int64_t> parse_step_dir_name(const std::string& name) {
 
 std::string rank_file_name(int rank) { return c10::str("rank-", rank, ".safetensors"); }
 std::string rank_meta_name(int rank) { return c10::str("rank-", rank, ".meta.json"); }
-std::string chunk_key(const std::string& tensor, int64_t begin) {
-  return c10::str(tensor, "@", begin);
+std::string chunk_key(const std::string& tensor, const Region& region) {
+  if (region.whole_tensor_box()) return c10::str(tensor, "@", region.begin);
+  std::string key = tensor + "@";
+  for (size_t i = 0; i < region.box_offsets.size(); ++i) key += c10::str(i ? "," : "", region.box_offsets[i]);
+  return c10::str(key, "@", region.begin);
+}
+
+std::string tiling_error(const std::vector<int64_t>& shape, const std::vector<Region>& regions) {
+  int64_t numel = 1;
+  for (const int64_t d : shape) numel *= d;
+  struct Owned {
+    Run run;
+    size_t region;
+  };
+  std::vector<Owned> owned;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const std::string error = region_error(shape, regions[i]);
+    if (!error.empty()) return c10::str("chunk ", describe(regions[i]), ": ", error);
+    for (const Run& r : runs_of(shape, regions[i])) owned.push_back({r, i});
+  }
+  std::sort(owned.begin(), owned.end(), [](const Owned& a, const Owned& b) { return a.run.global < b.run.global; });
+  int64_t next = 0;
+  for (size_t i = 0; i < owned.size(); ++i) {
+    const Run& r = owned[i].run;
+    if (r.global < next) {
+      return c10::str("chunks ", describe(regions[owned[i - 1].region]), " and ",
+                      describe(regions[owned[i].region]), " overlap");
+    }
+    if (r.global > next) return c10::str("elements [", next, ", ", r.global, ") are held by no chunk");
+    next = r.global + r.length;
+  }
+  if (next != numel) return c10::str("elements [", next, ", ", numel, ") are held by no chunk");
+  return "";
 }
 
 int64_t SavedTensor::numel() const {
@@ -68,12 +99,14 @@ Json CheckpointMetadata::to_json() const {
   for (const auto& [name, t] : tensors) {
     Json chunks = Json::array();
     for (const SavedChunk& c : t.chunks) {
-      chunks.push_back({{"begin", c.begin},
-                        {"end", c.end},
-                        {"file", c.file},
-                        {"key", c.key},
-                        {"bytes", {c.byte_begin, c.byte_end}},
-                        {"crc32c", c.crc32c}});
+      Json cj = {{"begin", c.begin},
+                 {"end", c.end},
+                 {"file", c.file},
+                 {"key", c.key},
+                 {"bytes", {c.byte_begin, c.byte_end}},
+                 {"crc32c", c.crc32c}};
+      if (!c.box_offsets.empty()) cj["box"] = {{"offsets", c.box_offsets}, {"sizes", c.box_sizes}};
+      chunks.push_back(std::move(cj));
     }
     tensors_json[name] = {{"component", t.component},
                           {"shape", t.shape},
@@ -114,11 +147,15 @@ CheckpointMetadata CheckpointMetadata::from_json(const Json& j, const std::strin
       t.shape = tj.at("shape").get<std::vector<int64_t>>();
       t.dtype = safetensors_dtype(tj.at("dtype").get<std::string>());
       const auto elem = static_cast<int64_t>(c10::elementSize(t.dtype));
-      int64_t next = 0;
+      std::vector<Region> regions;
       for (const auto& cj : tj.at("chunks")) {
         SavedChunk c;
         c.begin = cj.at("begin").get<int64_t>();
         c.end = cj.at("end").get<int64_t>();
+        if (cj.contains("box")) {
+          c.box_offsets = cj.at("box").at("offsets").get<std::vector<int64_t>>();
+          c.box_sizes = cj.at("box").at("sizes").get<std::vector<int64_t>>();
+        }
         c.file = cj.at("file").get<std::string>();
         c.key = cj.at("key").get<std::string>();
         const auto bytes = cj.at("bytes").get<std::vector<int64_t>>();
@@ -127,10 +164,8 @@ CheckpointMetadata CheckpointMetadata::from_json(const Json& j, const std::strin
         c.byte_end = bytes[1];
         c.crc32c = cj.at("crc32c").get<uint32_t>();
         const auto file = m.file_bytes.find(c.file);
-        if (c.begin != next || c.end <= c.begin) {
-          corrupt(c10::str("'", where, "': the chunks of tensor '", name,
-                           "' do not tile it (expected one starting at element ", next, ", got [",
-                           c.begin, ", ", c.end, "))"));
+        if (c.end <= c.begin) {
+          corrupt(c10::str("'", where, "': chunk '", c.key, "' of tensor '", name, "' is empty"));
         }
         if (file == m.file_bytes.end()) {
           corrupt(c10::str("'", where, "': chunk '", c.key, "' is in file '", c.file,
@@ -143,13 +178,16 @@ CheckpointMetadata CheckpointMetadata::from_json(const Json& j, const std::strin
                            c10::toString(t.dtype), " elements or the ", file->second,
                            "-byte file"));
         }
-        next = c.end;
+        regions.push_back(c.region());
         t.chunks.push_back(std::move(c));
       }
-      if (next != t.numel()) {
-        corrupt(c10::str("'", where, "': the chunks of tensor '", name, "' cover ", next, " of its ",
-                         t.numel(), " elements"));
+      // Every element exactly once, whatever mix of ranges and boxes saved it.
+      const std::string tiling = tiling_error(t.shape, regions);
+      if (!tiling.empty()) {
+        corrupt(c10::str("'", where, "': the chunks of tensor '", name, "' do not tile it: ", tiling));
       }
+      std::sort(t.chunks.begin(), t.chunks.end(),
+                [](const SavedChunk& a, const SavedChunk& b) { return a.region() < b.region(); });
       m.tensors.emplace(name, std::move(t));
     }
   } catch (const Json::exception& e) {

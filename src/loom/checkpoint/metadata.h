@@ -22,6 +22,8 @@
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
 
+#include "loom/checkpoint/region.h"
+
 namespace loom::checkpoint {
 
 inline constexpr const char* kMetadataFile = "metadata.json";
@@ -39,23 +41,30 @@ std::string step_dir_name(int64_t step);                          // "step-100"
 std::optional<int64_t> parse_step_dir_name(const std::string& name);  // "step-100" -> 100
 std::string rank_file_name(int rank);                             // "rank-3.safetensors"
 std::string rank_meta_name(int rank);                             // "rank-3.meta.json"
-std::string chunk_key(const std::string& tensor, int64_t begin);  // "<tensor>@<begin>"
+// The chunk's name in its rank file: "<tensor>@<begin>" for a range of the whole tensor (every
+// checkpoint's format before boxes), "<tensor>@<o0>,<o1>,...@<begin>" for a range of a box.
+std::string chunk_key(const std::string& tensor, const Region& region);
+// Empty when `regions` hold every element of a tensor of `shape` exactly once, else what is wrong.
+std::string tiling_error(const std::vector<int64_t>& shape, const std::vector<Region>& regions);
 
 struct SavedChunk {
-  int64_t begin = 0;  // flat element range [begin, end) of the global tensor
+  int64_t begin = 0;  // flat element range [begin, end) of the global tensor, or of the box
   int64_t end = 0;
+  std::vector<int64_t> box_offsets;  // empty: the whole tensor (checkpoint/region.h)
+  std::vector<int64_t> box_sizes;
   std::string file;   // rank file name inside the checkpoint directory
   std::string key;    // tensor name inside that file
   int64_t byte_begin = 0;  // absolute byte range in the file
   int64_t byte_end = 0;
   uint32_t crc32c = 0;     // of bytes [byte_begin, byte_end)
+  Region region() const { return {box_offsets, box_sizes, begin, end}; }
 };
 
 struct SavedTensor {
   std::string component;
   std::vector<int64_t> shape;
   c10::ScalarType dtype = c10::kFloat;  // as stored (after any export conversion)
-  std::vector<SavedChunk> chunks;       // sorted by begin; exactly tile [0, numel)
+  std::vector<SavedChunk> chunks;       // sorted by region; together they hold every element once
   int64_t numel() const;
 };
 

@@ -156,6 +156,7 @@ struct WriteEntry {
   std::string key;
   int64_t begin = 0;
   int64_t end = 0;
+  std::vector<int64_t> box_offsets, box_sizes;  // empty: a range of the whole tensor
   torch::Tensor source;  // the live chunk; released once staged
   c10::ScalarType dtype = c10::kFloat;  // as stored
   int64_t byte_begin = 0;               // absolute offset in the rank file
@@ -407,12 +408,14 @@ void write_staged(Job& job, Staging& staging) {
 void write_rank_meta(const Job& job) {
   Json chunks = Json::array();
   for (const WriteEntry& e : job.entries) {
-    chunks.push_back({{"tensor", e.tensor},
-                      {"begin", e.begin},
-                      {"end", e.end},
-                      {"key", e.key},
-                      {"bytes", {e.byte_begin, e.byte_begin + e.nbytes()}},
-                      {"crc32c", e.crc}});
+    Json c = {{"tensor", e.tensor},
+              {"begin", e.begin},
+              {"end", e.end},
+              {"key", e.key},
+              {"bytes", {e.byte_begin, e.byte_begin + e.nbytes()}},
+              {"crc32c", e.crc}};
+    if (!e.box_offsets.empty()) c["box"] = {{"offsets", e.box_offsets}, {"sizes", e.box_sizes}};
+    chunks.push_back(std::move(c));
   }
   const Json meta = {{"rank", job.rank},
                      {"file", rank_file_name(job.rank)},
@@ -487,6 +490,10 @@ CheckpointMetadata merge_metadata(const Job& job) {
         SavedChunk sc;
         sc.begin = c.at("begin").get<int64_t>();
         sc.end = c.at("end").get<int64_t>();
+        if (c.contains("box")) {
+          sc.box_offsets = c.at("box").at("offsets").get<std::vector<int64_t>>();
+          sc.box_sizes = c.at("box").at("sizes").get<std::vector<int64_t>>();
+        }
         sc.file = file;
         sc.key = c.at("key").get<std::string>();
         const auto bytes = c.at("bytes").get<std::vector<int64_t>>();
@@ -502,7 +509,7 @@ CheckpointMetadata merge_metadata(const Job& job) {
   }
   for (auto& [name, t] : m.tensors) {
     std::sort(t.chunks.begin(), t.chunks.end(),
-              [](const SavedChunk& a, const SavedChunk& b) { return a.begin < b.begin; });
+              [](const SavedChunk& a, const SavedChunk& b) { return a.region() < b.region(); });
   }
   return m;
 }
@@ -637,7 +644,11 @@ std::shared_ptr<ShardedSaver::Job> ShardedSaver::plan(const ShardedStateDict& st
       const c10::ScalarType stored =
           options.export_dtype && c10::isFloatingType(t.dtype) ? *options.export_dtype : t.dtype;
       Json ranges = Json::array();
-      for (const LocalChunk& c : t.chunks) ranges.push_back({c.begin, c.end()});
+      for (const LocalChunk& c : t.chunks) {
+        Json range = {c.begin, c.end()};
+        if (!c.box_offsets.empty()) range.push_back({c.box_offsets, c.box_sizes});
+        ranges.push_back(std::move(range));
+      }
       tensors[name] = {{"component", t.component},
                        {"shape", t.shape},
                        {"dtype", safetensors_dtype_name(stored)},
@@ -669,7 +680,7 @@ std::shared_ptr<ShardedSaver::Job> ShardedSaver::plan(const ShardedStateDict& st
   }
 
   // The global plan, computed identically on every rank.
-  std::map<std::string, std::map<std::pair<int64_t, int64_t>, std::vector<int>>> holders;
+  std::map<std::string, std::map<Region, std::vector<int>>> holders;
   std::map<std::string, int> first_rank;
   for (int r = 0; r < job->world; ++r) {
     for (const auto& [name, tj] : plans[r]["tensors"].items()) {
@@ -687,34 +698,28 @@ std::shared_ptr<ShardedSaver::Job> ShardedSaver::plan(const ShardedStateDict& st
       }
       auto& ranges = holders[name];
       for (const auto& range : tj["ranges"]) {
-        ranges[{range[0].get<int64_t>(), range[1].get<int64_t>()}].push_back(r);
+        Region region{{}, {}, range[0].get<int64_t>(), range[1].get<int64_t>()};
+        if (range.size() > 2) {
+          region.box_offsets = range[2][0].get<std::vector<int64_t>>();
+          region.box_sizes = range[2][1].get<std::vector<int64_t>>();
+        }
+        ranges[region].push_back(r);
       }
     }
   }
+  // Identical regions on several ranks are replicas (written once); the distinct regions must hold
+  // every element exactly once.
   for (const auto& [name, g] : job->global) {
-    int64_t numel = 1;
-    for (const int64_t d : g.shape) numel *= d;
-    int64_t next = 0;
-    std::pair<int64_t, int64_t> previous{0, 0};
-    int previous_rank = -1;
-    for (const auto& [range, ranks] : holders[name]) {
-      if (range.first < next) {
-        fail("checkpoint step ", step, ": tensor '", name, "': rank ", previous_rank, " holds [",
-             previous.first, ", ", previous.second, ") and rank ", ranks[0], " holds [",
-             range.first, ", ", range.second,
-             "); they overlap without being identical (replicas must hold identical chunks)");
+    std::vector<Region> regions;
+    for (const auto& [region, ranks] : holders[name]) regions.push_back(region);
+    const std::string error = tiling_error(g.shape, regions);
+    if (!error.empty()) {
+      std::string who;
+      for (const auto& [region, ranks] : holders[name]) {
+        who += c10::str(who.empty() ? "" : ", ", describe(region), " on rank ", ranks[0]);
       }
-      if (range.first > next) {
-        fail("checkpoint step ", step, ": elements [", next, ", ", range.first, ") of tensor '",
-             name, "' ", shape_text(g.shape), " are held by no rank");
-      }
-      next = range.second;
-      previous = range;
-      previous_rank = ranks[0];
-    }
-    if (next != numel) {
-      fail("checkpoint step ", step, ": elements [", next, ", ", numel, ") of tensor '", name,
-           "' ", shape_text(g.shape), " are held by no rank");
+      fail("checkpoint step ", step, ": tensor '", name, "' ", shape_text(g.shape), ": ", error,
+           " (ranks hold ", who, "; replicas must hold identical chunks)");
     }
   }
 
@@ -724,20 +729,20 @@ std::shared_ptr<ShardedSaver::Job> ShardedSaver::plan(const ShardedStateDict& st
   struct Shared {
     int64_t bytes;
     std::string name;
-    int64_t begin;
+    Region region;
     std::vector<int> ranks;
   };
   std::vector<Shared> shared;
-  std::set<std::pair<std::string, int64_t>> mine;
+  std::set<std::pair<std::string, Region>> mine;
   for (const auto& [name, ranges] : holders) {
     const auto elem = static_cast<int64_t>(c10::elementSize(job->global.at(name).dtype));
-    for (const auto& [range, ranks] : ranges) {
-      const int64_t bytes = (range.second - range.first) * elem;
+    for (const auto& [region, ranks] : ranges) {
+      const int64_t bytes = region.numel() * elem;
       if (ranks.size() == 1) {
         load[static_cast<size_t>(ranks[0])] += bytes;
-        if (ranks[0] == job->rank) mine.emplace(name, range.first);
+        if (ranks[0] == job->rank) mine.emplace(name, region);
       } else {
-        shared.push_back({bytes, name, range.first, ranks});
+        shared.push_back({bytes, name, region, ranks});
       }
     }
   }
@@ -749,7 +754,7 @@ std::shared_ptr<ShardedSaver::Job> ShardedSaver::plan(const ShardedStateDict& st
       if (load[static_cast<size_t>(r)] < load[static_cast<size_t>(best)]) best = r;
     }
     load[static_cast<size_t>(best)] += s.bytes;
-    if (best == job->rank) mine.emplace(s.name, s.begin);
+    if (best == job->rank) mine.emplace(s.name, s.region);
   }
 
   // This rank's file: its chunks by descending element size (so every chunk is aligned for its
@@ -757,12 +762,14 @@ std::shared_ptr<ShardedSaver::Job> ShardedSaver::plan(const ShardedStateDict& st
   for (const auto& [name, t] : state.tensors()) {
     if (!job->global.count(name)) continue;  // model_only filtered it out
     for (const LocalChunk& c : t.chunks) {
-      if (!mine.count({name, c.begin})) continue;
+      if (!mine.count({name, c.region()})) continue;
       WriteEntry e;
       e.tensor = name;
-      e.key = chunk_key(name, c.begin);
+      e.key = chunk_key(name, c.region());
       e.begin = c.begin;
       e.end = c.end();
+      e.box_offsets = c.box_offsets;
+      e.box_sizes = c.box_sizes;
       e.source = c.data;
       e.dtype = job->global.at(name).dtype;
       job->entries.push_back(std::move(e));

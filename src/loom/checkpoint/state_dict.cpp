@@ -38,25 +38,35 @@ ShardedTensor& ShardedStateDict::add_chunks(const std::string& name, const std::
                "' contains '@', which checkpoint files use to separate name and offset");
   LOOM_REQUIRE(!component.empty(), "tensor '", name, "' needs a component (e.g. \"model\")");
   LOOM_REQUIRE(!tensors_.count(name), "tensor '", name, "' was added to the state dict twice");
-  const int64_t numel = numel_of(name, global_shape);
+  numel_of(name, global_shape);  // rejects negative dims
   for (const LocalChunk& c : chunks) {
-    LOOM_REQUIRE(c.data.defined() && !c.data.is_meta(), "tensor '", name, "': the chunk at ",
-                 c.begin, " has no data (undefined or on the meta device)");
-    LOOM_REQUIRE(c.data.scalar_type() == dtype, "tensor '", name, "': the chunk at ", c.begin,
+    LOOM_REQUIRE(c.data.defined() && !c.data.is_meta(), "tensor '", name, "': the chunk ",
+                 describe(c.region()), " has no data (undefined or on the meta device)");
+    LOOM_REQUIRE(c.data.scalar_type() == dtype, "tensor '", name, "': the chunk ", describe(c.region()),
                  " is ", c10::toString(c.data.scalar_type()), " but the tensor is declared ",
                  c10::toString(dtype));
-    LOOM_REQUIRE(c.begin >= 0 && c.end() <= numel, "tensor '", name, "' of shape ",
-                 shape_text(global_shape), ": chunk [", c.begin, ", ", c.end(),
-                 ") lies outside its ", numel, " elements");
+    const std::string error = region_error(global_shape, c.region());
+    LOOM_REQUIRE(error.empty(), "tensor '", name, "' of shape ", shape_text(global_shape), ": chunk ",
+                 describe(c.region()), ": ", error);
   }
-  std::sort(chunks.begin(), chunks.end(),
-            [](const LocalChunk& a, const LocalChunk& b) { return a.begin < b.begin; });
   // Empty chunks carry nothing; dropping them keeps "which rank holds what" unambiguous.
   std::erase_if(chunks, [](const LocalChunk& c) { return c.data.numel() == 0; });
-  for (size_t i = 1; i < chunks.size(); ++i) {
-    LOOM_REQUIRE(chunks[i].begin >= chunks[i - 1].end(), "tensor '", name, "': chunks [",
-                 chunks[i - 1].begin, ", ", chunks[i - 1].end(), ") and [", chunks[i].begin, ", ",
-                 chunks[i].end(), ") overlap on this rank");
+  std::sort(chunks.begin(), chunks.end(),
+            [](const LocalChunk& a, const LocalChunk& b) { return a.region() < b.region(); });
+  // No element twice on one rank: the chunks' global runs, in order, must not overlap.
+  struct Owned {
+    Run run;
+    size_t chunk;
+  };
+  std::vector<Owned> owned;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    for (const Run& r : runs_of(global_shape, chunks[i].region())) owned.push_back({r, i});
+  }
+  std::sort(owned.begin(), owned.end(), [](const Owned& a, const Owned& b) { return a.run.global < b.run.global; });
+  for (size_t i = 1; i < owned.size(); ++i) {
+    LOOM_REQUIRE(owned[i].run.global >= owned[i - 1].run.global + owned[i - 1].run.length, "tensor '",
+                 name, "': chunks ", describe(chunks[owned[i - 1].chunk].region()), " and ",
+                 describe(chunks[owned[i].chunk].region()), " overlap on this rank");
   }
   ShardedTensor t;
   t.component = component;
@@ -70,6 +80,18 @@ ShardedTensor& ShardedStateDict::add_full(const std::string& name, const std::st
                                           const torch::Tensor& tensor) {
   LOOM_REQUIRE(tensor.defined(), "tensor '", name, "' is undefined");
   return add_chunks(name, component, tensor.sizes().vec(), tensor.scalar_type(), {{0, tensor}});
+}
+
+ShardedTensor& ShardedStateDict::add_box(const std::string& name, const std::string& component,
+                                         std::vector<int64_t> global_shape,
+                                         std::vector<int64_t> box_offsets, const torch::Tensor& local) {
+  LOOM_REQUIRE(local.defined(), "tensor '", name, "' is undefined");
+  LOOM_REQUIRE(local.dim() == static_cast<int64_t>(global_shape.size()), "tensor '", name, "': a box of shape ",
+               shape_text(local.sizes().vec()), " does not have the dims of ", shape_text(global_shape));
+  // A box that is the whole tensor is stored as such (the format FSDP and replicas use).
+  if (local.sizes().vec() == global_shape) return add_full(name, component, local);
+  LocalChunk chunk{0, local, std::move(box_offsets), local.sizes().vec()};
+  return add_chunks(name, component, std::move(global_shape), local.scalar_type(), {std::move(chunk)});
 }
 
 ShardedTensor& ShardedStateDict::add_shard0(const std::string& name, const std::string& component,

@@ -1,13 +1,15 @@
 // What a rank hands the checkpointer: its piece of every tensor of the training state, described so
 // that any other layout can read it back.
 //
-// The unit is a flat chunk: elements [begin, end) of the tensor's row-major flattening, with the
-// rank's live data for them. That one shape covers every layout Loom has:
+// The unit is a chunk: elements [begin, end) of the row-major flattening of the tensor (or of an
+// n-D box of it, checkpoint/region.h), with the rank's live data for them. That covers every
+// layout Loom has:
 //   - FSDP's RaggedShard (a parameter's units on a rank are one flat range; a rank holding several
 //     disjoint ranges of a tensor lists several chunks),
 //   - Shard(0) (rows r0..r1 are the flat range [r0·row, r1·row)),
 //   - replicated tensors (the full range [0, numel) on every holder; the save deduplicates, so
 //     identical ranges held by several ranks are written once, by one of them),
+//   - tensor-parallel shards (Shard(d): the rank's box), and FSDP over them (a range of the box),
 //   - optimizer state, which shares its parameter's layout.
 // Chunks are views into live tensors (an FSDP shard, an optimizer moment): a save reads them, a
 // load writes into them in place, so views into flat buffers stay views.
@@ -25,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "loom/checkpoint/region.h"
+
 namespace loom::checkpoint {
 
 // Well-known components. `model_only` saves keep only kModelComponent.
@@ -32,9 +36,14 @@ inline constexpr const char* kModelComponent = "model";
 inline constexpr const char* kOptimizerComponent = "optimizer";
 
 struct LocalChunk {
-  int64_t begin = 0;   // first flat element of the global tensor held here
+  int64_t begin = 0;   // first flat element held here: of the global tensor, or of the box
   torch::Tensor data;  // numel() elements in row-major order; any shape, any device
+  // An n-D box of the global tensor (checkpoint/region.h) whose flattening `begin` indexes; empty:
+  // the whole tensor. A tensor-parallel shard is its box; FSDP over it a flat range of the box.
+  std::vector<int64_t> box_offsets = {};
+  std::vector<int64_t> box_sizes = {};
   int64_t end() const { return begin + data.numel(); }
+  Region region() const { return {box_offsets, box_sizes, begin, end()}; }
 };
 
 struct ShardedTensor {
@@ -55,6 +64,11 @@ class ShardedStateDict {
   // A tensor this rank holds whole (replicated, or simply unsharded).
   ShardedTensor& add_full(const std::string& name, const std::string& component,
                           const torch::Tensor& tensor);
+  // This rank's box of the tensor: `local` is the region [offsets, offsets + local.sizes()) of
+  // `global_shape` (a tensor-parallel shard).
+  ShardedTensor& add_box(const std::string& name, const std::string& component,
+                         std::vector<int64_t> global_shape, std::vector<int64_t> box_offsets,
+                         const torch::Tensor& local);
   // This rank's Shard(0) piece: rows [row_offset, row_offset + local.size(0)) of `global_shape`.
   ShardedTensor& add_shard0(const std::string& name, const std::string& component,
                             std::vector<int64_t> global_shape, int64_t row_offset,

@@ -58,11 +58,22 @@ inline torch::Tensor global_value(const Spec& spec, int salt) {
   return torch::randint(0, 1 << 20, spec.shape, gen).to(spec.dtype);
 }
 
-// One flat element range of a tensor held by a rank.
+// One flat element range of a tensor held by a rank: of the whole tensor, or of a box of it.
 struct Piece {
   int64_t begin;
   int64_t end;
+  std::vector<int64_t> box_offsets = {};  // empty: the whole tensor
+  std::vector<int64_t> box_sizes = {};
 };
+
+// The elements of `global` a piece holds, flat.
+inline torch::Tensor piece_values(const torch::Tensor& global, const Piece& p) {
+  torch::Tensor region = global;
+  for (size_t d = 0; d < p.box_offsets.size(); ++d) {
+    region = region.narrow(static_cast<int64_t>(d), p.box_offsets[d], p.box_sizes[d]);
+  }
+  return region.reshape(-1).narrow(0, p.begin, p.end - p.begin);
+}
 
 using Layout = std::function<std::vector<Piece>(const Spec&, size_t index)>;
 
@@ -106,6 +117,29 @@ inline Layout block_cyclic_layout(int world, int rank, int64_t block) {
   };
 }
 
+// Tensor parallel: dim `dim` split into `world` consecutive boxes (uneven sizes allowed, as a
+// chunk of torch.chunk); tensors with fewer dims are replicated. With `fsdp` > 1, each box's
+// flattening is further split into `fsdp` equal ranges (FSDP over TP); rank = dp * world + tp.
+inline Layout tp_layout(int world, int rank, int64_t dim, int fsdp = 1) {
+  const int tp_rank = rank % world, dp_rank = rank / world;
+  return [=](const Spec& s, size_t) -> std::vector<Piece> {
+    std::vector<int64_t> offsets(s.shape.size(), 0), sizes = s.shape;
+    if (dim < static_cast<int64_t>(s.shape.size())) {
+      const int64_t n = s.shape[static_cast<size_t>(dim)];
+      const int64_t piece = (n + world - 1) / world;
+      offsets[static_cast<size_t>(dim)] = std::min(n, piece * tp_rank);
+      sizes[static_cast<size_t>(dim)] = std::min(n, piece * (tp_rank + 1)) - offsets[static_cast<size_t>(dim)];
+    }
+    int64_t numel = 1;
+    for (int64_t d : sizes) numel *= d;
+    const int64_t part = (numel + fsdp - 1) / fsdp;
+    const int64_t lo = std::min(numel, part * dp_rank), hi = std::min(numel, part * (dp_rank + 1));
+    if (lo >= hi) return {};
+    if (s.shape.empty()) return {{lo, hi}};
+    return {{lo, hi, offsets, sizes}};
+  };
+}
+
 // Everything on every rank (single process, or fully replicated).
 inline Layout full_layout() {
   return [](const Spec& s, size_t) { return std::vector<Piece>{{0, numel_of(s)}}; };
@@ -117,18 +151,20 @@ inline ShardedStateDict make_state(const std::vector<Spec>& specs, const Layout&
   ShardedStateDict state;
   for (size_t i = 0; i < specs.size(); ++i) {
     const Spec& s = specs[i];
-    const torch::Tensor value = salt >= 0 ? global_value(s, salt).reshape(-1) : torch::Tensor();
     std::vector<LocalChunk> chunks;
     const std::vector<Piece> pieces =
         s.replicated ? std::vector<Piece>{{0, numel_of(s)}} : layout(s, i);
     for (const Piece& p : pieces) {
       torch::Tensor data =
-          salt >= 0 ? value.narrow(0, p.begin, p.end - p.begin).clone()
+          salt >= 0 ? piece_values(global_value(s, salt), p).clone()
                     : torch::full({p.end - p.begin}, c10::isFloatingType(s.dtype) ? NAN : -1.0,
                                   torch::TensorOptions().dtype(s.dtype));
-      // A whole tensor is handed over in its own shape, as an unsharded module would.
-      if (p.begin == 0 && p.end == numel_of(s)) data = data.reshape(s.shape);
-      chunks.push_back({p.begin, data});
+      // A whole tensor (or box) is handed over in its own shape, as a module would.
+      if (p.box_offsets.empty() && p.begin == 0 && p.end == numel_of(s)) data = data.reshape(s.shape);
+      int64_t box_numel = 1;
+      for (int64_t d : p.box_sizes) box_numel *= d;
+      if (!p.box_offsets.empty() && p.begin == 0 && p.end == box_numel) data = data.reshape(p.box_sizes);
+      chunks.push_back({p.begin, data, p.box_offsets, p.box_sizes});
     }
     state.add_chunks(s.name, s.component, s.shape, s.dtype, std::move(chunks));
   }
@@ -144,11 +180,10 @@ inline std::string check_state(const std::vector<Spec>& specs, const ShardedStat
     if (!state.contains(s.name)) continue;
     torch::Tensor want = global_value(s, salt);
     if (via && c10::isFloatingType(s.dtype)) want = want.to(*via).to(s.dtype);
-    want = want.reshape(-1);
     for (const LocalChunk& c : state.at(s.name).chunks) {
       const torch::Tensor got = c.data.reshape(-1);
-      if (!torch::equal(got, want.narrow(0, c.begin, c.end() - c.begin))) {
-        return c10::str("tensor ", s.name, " chunk [", c.begin, ", ", c.end(), ") differs");
+      if (!torch::equal(got, piece_values(want, {c.begin, c.end(), c.box_offsets, c.box_sizes}))) {
+        return c10::str("tensor ", s.name, " chunk ", describe(c.region()), " differs");
       }
     }
   }
