@@ -155,7 +155,21 @@ const std::vector<ConfigKey> kSchema = {
      "copy).",
      {"default", "always", "never"}, /*integer_allowed=*/true},
     {LOOM_CONFIG_KEY(parallelism, tensor_parallel_degree),
-     "Tensor-parallel ranks. **Not available yet: only `1` is accepted** (see below).", {}},
+     "Tensor-parallel ranks (Megatron-LM's scheme, TorchTitan's plan: attention heads, FFN hidden "
+     "units and the vocabulary split over `t` neighbouring ranks; see docs/tensor_parallel.md). It "
+     "must divide n_heads, n_kv_heads, the FFN hidden size and the vocabulary, and with sequence "
+     "parallelism `training.seq_len`; a degree that does not is a one-line error listing the ones "
+     "that would.", {}},
+    {LOOM_CONFIG_KEY(parallelism, disable_sequence_parallel),
+     "With tensor parallelism, keep the residual stream whole on every rank between blocks instead "
+     "of splitting it along the sequence (norms then run on every token on every rank; the "
+     "communication volume is the same).", {}},
+    {LOOM_CONFIG_KEY(parallelism, disable_loss_parallel),
+     "With tensor parallelism, gather the vocabulary-sharded logits for the loss instead of computing "
+     "the cross-entropy on the shards (loss parallel, which never materializes the whole logits).", {}},
+    {LOOM_CONFIG_KEY(parallelism, enable_async_tensor_parallel),
+     "Overlap tensor parallelism's all-gathers and reduce-scatters with the matmuls around them. "
+     "**Not available yet: only `false` is accepted.**", {}},
     {LOOM_CONFIG_KEY(parallelism, context_parallel_degree),
      "Context-parallel ranks. **Not available yet: only `1` is accepted** (see below).", {}},
     {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_degree),
@@ -239,9 +253,9 @@ Training step *k* (1-based) runs at `lr * factor(k - 1)`:
     {"parallelism",
      R"md(The degrees multiply to the number of ranks; `data_parallel_shard_degree = -1` takes whatever the
 others leave.)md",
-     R"md(Tensor, context and pipeline parallelism are not available yet. The keys exist for TorchTitan
+     R"md(Context and pipeline parallelism are not available yet. The keys exist for TorchTitan
 compatibility; any degree other than 1 stops `loom train` with exit code 2 and
-`error: tensor, context and pipeline parallelism are not available yet (...); set parallelism.tensor_parallel_degree, context_parallel_degree and pipeline_parallel_degree to 1`.)md"},
+`error: context and pipeline parallelism are not available yet (...); set parallelism.context_parallel_degree and pipeline_parallel_degree to 1`.)md"},
     {"metrics",
      R"md(Every `log_freq` steps rank 0 prints one line (step, loss, grad_norm, lr, tokens/s, MFU %,
 peak memory) and appends one JSON object to `<dump_folder>/metrics.jsonl` with the keys `step`,

@@ -87,6 +87,9 @@ struct ParallelismSection {
   int64_t data_parallel_shard_degree = -1;  // -1 = the ranks left over by the other degrees
   std::string fsdp_reshard_after_forward = "default";  // "default" | "always" | "never" | int
   int64_t tensor_parallel_degree = 1;
+  bool disable_sequence_parallel = false;  // TP: keep the residual stream whole between blocks
+  bool disable_loss_parallel = false;      // TP: gather the logits for the loss
+  bool enable_async_tensor_parallel = false;
   int64_t context_parallel_degree = 1;
   int64_t pipeline_parallel_degree = 1;
 

@@ -45,13 +45,13 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   // before rendezvous and data loading, so the answer is this line on every rank, whatever the
   // world size, not a world-size mismatch or a wait for peers.
   const auto& p = config_.parallelism;
-  LOOM_REQUIRE_USAGE(p.tensor_parallel_degree == 1 && p.context_parallel_degree == 1 &&
-                         p.pipeline_parallel_degree == 1,
-                     "tensor, context and pipeline parallelism are not available yet (tensor_parallel_degree ",
-                     p.tensor_parallel_degree, ", context_parallel_degree ", p.context_parallel_degree,
-                     ", pipeline_parallel_degree ", p.pipeline_parallel_degree,
-                     "); set parallelism.tensor_parallel_degree, context_parallel_degree and "
-                     "pipeline_parallel_degree to 1");
+  LOOM_REQUIRE_USAGE(p.context_parallel_degree == 1 && p.pipeline_parallel_degree == 1,
+                     "context and pipeline parallelism are not available yet (context_parallel_degree ",
+                     p.context_parallel_degree, ", pipeline_parallel_degree ", p.pipeline_parallel_degree,
+                     "); set parallelism.context_parallel_degree and pipeline_parallel_degree to 1");
+  LOOM_REQUIRE_USAGE(!p.enable_async_tensor_parallel,
+                     "parallelism.enable_async_tensor_parallel is not available yet; set it to false "
+                     "(tensor parallelism itself is)");
   LOOM_REQUIRE_USAGE(config_.activation_checkpoint.mode == "none",
                      "activation_checkpoint.mode '", config_.activation_checkpoint.mode,
                      "' is not available yet; use \"none\"");
@@ -171,6 +171,9 @@ void Trainer::build_model() {
                      "'; available: llama3");
   llama3::ModelArgs args = llama3::flavor(config_.model.flavor, vocab);
   args.max_seq_len = std::max(args.max_seq_len, config_.training.seq_len);
+  const auto& p = config_.parallelism;
+  llama3::validate_tp_degree(args, p.tensor_parallel_degree, config_.training.seq_len,
+                             {!p.disable_sequence_parallel, !p.disable_loss_parallel});
   model_ = std::make_shared<llama3::Transformer>(args, torch::TensorOptions().device(torch::kMeta));
   const auto counts = llama3::count_parameters(args);
   flops_per_token_ = llama3::flops_per_token(args, counts.non_embedding, config_.training.seq_len);
@@ -181,57 +184,37 @@ void Trainer::build_model() {
 
 void Trainer::parallelize() {
   const auto& t = config_.training;
-  if (parallel_dims_->fsdp_enabled()) {
-    // FSDP (HSDP when dp_replicate > 1): shard on the meta-device model, then initialize each
-    // rank's shard only; the values equal the single-process init_weights(seed).
-    fsdp::FSDPPolicy policy;
-    const auto reshard = llama3::FSDPReshardSetting::parse(config_.parallelism.fsdp_reshard_after_forward);
-    policy.reshard_after_forward = reshard.blocks;
-    policy.mixed_precision.param_dtype = c10::ScalarType(
-        t.mixed_precision_param == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
-    policy.mixed_precision.reduce_dtype = c10::ScalarType(
-        t.mixed_precision_reduce == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
-    fsdp_ = llama3::apply_fsdp(*model_, *mesh_, policy, reshard.last_block);
-    llama3::init_sharded_weights(*model_, *fsdp_, static_cast<uint64_t>(t.seed));
-    return;
+  const auto& p = config_.parallelism;
+  llama3::ParallelizeOptions options;
+  options.tp.sequence_parallel = !p.disable_sequence_parallel;
+  options.tp.loss_parallel = !p.disable_loss_parallel;
+  const auto reshard = llama3::FSDPReshardSetting::parse(p.fsdp_reshard_after_forward);
+  options.fsdp.reshard_after_forward = reshard.blocks;
+  options.fsdp_reshard_last_block = reshard.last_block;
+  options.fsdp.mixed_precision.param_dtype =
+      c10::ScalarType(t.mixed_precision_param == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
+  options.fsdp.mixed_precision.reduce_dtype =
+      c10::ScalarType(t.mixed_precision_reduce == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
+  options.seed = static_cast<uint64_t>(t.seed);
+  options.device = device_;
+  if (!parallel_dims_->fsdp_enabled()) {
+    // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in
+    // TorchTitan: float32 master weights, gradients and optimizer state; DDP all-reduces the
+    // float32 gradients, so a bfloat16 reduce has nothing to apply to.
+    LOOM_REQUIRE_USAGE(t.mixed_precision_reduce == "float32",
+                       "training.mixed_precision_reduce = \"", t.mixed_precision_reduce,
+                       "\" needs FSDP (parallelism.data_parallel_shard_degree > 1): without it "
+                       "gradients are float32 master-weight gradients; set it to \"float32\"");
+    if (t.mixed_precision_param == "bfloat16") autocast_dtype_ = torch::kBFloat16;
   }
-  // Without FSDP (one device, or DDP), mixed precision is autocast around the forward, as in
-  // TorchTitan: float32 master weights, gradients and optimizer state; DDP all-reduces the float32
-  // gradients, so a bfloat16 reduce has nothing to apply to.
-  LOOM_REQUIRE_USAGE(t.mixed_precision_reduce == "float32",
-                     "training.mixed_precision_reduce = \"", t.mixed_precision_reduce,
-                     "\" needs FSDP (parallelism.data_parallel_shard_degree > 1): without it "
-                     "gradients are float32 master-weight gradients; set it to \"float32\"");
-  if (t.mixed_precision_param == "bfloat16") autocast_dtype_ = torch::kBFloat16;
-  // Materialize then initialize every parameter from the seed: the values are the same whatever
-  // the layout, so any parallel run starts from the single-process reference's weights.
-  model_->to_empty(device_);
-  model_->init_weights(static_cast<uint64_t>(t.seed));
-  if (parallel_dims_->dp_replicate_enabled()) {
-    ddp_ = std::make_unique<ddp::DataParallel>(*model_, mesh_->comm("dp_replicate"));
-  }
-  for (const auto& p : model_->named_parameters()) {
-    if (p.slot->requires_grad) trainable_params_.push_back(p.slot->tensor);
-  }
+  parallel_model_ = llama3::parallelize(model_, *parallel_dims_, *mesh_, options);
+  log::info("parallelized: ", parallel_model_->describe());
 }
 
 void Trainer::init_optimizer() {
   const auto& o = config_.optimizer;
   LOOM_REQUIRE_USAGE(o.name == "AdamW", "unknown optimizer.name '", o.name, "'; available: AdamW");
-  optim::NamedTensors named;
-  if (!fsdp_) {
-    for (const auto& p : model_->named_parameters()) {
-      if (p.slot->requires_grad) named.emplace_back(p.name, p.slot->tensor);
-    }
-  }
-  if (fsdp_) {
-    auto sharded = std::make_unique<fsdp::ShardedAdamW>(fsdp_, adamw_options(config_), o.weight_decay);
-    sharded_optimizer_ = sharded.get();
-    optimizer_ = std::move(sharded);
-  } else {
-    optimizer_ = std::make_unique<optim::AdamW>(
-        optim::weight_decay_param_groups(named, o.weight_decay), adamw_options(config_));
-  }
+  optimizer_ = parallel_model_->build_adamw(adamw_options(config_), o.weight_decay);
   lr_scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, lr_schedule_options(config_),
                                                   config_.training.steps);
 }
@@ -296,30 +279,9 @@ void Trainer::init_checkpointing() {
 
 checkpoint::ShardedStateDict Trainer::state_dict() {
   checkpoint::ShardedStateDict sd;
-  if (fsdp_) {
-    // Each rank's flat run of every parameter and moment: the checkpoint reshards on load.
-    auto add_sharded = [&sd](const std::vector<fsdp::ShardedTensor>& tensors, const std::string& prefix,
-                             const std::string& component) {
-      for (const auto& st : tensors) {
-        std::vector<checkpoint::LocalChunk> chunks;
-        if (st.local.defined() && st.local.numel() > 0) chunks.push_back({st.global_offset, st.local});
-        const auto dtype = st.local.defined() ? st.local.scalar_type() : c10::kFloat;
-        sd.add_chunks(prefix + st.name, component, st.global_shape, dtype, std::move(chunks));
-      }
-    };
-    add_sharded(fsdp_->sharded_state_dict(), "", "model");
-    add_sharded(sharded_optimizer_->sharded_state_dict(), "optimizer.", "optimizer");
-    // Step counts are per group and identical on every rank: saved whole, under the same names
-    // as the unsharded AdamW's, so a checkpoint moves between FSDP and non-FSDP layouts.
-    for (const auto& [name, t] : sharded_optimizer_->state_dict()) {
-      if (name.size() > 5 && name.compare(name.size() - 5, 5, ".step") == 0) {
-        sd.add_full("optimizer." + name, "optimizer", t);
-      }
-    }
-  } else {
-    for (const auto& p : model_->named_parameters()) sd.add_full(p.name, "model", p.slot->tensor.detach());
-    for (const auto& [name, t] : optimizer_->state_dict()) sd.add_full("optimizer." + name, "optimizer", t);
-  }
+  // Each rank's pieces of the parameters and optimizer state, with their global shapes (TP boxes,
+  // FSDP ranges): the checkpoint reshards on load.
+  parallel_model_->add_to_state_dict(sd, *optimizer_);
   lr_scheduler_state_ = lr_scheduler_->state_dict();
   for (const auto& [name, t] : lr_scheduler_state_) sd.add_full("lr_scheduler." + name, "lr_scheduler", t);
   sd.json()["step"] = step_;
@@ -344,28 +306,9 @@ void Trainer::load_initial_weights(const std::string& path) {
     return;
   }
   auto loaded = llama3::load_model_dir(path);
-  auto source = loaded.model->named_parameters();
-  if (fsdp_) {
-    optim::TensorDict full;
-    for (const auto& p : source) full[p.name] = p.tensor().detach();
-    fsdp_->load_full_state_dict(full);  // each rank keeps only its shard
-    log::info("initial weights loaded from ", path);
-    return;
-  }
-  auto target = model_->named_parameters();
-  LOOM_REQUIRE(source.size() == target.size(), "checkpoint.initial_load_path ", path, " has ",
-               source.size(), " parameters but the model has ", target.size(),
-               "; check model.flavor and model.vocab_size");
-  torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < target.size(); ++i) {
-    const auto& want = target[i].tensor();
-    const auto& have = source[i].tensor();
-    LOOM_REQUIRE(source[i].name == target[i].name && have.sizes() == want.sizes(),
-                 "checkpoint.initial_load_path ", path, ": parameter ", source[i].name, " ",
-                 have.sizes(), " does not match the model's ", target[i].name, " ", want.sizes(),
-                 "; check model.flavor and model.vocab_size");
-    want.detach().copy_(have);
-  }
+  optim::TensorDict full;
+  for (const auto& p : loaded.model->named_parameters()) full[p.name] = p.tensor().detach();
+  parallel_model_->load_full_parameters(full);  // each rank keeps only its pieces
   log::info("initial weights loaded from ", path);
 }
 
@@ -431,27 +374,21 @@ torch::Tensor Trainer::to_device(const torch::Tensor& host) const {
 StepResult Trainer::train_step() {
   Timer timer;
   ++step_;
-  if (ddp_) {
-    ddp_->zero_grad();
-  } else {
-    optimizer_->zero_grad(/*set_to_none=*/true);  // FSDP: zeroes the flat gradient buffers
-  }
+  parallel_model_->zero_grad();
   // The step's loss is summed on the device and read back once, with the gradient norm, after
   // backward: no host-device sync per micro-batch.
   torch::Tensor loss_sum;
   for (int64_t micro = 0; micro < grad_accum_steps_; ++micro) {
     data::Batch batch = loader_->next();
-    const bool last = micro + 1 == grad_accum_steps_;
-    if (ddp_) ddp_->set_gradient_sync(last);
-    // Accumulate unsharded gradients locally; reduce-scatter once, on the last micro-batch.
-    if (fsdp_) fsdp_->set_requires_gradient_sync(last);
+    // Gradients are reduced across data-parallel ranks once, after the last micro-batch.
+    parallel_model_->begin_micro_batch(/*last=*/micro + 1 == grad_accum_steps_);
     // Packed on the host; copied to the device (none on the CPU). Head and loss fused: the
     // [tokens, vocab] logits are never materialised. Autocast covers the forward only; backward
     // runs each op in the dtype its forward used.
     torch::Tensor loss;
     {
       AutocastScope autocast(device_, autocast_dtype_);
-      loss = model_->forward_loss(to_device(batch.inputs), to_device(batch.labels));
+      loss = parallel_model_->forward_loss(to_device(batch.inputs), to_device(batch.labels));
     }
     if (micro == 0 && fault_due("LOOM_FAULT_NAN", dist_->rank(), step_)) {
       loss = loss * std::numeric_limits<float>::quiet_NaN();
@@ -461,18 +398,9 @@ StepResult Trainer::train_step() {
     // Mean over micro-batches: each contributes 1/k of the step's gradient.
     (grad_accum_steps_ > 1 ? loss / static_cast<double>(grad_accum_steps_) : loss).backward();
   }
-  if (ddp_) ddp_->finish_gradient_sync();
-
-  torch::Tensor grad_norm_t;
-  if (fsdp_) {
-    // Waits for the outstanding reduce-scatters, then sums squares across shards.
-    grad_norm_t = fsdp_->clip_grad_norm_(config_.training.max_norm);
-  } else {
-    std::vector<torch::Tensor> grads;
-    grads.reserve(trainable_params_.size());
-    for (const auto& p : trainable_params_) grads.push_back(p.grad());
-    grad_norm_t = optim::clip_grad_norm_(grads, config_.training.max_norm);
-  }
+  parallel_model_->finish_gradient_sync();
+  // The norm over every mesh dim; gradients scaled on the device.
+  const torch::Tensor grad_norm_t = parallel_model_->clip_grad_norm_(config_.training.max_norm);
   const torch::Tensor host = torch::stack({loss_sum, grad_norm_t.detach().to(loss_sum.device(), torch::kFloat64)})
                                  .to(torch::kCPU);
   const double local_loss = host[0].item<double>();
@@ -502,14 +430,7 @@ StepResult Trainer::train_step() {
 
 std::string Trainer::first_nonfinite_gradient() {
   // Local gradient pieces in module order (the same names, in the same order, on every rank).
-  std::vector<std::pair<std::string, torch::Tensor>> grads;
-  if (fsdp_) {
-    for (fsdp::FSDPParamGroup* group : fsdp_->param_groups()) {
-      for (const auto& p : group->params()) grads.emplace_back(fsdp_->param_fqn(*group, p), p.sharded_grad);
-    }
-  } else {
-    for (const auto& p : model_->named_parameters()) grads.emplace_back(p.name, p.slot->tensor.grad());
-  }
+  const std::vector<std::pair<std::string, torch::Tensor>> grads = parallel_model_->local_gradients();
   int64_t first = static_cast<int64_t>(grads.size());
   for (size_t i = 0; i < grads.size(); ++i) {
     const torch::Tensor& g = grads[i].second;
@@ -575,7 +496,10 @@ std::vector<StepResult> Trainer::train() {
               "peak to get it");
   }
   std::vector<StepResult> results;
+  // Tokens per step per rank, as TorchTitan counts them: the ranks of a tensor-parallel group work
+  // on the same tokens, so each is credited with 1/t of them (and MFU with 1/t of the FLOPs).
   const int64_t tokens_per_step = t.local_batch_size * t.seq_len * grad_accum_steps_;
+  const double ranks_per_batch = parallel_dims_->non_data_parallel_size();
   double window_seconds = 0.0;
   int64_t window_steps = 0;
   memory::reset_peak(device_);
@@ -603,7 +527,7 @@ std::vector<StepResult> Trainer::train() {
       m.loss = r.loss;
       m.grad_norm = r.grad_norm;
       m.lr = r.lr;
-      m.tps = tokens_per_second(tokens_per_step * window_steps, window_seconds);
+      m.tps = tokens_per_second(tokens_per_step * window_steps, window_seconds) / ranks_per_batch;
       m.mfu = std::isnan(peak_flops) ? peak_flops : mfu_percent(m.tps, flops_per_token_, peak_flops);
       const int64_t peak_bytes = memory::peak_bytes(device_);
       m.mem_peak_gib = static_cast<double>(peak_bytes) / (1024.0 * 1024.0 * 1024.0);

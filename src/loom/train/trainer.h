@@ -8,8 +8,9 @@
 //   2. determinism and seeds
 //   3. tokenizer, then the data loader for this rank's data-parallel slice
 //   4. model on the meta device (no memory), parameter count and FLOPs/token
-//   5. parallelize: FSDP over dp_shard (HSDP with dp_replicate), or DDP over dp_replicate alone
-//   6. materialize and initialize every parameter from the seed (sharded: each rank only its shard)
+//   5. parallelize (the model's own plan): tensor parallel over tp, then FSDP over dp_shard (HSDP
+//      with dp_replicate) or DDP over dp_replicate alone
+//   6. materialize and initialize every parameter from the seed (sharded: each rank only its pieces)
 //   7. optimizer (AdamW, weight-decay groups) and LR schedule
 //   8. checkpointer: folder checked writable on every rank, then resume from the newest complete
 //      full checkpoint (or start from initial_load_path)
@@ -22,14 +23,12 @@
 #include "loom/checkpoint/checkpointer.h"
 #include "loom/data/loader.h"
 #include "loom/data/tokenizer.h"
-#include "loom/ddp/ddp.h"
 #include "loom/dist/device_mesh.h"
 #include "loom/dist/parallel_dims.h"
 #include "loom/dist/process_group.h"
-#include "loom/fsdp/fully_shard.h"
-#include "loom/fsdp/sharded_optimizer.h"
 #include "loom/models/llama3/model.h"
 #include "loom/optim/adamw.h"
+#include "loom/parallel/parallelized_model.h"
 #include "loom/optim/lr_scheduler.h"
 #include "loom/train/config.h"
 #include "loom/train/metrics.h"
@@ -103,15 +102,14 @@ class Trainer {
   std::unique_ptr<data::Tokenizer> tokenizer_;
   std::unique_ptr<data::DataLoader> loader_;
   std::shared_ptr<llama3::Transformer> model_;
-  std::unique_ptr<ddp::DataParallel> ddp_;
-  std::shared_ptr<fsdp::FSDPModule> fsdp_;
+  // The model with its parallelisms applied: every step, optimizer and checkpoint call goes through
+  // it, so nothing below knows which parallelisms a run uses.
+  std::unique_ptr<parallel::ParallelizedModel> parallel_model_;
   std::unique_ptr<optim::Optimizer> optimizer_;
-  fsdp::ShardedAdamW* sharded_optimizer_ = nullptr;  // optimizer_ when FSDP is on
   std::unique_ptr<optim::LRScheduler> lr_scheduler_;
   std::unique_ptr<MetricsLogger> metrics_;
   std::unique_ptr<checkpoint::Checkpointer> checkpointer_;
   optim::TensorDict lr_scheduler_state_;  // staging for the schedule's state in checkpoints
-  std::vector<torch::Tensor> trainable_params_;
   int64_t grad_accum_steps_ = 1;
   double flops_per_token_ = 0.0;
   int64_t step_ = 0;

@@ -35,7 +35,8 @@ std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Transformer& model, const dist::Dev
   return apply_fsdp(model, fsdp::make_fsdp_mesh(mesh, policy), policy, reshard_last_block);
 }
 
-void init_sharded_weights(Transformer& model, fsdp::FSDPModule& fsdp, uint64_t seed) {
+void init_sharded_weights(Transformer& model, fsdp::FSDPModule& fsdp, uint64_t seed,
+                          const tp::TensorParallel* tp) {
   for (const auto& b : model.named_buffers()) {
     if (b.slot->tensor.is_meta()) {
       b.slot->tensor = torch::empty(b.slot->tensor.sizes(),
@@ -44,8 +45,15 @@ void init_sharded_weights(Transformer& model, fsdp::FSDPModule& fsdp, uint64_t s
   }
   model.reset_buffers();
   const ModelArgs& args = model.args();
-  fsdp.init_parameters([&](const std::string& name, torch::Tensor& full) {
+  auto draw = [&](const std::string& name, torch::Tensor& full) {
     nn::init_parameter(parameter_init(args, name), name, seed, full);
+  };
+  fsdp.init_parameters([&](const std::string& name, torch::Tensor& full) {
+    if (tp != nullptr) {
+      tp->init_local(name, full, draw);
+    } else {
+      draw(name, full);
+    }
   });
 }
 
@@ -115,6 +123,37 @@ std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr
     });
   }
   return tp;
+}
+
+std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transformer> model,
+                                                         const dist::ParallelDims& dims,
+                                                         const dist::DeviceMesh& mesh,
+                                                         const ParallelizeOptions& options) {
+  parallel::ParallelParts parts;
+  Transformer* raw = model.get();
+  parts.module = model;
+  parts.forward_loss = [raw](const torch::Tensor& tokens, const torch::Tensor& labels) {
+    return raw->forward_loss(tokens, labels);
+  };
+  // 1. Tensor parallelism: parameters become this rank's shards (still on the meta device).
+  if (dims.tp_enabled()) parts.tp = apply_tp(*model, mesh.comm("tp"), options.tp);
+  // 2. (Activation checkpointing will wrap blocks here, between TP and FSDP.)
+  // 3. Data parallelism over the TP-local parameters, then materialize and initialize.
+  if (dims.fsdp_enabled()) {
+    parts.fsdp = apply_fsdp(*model, mesh, options.fsdp, options.fsdp_reshard_last_block);
+    init_sharded_weights(*model, *parts.fsdp, options.seed, parts.tp.get());
+  } else {
+    model->to_empty(options.device);
+    if (parts.tp) {
+      init_tp_weights(*model, *parts.tp, options.seed);
+    } else {
+      model->init_weights(options.seed);
+    }
+    if (dims.dp_replicate_enabled()) {
+      parts.ddp = std::make_unique<ddp::DataParallel>(*model, mesh.comm("dp_replicate"));
+    }
+  }
+  return std::make_unique<parallel::ParallelizedModel>(std::move(parts));
 }
 
 void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t seed) {

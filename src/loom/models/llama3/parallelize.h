@@ -19,7 +19,9 @@
 
 #include "loom/dist/device_mesh.h"
 #include "loom/fsdp/fully_shard.h"
+#include "loom/dist/parallel_dims.h"
 #include "loom/models/llama3/model.h"
+#include "loom/parallel/parallelized_model.h"
 #include "loom/tp/tensor_parallel.h"
 
 namespace loom::llama3 {
@@ -52,6 +54,25 @@ std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr
 
 // Initializes the TP-sharded model exactly as init_weights(seed) initializes the whole one.
 void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t seed);
+
+// ---- The whole plan (TorchTitan's parallelize_llama) --------------------------------------------
+
+struct ParallelizeOptions {
+  TPOptions tp;                           // when the mesh has "tp"
+  fsdp::FSDPPolicy fsdp;                  // when FSDP is on (dp_shard or cp > 1; HSDP with dp_replicate)
+  bool fsdp_reshard_last_block = false;   // see FSDPReshardSetting
+  uint64_t seed = 0;                      // initialization (the single-process values, any layout)
+  c10::Device device = c10::kCPU;         // where parameters and buffers live
+};
+
+// Applies, in TorchTitan's order, tensor parallelism (tp > 1), then FSDP over dp_shard (HSDP with
+// dp_replicate) or, without sharding, DDP over dp_replicate; materializes the model on the device
+// and initializes every parameter from the seed, each rank only its pieces. `model` is built on
+// the meta device. The result is what the Trainer drives.
+std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transformer> model,
+                                                         const dist::ParallelDims& dims,
+                                                         const dist::DeviceMesh& mesh,
+                                                         const ParallelizeOptions& options);
 
 // What the plan sends over the tensor-parallel group for one micro-batch (forward and backward)
 // of `batch` x `seq` tokens in `element_bytes`-byte activations, plus the once-per-step gradient
@@ -88,6 +109,8 @@ std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Transformer& model, const fsdp::FSD
 // Initializes the sharded parameters exactly as Transformer::init_weights(seed) would the whole
 // model (each parameter drawn in full on its own, this rank keeping its piece), and materializes
 // the model's non-persistent buffers (RoPE cache) on the CPU if they are still on the meta device.
-void init_sharded_weights(Transformer& model, fsdp::FSDPModule& fsdp, uint64_t seed);
+// With `tp`, FSDP shards TP-local pieces: each is cut from its parameter's whole value.
+void init_sharded_weights(Transformer& model, fsdp::FSDPModule& fsdp, uint64_t seed,
+                          const tp::TensorParallel* tp = nullptr);
 
 }  // namespace loom::llama3

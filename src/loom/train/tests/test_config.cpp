@@ -388,7 +388,7 @@ TEST(Config, UnavailableFeaturesSayTheyAreNotAvailable) {
   std::stringstream doc;
   doc << in.rdbuf();
   const std::string docs = doc.str();
-  for (const char* name : {"parallelism.tensor_parallel_degree", "parallelism.context_parallel_degree",
+  for (const char* name : {"parallelism.enable_async_tensor_parallel", "parallelism.context_parallel_degree",
                            "parallelism.pipeline_parallel_degree", "activation_checkpoint.mode"}) {
     SCOPED_TRACE(name);
     const auto key = std::find_if(config_schema().begin(), config_schema().end(),
@@ -403,7 +403,7 @@ TEST(Config, UnavailableFeaturesSayTheyAreNotAvailable) {
   std::ifstream readme_in(kSource + "/README.md");
   std::stringstream readme;
   readme << readme_in.rdbuf();
-  EXPECT_NE(readme.str().find("Tensor, context and pipeline parallelism and activation checkpointing are not "
+  EXPECT_NE(readme.str().find("Context and pipeline parallelism and activation checkpointing are not "
                               "available yet"),
             std::string::npos);
 }

@@ -202,9 +202,12 @@ INSTANTIATE_TEST_SUITE_P(
                                                  " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
                                                  " --parallelism.data_parallel_shard_degree=1",
                  2, "training.mixed_precision_reduce = \"bfloat16\" needs FSDP"},
-        BadInput{"tensor_parallel", "train --config " + src("configs/llama3_debug.toml") +
-                                        " --parallelism.tensor_parallel_degree=2",
-                 2, "tensor, context and pipeline parallelism are not available yet"},
+        BadInput{"context_parallel", "train --config " + src("configs/llama3_debug.toml") +
+                                         " --parallelism.context_parallel_degree=2",
+                 2, "context and pipeline parallelism are not available yet"},
+        BadInput{"async_tensor_parallel", "train --config " + src("configs/llama3_debug.toml") +
+                                              " --parallelism.enable_async_tensor_parallel=true",
+                 2, "parallelism.enable_async_tensor_parallel is not available yet"},
         BadInput{"activation_checkpoint", "train --config " + src("configs/llama3_debug.toml") +
                                               " --activation_checkpoint.mode=selective",
                  2, "activation_checkpoint.mode 'selective' is not available yet; use \"none\""}),

@@ -1,0 +1,230 @@
+#include "loom/parallel/parallelized_model.h"
+
+#include "loom/core/error.h"
+#include "loom/optim/clip_grad.h"
+
+namespace loom::parallel {
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The parameter an AdamW state entry belongs to ("<param>.exp_avg" -> "<param>"); empty for state
+// that is not shaped like its parameter (the step counts).
+std::string moment_parameter(const std::string& key) {
+  for (const char* suffix : {".exp_avg_sq", ".exp_avg"}) {
+    if (ends_with(key, suffix)) return key.substr(0, key.size() - std::string(suffix).size());
+  }
+  return "";
+}
+
+// Sum of squares of a list of gradients, fp32, on their device (zero for an empty list).
+torch::Tensor sum_of_squares(const std::vector<torch::Tensor>& grads, const torch::TensorOptions& options) {
+  if (grads.empty()) return torch::zeros({}, options);
+  std::vector<torch::Tensor> norms = at::_foreach_norm(grads, 2);
+  for (auto& n : norms) n = n.to(torch::kFloat32);
+  return at::stack(norms).pow(2).sum();
+}
+
+}  // namespace
+
+ParallelizedModel::ParallelizedModel(ParallelParts parts) : parts_(std::move(parts)) {
+  LOOM_REQUIRE(parts_.module != nullptr && parts_.forward_loss, "ParallelizedModel needs a module and its loss");
+  LOOM_REQUIRE(!(parts_.fsdp && parts_.ddp), "FSDP and DDP on the same parameters: HSDP replicates "
+               "through FSDP (dp_replicate), not DDP");
+}
+
+std::string ParallelizedModel::describe() const {
+  std::string out;
+  if (parts_.tp) {
+    out += c10::str("TP ", parts_.tp->degree(), parts_.tp->sequence_parallel() ? " (sequence parallel)" : "");
+  }
+  if (parts_.fsdp) {
+    const auto& mesh = parts_.fsdp->mesh();
+    out += c10::str(out.empty() ? "" : " + ", mesh.replicate_size() > 1 ? "HSDP " : "FSDP over ",
+                    mesh.replicate_size() > 1 ? c10::str(mesh.replicate_size(), "x", mesh.shard_size())
+                                              : c10::str(mesh.shard_size(), " ranks"));
+  }
+  if (parts_.ddp) out += out.empty() ? "DDP" : " + DDP";
+  return out.empty() ? "one rank" : out;
+}
+
+void ParallelizedModel::begin_micro_batch(bool last) {
+  if (parts_.ddp) parts_.ddp->set_gradient_sync(last);
+  // FSDP accumulates unsharded gradients locally and reduce-scatters once, on the last one.
+  if (parts_.fsdp) parts_.fsdp->set_requires_gradient_sync(last);
+}
+
+torch::Tensor ParallelizedModel::forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels) {
+  return parts_.forward_loss(tokens, labels);
+}
+
+void ParallelizedModel::finish_gradient_sync() {
+  if (parts_.ddp) parts_.ddp->finish_gradient_sync();
+  if (parts_.fsdp) parts_.fsdp->finalize_backward();
+  if (parts_.tp && !parts_.tp->partial_gradient_parameters().empty()) {
+    const auto grads = local_gradients();
+    std::vector<torch::Tensor> partial;
+    for (const std::string& name : parts_.tp->partial_gradient_parameters()) {
+      for (const auto& [n, g] : grads) {
+        if (n == name) partial.push_back(g);
+      }
+    }
+    parts_.tp->sum_partial_gradients(partial);
+  }
+}
+
+void ParallelizedModel::zero_grad() {
+  if (parts_.ddp) {
+    parts_.ddp->zero_grad();  // the gradients are views into its buckets: zero, do not drop
+  } else if (parts_.fsdp) {
+    parts_.fsdp->zero_grad();
+  } else {
+    parts_.module->zero_grad(/*set_to_none=*/true);
+  }
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> ParallelizedModel::local_gradients() {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  if (parts_.fsdp) {
+    for (fsdp::FSDPParamGroup* group : parts_.fsdp->param_groups()) {
+      for (const auto& p : group->params()) out.emplace_back(parts_.fsdp->param_fqn(*group, p), p.sharded_grad);
+    }
+    return out;
+  }
+  for (const auto& p : parts_.module->named_parameters()) {
+    if (p.slot->requires_grad) out.emplace_back(p.name, p.slot->tensor.grad());
+  }
+  return out;
+}
+
+torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
+  if (!parts_.tp) {
+    // Data parallelism alone: the norms the FSDP and plain paths always computed.
+    if (parts_.fsdp) return parts_.fsdp->clip_grad_norm_(max_norm);
+    std::vector<torch::Tensor> grads;
+    for (const auto& [name, g] : local_gradients()) grads.push_back(g);
+    return optim::clip_grad_norm_(grads, max_norm);
+  }
+  LOOM_REQUIRE_USAGE(max_norm > 0, "clip_grad_norm_ needs max_norm > 0, got ", max_norm);
+  if (parts_.fsdp) parts_.fsdp->finalize_backward();
+  std::vector<torch::Tensor> sharded, replicated, all;
+  torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
+  for (const auto& [name, g] : local_gradients()) {
+    if (!g.defined() || g.numel() == 0) continue;
+    options = options.device(g.device());
+    (parts_.tp->is_sharded(name) ? sharded : replicated).push_back(g);
+    all.push_back(g);
+  }
+  // [TP-sharded, TP-replicated] squares: both summed over FSDP's shards, the first also over tp.
+  torch::Tensor squares = at::stack({sum_of_squares(sharded, options), sum_of_squares(replicated, options)});
+  if (parts_.fsdp) parts_.fsdp->mesh().shard->all_reduce(squares, dist::ReduceOp::kSum);
+  torch::Tensor over_tp = squares.narrow(0, 0, 1).clone();
+  parts_.tp->comm()->all_reduce(over_tp, dist::ReduceOp::kSum);
+  const torch::Tensor norm = (over_tp[0] + squares[1]).sqrt();
+  optim::clip_grads_with_norm_(all, max_norm, norm);
+  return norm;
+}
+
+std::unique_ptr<optim::Optimizer> ParallelizedModel::build_adamw(const optim::AdamWOptions& options,
+                                                                 double weight_decay) {
+  if (parts_.fsdp) return std::make_unique<fsdp::ShardedAdamW>(parts_.fsdp, options, weight_decay);
+  optim::NamedTensors named;
+  for (const auto& p : parts_.module->named_parameters()) {
+    if (p.slot->requires_grad) named.emplace_back(p.name, p.slot->tensor);
+  }
+  return std::make_unique<optim::AdamW>(optim::weight_decay_param_groups(named, weight_decay), options);
+}
+
+void ParallelizedModel::add_piece(checkpoint::ShardedStateDict& state, const std::string& name,
+                                  const std::string& component, const std::string& param,
+                                  const torch::Tensor& local, std::vector<int64_t> fsdp_shape,
+                                  std::optional<int64_t> fsdp_offset) {
+  const bool tp_sharded = parts_.tp && parts_.tp->is_sharded(param);
+  std::optional<tensor::TensorLayout> layout;
+  tensor::Box box;
+  if (tp_sharded) {
+    layout = parts_.tp->layout_of(param, fsdp_offset ? fsdp_shape : local.sizes().vec());
+    box = layout->local_box();
+  }
+  if (!fsdp_offset) {  // this rank holds its whole piece
+    if (tp_sharded) {
+      state.add_box(name, component, layout->global_shape, box.offsets, local);
+    } else {
+      state.add_full(name, component, local);
+    }
+    return;
+  }
+  // FSDP: a flat range of the tensor FSDP sharded, which under TP is this rank's TP box.
+  std::vector<checkpoint::LocalChunk> chunks;
+  if (local.defined() && local.numel() > 0) {
+    checkpoint::LocalChunk chunk{*fsdp_offset, local};
+    if (tp_sharded) chunk.box_offsets = box.offsets, chunk.box_sizes = box.sizes;
+    chunks.push_back(std::move(chunk));
+  }
+  const auto dtype = local.defined() ? local.scalar_type() : c10::kFloat;
+  state.add_chunks(name, component, tp_sharded ? layout->global_shape : std::move(fsdp_shape), dtype,
+                   std::move(chunks));
+}
+
+void ParallelizedModel::add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer) {
+  if (parts_.fsdp) {
+    for (const auto& st : parts_.fsdp->sharded_state_dict()) {
+      add_piece(state, st.name, checkpoint::kModelComponent, st.name, st.local, st.global_shape, st.global_offset);
+    }
+    auto* sharded = dynamic_cast<fsdp::ShardedAdamW*>(&optimizer);
+    LOOM_REQUIRE(sharded != nullptr, "an FSDP model's optimizer must be fsdp::ShardedAdamW");
+    for (const auto& st : sharded->sharded_state_dict()) {
+      add_piece(state, "optimizer." + st.name, checkpoint::kOptimizerComponent, moment_parameter(st.name),
+                st.local, st.global_shape, st.global_offset);
+    }
+    // Step counts are per group and identical on every rank: saved whole, under the same names
+    // as the unsharded AdamW's, so a checkpoint moves between FSDP and non-FSDP layouts.
+    for (const auto& [name, t] : sharded->state_dict()) {
+      if (ends_with(name, ".step")) state.add_full("optimizer." + name, checkpoint::kOptimizerComponent, t);
+    }
+    return;
+  }
+  for (const auto& p : parts_.module->named_parameters()) {
+    add_piece(state, p.name, checkpoint::kModelComponent, p.name, p.slot->tensor.detach(), {}, std::nullopt);
+  }
+  for (const auto& [name, t] : optimizer.state_dict()) {
+    add_piece(state, "optimizer." + name, checkpoint::kOptimizerComponent, moment_parameter(name), t, {},
+              std::nullopt);
+  }
+}
+
+void ParallelizedModel::load_full_parameters(const optim::TensorDict& full) {
+  // Under TP, each parameter's piece first: what FSDP (or the module) holds whole.
+  optim::TensorDict pieces;
+  for (const auto& [name, value] : full) {
+    torch::Tensor piece = value;
+    if (parts_.tp && parts_.tp->is_sharded(name)) {
+      const tensor::Box box = parts_.tp->layout_of(name, {}).local_box();
+      for (size_t d = 0; d < box.sizes.size(); ++d) {
+        piece = piece.narrow(static_cast<int64_t>(d), box.offsets[d], box.sizes[d]);
+      }
+    }
+    pieces[name] = piece;
+  }
+  if (parts_.fsdp) {
+    parts_.fsdp->load_full_state_dict(pieces);
+    return;
+  }
+  auto params = parts_.module->named_parameters();
+  LOOM_REQUIRE(params.size() == pieces.size(), "initial weights have ", pieces.size(),
+               " parameters but the model has ", params.size(), "; check model.flavor and model.vocab_size");
+  torch::NoGradGuard no_grad;
+  for (const auto& p : params) {
+    auto it = pieces.find(p.name);
+    LOOM_REQUIRE(it != pieces.end(), "initial weights have no parameter '", p.name,
+                 "'; check model.flavor and model.vocab_size");
+    LOOM_REQUIRE(it->second.sizes() == p.tensor().sizes(), "initial weight '", p.name, "' ",
+                 it->second.sizes(), " does not match the model's ", p.tensor().sizes(),
+                 "; check model.flavor and model.vocab_size");
+    p.slot->tensor.detach().copy_(it->second);
+  }
+}
+
+}  // namespace loom::parallel

@@ -1,0 +1,85 @@
+// The model as the Trainer drives it, whatever parallelisms were applied to it: one object for
+// the step (micro-batch boundaries, gradient synchronisation, zeroing, clipping), the optimizer
+// and the checkpoint's state. A model's parallelize function (models/<model>/parallelize.h)
+// applies TP, then FSDP or DDP, and hands the pieces over here; no code after it needs to know
+// which were used.
+//
+// How the pieces compose:
+//   gradients   DDP all-reduces over dp_replicate in backward; FSDP reduce-scatters over dp_shard
+//               (and all-reduces HSDP replicas) in backward; TP's partial gradients (norm weights
+//               under sequence parallelism) are summed over tp once the data-parallel reductions
+//               are done (sums commute, so the order does not matter);
+//   clipping    every element of every gradient counted once: squares of TP-sharded pieces summed
+//               over the FSDP shard group and over tp, of TP-replicated pieces over the FSDP shard
+//               group only;
+//   checkpoint  each parameter (and its AdamW moments) is a box of its global tensor when TP
+//               shards it, and FSDP's flat range within that box (or within the whole tensor).
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "loom/checkpoint/state_dict.h"
+#include "loom/ddp/ddp.h"
+#include "loom/fsdp/fully_shard.h"
+#include "loom/fsdp/sharded_optimizer.h"
+#include "loom/nn/module.h"
+#include "loom/optim/adamw.h"
+#include "loom/tp/tensor_parallel.h"
+
+namespace loom::parallel {
+
+using ForwardLoss = std::function<torch::Tensor(const torch::Tensor& tokens, const torch::Tensor& labels)>;
+
+struct ParallelParts {
+  std::shared_ptr<nn::Module> module;  // the model; its parameters are this rank's pieces
+  ForwardLoss forward_loss;            // mean loss of one micro-batch
+  std::shared_ptr<tp::TensorParallel> tp;     // null: no tensor parallelism
+  std::shared_ptr<fsdp::FSDPModule> fsdp;     // null: no FSDP (the root module's handle)
+  std::unique_ptr<ddp::DataParallel> ddp;     // null: no DDP
+};
+
+class ParallelizedModel {
+ public:
+  explicit ParallelizedModel(ParallelParts parts);
+
+  nn::Module& module() { return *parts_.module; }
+  const tp::TensorParallel* tensor_parallel() const { return parts_.tp.get(); }
+  fsdp::FSDPModule* fsdp() const { return parts_.fsdp.get(); }
+  std::string describe() const;  // "TP 2 (sequence parallel, loss parallel) + FSDP over 2 ranks"
+
+  // ---- The step ----
+  // Before each micro-batch: `last` is the one whose backward synchronises gradients (DDP and
+  // FSDP accumulate locally before it).
+  void begin_micro_batch(bool last);
+  torch::Tensor forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels);
+  // After the step's last backward: every gradient reduction done.
+  void finish_gradient_sync();
+  void zero_grad();
+  // Global 2-norm over every mesh dim, each element counted once; scales the gradients by
+  // min(1, max_norm / norm) and returns the norm before clipping (a device tensor, no host sync).
+  torch::Tensor clip_grad_norm_(double max_norm);
+  // This rank's gradient pieces by parameter name, in module order (the same names on every rank).
+  std::vector<std::pair<std::string, torch::Tensor>> local_gradients();
+
+  // ---- Optimizer and state ----
+  // AdamW over this rank's pieces (FSDP: on the flat shards), matrices decayed by weight_decay.
+  std::unique_ptr<optim::Optimizer> build_adamw(const optim::AdamWOptions& options, double weight_decay);
+  // This rank's pieces of the parameters (component "model") and of `optimizer`'s state
+  // ("optimizer"), with their global shapes: what a checkpoint saves and any layout loads.
+  void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer);
+  // Writes this rank's pieces of the given whole parameters (e.g. a Hugging Face checkpoint).
+  void load_full_parameters(const optim::TensorDict& full);
+
+ private:
+  // The checkpoint region of parameter `name` held as `local` (TP box; FSDP range inside it).
+  void add_piece(checkpoint::ShardedStateDict& state, const std::string& name, const std::string& component,
+                 const std::string& param, const torch::Tensor& local, std::vector<int64_t> fsdp_shape,
+                 std::optional<int64_t> fsdp_offset);
+
+  ParallelParts parts_;
+};
+
+}  // namespace loom::parallel
