@@ -1,0 +1,156 @@
+// Tensor parallelism through `loom train` (issue 10's acceptance): every TP layout trains the same
+// model as the single process with the same global batch, step by step, and checkpoints move
+// between TP, FSDP x TP and single-process layouts. Runs the debug model on the default corpus.
+//
+// Tolerances: TP splits the rowwise matmuls' inner sums and the loss's softmax sums across ranks
+// (and its loss uses ATen's exp where the single-process CPU kernel uses a 1-ulp polynomial), so
+// the reduction order differs from the single process and per-step losses agree to float32
+// rounding, not bitwise: within 1e-5 relative over 30 steps (measured ~4e-7, printed below). The
+// runs use lr 1e-3: at the debug config's 4e-3 the loss spikes near step 20 and any rounding
+// difference (TP's or another thread count's) grows ~100x there, which would measure the spike,
+// not TP. A layout compared with itself (resume at the same layout) is bitwise.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "loom/core/build_paths.h"
+#include "loom/testing/run.h"
+
+namespace {
+using loom::testing::bin_dir;
+using loom::testing::read_jsonl;
+using loom::testing::run;
+using loom::testing::RunResult;
+using loom::testing::TempDir;
+
+std::string src(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
+
+// The debug model, seq 64, deterministic, every step logged; `global_batch` rows per step.
+std::string train_args(const TempDir& dir, int steps, int local_batch, const std::string& layout) {
+  return " train --config " + src("configs/llama3_debug.toml") +
+         " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+         " --training.dataset_path=" + src("data/default/corpus.jsonl") + " --job.dump_folder=" +
+         dir.str() + " --training.seq_len=64 --training.steps=" + std::to_string(steps) +
+         " --training.local_batch_size=" + std::to_string(local_batch) +
+         " --training.deterministic=true --optimizer.lr=1e-3 --lr_scheduler.warmup_steps=2"
+         " --metrics.log_freq=1 --metrics.peak_flops=1e11 " + layout;
+}
+
+std::string command(int nproc, const std::string& args) {
+  return nproc == 1 ? bin_dir() + "/loom" + args : bin_dir() + "/loom launch --nproc " + std::to_string(nproc) + " --" + args;
+}
+
+std::vector<double> losses(const TempDir& dir) {
+  std::vector<double> out;
+  for (const auto& row : read_jsonl(dir.path() / "metrics.jsonl")) {
+    if (!row.contains("event")) out.push_back(row["loss"]);
+  }
+  return out;
+}
+
+double worst_relative(const std::vector<double>& a, const std::vector<double>& b, size_t from = 0) {
+  double worst = 0;
+  for (size_t i = from; i < std::min(a.size(), b.size()); ++i) {
+    worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(a[i]));
+  }
+  return worst;
+}
+
+struct Layout {
+  const char* name;
+  int nproc;
+  int local_batch;
+  std::string flags;
+};
+
+}  // namespace
+
+// The single process with 8 rows per step against: TP 2 and 4 (sequence parallel and loss
+// parallel on), TP 2 with each of them off, FSDP 2 x TP 2 and DDP 2 x TP 2 (HSDP with one shard)
+// on 4 ranks, and FSDP 2 x TP 2 accumulating two micro-batches of 2 rows.
+TEST(TrainerTP, EveryLayoutTrainsLikeTheSingleProcess) {
+  constexpr int kSteps = 30;
+  TempDir reference("single");
+  RunResult ref = run(command(1, train_args(reference, kSteps, 8, "--parallelism.data_parallel_shard_degree=1")), 600);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const auto want = losses(reference);
+  ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
+  EXPECT_LT(want.back(), want.front());
+  const std::vector<Layout> layouts = {
+      {"tp2", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"},
+      {"tp4", 4, 8, "--parallelism.tensor_parallel_degree=4 --parallelism.data_parallel_shard_degree=1"},
+      {"tp2_no_sp", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"
+                          " --parallelism.disable_sequence_parallel=true"},
+      {"tp2_no_loss_parallel", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"
+                                     " --parallelism.disable_loss_parallel=true"},
+      {"fsdp2_tp2", 4, 4, "--parallelism.tensor_parallel_degree=2"},
+      {"ddp2_tp2", 4, 4, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_replicate_degree=2"
+                         " --parallelism.data_parallel_shard_degree=1"},
+      {"fsdp2_tp2_accum2", 4, 2, "--parallelism.tensor_parallel_degree=2 --training.global_batch_size=8"},
+  };
+  for (const Layout& l : layouts) {
+    TempDir dir(l.name);
+    RunResult r = run(command(l.nproc, train_args(dir, kSteps, l.local_batch, l.flags)), 600);
+    ASSERT_EQ(r.exit_code, 0) << l.name << "\n" << r.output;
+    const auto got = losses(dir);
+    ASSERT_EQ(got.size(), want.size()) << l.name;
+    const double worst = worst_relative(want, got);
+    EXPECT_LE(worst, 1e-5) << l.name;
+    std::printf("%-22s %d ranks, %2d steps: max relative loss difference from the single process %.2e "
+                "(final %.6f vs %.6f)\n", l.name, l.nproc, kSteps, worst, got.back(), want.back());
+  }
+}
+
+// Checkpoints across TP layouts: an FSDP 2 x TP 2 run saves at step 6 (and goes on to 12);
+// resuming from that checkpoint at the same layout continues bitwise, and at TP 4, FSDP 4 and in
+// one process it continues like the uninterrupted run (to float32 reduction order, as above).
+TEST(TrainerTP, CheckpointsMoveBetweenTensorParallelLayouts) {
+  const std::string saving = "--parallelism.tensor_parallel_degree=2 --checkpoint.enable=true --checkpoint.interval=6";
+  TempDir whole("whole");
+  RunResult w = run(command(4, train_args(whole, 12, 4, saving)), 600);
+  ASSERT_EQ(w.exit_code, 0) << w.output;
+  const auto uninterrupted = losses(whole);
+  ASSERT_EQ(uninterrupted.size(), 12u);
+  const std::vector<double> tail(uninterrupted.begin() + 6, uninterrupted.end());
+  const auto step6 = whole.path() / "checkpoint" / "step-6";
+  ASSERT_TRUE(std::filesystem::exists(step6 / "COMPLETE") || std::filesystem::exists(step6 / "metadata.json"));
+
+  const std::vector<Layout> layouts = {
+      {"fsdp2_tp2", 4, 4, "--parallelism.tensor_parallel_degree=2"},
+      {"tp4", 4, 8, "--parallelism.tensor_parallel_degree=4 --parallelism.data_parallel_shard_degree=1"},
+      {"fsdp4", 4, 2, "--parallelism.data_parallel_shard_degree=4"},
+      {"single", 1, 8, "--parallelism.data_parallel_shard_degree=1"},
+  };
+  for (const Layout& l : layouts) {
+    // The step-6 checkpoint in the run's own checkpoint folder: the run resumes from it (model,
+    // optimizer, data loader and schedule state).
+    TempDir dir(l.name);
+    std::filesystem::create_directories(dir.path() / "checkpoint");
+    std::filesystem::copy(step6, dir.path() / "checkpoint" / "step-6", std::filesystem::copy_options::recursive);
+    RunResult r = run(command(l.nproc, train_args(dir, 12, l.local_batch, l.flags + " --checkpoint.enable=true")), 600);
+    ASSERT_EQ(r.exit_code, 0) << l.name << "\n" << r.output;
+    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+    const auto got = losses(dir);
+    ASSERT_EQ(got.size(), 6u) << l.name;  // steps 7..12
+    const double worst = worst_relative(tail, got);
+    if (std::string(l.name) == "fsdp2_tp2") {
+      EXPECT_EQ(got, tail) << "resuming at the saving layout must be bitwise";
+    } else {
+      EXPECT_LE(worst, 1e-5) << l.name;
+    }
+    std::printf("resumed at %-9s steps 7-12: max relative loss difference from the uninterrupted "
+                "FSDP 2 x TP 2 run %.2e\n", l.name, worst);
+  }
+}
+
+// A degree that does not split the model: one line per rank, exit 2, naming what works.
+TEST(TrainerTP, DegreeThatDoesNotSplitTheModelIsOneLine) {
+  TempDir dir("tp3");
+  RunResult r = run(command(3, train_args(dir, 2, 8, "--parallelism.tensor_parallel_degree=3"
+                                                     " --parallelism.data_parallel_shard_degree=1")), 120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("parallelism.tensor_parallel_degree = 3 does not divide n_heads of the model (16); "
+                          "degrees that split this model: 1, 2, 4, 8"),
+            std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("step:"), std::string::npos) << r.output;
+}
