@@ -1,6 +1,7 @@
 #include "loom/core/device.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/cuda.h>
 
 #include "loom/core/error.h"
@@ -28,6 +29,12 @@ c10::Device select_device(const std::string& requested, int local_rank) {
                      "own: ", count, " visible on this node; start at most ", count,
                      " ranks per node (loom launch --nproc ", count, ")");
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+}
+
+void set_current_device(c10::Device device) {
+  if (device.is_cpu()) return;
+  LOOM_REQUIRE(device.has_index(), "set_current_device needs a device index, got ", device);
+  c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
 }
 
 }  // namespace loom

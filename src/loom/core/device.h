@@ -13,4 +13,9 @@ namespace loom {
 // index has no GPU of its own.
 c10::Device select_device(const std::string& requested, int local_rank);
 
+// Makes `device` this thread's current device of its type (torch.cuda.set_device): allocations
+// that name no device index, NCCL's communicators and the caching allocator's pools then use the
+// rank's own GPU rather than device 0. No-op for the CPU. Device-generic (no CUDA headers).
+void set_current_device(c10::Device device);
+
 }  // namespace loom

@@ -95,7 +95,7 @@ const std::vector<ConfigKey> kSchema = {
      {}},
     {LOOM_CONFIG_KEY(training, device),
      "Device each rank computes on: auto = the rank's GPU (cuda:LOCAL_RANK) when CUDA is usable, "
-     "else the CPU. CUDA runs are single-process without FSDP for now.",
+     "else the CPU. On CUDA every rank uses its own GPU and NCCL for device tensors.",
      {"auto", "cpu", "cuda"}},
     // [parallelism]
     {LOOM_CONFIG_KEY(parallelism, data_parallel_replicate_degree),

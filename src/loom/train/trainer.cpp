@@ -91,12 +91,8 @@ void Trainer::init_distributed() {
   // The device, once, before anything is allocated: the model is materialized there and every
   // batch is moved there.
   device_ = select_device(config_.training.device, env.local_rank);
-  LOOM_REQUIRE_USAGE(device_.is_cpu() || env.world_size == 1,
-                     "training.device = \"", config_.training.device, "\" with ", env.world_size,
-                     " ranks: CUDA runs are single-process for now (multi-rank CUDA needs NCCL "
-                     "process groups and device-resident FSDP buffers, not built yet); run one "
-                     "process or set training.device = \"cpu\"");
-  dist_ = dist::init_distributed(env, std::chrono::seconds(config_.comm.timeout_seconds));
+  set_current_device(device_);  // before NCCL creates its communicators on it
+  dist_ = dist::init_distributed(env, std::chrono::seconds(config_.comm.timeout_seconds), device_);
   const auto& p = config_.parallelism;
   dist::ParallelDegrees degrees;
   degrees.dp_replicate = static_cast<int>(p.data_parallel_replicate_degree);
@@ -183,8 +179,9 @@ void Trainer::parallelize() {
         t.mixed_precision_param == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
     policy.mixed_precision.reduce_dtype = c10::ScalarType(
         t.mixed_precision_reduce == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
+    policy.device = device_;
     fsdp_ = llama3::apply_fsdp(*model_, *mesh_, policy, reshard.last_block);
-    llama3::init_sharded_weights(*model_, *fsdp_, static_cast<uint64_t>(t.seed));
+    llama3::init_sharded_weights(*model_, *fsdp_, static_cast<uint64_t>(t.seed), device_);
     return;
   }
   LOOM_REQUIRE_USAGE(t.mixed_precision_param == "float32" && t.mixed_precision_reduce == "float32",

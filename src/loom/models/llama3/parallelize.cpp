@@ -35,11 +35,11 @@ std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Transformer& model, const dist::Dev
   return apply_fsdp(model, fsdp::make_fsdp_mesh(mesh, policy), policy, reshard_last_block);
 }
 
-void init_sharded_weights(Transformer& model, fsdp::FSDPModule& fsdp, uint64_t seed) {
+void init_sharded_weights(Transformer& model, fsdp::FSDPModule& fsdp, uint64_t seed,
+                          c10::Device device) {
   for (const auto& b : model.named_buffers()) {
     if (b.slot->tensor.is_meta()) {
-      b.slot->tensor = torch::empty(b.slot->tensor.sizes(),
-                                    b.slot->tensor.options().device(torch::kCPU));
+      b.slot->tensor = torch::empty(b.slot->tensor.sizes(), b.slot->tensor.options().device(device));
     }
   }
   model.reset_buffers();
