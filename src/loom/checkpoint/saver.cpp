@@ -6,6 +6,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -181,6 +183,9 @@ struct ShardedSaver::Job {
   std::string header;                          // length prefix + JSON
   int64_t file_bytes = 0;
   Json global_json, rank_json;
+  // One per device whose chunks were copied into pinned host memory at planning time (async saves
+  // of CUDA tensors), recorded after the last copy; the staging thread waits on them.
+  std::vector<c10::Event> device_copies;
   std::exception_ptr stage_error;  // set by the staging thread
   std::exception_ptr error;        // set by the writer thread
   double write_seconds = 0;
@@ -327,9 +332,44 @@ void write_direct(Job& job) {
   out.finish(job.file_bytes);
 }
 
+// Async saves of CUDA tensors (training thread, at planning): each chunk is copied into a pinned
+// host buffer at once, with non_blocking copies on the current stream — DMA transfers that overlap
+// the kernels of the next step, where the staging thread's pageable copies would each block on a
+// synchronous transfer. An event recorded after the last copy is the only synchronisation: the
+// staging thread waits on it before it reads the host copies (stage()). Later kernels on the same
+// stream (the optimizer step) are ordered after the copies. `pool` keeps the pinned buffers for
+// the next save, since pinning memory is slow; a chunk of another size or dtype replaces its
+// buffer. Pinned memory needs CUDA, hence only CUDA chunks; others stay with the staging thread.
+void copy_device_chunks_to_pinned(Job& job, std::vector<torch::Tensor>& pool) {
+  size_t used = 0;
+  std::vector<c10::Device> devices;
+  for (WriteEntry& e : job.entries) {
+    if (!e.source.is_cuda()) continue;
+    const torch::Tensor flat = e.source.reshape(-1);
+    if (used == pool.size()) pool.emplace_back();
+    torch::Tensor& host = pool[used++];
+    if (!host.defined() || host.numel() != flat.numel() || host.scalar_type() != flat.scalar_type()) {
+      host = torch::empty({flat.numel()},
+                          torch::TensorOptions().dtype(flat.scalar_type()).pinned_memory(true));
+    }
+    host.copy_(flat, /*non_blocking=*/true);
+    e.source = host;
+    if (std::find(devices.begin(), devices.end(), flat.device()) == devices.end()) {
+      devices.push_back(flat.device());
+    }
+  }
+  pool.resize(used);  // buffers of chunks this state no longer has
+  for (const c10::Device& device : devices) {
+    job.device_copies.emplace_back(device.type());
+    job.device_copies.back().record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  }
+}
+
 // Staging thread: copies (and converts) the header and every entry into slots, in file order,
 // computing each entry's CRC-32C in the same pass.
 void stage(Job& job, Staging& staging) {
+  // CUDA chunks were copied into pinned host memory at planning: wait for those copies once.
+  for (const c10::Event& copies : job.device_copies) copies.synchronize();
   Staging::Slot* slot = staging.acquire();
   if (slot == nullptr) return;
   slot->offset = 0;
@@ -852,6 +892,12 @@ void ShardedSaver::begin_async_save(const ShardedStateDict& state, const fs::pat
     const std::string why = c10::str("cannot create '", job->tmp_dir.string(), "': ", ec.message());
     write_failed_marker(*job, why);  // so rank 0 stops waiting for this rank
     fail(why);
+  }
+  try {
+    copy_device_chunks_to_pinned(*job, pinned_);
+  } catch (const std::exception& e) {
+    write_failed_marker(*job, e.what());  // so rank 0 stops waiting for this rank
+    throw;
   }
   staging_->begin();
   job_ = job;

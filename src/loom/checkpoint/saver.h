@@ -14,7 +14,10 @@
 // interleave with the training thread's collectives:
 //   - a staging thread copies this rank's chunks into host memory, computing the CRC-32C in the
 //     same pass. Staging memory is bounded (staging_max_bytes, in page-aligned slots of at most
-//     64 MiB that the writer drains while later ones are filled; kept from save to save);
+//     64 MiB that the writer drains while later ones are filled; kept from save to save). Chunks
+//     on a CUDA device are first copied into pinned host buffers at planning time (non-blocking,
+//     on the training thread's stream, overlapping the next step's kernels; the buffers are kept
+//     from save to save); the staging thread waits for those copies once, then reads them;
 //   - a writer thread writes the slots (O_DIRECT where the filesystem allows it, so no page-cache
 //     copy and no writeback work competes with training), then reports and publishes.
 // Both run at the lowest CPU priority. begin_async_save returns right after planning, so the
@@ -95,6 +98,8 @@ class ShardedSaver {
   std::shared_ptr<CheckpointGroup> group_;
   SaverOptions options_;
   std::unique_ptr<Staging> staging_;
+  // Pinned host copies of the CUDA chunks of async saves, in entry order, reused by the next save.
+  std::vector<torch::Tensor> pinned_;
   std::shared_ptr<Job> job_;
   std::thread stager_;
   std::thread writer_;

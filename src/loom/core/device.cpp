@@ -2,6 +2,7 @@
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/cuda.h>
 
 #ifdef LOOM_WITH_CUDA
@@ -77,6 +78,12 @@ DeviceInfo device_info(c10::Device device) {
 void synchronize(c10::Device device) {
   if (device.is_cpu()) return;
   at::accelerator::synchronizeDevice(device.index());
+}
+
+void set_current_device(c10::Device device) {
+  if (device.is_cpu()) return;
+  LOOM_REQUIRE(device.has_index(), "set_current_device needs a device index, got ", device);
+  c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
 }
 
 }  // namespace loom

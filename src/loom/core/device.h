@@ -37,4 +37,9 @@ std::optional<double> peak_bf16_flops_by_name(const std::string& name);
 // the device's work too.
 void synchronize(c10::Device device);
 
+// Makes `device` this thread's current device of its type (torch.cuda.set_device): allocations
+// that name no device index, NCCL's communicators and the caching allocator's pools then use the
+// rank's own GPU rather than device 0. No-op for the CPU. Device-generic (no CUDA headers).
+void set_current_device(c10::Device device);
+
 }  // namespace loom

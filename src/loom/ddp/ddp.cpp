@@ -37,6 +37,11 @@ DataParallel::DataParallel(nn::Module& module, std::shared_ptr<dist::Comm> comm,
                  "' is not a trainable leaf tensor; apply DDP before any other parameter wrapper");
     LOOM_REQUIRE(!t.is_meta(), "DDP parameter '", p.name,
                  "' is still on the meta device; materialize the model before applying DDP");
+    // The buckets are allocated next to the parameters and all-reduced by the group's backend
+    // for that device (NCCL for a CUDA rank's device): both must be the rank's device.
+    LOOM_REQUIRE(comm_->size() == 1 || t.device() == comm_->device(), "DDP parameter '", p.name,
+                 "' is on ", t.device(), " but group ", comm_->describe(), " serves ",
+                 comm_->device(), "; move the model to the rank's device before applying DDP");
     params_.push_back({p.name, p.slot});
   }
   LOOM_REQUIRE(!params_.empty(), "DDP found no trainable parameters in the module");

@@ -151,6 +151,11 @@ void require_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op
                " differs from input dtype ", b.scalar_type());
 }
 
+void require_same_device(const at::Tensor& a, const at::Tensor& b, const char* op) {
+  LOOM_REQUIRE(a.device() == b.device(), op, ": output on ", a.device(), " but input on ",
+               b.device(), "; both must be on the same device");
+}
+
 void require_avg_dtype(const at::Tensor& t, ReduceOp op, const char* name) {
   LOOM_REQUIRE(op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), name,
                ": ReduceOp avg needs a floating-point tensor (got ", t.scalar_type(),
@@ -398,17 +403,24 @@ struct Comm::Issue {
 };
 
 Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, std::string name,
-           std::vector<int> world_ranks, int rank)
+           std::vector<int> world_ranks, int rank,
+           c10::intrusive_ptr<c10d::Backend> device_backend, c10::Device device)
     : backend_(std::move(backend)),
+      device_backend_(std::move(device_backend)),
+      device_(device),
       name_(std::move(name)),
       world_ranks_(std::move(world_ranks)),
       rank_(rank) {
   TORCH_CHECK(!world_ranks_.empty() && rank_ >= 0 && rank_ < size(),
               "Comm '", name_, "': rank ", rank_, " outside group of ", world_ranks_.size());
   TORCH_CHECK(size() == 1 || backend_, "Comm '", name_, "' of ", size(), " ranks needs a backend");
-  TORCH_CHECK(!backend_ || (backend_->getSize() == size() && backend_->getRank() == rank_),
-              "Comm '", name_, "': backend is rank ", backend_->getRank(), " of ",
-              backend_->getSize(), " but the group is rank ", rank_, " of ", size());
+  for (const auto* b : {&backend_, &device_backend_}) {
+    TORCH_CHECK(!*b || ((*b)->getSize() == size() && (*b)->getRank() == rank_),
+                "Comm '", name_, "': backend is rank ", (*b)->getRank(), " of ",
+                (*b)->getSize(), " but the group is rank ", rank_, " of ", size());
+  }
+  TORCH_CHECK(!device_backend_ || !device_.is_cpu(), "Comm '", name_,
+              "': a device backend needs a non-CPU device (CPU tensors use the host backend)");
 }
 
 std::shared_ptr<Comm> Comm::single(std::string name, int world_rank) {
@@ -438,12 +450,28 @@ std::string Comm::describe() const {
   return s + "]";
 }
 
+const c10::intrusive_ptr<c10d::Backend>& Comm::backend_for(const at::Tensor& tensor) const {
+  LOOM_REQUIRE(size() > 1, "group ", describe(), " has one rank: its collectives are local and "
+               "need no backend");
+  if (tensor.is_cpu()) return backend_;
+  LOOM_REQUIRE(device_backend_ && tensor.device() == device_, "collective on group ", describe(),
+               ": a tensor on ", tensor.device(), " but this group serves the CPU",
+               device_backend_ ? " and " + device_.str() : std::string(),
+               "; move it to this rank's device (training.device)");
+  return device_backend_;
+}
+
+c10d::Backend* Comm::routed(const at::Tensor& tensor) const {
+  return size() == 1 ? nullptr : backend_for(tensor).get();
+}
+
 void Comm::check_peer(int peer, const char* what) const {
   LOOM_REQUIRE(peer >= 0 && peer < size(), what, " ", peer, " is outside group ", describe(),
                " of ", size(), " ranks");
 }
 
-WorkHandle Comm::launch(Issue issue, const std::function<WorkHandle()>& run,
+WorkHandle Comm::launch(Issue issue, c10d::Backend* backend,
+                        const std::function<WorkHandle(c10d::Backend&)>& run,
                         std::function<void()> finalize) {
   if (size() == 1) {
     if (finalize) finalize();
@@ -466,7 +494,7 @@ WorkHandle Comm::launch(Issue issue, const std::function<WorkHandle()>& run,
   const uint64_t seq = identity.seq;
   WorkHandle inner;
   try {
-    inner = run();
+    inner = run(*backend);
   } catch (const c10::Error& e) {
     flight_recorder().finish(seq, false);
     fail(dist::describe(identity), " could not be issued on group rank ", rank_, ": ",
@@ -478,7 +506,7 @@ WorkHandle Comm::launch(Issue issue, const std::function<WorkHandle()>& run,
   // Close the record when the backend finishes, not only when the caller waits: the watchdog must
   // not take a finished-but-unwaited async collective for a stalled one. Gloo's send/recv works
   // have no future (their completion is only observable through wait()).
-  const bool has_future = !(backend_->getBackendName() == "gloo" &&
+  const bool has_future = !(backend->getBackendName() == "gloo" &&
                             (issue.op == CommOp::kSend || issue.op == CommOp::kRecv));
   if (inner && has_future) {
     inner->getFuture()->addCallback([seq](c10::ivalue::Future& future) {
@@ -495,11 +523,11 @@ WorkHandle Comm::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   Issue issue{CommOp::kAllReduce, bytes, ring_wire_bytes(CommOp::kAllReduce, bytes, size()),
               tensor.sizes().vec(), tensor.sizes().vec(), tensor.scalar_type()};
-  return launch(std::move(issue), [&] {
+  return launch(std::move(issue), routed(tensor), [&](c10d::Backend& backend) {
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
-    return backend_->allreduce(tensors, opts);
+    return backend.allreduce(tensors, opts);
   }, nullptr);
 }
 
@@ -507,6 +535,7 @@ WorkHandle Comm::all_gather_into_tensor_async(const at::Tensor& output, const at
   require_dense(output, "all_gather_into_tensor", "output");
   require_dense(input, "all_gather_into_tensor", "input");
   require_same_dtype(output, input, "all_gather_into_tensor");
+  require_same_device(output, input, "all_gather_into_tensor");
   LOOM_REQUIRE(output.numel() == input.numel() * size(), "all_gather_into_tensor on ", describe(),
                ": output has ", output.numel(), " elements, expected ", size(), " x ",
                input.numel());
@@ -518,8 +547,8 @@ WorkHandle Comm::all_gather_into_tensor_async(const at::Tensor& output, const at
   at::Tensor flat_in = input.view({-1});
   std::function<void()> finalize;
   if (size() == 1) finalize = [flat_out, flat_in] { flat_out.copy_(flat_in); };
-  return launch(std::move(issue), [&] {
-    return backend_->_allgather_base(flat_out, flat_in);
+  return launch(std::move(issue), routed(input), [&](c10d::Backend& backend) {
+    return backend._allgather_base(flat_out, flat_in);
   }, std::move(finalize));
 }
 
@@ -528,6 +557,7 @@ WorkHandle Comm::reduce_scatter_tensor_async(const at::Tensor& output, const at:
   require_dense(output, "reduce_scatter_tensor", "output");
   require_dense(input, "reduce_scatter_tensor", "input");
   require_same_dtype(output, input, "reduce_scatter_tensor");
+  require_same_device(output, input, "reduce_scatter_tensor");
   require_avg_dtype(input, op, "reduce_scatter_tensor");
   LOOM_REQUIRE(input.numel() == output.numel() * size(), "reduce_scatter_tensor on ", describe(),
                ": input has ", input.numel(), " elements, expected ", size(), " x ",
@@ -539,13 +569,15 @@ WorkHandle Comm::reduce_scatter_tensor_async(const at::Tensor& output, const at:
   at::Tensor flat_out = output.view({-1});
   at::Tensor flat_in = input.view({-1});
   if (size() == 1) {
-    return launch(std::move(issue), nullptr, [flat_out, flat_in] { flat_out.copy_(flat_in); });
+    return launch(std::move(issue), nullptr, nullptr,
+                  [flat_out, flat_in] { flat_out.copy_(flat_in); });
   }
-  if (backend_->getBackendName() != "gloo") {
-    return launch(std::move(issue), [&] {
+  c10d::Backend* backend = routed(input);
+  if (backend->getBackendName() != "gloo") {  // NCCL reduce-scatters natively
+    return launch(std::move(issue), backend, [&](c10d::Backend& b) {
       c10d::ReduceScatterOptions opts;
       opts.reduceOp = to_c10d(op);
-      return backend_->_reduce_scatter_base(flat_out, flat_in, opts);
+      return b._reduce_scatter_base(flat_out, flat_in, opts);
     }, nullptr);
   }
   // Gloo has no native reduce-scatter: its _reduce_scatter_base all-reduces a clone of the input
@@ -554,11 +586,11 @@ WorkHandle Comm::reduce_scatter_tensor_async(const at::Tensor& output, const at:
   at::Tensor scratch = flat_in.clone();
   const int64_t chunk = flat_out.numel();
   const int64_t offset = chunk * rank_;
-  return launch(std::move(issue), [&] {
+  return launch(std::move(issue), backend, [&](c10d::Backend& b) {
     std::vector<at::Tensor> tensors{scratch};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
-    return backend_->allreduce(tensors, opts);
+    return b.allreduce(tensors, opts);
   }, [flat_out, scratch, offset, chunk] { flat_out.copy_(scratch.narrow(0, offset, chunk)); });
 }
 
@@ -568,11 +600,11 @@ WorkHandle Comm::broadcast_async(const at::Tensor& tensor, int root) {
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   Issue issue{CommOp::kBroadcast, bytes, ring_wire_bytes(CommOp::kBroadcast, bytes, size()),
               tensor.sizes().vec(), tensor.sizes().vec(), tensor.scalar_type(), root};
-  return launch(std::move(issue), [&] {
+  return launch(std::move(issue), routed(tensor), [&](c10d::Backend& backend) {
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
-    return backend_->broadcast(tensors, opts);
+    return backend.broadcast(tensors, opts);
   }, nullptr);
 }
 
@@ -582,6 +614,7 @@ WorkHandle Comm::all_to_all_async(const at::Tensor& output, const at::Tensor& in
   require_dense(output, "all_to_all", "output");
   require_dense(input, "all_to_all", "input");
   require_same_dtype(output, input, "all_to_all");
+  require_same_device(output, input, "all_to_all");
   LOOM_REQUIRE(input.dim() >= 1 && output.dim() >= 1,
                "all_to_all needs tensors with at least one dimension (splits count dim-0 rows)");
   LOOM_REQUIRE(input.sizes().slice(1) == output.sizes().slice(1), "all_to_all on ", describe(),
@@ -621,10 +654,10 @@ WorkHandle Comm::all_to_all_async(const at::Tensor& output, const at::Tensor& in
                  ": output has ", output.numel(), " elements, input ", input.numel());
     finalize = [output, input] { output.copy_(input); };
   }
-  return launch(std::move(issue), [&] {
+  return launch(std::move(issue), routed(input), [&](c10d::Backend& backend) {
     at::Tensor out = output;
     at::Tensor in = input;
-    return backend_->alltoall_base(out, in, output_split_sizes, input_split_sizes);
+    return backend.alltoall_base(out, in, output_split_sizes, input_split_sizes);
   }, std::move(finalize));
 }
 
@@ -635,9 +668,9 @@ WorkHandle Comm::send_async(const at::Tensor& tensor, int dst, int tag) {
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   Issue issue{CommOp::kSend, bytes, ring_wire_bytes(CommOp::kSend, bytes, size()),
               tensor.sizes().vec(), {}, tensor.scalar_type(), dst};
-  return launch(std::move(issue), [&] {
+  return launch(std::move(issue), routed(tensor), [&](c10d::Backend& backend) {
     std::vector<at::Tensor> tensors{tensor};
-    return backend_->send(tensors, dst, tag);
+    return backend.send(tensors, dst, tag);
   }, nullptr);
 }
 
@@ -649,15 +682,18 @@ WorkHandle Comm::recv_async(const at::Tensor& tensor, int src, int tag) {
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   Issue issue{CommOp::kRecv, bytes, ring_wire_bytes(CommOp::kRecv, bytes, size()), {},
               tensor.sizes().vec(), tensor.scalar_type(), src};
-  return launch(std::move(issue), [&] {
+  return launch(std::move(issue), routed(tensor), [&](c10d::Backend& backend) {
     std::vector<at::Tensor> tensors{tensor};
-    return backend_->recv(tensors, src, tag);
+    return backend.recv(tensors, src, tag);
   }, nullptr);
 }
 
 WorkHandle Comm::barrier_async() {
   Issue issue{CommOp::kBarrier};
-  return launch(std::move(issue), [&] { return backend_->barrier(); }, nullptr);
+  // On the host backend whatever the device: NCCL's barrier is an all-reduce on a device it has to
+  // guess, and a barrier synchronises processes, not device streams.
+  return launch(std::move(issue), size() == 1 ? nullptr : backend_.get(),
+                [](c10d::Backend& backend) { return backend.barrier(); }, nullptr);
 }
 
 void Comm::all_reduce(const at::Tensor& tensor, ReduceOp op) {

@@ -7,8 +7,14 @@
 // A group of one rank needs no backend: every collective is a local no-op/copy and nothing is
 // counted or recorded, so single-process runs work without any network.
 //
-// Tensors must be contiguous and live where the backend expects them (CPU for Gloo). In-place
-// collectives (all_reduce, broadcast, recv) write into the given tensor's storage.
+// Backends per device, as c10d's ProcessGroup keeps one per device type: the host backend (Gloo)
+// serves CPU tensors and barriers (the trainer's loss and non-finite flags, checkpoint planning),
+// and on a rank computing on an accelerator a device backend (NCCL on CUDA) serves the tensors on
+// that device (FSDP's all-gathers and reduce-scatters, DDP's buckets, gradient norms). Each
+// collective goes to the backend of its tensors' device; a CPU run has no device backend.
+//
+// Tensors must be contiguous; in-place collectives (all_reduce, broadcast, recv) write into the
+// given tensor's storage.
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -154,8 +160,10 @@ using WorkHandle = c10::intrusive_ptr<c10d::Work>;
 class Comm {
  public:
   // `world_ranks`: the members' world ranks in group-rank order; `rank`: this process's group rank.
+  // `backend` serves CPU tensors; `device_backend` (null on CPU runs) serves tensors on `device`.
   Comm(c10::intrusive_ptr<c10d::Backend> backend, std::string name, std::vector<int> world_ranks,
-       int rank);
+       int rank, c10::intrusive_ptr<c10d::Backend> device_backend = {},
+       c10::Device device = c10::Device(c10::kCPU));
   // A group of just this process (world rank `world_rank`): no backend, no network.
   static std::shared_ptr<Comm> single(std::string name, int world_rank);
 
@@ -165,7 +173,16 @@ class Comm {
   const std::vector<int>& world_ranks() const { return world_ranks_; }
   int world_rank_of(int group_rank) const;
   int group_rank_of(int world_rank) const;  // throws when not a member
+  // The host (CPU) backend.
   const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
+  // The backend for tensors on device(); null on CPU runs and in groups of one rank.
+  const c10::intrusive_ptr<c10d::Backend>& device_backend() const { return device_backend_; }
+  // The rank's compute device (the CPU on CPU runs).
+  const c10::Device& device() const { return device_; }
+  // The backend a collective on `tensor` goes to: the host backend for CPU tensors, the device
+  // backend for tensors on device(). loom::Error for any other device, or in a group of one rank
+  // (it has no backend: its collectives are local).
+  const c10::intrusive_ptr<c10d::Backend>& backend_for(const at::Tensor& tensor) const;
   std::string describe() const;  // "dp_shard[0,2]"
 
   // Collectives are non-const: each advances the group's sequence number (flight recorder).
@@ -204,11 +221,16 @@ class Comm {
 
  private:
   struct Issue;  // bookkeeping of one collective (defined in comm.cpp)
-  WorkHandle launch(Issue issue, const std::function<WorkHandle()>& run,
+  // `backend`: the one `run` issues on (null in groups of one rank).
+  WorkHandle launch(Issue issue, c10d::Backend* backend,
+                    const std::function<WorkHandle(c10d::Backend&)>& run,
                     std::function<void()> finalize);
+  c10d::Backend* routed(const at::Tensor& tensor) const;
   void check_peer(int peer, const char* what) const;
 
   c10::intrusive_ptr<c10d::Backend> backend_;
+  c10::intrusive_ptr<c10d::Backend> device_backend_;
+  c10::Device device_;
   std::string name_;
   std::vector<int> world_ranks_;
   int rank_;

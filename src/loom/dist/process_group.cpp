@@ -61,17 +61,53 @@ std::string rank_list(const std::vector<int>& ranks) {
   return s;
 }
 
-void check_backend_available(BackendKind kind) {
-#ifndef USE_C10D_NCCL
-  LOOM_REQUIRE_USAGE(kind != BackendKind::kNccl,
-                     "the NCCL backend is not compiled into this Loom build (libtorch without "
-                     "USE_C10D_NCCL); use the gloo backend on CPU");
-#else
-  (void)kind;
-#endif
+}  // namespace
+
+const char* to_string(BackendKind kind) {
+  switch (kind) {
+    case BackendKind::kGloo: return "gloo";
+    case BackendKind::kNccl: return "nccl";
+  }
+  return "?";
 }
 
-}  // namespace
+BackendKind backend_kind_for(c10::Device device) {
+  if (device.is_cpu()) return BackendKind::kGloo;
+  LOOM_REQUIRE_USAGE(device.is_cuda(), "no process-group backend for tensors on ", device,
+                     "; Loom runs on the CPU (Gloo) or on CUDA devices (NCCL)");
+#ifndef USE_C10D_NCCL
+  fail_usage("CUDA ranks communicate through NCCL, which is not compiled into this Loom build "
+             "(libtorch without USE_C10D_NCCL); build against a CUDA torch or set "
+             "training.device = \"cpu\"");
+#endif
+  return BackendKind::kNccl;
+}
+
+c10::intrusive_ptr<c10d::Backend> new_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                   int group_rank, int group_size,
+                                                   std::chrono::milliseconds timeout,
+                                                   c10::Device device,
+                                                   const std::vector<int>& world_ranks) {
+  LOOM_REQUIRE(device.is_cuda() && device.has_index(), "an NCCL group needs a CUDA device with an "
+               "index (cuda:LOCAL_RANK), got ", device);
+#ifdef USE_C10D_NCCL
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = timeout;
+  // Only for NCCL's own logs and flight recorder: the members' world ranks.
+  for (int r : world_ranks) options->global_ranks_in_group.push_back(static_cast<uint64_t>(r));
+  auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, group_rank, group_size, options);
+  // One device per rank: binding it lets NCCL create the communicator now (every member is here,
+  // creating the group) instead of lazily inside the first collective, where a failure would be
+  // reported as that collective's.
+  backend->setBoundDeviceId(device);
+  backend->eagerConnectSingleDevice(device);
+  return backend;
+#else
+  (void)store, (void)group_rank, (void)group_size, (void)timeout, (void)world_ranks;
+  fail_usage("NCCL is not compiled into this Loom build (libtorch without USE_C10D_NCCL); build "
+             "against a CUDA torch");
+#endif
+}
 
 int intra_op_threads(const LaunchEnv& env) {
   if (auto n = positive_env_int("LOOM_NUM_THREADS")) return *n;
@@ -79,9 +115,13 @@ int intra_op_threads(const LaunchEnv& env) {
   return std::max(1, usable_cpus() / std::max(1, env.local_world_size));
 }
 
-Distributed::Distributed(LaunchEnv env, std::chrono::milliseconds timeout, BackendKind backend,
+Distributed::Distributed(LaunchEnv env, std::chrono::milliseconds timeout, c10::Device device,
                          c10::intrusive_ptr<c10d::Store> store)
-    : env_(std::move(env)), timeout_(timeout), backend_kind_(backend), store_(std::move(store)) {
+    : env_(std::move(env)),
+      timeout_(timeout),
+      device_(device),
+      device_backend_kind_(backend_kind_for(device)),
+      store_(std::move(store)) {
   LOOM_REQUIRE(env_.world_size == 1 || store_, "a world of ", env_.world_size,
                " ranks needs a rendezvous store");
   std::vector<int> all(env_.world_size);
@@ -102,42 +142,44 @@ void Distributed::set_timeout(std::chrono::milliseconds timeout) {
                      timeout.count(), " ms)");
   std::lock_guard<std::mutex> lock(mutex_);
   timeout_ = timeout;
-  for (auto& [ranks, backend] : backends_) backend->setTimeout(backend_timeout_for(timeout));
+  for (auto& [ranks, backends] : backends_) {
+    backends.host->setTimeout(backend_timeout_for(timeout));
+    if (backends.device) backends.device->setTimeout(backend_timeout_for(timeout));
+  }
   if (watchdog_) watchdog_->set_timeout(timeout);
 }
 
-c10::intrusive_ptr<c10d::Backend> Distributed::make_backend(const std::vector<int>& ranks,
-                                                            int group_rank) {
-  auto store = c10::make_intrusive<c10d::PrefixStore>(group_prefix(ranks), store_);
-  const int size = static_cast<int>(ranks.size());
-  switch (backend_kind_) {
-    case BackendKind::kGloo: {
-      // One node: loopback. Across nodes: the interface named by GLOO_SOCKET_IFNAME, else the
-      // address this host's name resolves to.
-      if (!gloo_device_) {
-        if (env_.single_node()) {
-          gloo_device_ = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-        } else if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
-          gloo_device_ = c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
-        } else {
-          gloo_device_ = c10d::ProcessGroupGloo::createDefaultDevice();
-        }
-      }
-      auto options = c10d::ProcessGroupGloo::Options::create(backend_timeout_for(timeout_));
-      options->devices.push_back(gloo_device_);
-      return c10::make_intrusive<c10d::ProcessGroupGloo>(store, group_rank, size, options);
-    }
-    case BackendKind::kNccl: {
-#ifdef USE_C10D_NCCL
-      auto options = c10d::ProcessGroupNCCL::Options::create();
-      options->timeout = backend_timeout_for(timeout_);
-      return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, group_rank, size, options);
-#else
-      check_backend_available(backend_kind_);
-#endif
+c10::intrusive_ptr<c10d::Backend> Distributed::make_gloo_backend(
+    const c10::intrusive_ptr<c10d::Store>& store, int group_rank, int size) {
+  // One node: loopback. Across nodes: the interface named by GLOO_SOCKET_IFNAME, else the
+  // address this host's name resolves to.
+  if (!gloo_device_) {
+    if (env_.single_node()) {
+      gloo_device_ = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+    } else if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+      gloo_device_ = c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+    } else {
+      gloo_device_ = c10d::ProcessGroupGloo::createDefaultDevice();
     }
   }
-  TORCH_CHECK(false, "unknown backend kind");
+  auto options = c10d::ProcessGroupGloo::Options::create(backend_timeout_for(timeout_));
+  options->devices.push_back(gloo_device_);
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, group_rank, size, options);
+}
+
+Distributed::GroupBackends Distributed::make_backends(const std::vector<int>& ranks,
+                                                      int group_rank) {
+  const std::string prefix = group_prefix(ranks);
+  const int size = static_cast<int>(ranks.size());
+  GroupBackends out;
+  out.host = make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>(prefix, store_), group_rank,
+                               size);
+  if (device_backend_kind_ == BackendKind::kNccl) {
+    // Its own key space: NCCL's unique-id exchange must not meet Gloo's rendezvous keys.
+    out.device = new_nccl_backend(c10::make_intrusive<c10d::PrefixStore>(prefix + "nccl/", store_),
+                                  group_rank, size, backend_timeout_for(timeout_), device_, ranks);
+  }
+  return out;
 }
 
 std::shared_ptr<Comm> Distributed::new_group(const std::vector<int>& ranks,
@@ -157,16 +199,17 @@ std::shared_ptr<Comm> Distributed::new_group(const std::vector<int>& ranks,
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = backends_.find(ranks);
   if (it == backends_.end()) {
-    c10::intrusive_ptr<c10d::Backend> backend;
+    GroupBackends backends;
     try {
-      backend = make_backend(ranks, group_rank);
+      backends = make_backends(ranks, group_rank);
     } catch (const c10::Error& e) {
       fail("creating process group '", name, "' over ranks [", rank_list(ranks), "] failed on rank ",
            rank(), ": ", e.what_without_backtrace(), "; check that every member rank is alive");
     }
-    it = backends_.emplace(ranks, std::move(backend)).first;
+    it = backends_.emplace(ranks, std::move(backends)).first;
   }
-  return std::make_shared<Comm>(it->second, name, ranks, group_rank);
+  return std::make_shared<Comm>(it->second.host, name, ranks, group_rank, it->second.device,
+                                device_);
 }
 
 void Distributed::enable_peer_abort() {
@@ -180,18 +223,23 @@ void Distributed::shutdown() {
   if (peer_abort_) peer_abort_->stop();
   if (world_ && world_->size() > 1) world_->barrier();
   std::lock_guard<std::mutex> lock(mutex_);
+  // NCCL wants an explicit shutdown (its destructor would otherwise abort the communicators and
+  // warn); every rank is past the barrier, so no collective is in flight.
+  for (auto& [ranks, backends] : backends_) {
+    if (backends.device) backends.device->shutdown();
+  }
   backends_.clear();
 }
 
 std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
                                               std::chrono::milliseconds timeout,
-                                              BackendKind backend) {
-  check_backend_available(backend);
+                                              c10::Device device) {
+  (void)backend_kind_for(device);  // a build without NCCL refuses a CUDA rank before rendezvous
   LOOM_REQUIRE_USAGE(timeout.count() > 0, "distributed timeout must be positive (got ",
                      timeout.count(), " ms)");
   log::set_rank(env.rank);
   at::set_num_threads(intra_op_threads(env));
-  if (env.world_size == 1) return std::make_shared<Distributed>(env, timeout, backend, nullptr);
+  if (env.world_size == 1) return std::make_shared<Distributed>(env, timeout, device, nullptr);
   // A peer that dies closes its sockets; writing to them must surface as an I/O error in the
   // collective (reported, attributable), not as a silent SIGPIPE death of this rank.
   std::signal(SIGPIPE, SIG_IGN);
@@ -211,7 +259,7 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
          "; check MASTER_ADDR/MASTER_PORT and that all ", env.world_size, " ranks were started");
   }
   try {
-    auto dist = std::make_shared<Distributed>(env, timeout, backend, std::move(store));
+    auto dist = std::make_shared<Distributed>(env, timeout, device, std::move(store));
     dist->enable_peer_abort();
     return dist;
   } catch (const c10::Error& e) {

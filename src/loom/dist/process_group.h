@@ -1,6 +1,9 @@
 // Process-group setup: rendezvous through a c10d::TCPStore hosted by rank 0, the world group, and
-// sub-groups over subsets of ranks. CPU runs use Gloo; NCCL exists only in builds with
-// USE_C10D_NCCL. World size 1 needs no store and no network: every group is a local Comm.
+// sub-groups over subsets of ranks. Every group has a Gloo backend for CPU tensors; when the rank
+// computes on a CUDA device (one device per rank, chosen once by the trainer and passed in here),
+// every group also gets an NCCL backend bound to that device for the tensors that live there (see
+// Comm). NCCL exists only in builds with USE_C10D_NCCL (a CUDA torch). World size 1 needs no store
+// and no network: every group is a local Comm.
 #pragma once
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -24,15 +27,33 @@ class CollectiveWatchdog;
 class PeerAbort;
 
 enum class BackendKind { kGloo, kNccl };
+const char* to_string(BackendKind kind);
+
+// The backend that serves tensors on `device`: Gloo for the CPU, NCCL for CUDA. loom::UsageError
+// for NCCL in a build without it, and for device types Loom has no backend for.
+BackendKind backend_kind_for(c10::Device device);
+
+// An NCCL backend over `store` (a prefix store private to the group), bound to `device` (the
+// rank's CUDA device), with its communicator created now rather than at the first collective, so
+// a failure names the group being created. Every member must call it at the same time.
+// loom::UsageError in builds without NCCL.
+c10::intrusive_ptr<c10d::Backend> new_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                   int group_rank, int group_size,
+                                                   std::chrono::milliseconds timeout,
+                                                   c10::Device device,
+                                                   const std::vector<int>& world_ranks = {});
 
 inline constexpr std::chrono::milliseconds kDefaultDistTimeout = std::chrono::minutes(10);
 
 // `timeout` bounds every collective: a world of more than one rank runs a CollectiveWatchdog
 // (watchdog.h) that ends this process with kExitCollectiveTimeout when a collective stays pending
 // longer; the backend's own per-operation timeout is backend_timeout_for(timeout), slightly later.
+// (NCCL collectives count as completed in the flight recorder once enqueued on their stream, so
+// a stalled NCCL collective is caught by NCCL's own watchdog at the backend timeout instead.)
+// `device`: this rank's compute device; groups get a device backend for it unless it is the CPU.
 class Distributed {
  public:
-  Distributed(LaunchEnv env, std::chrono::milliseconds timeout, BackendKind backend,
+  Distributed(LaunchEnv env, std::chrono::milliseconds timeout, c10::Device device,
               c10::intrusive_ptr<c10d::Store> store);
   ~Distributed();
   Distributed(const Distributed&) = delete;
@@ -47,7 +68,9 @@ class Distributed {
   void set_timeout(std::chrono::milliseconds timeout);
   // Null when the world has one rank (nothing can stall).
   CollectiveWatchdog* watchdog() const { return watchdog_.get(); }
-  BackendKind backend_kind() const { return backend_kind_; }
+  const c10::Device& device() const { return device_; }
+  // The backend of device() tensors: kGloo on the CPU (then the host backend serves them too).
+  BackendKind device_backend_kind() const { return device_backend_kind_; }
   const std::shared_ptr<Comm>& world() const { return world_; }
   // The rendezvous store; null when the world has one rank.
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
@@ -71,27 +94,37 @@ class Distributed {
   void shutdown();
 
  private:
-  c10::intrusive_ptr<c10d::Backend> make_backend(const std::vector<int>& ranks, int group_rank);
+  // A group's backends: Gloo for CPU tensors; NCCL for device() tensors on a CUDA rank.
+  struct GroupBackends {
+    c10::intrusive_ptr<c10d::Backend> host;
+    c10::intrusive_ptr<c10d::Backend> device;  // null on CPU runs
+  };
+  GroupBackends make_backends(const std::vector<int>& ranks, int group_rank);
+  c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                      int group_rank, int size);
 
   LaunchEnv env_;
   std::chrono::milliseconds timeout_;
-  BackendKind backend_kind_;
+  c10::Device device_;
+  BackendKind device_backend_kind_;
   c10::intrusive_ptr<c10d::Store> store_;
   // One Gloo transport device (one I/O loop) serves every group of this process.
   std::shared_ptr<gloo::transport::Device> gloo_device_;
   std::shared_ptr<Comm> world_;
   mutable std::mutex mutex_;  // guards timeout_ and backends_
-  std::map<std::vector<int>, c10::intrusive_ptr<c10d::Backend>> backends_;
+  std::map<std::vector<int>, GroupBackends> backends_;
   std::unique_ptr<PeerAbort> peer_abort_;
   std::unique_ptr<CollectiveWatchdog> watchdog_;  // last: stops before anything else goes
 };
 
 // Rendezvous and world-group creation; starts the collective watchdog when the world has more than
 // one rank. Also sets loom::log's rank and the intra-op thread count (see intra_op_threads).
-// Throws loom::Error naming the rendezvous address when it times out.
+// `device` is the rank's compute device (loom::select_device): CPU runs use Gloo alone, CUDA ranks
+// NCCL for device tensors as well. Throws loom::Error naming the rendezvous address when it times
+// out.
 std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
                                               std::chrono::milliseconds timeout = kDefaultDistTimeout,
-                                              BackendKind backend = BackendKind::kGloo);
+                                              c10::Device device = c10::Device(c10::kCPU));
 
 // Intra-op threads for one rank: LOOM_NUM_THREADS, else OMP_NUM_THREADS, else the CPUs this
 // process may run on divided by the ranks on this node (at least 1), so ranks do not oversubscribe.

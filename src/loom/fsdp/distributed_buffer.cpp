@@ -1,5 +1,6 @@
 #include "loom/fsdp/distributed_buffer.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 #include <malloc.h>
 #include <sys/mman.h>
@@ -126,6 +127,9 @@ bool ReleasableBuffer::allocated() const {
 void ReleasableBuffer::allocate() {
   if (!flat_.defined() || allocated()) return;
   c10::StorageImpl* storage = flat_.storage().unsafeGetStorageImpl();
+  // The CUDA caching allocator serves the *current* device, which need not be the buffer's.
+  const c10::OptionalDeviceGuard device_guard(
+      storage->device().is_cpu() ? std::nullopt : std::make_optional(storage->device()));
   // Same StorageImpl, new memory: every tensor viewing this storage sees it.
   if (cache_) {
     storage->set_data_ptr_noswap(BlockCache::take(cache_));

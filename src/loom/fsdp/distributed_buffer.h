@@ -19,7 +19,9 @@
 // StorageImpl, so every view made before sees the new memory (PyTorch FSDP2 does the same with
 // untyped_storage().resize_(0) / resize_(n)). On CPU the memory goes to a per-size cache rather
 // than to malloc: every block's buffer has the same size, so the next group reuses resident pages,
-// and glibc's heap never sees these tens-of-MiB chunks (see BlockCache in the .cpp).
+// and glibc's heap never sees these tens-of-MiB chunks (see BlockCache in the .cpp). On a GPU the
+// device's caching allocator already does that: released memory goes back to its pool, and the
+// next group's buffer of the same size takes it again.
 #pragma once
 #include <torch/torch.h>
 

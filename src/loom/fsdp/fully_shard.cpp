@@ -513,6 +513,7 @@ std::shared_ptr<FSDPModule> fully_shard(nn::Module& module, const FSDPMesh& mesh
   options.planner = policy.planner;
   options.param_dtype = policy.mixed_precision.param_dtype;
   options.reduce_dtype = policy.mixed_precision.reduce_dtype;
+  options.device = policy.device;
   resolve_reshard(policy.reshard_after_forward, group_mesh.shard_size(), options);
   options.gradient_divide_factor =
       policy.gradient_divide_factor.value_or(group_mesh.shard_size() * group_mesh.replicate_size());

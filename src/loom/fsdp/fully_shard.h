@@ -90,6 +90,9 @@ struct FSDPPolicy {
   // forward on: the order is recorded during the first).
   bool forward_prefetch = true;
   bool backward_prefetch = true;
+  // The rank's device (training.device): the flat buffers, gradients and the optimizer state live
+  // there, and the collectives run on it (NCCL on CUDA, see dist/comm.h).
+  c10::Device device = c10::Device(c10::kCPU);
 };
 
 // The FSDP communication groups of `mesh` for `policy`; creates the hpZ sub-groups when the policy

@@ -38,13 +38,10 @@ FSDPMesh FSDPMesh::single(int world_rank) {
 
 namespace {
 
-c10::Device group_device(const torch::Tensor& t) {
-  return t.is_meta() ? c10::Device(torch::kCPU) : t.device();
-}
-
 using NamedSlots = std::vector<std::pair<std::string, nn::ParameterSlot*>>;
 
-// The group's dtype and device come from its first parameter (all must agree, see group_spec).
+// The group's dtype comes from its first parameter (all must agree, see group_spec); its device
+// from the options.
 const torch::Tensor& first_param(const std::string& group, const NamedSlots& params) {
   LOOM_REQUIRE(!params.empty(), "FSDP group '", group, "' has no parameters");
   return params.front().second->tensor;
@@ -84,10 +81,10 @@ FSDPParamGroup::FSDPParamGroup(std::string name, const NamedSlots& params, FSDPM
       params_buffer_(plan_group(group_spec(name_, params, options_), mesh_.shard->size(),
                                 options_.planner),
                      mesh_.shard->rank(), first_param(name_, params).scalar_type(),
-                     options_.param_dtype, group_device(first_param(name_, params))),
+                     options_.param_dtype, options_.device),
       grads_buffer_(params_buffer_.plan(), mesh_.shard->rank(),
                     first_param(name_, params).scalar_type(), options_.reduce_dtype,
-                    group_device(first_param(name_, params))) {
+                    options_.device) {
   if (options_.post_forward_degree > 1) {
     const int n = options_.post_forward_degree;
     LOOM_REQUIRE(mesh_.post_forward && mesh_.post_forward->size() == n, "FSDP group '", name_,

@@ -59,6 +59,9 @@ struct GroupOptions {
   // hpZ: keep a 1/post_forward_degree shard after forward (needs FSDPMesh::post_forward).
   int post_forward_degree = 0;
   double gradient_divide_factor = 1.0;
+  // Where the group's flat buffers (parameter and gradient shards, unsharded buffers) live: the
+  // rank's device. Parameters materialized elsewhere are copied in; the optimizer state follows.
+  c10::Device device = c10::Device(c10::kCPU);
 };
 
 class FSDPParamGroup {
@@ -76,7 +79,8 @@ class FSDPParamGroup {
   };
 
   // `params`: (name relative to the module, slot), in module order. Values already materialized
-  // are copied into the shard; parameters on the meta device leave zeros (load values later).
+  // are copied into the shard (on options.device); parameters on the meta device leave zeros (load
+  // values later).
   // Afterwards every slot holds its sharded view.
   FSDPParamGroup(std::string name,
                  const std::vector<std::pair<std::string, nn::ParameterSlot*>>& params,

@@ -133,10 +133,10 @@ const std::vector<ConfigKey> kSchema = {
      {}},
     {LOOM_CONFIG_KEY(training, device),
      "Device each rank computes on: `auto` = the rank's GPU (`cuda:LOCAL_RANK`) when CUDA is "
-     "usable, else the CPU. `cuda` without a usable GPU, or with a libtorch built without CUDA,"
-     " is a one-line error (exit 2). CUDA runs are single-process without FSDP for now (other "
-     "layouts are refused with a one-line error), which is why the default is `cpu`; the model,"
-     " its buffers, gradients, optimizer state and every batch live on the device.",
+     "usable, else the CPU. `cuda` without a usable GPU, or with a libtorch built without CUDA, "
+     "is a one-line error (exit 2). Each rank uses its own GPU; collectives on device tensors go "
+     "through NCCL (Gloo carries host-side values). The default is `cpu`; on CUDA the model, its "
+     "buffers, FSDP's flat buffers, gradients, optimizer state and every batch live on the device.",
      {"auto", "cpu", "cuda"}},
     {LOOM_CONFIG_KEY(training, allow_tf32),
      "Let float32 matmuls and convolutions on CUDA use TF32 tensor cores (PyTorch's "

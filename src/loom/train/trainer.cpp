@@ -99,12 +99,8 @@ void Trainer::init_distributed() {
   // The device, once, before anything is allocated: the model is materialized there and every
   // batch is moved there.
   device_ = select_device(config_.training.device, env.local_rank);
-  LOOM_REQUIRE_USAGE(device_.is_cpu() || env.world_size == 1,
-                     "training.device = \"", config_.training.device, "\" with ", env.world_size,
-                     " ranks: CUDA runs are single-process for now (multi-rank CUDA needs NCCL "
-                     "process groups and device-resident FSDP buffers, not built yet); run one "
-                     "process or set training.device = \"cpu\"");
-  dist_ = dist::init_distributed(env, std::chrono::seconds(config_.comm.timeout_seconds));
+  set_current_device(device_);  // before NCCL creates its communicators on it
+  dist_ = dist::init_distributed(env, std::chrono::seconds(config_.comm.timeout_seconds), device_);
   const auto& p = config_.parallelism;
   dist::ParallelDegrees degrees;
   degrees.dp_replicate = static_cast<int>(p.data_parallel_replicate_degree);
@@ -195,6 +191,7 @@ void Trainer::parallelize() {
       c10::ScalarType(t.mixed_precision_param == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
   options.fsdp.mixed_precision.reduce_dtype =
       c10::ScalarType(t.mixed_precision_reduce == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
+  options.fsdp.device = device_;  // FSDP's buffers on the rank's device (caching allocator on GPUs)
   options.seed = static_cast<uint64_t>(t.seed);
   options.device = device_;
   if (!parallel_dims_->fsdp_enabled()) {

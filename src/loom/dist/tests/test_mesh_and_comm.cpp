@@ -1,8 +1,13 @@
 // ParallelDims validation, mesh rank arithmetic, and the comm layer without any network: exact
-// byte accounting, the flight recorder ring, and single-rank groups.
+// byte accounting, the flight recorder ring, and single-rank groups; and which backend serves which
+// device, with two ranks as two threads of this process.
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <functional>
+#include <thread>
 
 #include "loom/core/error.h"
 #include "loom/dist/comm.h"
@@ -297,6 +302,108 @@ TEST(SingleRank, BadCollectiveArgumentsAreErrors) {
   EXPECT_NE(message([&] { comm->all_to_all(at::empty({4}), at::ones({4}), {3}, {4}); })
                 .find("output split sizes sum to 3 but the tensor has 4 rows"),
             std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backends per device
+
+TEST(Backends, KindFollowsTheDevice) {
+  EXPECT_EQ(backend_kind_for(c10::Device(c10::kCPU)), BackendKind::kGloo);
+#ifdef USE_C10D_NCCL
+  EXPECT_EQ(backend_kind_for(c10::Device(c10::kCUDA, 0)), BackendKind::kNccl);
+#else
+  const std::string no_nccl = usage_error_of([] { (void)backend_kind_for(c10::Device(c10::kCUDA, 0)); });
+  EXPECT_NE(no_nccl.find("NCCL, which is not compiled into this Loom build"), std::string::npos)
+      << no_nccl;
+  EXPECT_NE(usage_error_of([] {
+              (void)new_nccl_backend(c10::make_intrusive<c10d::HashStore>(), 0, 1,
+                                     std::chrono::seconds(5), c10::Device(c10::kCUDA, 0));
+            }).find("NCCL is not compiled into this Loom build"),
+            std::string::npos);
+#endif
+  const std::string meta = usage_error_of([] { (void)backend_kind_for(c10::Device(c10::kMeta)); });
+  EXPECT_NE(meta.find("no process-group backend for tensors on meta"), std::string::npos) << meta;
+  EXPECT_STREQ(to_string(BackendKind::kNccl), "nccl");
+}
+
+// Runs `rank_main(rank)` for ranks 0 and 1 on two threads; a rank's exception fails the test.
+void run_two_ranks(const std::function<void(int)>& rank_main) {
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        rank_main(rank);
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
+}
+
+// A world built for the CPU has Gloo groups and no device backend (a CUDA world adds NCCL per
+// group, tests/cuda); sub-groups over the same ranks share the world's backend.
+TEST(Backends, CpuWorldUsesGlooAlone) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  run_two_ranks([&](int rank) {
+    LaunchEnv env;
+    env.rank = env.local_rank = rank;
+    env.world_size = env.local_world_size = 2;
+    Distributed dist(env, std::chrono::seconds(60), c10::Device(c10::kCPU), store);
+    EXPECT_EQ(dist.device(), c10::Device(c10::kCPU));
+    EXPECT_EQ(dist.device_backend_kind(), BackendKind::kGloo);
+    const Comm& world = *dist.world();
+    EXPECT_EQ(world.backend()->getBackendName(), "gloo");
+    EXPECT_FALSE(world.device_backend());
+    EXPECT_TRUE(world.device().is_cpu());
+    at::Tensor t = at::full({3}, rank + 1.0, at::kFloat);
+    EXPECT_EQ(world.backend_for(t).get(), world.backend().get());
+    dist.world()->all_reduce(t);
+    EXPECT_TRUE(at::equal(t, at::full({3}, 3.0, at::kFloat)));
+    auto dp = dist.new_group({0, 1}, "dp");
+    EXPECT_EQ(dp->backend().get(), world.backend().get());
+    dist.shutdown();
+  });
+}
+
+// Each collective goes to the backend of its tensors' device: CPU tensors to the host backend,
+// tensors on the group's device to the device backend, any other device is an error naming what
+// the group serves. A second Gloo pair stands in for the device backend: routing needs no GPU.
+TEST(Backends, CommRoutesEachTensorToItsDevicesBackend) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto gloo = [&](const std::string& prefix, int rank) {
+    auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(60));
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>(prefix, store), rank, 2, options);
+  };
+  const c10::Device gpu(c10::kCUDA, 0);
+  run_two_ranks([&](int rank) {
+    c10::intrusive_ptr<c10d::Backend> host = gloo("host/", rank), device = gloo("device/", rank);
+    Comm comm(host, "dp", {0, 1}, rank, device, gpu);
+    EXPECT_EQ(comm.device(), gpu);
+    EXPECT_EQ(comm.device_backend().get(), device.get());
+    at::Tensor t = at::full({2}, rank + 1.0, at::kFloat);
+    EXPECT_EQ(comm.backend_for(t).get(), host.get());
+    comm.all_reduce(t);
+    EXPECT_TRUE(at::equal(t, at::full({2}, 3.0, at::kFloat)));
+    comm.barrier();  // the host backend's, whatever the device
+    const at::Tensor meta = at::empty({2}, at::TensorOptions().device(c10::kMeta));
+    std::string routed;
+    try {
+      comm.backend_for(meta);
+    } catch (const Error& e) {
+      routed = e.what();
+    }
+    EXPECT_NE(routed.find("dp[0,1]: a tensor on meta but this group serves the CPU and cuda:0"),
+              std::string::npos)
+        << routed;
+    Comm cpu_only(host, "dp", {0, 1}, rank);
+    EXPECT_THROW(cpu_only.all_reduce(meta.clone()), Error);
+    EXPECT_THROW(Comm(host, "dp", {0, 1}, rank, device, c10::Device(c10::kCPU)), c10::Error);
+  });
 }
 
 }  // namespace

@@ -36,11 +36,10 @@ std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Transformer& model, const dist::Dev
 }
 
 void init_sharded_weights(Transformer& model, fsdp::FSDPModule& fsdp, uint64_t seed,
-                          const tp::TensorParallel* tp) {
+                          c10::Device device, const tp::TensorParallel* tp) {
   for (const auto& b : model.named_buffers()) {
     if (b.slot->tensor.is_meta()) {
-      b.slot->tensor = torch::empty(b.slot->tensor.sizes(),
-                                    b.slot->tensor.options().device(torch::kCPU));
+      b.slot->tensor = torch::empty(b.slot->tensor.sizes(), b.slot->tensor.options().device(device));
     }
   }
   model.reset_buffers();
@@ -141,7 +140,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transfo
   // 3. Data parallelism over the TP-local parameters, then materialize and initialize.
   if (dims.fsdp_enabled()) {
     parts.fsdp = apply_fsdp(*model, mesh, options.fsdp, options.fsdp_reshard_last_block);
-    init_sharded_weights(*model, *parts.fsdp, options.seed, parts.tp.get());
+    init_sharded_weights(*model, *parts.fsdp, options.seed, options.device, parts.tp.get());
   } else {
     model->to_empty(options.device);
     if (parts.tp) {

@@ -107,10 +107,12 @@ std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Transformer& model, const fsdp::FSD
                                              bool reshard_last_block = true);
 
 // Initializes the sharded parameters exactly as Transformer::init_weights(seed) would the whole
-// model (each parameter drawn in full on its own, this rank keeping its piece), and materializes
-// the model's non-persistent buffers (RoPE cache) on the CPU if they are still on the meta device.
+// model (each parameter drawn in full on the CPU on its own, this rank keeping its piece, so every
+// device gets the same values), and materializes the model's non-persistent buffers (RoPE cache)
+// on `device`, the rank's device (FSDPPolicy::device), if they are still on the meta device.
 // With `tp`, FSDP shards TP-local pieces: each is cut from its parameter's whole value.
 void init_sharded_weights(Transformer& model, fsdp::FSDPModule& fsdp, uint64_t seed,
+                          c10::Device device = c10::Device(c10::kCPU),
                           const tp::TensorParallel* tp = nullptr);
 
 }  // namespace loom::llama3
