@@ -14,7 +14,7 @@
 #include "loom/checkpoint/saver.h"
 #include "loom/core/build_paths.h"
 #include "loom/core/device.h"
-#include "loom/dist/process_group.h"
+#include "loom/distributed/process_group.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/fsdp/sharded_optimizer.h"
 #include "loom/models/llama3/parallelize.h"
@@ -47,7 +47,7 @@ TEST(CudaNccl, WorldSizeOneGroupRunsCollectivesOnTheDevice) {
   LOOM_REQUIRE_CUDA();
   loom::set_current_device(kGpu);
   auto store = c10::make_intrusive<c10d::HashStore>();
-  auto nccl = loom::dist::new_nccl_backend(store, 0, 1, std::chrono::seconds(60), kGpu, {0});
+  auto nccl = loom::distributed::new_nccl_backend(store, 0, 1, std::chrono::seconds(60), kGpu, {0});
   EXPECT_EQ(nccl->getBackendName(), "nccl");
   ASSERT_TRUE(nccl->getBoundDeviceId().has_value());
   EXPECT_EQ(*nccl->getBoundDeviceId(), kGpu);
@@ -75,11 +75,11 @@ TEST(CudaNccl, WorldSizeOneGroupRunsCollectivesOnTheDevice) {
 // one rank creates no backend at all; its collectives are local on any device).
 TEST(CudaNccl, CudaWorldPicksNcclAndRunsLocalCollectivesOnTheDevice) {
   LOOM_REQUIRE_CUDA();
-  auto dist = loom::dist::init_distributed(loom::dist::LaunchEnv{}, std::chrono::seconds(30), kGpu);
+  auto dist = loom::distributed::init_distributed(loom::distributed::LaunchEnv{}, std::chrono::seconds(30), kGpu);
   EXPECT_EQ(dist->device(), kGpu);
-  EXPECT_EQ(dist->device_backend_kind(), loom::dist::BackendKind::kNccl);
+  EXPECT_EQ(dist->device_backend_kind(), loom::distributed::BackendKind::kNccl);
   torch::Tensor t = torch::ones({4}, torch::TensorOptions().device(kGpu));
-  dist->world()->all_reduce(t, loom::dist::ReduceOp::kAvg);
+  dist->world()->all_reduce(t, loom::distributed::ReduceOp::kAvg);
   EXPECT_TRUE(torch::equal(t.cpu(), torch::ones({4})));
   dist->shutdown();
 }

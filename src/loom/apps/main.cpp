@@ -5,7 +5,10 @@
 #include <string>
 #include <vector>
 
-#include "loom/apps/commands.h"
+#include "loom/data/tokenizer_cli.h"
+#include "loom/distributed/launcher_cli.h"
+#include "loom/models/llama3/cli.h"
+#include "loom/train/train_cli.h"
 #include "loom/apps/restart_policy.h"
 #include "loom/core/error.h"
 #include "loom/core/error_report.h"
@@ -47,12 +50,13 @@ int main(int argc, char** argv) {
   CLI::App app{"Loom: LLM pre-training with composable N-D parallelism (C++ on libtorch)", "loom"};
   app.require_subcommand(1);
   loom::apps::install_checkpoint_restart_policy();
-  loom::apps::register_launch_command(app);
-  loom::apps::register_train_command(app);
-  loom::apps::register_score_command(app);
-  loom::apps::register_tokenizer_command(app);
-  loom::apps::register_info_command(app);
-  loom::apps::register_convert_command(app);
+  // Each command lives beside the concept it drives; main only registers them, in this order.
+  loom::distributed::register_launch_command(app);
+  loom::train::register_train_command(app);
+  loom::llama3::register_score_command(app);
+  loom::data::register_tokenizer_command(app);
+  loom::llama3::register_info_command(app);
+  loom::llama3::register_convert_command(app);
   if (const std::string unknown = unknown_command(app, argc, argv); !unknown.empty()) {
     std::fprintf(stderr, "error: %s\n", unknown.c_str());
     return loom::kExitUsage;

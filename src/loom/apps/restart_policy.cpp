@@ -1,12 +1,12 @@
 #include "loom/apps/restart_policy.h"
 
 #include "loom/checkpoint/metadata.h"
-#include "loom/dist/launcher.h"
+#include "loom/distributed/launcher.h"
 
 namespace loom::apps {
 
 void install_checkpoint_restart_policy() {
-  dist::set_resume_describer([](const std::filesystem::path& folder, int restarts_done,
+  distributed::set_resume_describer([](const std::filesystem::path& folder, int restarts_done,
                                 int max_restarts) -> std::string {
     // Structure-level verification (markers, metadata, file sizes) is quick; the ranks verify
     // checksums when they load and fall back to an older checkpoint themselves if needed.

@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "loom/core/error.h"
-#include "loom/dist/comm.h"
+#include "loom/distributed/comm.h"
 
 namespace loom::checkpoint {
 namespace {
@@ -21,7 +21,7 @@ class SingleProcessGroup final : public CheckpointGroup {
 
 class CommGroup final : public CheckpointGroup {
  public:
-  explicit CommGroup(std::shared_ptr<dist::Comm> comm) : comm_(std::move(comm)) {}
+  explicit CommGroup(std::shared_ptr<distributed::Comm> comm) : comm_(std::move(comm)) {}
   int rank() const override { return comm_->rank(); }
   int size() const override { return comm_->size(); }
 
@@ -46,14 +46,14 @@ class CommGroup final : public CheckpointGroup {
 
   int64_t all_reduce_max(int64_t value) override {
     auto t = torch::tensor({value}, torch::kInt64);
-    comm_->all_reduce(t, dist::ReduceOp::kMax);
+    comm_->all_reduce(t, distributed::ReduceOp::kMax);
     return t.item<int64_t>();
   }
 
   void barrier() override { comm_->barrier(); }
 
  private:
-  std::shared_ptr<dist::Comm> comm_;
+  std::shared_ptr<distributed::Comm> comm_;
 };
 
 }  // namespace
@@ -62,7 +62,7 @@ std::shared_ptr<CheckpointGroup> single_process_group() {
   return std::make_shared<SingleProcessGroup>();
 }
 
-std::shared_ptr<CheckpointGroup> comm_group(std::shared_ptr<dist::Comm> comm) {
+std::shared_ptr<CheckpointGroup> comm_group(std::shared_ptr<distributed::Comm> comm) {
   LOOM_REQUIRE(comm != nullptr, "comm_group needs a communicator; use single_process_group() for "
                "a run without one");
   return std::make_shared<CommGroup>(std::move(comm));

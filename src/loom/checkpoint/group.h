@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace loom::dist {
+namespace loom::distributed {
 class Comm;
 }
 
@@ -31,6 +31,6 @@ std::shared_ptr<CheckpointGroup> single_process_group();
 
 // Over a Loom communicator (normally the world). Gathers run as two all_gathers (lengths, then
 // bytes padded to the longest) on CPU tensors, so they work with Gloo and are counted by CommStats.
-std::shared_ptr<CheckpointGroup> comm_group(std::shared_ptr<dist::Comm> comm);
+std::shared_ptr<CheckpointGroup> comm_group(std::shared_ptr<distributed::Comm> comm);
 
 }  // namespace loom::checkpoint

@@ -4,14 +4,14 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "loom/apps/commands.h"
+#include "loom/data/tokenizer_cli.h"
 #include "loom/core/error.h"
 #include "loom/core/timer.h"
 #include "loom/data/bpe_trainer.h"
 #include "loom/data/sources.h"
 #include "loom/data/tokenizer.h"
 
-namespace loom::apps {
+namespace loom::data {
 
 namespace {
 
@@ -263,4 +263,4 @@ void register_tokenizer_command(CLI::App& app) {
   register_pretokenize(cmd);
 }
 
-}  // namespace loom::apps
+}  // namespace loom::data

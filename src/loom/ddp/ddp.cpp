@@ -25,7 +25,7 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
 
 }  // namespace
 
-DataParallel::DataParallel(nn::Module& module, std::shared_ptr<dist::Comm> comm, DDPOptions options)
+DataParallel::DataParallel(nn::Module& module, std::shared_ptr<distributed::Comm> comm, DDPOptions options)
     : comm_(std::move(comm)), options_(options) {
   LOOM_REQUIRE(comm_ != nullptr, "DDP needs a communication group");
   LOOM_REQUIRE(options_.bucket_cap_bytes > 0, "DDP bucket_cap_bytes must be positive, got ",
@@ -143,7 +143,7 @@ void DataParallel::issue_ready_buckets() {
   while (next_bucket_to_issue_ < static_cast<int>(buckets_.size()) &&
          buckets_[next_bucket_to_issue_].pending == 0) {
     Bucket& b = buckets_[next_bucket_to_issue_];
-    b.work = comm_->all_reduce_async(bucket_buffers_[next_bucket_to_issue_], dist::ReduceOp::kAvg);
+    b.work = comm_->all_reduce_async(bucket_buffers_[next_bucket_to_issue_], distributed::ReduceOp::kAvg);
     b.issued = true;
     ++next_bucket_to_issue_;
   }

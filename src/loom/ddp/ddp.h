@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "loom/core/torch_compat.h"
-#include "loom/dist/comm.h"
+#include "loom/distributed/comm.h"
 #include "loom/nn/module.h"
 
 namespace torch::autograd {
@@ -38,7 +38,7 @@ struct DDPOptions {
 class DataParallel {
  public:
   // `module`'s trainable parameters are replicated over `comm` (the dp_replicate group).
-  DataParallel(nn::Module& module, std::shared_ptr<dist::Comm> comm, DDPOptions options = {});
+  DataParallel(nn::Module& module, std::shared_ptr<distributed::Comm> comm, DDPOptions options = {});
   ~DataParallel();
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
@@ -62,7 +62,7 @@ class DataParallel {
     std::vector<int> params;  // indices into params_
     int pending = 0;          // gradients still to arrive in this backward
     bool issued = false;
-    dist::WorkHandle work;
+    distributed::WorkHandle work;
   };
   struct Param {
     std::string name;
@@ -75,7 +75,7 @@ class DataParallel {
   void issue_ready_buckets();
   void reset_for_next_backward();
 
-  std::shared_ptr<dist::Comm> comm_;
+  std::shared_ptr<distributed::Comm> comm_;
   DDPOptions options_;
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;

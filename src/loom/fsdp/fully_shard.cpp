@@ -88,14 +88,14 @@ void resolve_reshard(const ReshardAfterForward& r, int world, GroupOptions& opti
 
 }  // namespace
 
-FSDPMesh make_fsdp_mesh(const dist::DeviceMesh& mesh, const FSDPPolicy& policy) {
+FSDPMesh make_fsdp_mesh(const distributed::DeviceMesh& mesh, const FSDPPolicy& policy) {
   static const std::set<std::string> droppable = {"dp_shard", "dp_shard_cp", "dp_replicate"};
   auto resolve = [&](const std::string& dim, const char* role) {
     if (mesh.has(dim)) return mesh.comm(dim);
     LOOM_REQUIRE_USAGE(droppable.count(dim) > 0, "FSDP ", role, " dim '", dim,
                        "' is not a dim of the mesh (", mesh.layout().describe(),
                        "); fix: name a mesh dim such as dp_shard / dp_replicate");
-    return dist::Comm::single(dim, mesh.rank());
+    return distributed::Comm::single(dim, mesh.rank());
   };
   FSDPMesh out;
   out.shard = resolve(policy.shard_dim, "shard");
@@ -410,7 +410,7 @@ torch::Tensor FSDPModule::grad_norm() {
   // Padding is zero, so the flat shards' squares sum to exactly this rank's share.
   auto comm = mesh_.shard;
   return optim::total_grad_norm(shard_grads(groups), [comm](torch::Tensor& sum_of_squares) {
-    comm->all_reduce(sum_of_squares, dist::ReduceOp::kSum);
+    comm->all_reduce(sum_of_squares, distributed::ReduceOp::kSum);
   });
 }
 
@@ -503,7 +503,7 @@ std::shared_ptr<FSDPModule> fully_shard(nn::Module& module, const FSDPMesh& mesh
   FSDPMesh group_mesh = mesh;
   if (!group_mesh.replicate) {
     group_mesh.replicate =
-        dist::Comm::single("dp_replicate", mesh.shard->world_rank_of(mesh.shard->rank()));
+        distributed::Comm::single("dp_replicate", mesh.shard->world_rank_of(mesh.shard->rank()));
   }
   LOOM_REQUIRE(!fsdp_state(module), "module ", module.type_name(),
                " is already fully_shard-ed; fix: call fully_shard once per module");

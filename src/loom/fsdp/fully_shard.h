@@ -31,7 +31,7 @@
 #include <string>
 #include <vector>
 
-#include "loom/dist/device_mesh.h"
+#include "loom/distributed/device_mesh.h"
 #include "loom/fsdp/param_group.h"
 #include "loom/fsdp/planner.h"
 #include "loom/nn/module.h"
@@ -100,7 +100,7 @@ struct FSDPPolicy {
 // group creation). Throws loom::UsageError for a dim the mesh lacks, for shard and replicate groups
 // that overlap (the mesh does not match the data-parallel degrees), or for an N not dividing the
 // shard size.
-FSDPMesh make_fsdp_mesh(const dist::DeviceMesh& mesh, const FSDPPolicy& policy);
+FSDPMesh make_fsdp_mesh(const distributed::DeviceMesh& mesh, const FSDPPolicy& policy);
 
 // One tensor of a sharded state dict: this rank's contiguous run of a tensor's row-major
 // elements, with what a checkpoint needs to place it.

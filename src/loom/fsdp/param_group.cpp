@@ -31,8 +31,8 @@ int64_t element_size(c10::ScalarType t) { return static_cast<int64_t>(c10::eleme
 
 FSDPMesh FSDPMesh::single(int world_rank) {
   FSDPMesh mesh;
-  mesh.shard = dist::Comm::single("dp_shard", world_rank);
-  mesh.replicate = dist::Comm::single("dp_replicate", world_rank);
+  mesh.shard = distributed::Comm::single("dp_shard", world_rank);
+  mesh.replicate = distributed::Comm::single("dp_replicate", world_rank);
   return mesh;
 }
 
@@ -277,7 +277,7 @@ void FSDPParamGroup::reduce_grads_async() {
                  ? shard
                  : torch::empty({shard.numel()}, grads_buffer_.unsharded().options());
   p.work = mesh_.shard->reduce_scatter_tensor_async(p.output, grads_buffer_.unsharded(),
-                                                    dist::ReduceOp::kSum);
+                                                    distributed::ReduceOp::kSum);
   pending_ = std::move(p);
 }
 
@@ -294,7 +294,7 @@ bool FSDPParamGroup::advance_reduce(Progress progress, bool may_issue_all_reduce
   if (mesh_.replicate_size() > 1) {
     if (!p.all_reduce_issued) {
       if (!may_issue_all_reduce) return false;
-      p.work = mesh_.replicate->all_reduce_async(p.output, dist::ReduceOp::kSum);
+      p.work = mesh_.replicate->all_reduce_async(p.output, distributed::ReduceOp::kSum);
       p.all_reduce_issued = true;
     }
     if (progress != Progress::kWaitAll && !p.work->isCompleted()) return false;

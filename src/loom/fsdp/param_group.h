@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "loom/core/torch_compat.h"
-#include "loom/dist/comm.h"
+#include "loom/distributed/comm.h"
 #include "loom/fsdp/distributed_buffer.h"
 #include "loom/fsdp/planner.h"
 #include "loom/nn/module.h"
@@ -37,11 +37,11 @@ namespace loom::fsdp {
 
 // The communication groups of an FSDP group.
 struct FSDPMesh {
-  std::shared_ptr<dist::Comm> shard;      // parameters are sharded over these W ranks (dp_shard)
-  std::shared_ptr<dist::Comm> replicate;  // HSDP replicas (dp_replicate); a 1-rank comm when none
+  std::shared_ptr<distributed::Comm> shard;      // parameters are sharded over these W ranks (dp_shard)
+  std::shared_ptr<distributed::Comm> replicate;  // HSDP replicas (dp_replicate); a 1-rank comm when none
   // hpZ (reshard_after_forward = N, 1 < N < W): the N consecutive ranks of `shard` this rank
   // belongs to; the backward all-gather runs over it. Null otherwise.
-  std::shared_ptr<dist::Comm> post_forward;
+  std::shared_ptr<distributed::Comm> post_forward;
 
   int shard_size() const { return shard->size(); }
   int replicate_size() const { return replicate ? replicate->size() : 1; }
@@ -165,7 +165,7 @@ class FSDPParamGroup {
   void finish_reduce();
 
   struct PendingReduce {
-    dist::WorkHandle work;
+    distributed::WorkHandle work;
     torch::Tensor output;  // S elements of reduce_dtype
     bool into_sharded_grad = false;
     bool reduce_scatter_done = false;
@@ -182,7 +182,7 @@ class FSDPParamGroup {
   int num_trainable_ = 0;
 
   bool unsharded_ = false;
-  dist::WorkHandle gather_work_;
+  distributed::WorkHandle gather_work_;
   bool gather_from_post_forward_ = false;
   bool post_forward_valid_ = false;
 

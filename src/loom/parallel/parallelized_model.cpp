@@ -119,9 +119,9 @@ torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
   }
   // [TP-sharded, TP-replicated] squares: both summed over FSDP's shards, the first also over tp.
   torch::Tensor squares = at::stack({sum_of_squares(sharded, options), sum_of_squares(replicated, options)});
-  if (parts_.fsdp) parts_.fsdp->mesh().shard->all_reduce(squares, dist::ReduceOp::kSum);
+  if (parts_.fsdp) parts_.fsdp->mesh().shard->all_reduce(squares, distributed::ReduceOp::kSum);
   torch::Tensor over_tp = squares.narrow(0, 0, 1).clone();
-  parts_.tp->comm()->all_reduce(over_tp, dist::ReduceOp::kSum);
+  parts_.tp->comm()->all_reduce(over_tp, distributed::ReduceOp::kSum);
   const torch::Tensor norm = (over_tp[0] + squares[1]).sqrt();
   optim::clip_grads_with_norm_(all, max_norm, norm);
   return norm;

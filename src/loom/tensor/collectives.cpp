@@ -14,7 +14,7 @@ int64_t normalized_dim(const torch::Tensor& t, int64_t dim) {
 
 }  // namespace
 
-torch::Tensor gather(const torch::Tensor& local, int64_t dim, dist::Comm& comm) {
+torch::Tensor gather(const torch::Tensor& local, int64_t dim, distributed::Comm& comm) {
   if (comm.size() == 1) return local;
   dim = normalized_dim(local, dim);
   // The comm layer gathers along dim 0 of contiguous tensors: move the dim to the front and back.
@@ -26,7 +26,7 @@ torch::Tensor gather(const torch::Tensor& local, int64_t dim, dist::Comm& comm) 
   return out.movedim(0, dim);
 }
 
-torch::Tensor reduce_scatter(const torch::Tensor& partial, int64_t dim, dist::Comm& comm) {
+torch::Tensor reduce_scatter(const torch::Tensor& partial, int64_t dim, distributed::Comm& comm) {
   if (comm.size() == 1) return partial;
   dim = normalized_dim(partial, dim);
   LOOM_REQUIRE(partial.size(dim) % comm.size() == 0, "reduce_scatter along dim ", dim, " of size ",
@@ -35,18 +35,18 @@ torch::Tensor reduce_scatter(const torch::Tensor& partial, int64_t dim, dist::Co
   std::vector<int64_t> shape = front.sizes().vec();
   shape[0] /= comm.size();
   torch::Tensor out = torch::empty(shape, front.options());
-  comm.reduce_scatter_tensor(out, front, dist::ReduceOp::kSum);
+  comm.reduce_scatter_tensor(out, front, distributed::ReduceOp::kSum);
   return out.movedim(0, dim);
 }
 
-torch::Tensor sum(const torch::Tensor& partial, dist::Comm& comm) {
+torch::Tensor sum(const torch::Tensor& partial, distributed::Comm& comm) {
   if (comm.size() == 1) return partial;
   torch::Tensor out = partial.clone(at::MemoryFormat::Contiguous);  // in place, not on the input
-  comm.all_reduce(out, dist::ReduceOp::kSum);
+  comm.all_reduce(out, distributed::ReduceOp::kSum);
   return out;
 }
 
-torch::Tensor chunk(const torch::Tensor& replicated, int64_t dim, const dist::Comm& comm) {
+torch::Tensor chunk(const torch::Tensor& replicated, int64_t dim, const distributed::Comm& comm) {
   if (comm.size() == 1) return replicated;
   dim = normalized_dim(replicated, dim);
   LOOM_REQUIRE(replicated.size(dim) % comm.size() == 0, "scatter along dim ", dim, " of size ",
@@ -55,7 +55,7 @@ torch::Tensor chunk(const torch::Tensor& replicated, int64_t dim, const dist::Co
   return replicated.narrow(dim, piece * comm.rank(), piece);
 }
 
-torch::Tensor all_to_all(const torch::Tensor& local, int64_t from_dim, int64_t to_dim, dist::Comm& comm) {
+torch::Tensor all_to_all(const torch::Tensor& local, int64_t from_dim, int64_t to_dim, distributed::Comm& comm) {
   if (comm.size() == 1) return local;
   from_dim = normalized_dim(local, from_dim);
   to_dim = normalized_dim(local, to_dim);
@@ -89,7 +89,7 @@ void save_comm(AutogradContext* ctx, const CommPtr& comm) {
   ctx->saved_data["comm"] = c10::IValue::make_capsule(c10::make_intrusive<CommCapsule>(comm));
 }
 
-dist::Comm& saved_comm(AutogradContext* ctx) {
+distributed::Comm& saved_comm(AutogradContext* ctx) {
   return *c10::static_intrusive_pointer_cast<CommCapsule>(ctx->saved_data["comm"].toCapsule())->comm;
 }
 
@@ -103,7 +103,7 @@ struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     const int64_t dim = ctx->saved_data["dim"].toInt();
-    dist::Comm& comm = saved_comm(ctx);
+    distributed::Comm& comm = saved_comm(ctx);
     torch::Tensor grad = ctx->saved_data["partial"].toBool() ? raw::reduce_scatter(g[0], dim, comm)
                                                              : raw::chunk(g[0], dim, comm).contiguous();
     return {grad, {}, {}, {}};

@@ -1,4 +1,4 @@
-// Collectives that autograd differentiates, over one mesh dimension (one dist::Comm): the pieces
+// Collectives that autograd differentiates, over one mesh dimension (one distributed::Comm): the pieces
 // tensor and sequence parallelism are built from (Megatron-LM's f and g operators, DTensor's
 // redistribute, written out). Each forward moves a tensor between placements (tensor/placement.h)
 // and its backward moves the gradient the opposite way:
@@ -26,12 +26,12 @@
 
 #include <memory>
 
-#include "loom/dist/comm.h"
+#include "loom/distributed/comm.h"
 #include "loom/tensor/placement.h"
 
 namespace loom::tensor {
 
-using CommPtr = std::shared_ptr<dist::Comm>;
+using CommPtr = std::shared_ptr<distributed::Comm>;
 
 // How the gradient of a gathered (Replicate) tensor arrives on the ranks; see above.
 enum class ReplicatedGrad { kPartial, kIdentical };
@@ -54,11 +54,11 @@ torch::Tensor redistribute(const torch::Tensor& local, const Placement& from, co
 
 // The same movements without autograd, on plain tensors (the gradient paths above use them).
 namespace raw {
-torch::Tensor gather(const torch::Tensor& local, int64_t dim, dist::Comm& comm);
-torch::Tensor reduce_scatter(const torch::Tensor& partial, int64_t dim, dist::Comm& comm);
-torch::Tensor sum(const torch::Tensor& partial, dist::Comm& comm);  // a new tensor
-torch::Tensor chunk(const torch::Tensor& replicated, int64_t dim, const dist::Comm& comm);
-torch::Tensor all_to_all(const torch::Tensor& local, int64_t from_dim, int64_t to_dim, dist::Comm& comm);
+torch::Tensor gather(const torch::Tensor& local, int64_t dim, distributed::Comm& comm);
+torch::Tensor reduce_scatter(const torch::Tensor& partial, int64_t dim, distributed::Comm& comm);
+torch::Tensor sum(const torch::Tensor& partial, distributed::Comm& comm);  // a new tensor
+torch::Tensor chunk(const torch::Tensor& replicated, int64_t dim, const distributed::Comm& comm);
+torch::Tensor all_to_all(const torch::Tensor& local, int64_t from_dim, int64_t to_dim, distributed::Comm& comm);
 }  // namespace raw
 
 }  // namespace loom::tensor

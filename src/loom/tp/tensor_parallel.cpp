@@ -110,7 +110,7 @@ void TensorParallel::sum_partial_gradients(const std::vector<torch::Tensor>& gra
   std::vector<torch::Tensor> flat;
   for (const auto& g : defined) flat.push_back(g.reshape({-1}));
   torch::Tensor bucket = torch::cat(flat);
-  comm_->all_reduce(bucket, dist::ReduceOp::kSum);
+  comm_->all_reduce(bucket, distributed::ReduceOp::kSum);
   int64_t offset = 0;
   torch::NoGradGuard no_grad;
   for (auto& g : defined) {
@@ -165,14 +165,14 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
       // Softmax statistics over the whole vocabulary: max, then sum of exp, then the target's logit
       // (only the rank owning the label contributes it).
       torch::Tensor row_max = std::get<0>(logits.max(1));
-      comm->all_reduce(row_max, dist::ReduceOp::kMax);
+      comm->all_reduce(row_max, distributed::ReduceOp::kMax);
       torch::Tensor exp = (logits - row_max.unsqueeze(1)).exp_();
       const torch::Tensor local_label = y - vocab_start;
       const torch::Tensor mine = ok.logical_and(local_label >= 0).logical_and(local_label < vocab_local);
       const torch::Tensor index = local_label.clamp(0, vocab_local - 1).unsqueeze(1);
       torch::Tensor target = logits.gather(1, index).squeeze(1).masked_fill(mine.logical_not(), 0.0);
       torch::Tensor stats = torch::stack({exp.sum(1), target});  // [2, len]: one all-reduce
-      comm->all_reduce(stats, dist::ReduceOp::kSum);
+      comm->all_reduce(stats, distributed::ReduceOp::kSum);
       const torch::Tensor sum_exp = stats[0], target_logit = stats[1];
       const torch::Tensor token_loss = (sum_exp.log() + row_max - target_logit).masked_fill(ok.logical_not(), 0.0);
       loss_sum += token_loss.to(torch::kFloat64).sum();

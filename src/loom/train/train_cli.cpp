@@ -6,13 +6,13 @@
 #include <cstdlib>
 #include <memory>
 
-#include "loom/apps/commands.h"
+#include "loom/train/train_cli.h"
 #include "loom/core/error.h"
 #include "loom/core/error_report.h"
 #include "loom/train/config.h"
 #include "loom/train/trainer.h"
 
-namespace loom::apps {
+namespace loom::train {
 namespace {
 
 // Every unknown argument reaches the config overrides, which would answer a misspelt option of
@@ -77,4 +77,4 @@ void register_train_command(CLI::App& app) {
   });
 }
 
-}  // namespace loom::apps
+}  // namespace loom::train

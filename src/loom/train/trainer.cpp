@@ -14,7 +14,7 @@
 #include "loom/core/logging.h"
 #include "loom/core/memory.h"
 #include "loom/core/timer.h"
-#include "loom/dist/launch_env.h"
+#include "loom/distributed/launch_env.h"
 #include "loom/models/llama3/model_dir.h"
 #include "loom/models/llama3/parallelize.h"
 #include "loom/optim/clip_grad.h"
@@ -55,7 +55,12 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   LOOM_REQUIRE_USAGE(config_.activation_checkpoint.mode == "none",
                      "activation_checkpoint.mode '", config_.activation_checkpoint.mode,
                      "' is not available yet; use \"none\"");
-  init_distributed();  // 1. world, ParallelDims, mesh
+  // 1. The layout, checked before any process group exists (a bad combination is then the same
+  //    one line on every rank, not a rendezvous): degrees against the world size, the model
+  //    against the tensor-parallel degree. Then the world, device and mesh.
+  const distributed::LaunchEnv env = distributed::detect_launch_env();
+  check_layout(env);
+  init_distributed(env);
   // TF32 tensor cores for float32 matmuls and convolutions on CUDA (PyTorch's allow_tf32 flags);
   // the CPU ignores it.
   if (config_.training.allow_tf32) {
@@ -94,29 +99,33 @@ Trainer::~Trainer() {
   if (dist_ && std::uncaught_exceptions() == 0) dist_->shutdown();
 }
 
-void Trainer::init_distributed() {
-  const dist::LaunchEnv env = dist::detect_launch_env();
-  // The device, once, before anything is allocated: the model is materialized there and every
-  // batch is moved there.
-  device_ = select_device(config_.training.device, env.local_rank);
-  set_current_device(device_);  // before NCCL creates its communicators on it
-  dist_ = dist::init_distributed(env, std::chrono::seconds(config_.comm.timeout_seconds), device_);
+void Trainer::check_layout(const distributed::LaunchEnv& env) {
   const auto& p = config_.parallelism;
-  dist::ParallelDegrees degrees;
+  distributed::ParallelDegrees degrees;
   degrees.dp_replicate = static_cast<int>(p.data_parallel_replicate_degree);
   degrees.dp_shard = static_cast<int>(p.data_parallel_shard_degree);
   degrees.cp = static_cast<int>(p.context_parallel_degree);
   degrees.tp = static_cast<int>(p.tensor_parallel_degree);
   degrees.pp = static_cast<int>(p.pipeline_parallel_degree);
-  parallel_dims_ = std::make_unique<dist::ParallelDims>(degrees, env.world_size, env.rank);
+  parallel_dims_ = std::make_unique<distributed::ParallelDims>(degrees, env.world_size, env.rank);
+  tokenizer_ = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(config_.model.tokenizer_path));
+  llama3::validate_tp_degree(model_args(), p.tensor_parallel_degree, config_.training.seq_len,
+                             {!p.disable_sequence_parallel, !p.disable_loss_parallel});
+}
+
+void Trainer::init_distributed(const distributed::LaunchEnv& env) {
+  // The device, once, before anything is allocated: the model is materialized there and every
+  // batch is moved there.
+  device_ = select_device(config_.training.device, env.local_rank);
+  set_current_device(device_);  // before NCCL creates its communicators on it
+  dist_ = distributed::init_distributed(env, std::chrono::seconds(config_.comm.timeout_seconds), device_);
   const auto& pd = *parallel_dims_;
-  mesh_ = std::make_unique<dist::DeviceMesh>(pd.build_mesh(dist_));
+  mesh_ = std::make_unique<distributed::DeviceMesh>(pd.build_mesh(dist_));
   log::info("parallelism: ", pd.describe(), "; device: ", device_.str());
 }
 
 void Trainer::init_data() {
   const auto& t = config_.training;
-  tokenizer_ = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(config_.model.tokenizer_path));
   Timer timer;
   data::SourceOptions source;
   if (t.dataset_format != "auto") source.format = data::parse_source_format(t.dataset_format);
@@ -161,15 +170,16 @@ int64_t Trainer::model_vocab_size() const {
   return vocab;
 }
 
-void Trainer::build_model() {
-  const int64_t vocab = model_vocab_size();
+llama3::ModelArgs Trainer::model_args() const {
   LOOM_REQUIRE_USAGE(config_.model.name == "llama3", "unknown model.name '", config_.model.name,
                      "'; available: llama3");
-  llama3::ModelArgs args = llama3::flavor(config_.model.flavor, vocab);
+  llama3::ModelArgs args = llama3::flavor(config_.model.flavor, model_vocab_size());
   args.max_seq_len = std::max(args.max_seq_len, config_.training.seq_len);
-  const auto& p = config_.parallelism;
-  llama3::validate_tp_degree(args, p.tensor_parallel_degree, config_.training.seq_len,
-                             {!p.disable_sequence_parallel, !p.disable_loss_parallel});
+  return args;
+}
+
+void Trainer::build_model() {
+  const llama3::ModelArgs args = model_args();
   model_ = std::make_shared<llama3::Transformer>(args, torch::TensorOptions().device(torch::kMeta));
   const auto counts = llama3::count_parameters(args);
   flops_per_token_ = llama3::flops_per_token(args, counts.non_embedding, config_.training.seq_len);
@@ -357,7 +367,7 @@ void Trainer::maybe_inject_fault(bool after_step) {
 double Trainer::global_mean_loss(double local_loss) {
   if (!parallel_dims_->dp_enabled()) return local_loss;
   torch::Tensor t = torch::tensor({local_loss}, torch::kFloat64);
-  mesh_->comm("dp")->all_reduce(t, dist::ReduceOp::kAvg);
+  mesh_->comm("dp")->all_reduce(t, distributed::ReduceOp::kAvg);
   return t.item<double>();
 }
 
@@ -438,7 +448,7 @@ std::string Trainer::first_nonfinite_gradient() {
   }
   if (dist_->world_size() > 1) {
     torch::Tensor t = torch::tensor({-first}, torch::kInt64);  // max of -index = min index
-    dist_->world()->all_reduce(t, dist::ReduceOp::kMax);
+    dist_->world()->all_reduce(t, distributed::ReduceOp::kMax);
     first = -t.item<int64_t>();
   }
   return first < static_cast<int64_t>(grads.size()) ? grads[static_cast<size_t>(first)].first : "";
@@ -500,7 +510,7 @@ std::vector<StepResult> Trainer::train() {
   double window_seconds = 0.0;
   int64_t window_steps = 0;
   memory::reset_peak(device_);
-  dist::comm_stats().reset();
+  distributed::comm_stats().reset();
   while (step_ < t.steps) {
     // A step's time is the whole iteration: the training step plus the checkpoint call after it,
     // so what a save costs (planning, waiting for the previous one) shows in tps and MFU.
@@ -536,13 +546,13 @@ std::vector<StepResult> Trainer::train() {
                                     static_cast<double>(info.total_memory_bytes);
         }
       }
-      const auto comm = dist::comm_stats().snapshot().total();
+      const auto comm = distributed::comm_stats().snapshot().total();
       m.extra["comm_bytes"] = comm.wire_bytes.value() / static_cast<double>(window_steps);
       metrics_->log(m);
       window_seconds = 0.0;
       window_steps = 0;
       memory::reset_peak(device_);
-      dist::comm_stats().reset();
+      distributed::comm_stats().reset();
     }
     maybe_inject_fault(/*after_step=*/true);
   }

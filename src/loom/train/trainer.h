@@ -3,10 +3,11 @@
 // itself knows nothing of ranks.
 //
 // Build order:
-//   1. distributed world (launch env -> rendezvous -> ParallelDims -> DeviceMesh), then the run
-//      folder: rank 0 locks job.dump_folder (one job per folder)
+//   1. the layout checked before any process group (ParallelDims against the world size, the model
+//      against the TP degree), then the distributed world (device -> rendezvous -> DeviceMesh) and
+//      the run folder: rank 0 locks job.dump_folder (one job per folder)
 //   2. determinism and seeds
-//   3. tokenizer, then the data loader for this rank's data-parallel slice
+//   3. the data loader for this rank's data-parallel slice (the tokenizer came with the layout)
 //   4. model on the meta device (no memory), parameter count and FLOPs/token
 //   5. parallelize (the model's own plan): tensor parallel over tp, then FSDP over dp_shard (HSDP
 //      with dp_replicate) or DDP over dp_replicate alone
@@ -23,9 +24,10 @@
 #include "loom/checkpoint/checkpointer.h"
 #include "loom/data/loader.h"
 #include "loom/data/tokenizer.h"
-#include "loom/dist/device_mesh.h"
-#include "loom/dist/parallel_dims.h"
-#include "loom/dist/process_group.h"
+#include "loom/distributed/device_mesh.h"
+#include "loom/distributed/launch_env.h"
+#include "loom/distributed/parallel_dims.h"
+#include "loom/distributed/process_group.h"
 #include "loom/models/llama3/model.h"
 #include "loom/optim/adamw.h"
 #include "loom/parallel/parallelized_model.h"
@@ -60,17 +62,20 @@ class Trainer {
   StepResult train_step();
 
   llama3::Transformer& model() { return *model_; }
-  const dist::ParallelDims& parallel_dims() const { return *parallel_dims_; }
+  const distributed::ParallelDims& parallel_dims() const { return *parallel_dims_; }
   const JobConfig& config() const { return config_; }
   const c10::Device& device() const { return device_; }
   int64_t step() const { return step_; }
 
  private:
-  void init_distributed();
+  // Degrees against the world size and the model against the TP degree, before any process group.
+  void check_layout(const distributed::LaunchEnv& env);
+  void init_distributed(const distributed::LaunchEnv& env);
   void init_data();
   void build_model();
   // The model's embedding rows: model.vocab_size, or the tokenizer's vocabulary when it is 0.
   int64_t model_vocab_size() const;
+  llama3::ModelArgs model_args() const;  // the flavor with this run's vocabulary and sequence length
   void parallelize();
   void init_optimizer();
   void init_checkpointing();
@@ -91,14 +96,14 @@ class Trainer {
   torch::Tensor to_device(const torch::Tensor& host) const;
 
   JobConfig config_;
-  std::shared_ptr<dist::Distributed> dist_;
+  std::shared_ptr<distributed::Distributed> dist_;
   std::unique_ptr<RunFolderLock> run_folder_lock_;  // rank 0 only
   c10::Device device_{c10::kCPU};  // this rank's device (training.device), chosen once
   // bf16 autocast around forward when FSDP is off and training.mixed_precision_param asks for it
   // (FSDP casts parameters itself); nullopt: full precision.
   std::optional<c10::ScalarType> autocast_dtype_;
-  std::unique_ptr<dist::ParallelDims> parallel_dims_;
-  std::unique_ptr<dist::DeviceMesh> mesh_;
+  std::unique_ptr<distributed::ParallelDims> parallel_dims_;
+  std::unique_ptr<distributed::DeviceMesh> mesh_;
   std::unique_ptr<data::Tokenizer> tokenizer_;
   std::unique_ptr<data::DataLoader> loader_;
   std::shared_ptr<llama3::Transformer> model_;

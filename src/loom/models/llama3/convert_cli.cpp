@@ -8,13 +8,13 @@
 // reads both.
 #include <CLI/CLI.hpp>
 
-#include "loom/apps/commands.h"
+#include "loom/models/llama3/cli.h"
 #include "loom/core/device.h"
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
 #include "loom/models/llama3/model_dir.h"
 
-namespace loom::apps {
+namespace loom::llama3 {
 
 void register_convert_command(CLI::App& app) {
   struct Args {
@@ -54,4 +54,4 @@ void register_convert_command(CLI::App& app) {
   });
 }
 
-}  // namespace loom::apps
+}  // namespace loom::llama3

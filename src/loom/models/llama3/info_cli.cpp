@@ -2,12 +2,12 @@
 // model built on the meta device (no memory, instant even for 405B).
 #include <cstdio>
 
-#include "loom/apps/commands.h"
+#include "loom/models/llama3/cli.h"
 #include "loom/core/error.h"
 #include "loom/core/timer.h"
 #include "loom/models/llama3/model.h"
 
-namespace loom::apps {
+namespace loom::llama3 {
 namespace {
 struct InfoOptions {
   std::string flavor = "debugmodel";
@@ -72,4 +72,4 @@ void register_info_command(CLI::App& app) {
   cmd->callback([options] { run_info(*options); });
 }
 
-}  // namespace loom::apps
+}  // namespace loom::llama3

@@ -29,7 +29,7 @@ std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Transformer& model, const fsdp::FSD
   return fsdp::fully_shard(model, mesh, policy, "root");
 }
 
-std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Transformer& model, const dist::DeviceMesh& mesh,
+std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Transformer& model, const distributed::DeviceMesh& mesh,
                                              const fsdp::FSDPPolicy& policy,
                                              bool reshard_last_block) {
   return apply_fsdp(model, fsdp::make_fsdp_mesh(mesh, policy), policy, reshard_last_block);
@@ -125,8 +125,8 @@ std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr
 }
 
 std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transformer> model,
-                                                         const dist::ParallelDims& dims,
-                                                         const dist::DeviceMesh& mesh,
+                                                         const distributed::ParallelDims& dims,
+                                                         const distributed::DeviceMesh& mesh,
                                                          const ParallelizeOptions& options) {
   parallel::ParallelParts parts;
   Transformer* raw = model.get();
@@ -165,18 +165,18 @@ void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t 
   model.reset_buffers();
 }
 
-std::map<dist::CommOp, dist::CommCounter> tp_comm_volume(const ModelArgs& args, int64_t batch, int64_t seq,
+std::map<distributed::CommOp, distributed::CommCounter> tp_comm_volume(const ModelArgs& args, int64_t batch, int64_t seq,
                                                          int degree, const TPOptions& options,
                                                          int64_t element_bytes, int64_t chunk_tokens) {
-  std::map<dist::CommOp, dist::CommCounter> volume;
+  std::map<distributed::CommOp, distributed::CommCounter> volume;
   if (degree <= 1) return volume;
-  auto add = [&](dist::CommOp op, int64_t calls, int64_t payload_each) {
-    dist::CommCounter& c = volume[op];
+  auto add = [&](distributed::CommOp op, int64_t calls, int64_t payload_each) {
+    distributed::CommCounter& c = volume[op];
     c.calls += calls;
     c.payload_bytes += calls * payload_each;
-    for (int64_t i = 0; i < calls; ++i) c.wire_bytes += dist::ring_wire_bytes(op, payload_each, degree);
+    for (int64_t i = 0; i < calls; ++i) c.wire_bytes += distributed::ring_wire_bytes(op, payload_each, degree);
   };
-  using dist::CommOp;
+  using distributed::CommOp;
   const int64_t L = args.n_layers, tokens = batch * seq;
   const int64_t activation = tokens * args.dim * element_bytes;  // one [b, s, h] tensor, whole
   if (options.sequence_parallel) {

@@ -17,9 +17,9 @@
 #include <memory>
 #include <string>
 
-#include "loom/dist/device_mesh.h"
+#include "loom/distributed/device_mesh.h"
 #include "loom/fsdp/fully_shard.h"
-#include "loom/dist/parallel_dims.h"
+#include "loom/distributed/parallel_dims.h"
 #include "loom/models/llama3/model.h"
 #include "loom/parallel/parallelized_model.h"
 #include "loom/tp/tensor_parallel.h"
@@ -70,8 +70,8 @@ struct ParallelizeOptions {
 // and initializes every parameter from the seed, each rank only its pieces. `model` is built on
 // the meta device. The result is what the Trainer drives.
 std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transformer> model,
-                                                         const dist::ParallelDims& dims,
-                                                         const dist::DeviceMesh& mesh,
+                                                         const distributed::ParallelDims& dims,
+                                                         const distributed::DeviceMesh& mesh,
                                                          const ParallelizeOptions& options);
 
 // What the plan sends over the tensor-parallel group for one micro-batch (forward and backward)
@@ -79,7 +79,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transfo
 // sum of the SP norms; per collective: calls, payload bytes and ring-model wire bytes (the formula
 // of docs/tensor_parallel.md, which the TP tests compare with the measured counters exactly).
 // `chunk_tokens` is loss parallel's chunk.
-std::map<dist::CommOp, dist::CommCounter> tp_comm_volume(const ModelArgs& args, int64_t batch, int64_t seq,
+std::map<distributed::CommOp, distributed::CommCounter> tp_comm_volume(const ModelArgs& args, int64_t batch, int64_t seq,
                                                          int degree, const TPOptions& options,
                                                          int64_t element_bytes = 4, int64_t chunk_tokens = 1024);
 
@@ -98,7 +98,7 @@ struct FSDPReshardSetting {
 // with reshard_last_block = false the last block keeps its parameters (TorchTitan's default).
 // Returns the root FSDP handle: finalize_backward, zero_grad, clip_grad_norm_, unshard/reshard,
 // full_state_dict, and the parameter groups for fsdp::ShardedAdamW.
-std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Transformer& model, const dist::DeviceMesh& mesh,
+std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Transformer& model, const distributed::DeviceMesh& mesh,
                                              const fsdp::FSDPPolicy& policy,
                                              bool reshard_last_block = true);
 // Same with the FSDP groups already built (tests, or a caller that made the FSDPMesh itself).

@@ -5,7 +5,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "loom/apps/commands.h"
+#include "loom/models/llama3/cli.h"
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/device.h"
 #include "loom/core/error.h"
@@ -13,7 +13,7 @@
 #include "loom/data/tokenizer.h"
 #include "loom/models/llama3/model_dir.h"
 
-namespace loom::apps {
+namespace loom::llama3 {
 namespace {
 namespace fs = std::filesystem;
 
@@ -156,4 +156,4 @@ void register_score_command(CLI::App& app) {
   });
 }
 
-}  // namespace loom::apps
+}  // namespace loom::llama3

@@ -44,7 +44,7 @@ TEST(Placement, UnevenShardIsAUsageErrorNamingTheTensor) {
 
 // On one rank every collective is the identity and keeps the autograd graph intact.
 TEST(Collectives, SingleRankIsTheIdentity) {
-  auto comm = loom::dist::Comm::single("tp", 0);
+  auto comm = loom::distributed::Comm::single("tp", 0);
   torch::Tensor x = torch::randn({4, 3}, torch::requires_grad());
   torch::Tensor y = lt::all_gather(lt::reduce_scatter(lt::all_reduce(x, comm), 0, comm), 1, comm,
                                    lt::ReplicatedGrad::kPartial);

@@ -56,7 +56,7 @@ TEST(TensorParallel, OneRankPlanIsThePlainModel) {
   a.n_layers = 1;
   loom::llama3::Transformer plain(a), parallel(a);
   plain.init_weights(3);
-  auto plan = loom::llama3::apply_tp(parallel, loom::dist::Comm::single("tp", 0), {});
+  auto plan = loom::llama3::apply_tp(parallel, loom::distributed::Comm::single("tp", 0), {});
   loom::llama3::init_tp_weights(parallel, *plan, 3);
   const torch::Tensor tokens = torch::randint(0, a.vocab_size, {2, 8});
   const torch::Tensor a_loss = plain.forward_loss(tokens, tokens), b_loss = parallel.forward_loss(tokens, tokens);

@@ -115,6 +115,15 @@ TEST(TrainerTP, CheckpointsMoveBetweenTensorParallelLayouts) {
   const auto step6 = whole.path() / "checkpoint" / "step-6";
   ASSERT_TRUE(std::filesystem::exists(step6 / "COMPLETE") || std::filesystem::exists(step6 / "metadata.json"));
 
+  // `loom convert --to hf` reads the TP checkpoint like any other: one process gathers the boxes.
+  TempDir hf("hf");
+  RunResult convert = run(bin_dir() + "/loom convert --to hf --input " + step6.string() + " --output " +
+                          (hf.path() / "model").string());
+  ASSERT_EQ(convert.exit_code, 0) << convert.output;
+  RunResult score = run(bin_dir() + "/loom score --tokens 5,17,300,42,9 --checkpoint " + (hf.path() / "model").string());
+  ASSERT_EQ(score.exit_code, 0) << score.output;
+  EXPECT_NE(score.output.find("mean NLL"), std::string::npos) << score.output;
+
   const std::vector<Layout> layouts = {
       {"fsdp2_tp2", 4, 4, "--parallelism.tensor_parallel_degree=2"},
       {"tp4", 4, 8, "--parallelism.tensor_parallel_degree=4 --parallelism.data_parallel_shard_degree=1"},

@@ -12,8 +12,8 @@
 #include "loom/checkpoint/saver.h"
 #include "loom/checkpoint/tests/layouts.h"
 #include "loom/core/error.h"
-#include "loom/dist/launch_env.h"
-#include "loom/dist/process_group.h"
+#include "loom/distributed/launch_env.h"
+#include "loom/distributed/process_group.h"
 
 namespace {
 using namespace loom;
@@ -40,8 +40,8 @@ int run(int argc, char** argv) {
   const int salt = std::stoi(argv[5]);
   const bool async = argc > 6 && std::string(argv[6]) == "async";
 
-  auto env = dist::detect_launch_env();
-  auto world = dist::init_distributed(env);
+  auto env = distributed::detect_launch_env();
+  auto world = distributed::init_distributed(env);
   const int rank = world->rank(), size = world->world_size();
   auto group = comm_group(world->world());
   const auto specs = training_specs();

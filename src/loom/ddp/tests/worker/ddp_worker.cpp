@@ -7,8 +7,8 @@
 
 #include "loom/core/error.h"
 #include "loom/ddp/ddp.h"
-#include "loom/dist/launch_env.h"
-#include "loom/dist/process_group.h"
+#include "loom/distributed/launch_env.h"
+#include "loom/distributed/process_group.h"
 #include "loom/models/llama3/model.h"
 
 namespace {
@@ -43,8 +43,8 @@ torch::Tensor loss_of(llama3::Transformer& m, const torch::Tensor& tokens) {
 
 // micro_batches > 1 exercises gradient accumulation with sync only on the last micro-batch.
 int run(int micro_batches, int64_t bucket_cap_bytes) {
-  auto env = dist::detect_launch_env();
-  auto world = dist::init_distributed(env);
+  auto env = distributed::detect_launch_env();
+  auto world = distributed::init_distributed(env);
   const int rank = world->rank(), size = world->world_size();
 
   auto model = make_model();

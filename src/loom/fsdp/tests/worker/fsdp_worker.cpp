@@ -23,9 +23,9 @@
 #include <vector>
 
 #include "loom/core/error.h"
-#include "loom/dist/launch_env.h"
-#include "loom/dist/parallel_dims.h"
-#include "loom/dist/process_group.h"
+#include "loom/distributed/launch_env.h"
+#include "loom/distributed/parallel_dims.h"
+#include "loom/distributed/process_group.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/fsdp/sharded_optimizer.h"
 #include "loom/models/llama3/parallelize.h"
@@ -34,8 +34,8 @@
 
 namespace {
 using namespace loom;
-using dist::ByteCount;
-using dist::CommOp;
+using distributed::ByteCount;
+using distributed::CommOp;
 
 constexpr uint64_t kSeed = 11;
 constexpr int kMicroBatches = 2;
@@ -121,14 +121,14 @@ struct Config {
 };
 
 struct Layout {
-  std::shared_ptr<dist::Distributed> world;
-  std::unique_ptr<dist::ParallelDims> dims;
-  std::unique_ptr<dist::DeviceMesh> mesh;
+  std::shared_ptr<distributed::Distributed> world;
+  std::unique_ptr<distributed::ParallelDims> dims;
+  std::unique_ptr<distributed::DeviceMesh> mesh;
 };
 
 [[noreturn]] void mismatch(const std::string& what) { throw Error(what); }
 
-using Counters = std::map<std::pair<CommOp, std::string>, dist::CommCounter>;
+using Counters = std::map<std::pair<CommOp, std::string>, distributed::CommCounter>;
 
 // The bytes a step must move, per (op, dim), from each group's mode (see docs: ANCHORS formulas).
 Counters expected_counters(fsdp::FSDPModule& root, const Config& cfg, ByteCount& formula_wire) {
@@ -139,7 +139,7 @@ Counters expected_counters(fsdp::FSDPModule& root, const Config& cfg, ByteCount&
     for (int i = 0; i < calls; ++i) {
       c.calls += 1;
       c.payload_bytes += payload;
-      c.wire_bytes += dist::ring_wire_bytes(op, payload, size);
+      c.wire_bytes += distributed::ring_wire_bytes(op, payload, size);
     }
   };
   const auto& mesh = root.mesh();
@@ -171,12 +171,12 @@ Counters expected_counters(fsdp::FSDPModule& root, const Config& cfg, ByteCount&
   return out;
 }
 
-void check_counters(const Counters& want, const dist::CommSnapshot& got, const std::string& where) {
+void check_counters(const Counters& want, const distributed::CommSnapshot& got, const std::string& where) {
   for (const auto& [key, c] : want) {
     const auto g = got.get(key.first, key.second);
     if (g.calls != c.calls || g.payload_bytes != c.payload_bytes ||
         !(g.wire_bytes == c.wire_bytes)) {
-      mismatch(c10::str(where, ": ", dist::to_string(key.first), "@", key.second, " measured ",
+      mismatch(c10::str(where, ": ", distributed::to_string(key.first), "@", key.second, " measured ",
                         g.calls, " calls / ", g.payload_bytes, " B / wire ", g.wire_bytes.value(),
                         ", expected ", c.calls, " / ", c.payload_bytes, " / ",
                         c.wire_bytes.value()));
@@ -184,7 +184,7 @@ void check_counters(const Counters& want, const dist::CommSnapshot& got, const s
   }
   for (const auto& [key, c] : got.counters) {
     if (!want.count(key)) {
-      mismatch(c10::str(where, ": unexpected ", dist::to_string(key.first), "@", key.second, " x",
+      mismatch(c10::str(where, ": unexpected ", distributed::to_string(key.first), "@", key.second, " x",
                         c.calls));
     }
   }
@@ -210,7 +210,7 @@ double run_config(Layout& L, const Config& cfg, const Reference& ref) {
   const int64_t groups = static_cast<int64_t>(root->param_groups().size());
   const bool regather = !(cfg.reshard == fsdp::ReshardAfterForward::never());
   for (int step = 0; step < cfg.steps; ++step) {
-    dist::comm_stats().reset();
+    distributed::comm_stats().reset();
     root->reset_prefetch_counts();
     optimizer.zero_grad();
     double local = 0;
@@ -222,7 +222,7 @@ double run_config(Layout& L, const Config& cfg, const Reference& ref) {
     }
     root->clip_grad_norm_(kMaxNorm);
     optimizer.step();
-    const dist::CommSnapshot snap = dist::comm_stats().snapshot();
+    const distributed::CommSnapshot snap = distributed::comm_stats().snapshot();
     const std::string where = c10::str(cfg.label, " step ", step);
     // Once the first forward has recorded the order, every group's all-gather but the first is
     // issued ahead: in forward by its predecessor, in backward (when resharded) by its successor.
@@ -251,7 +251,7 @@ double run_config(Layout& L, const Config& cfg, const Reference& ref) {
                         " unsharded bytes still held after the step"));
     }
     torch::Tensor global = torch::tensor({local}, torch::kFloat64);
-    L.world->world()->all_reduce(global, dist::ReduceOp::kAvg);
+    L.world->world()->all_reduce(global, distributed::ReduceOp::kAvg);
     const double got = global.item<double>(), want_loss = ref.losses[step];
     const double rel = std::abs(got - want_loss) / std::abs(want_loss);
     worst_loss = std::max(worst_loss, rel);
@@ -308,11 +308,11 @@ double run_config(Layout& L, const Config& cfg, const Reference& ref) {
 
 Layout make_layout(int dp_replicate) {
   Layout L;
-  L.world = dist::init_distributed(dist::detect_launch_env());
-  dist::ParallelDegrees degrees;
+  L.world = distributed::init_distributed(distributed::detect_launch_env());
+  distributed::ParallelDegrees degrees;
   degrees.dp_replicate = dp_replicate;
-  L.dims = std::make_unique<dist::ParallelDims>(degrees, L.world->world_size(), L.world->rank());
-  L.mesh = std::make_unique<dist::DeviceMesh>(L.dims->build_mesh(L.world));
+  L.dims = std::make_unique<distributed::ParallelDims>(degrees, L.world->world_size(), L.world->rank());
+  L.mesh = std::make_unique<distributed::DeviceMesh>(L.dims->build_mesh(L.world));
   return L;
 }
 

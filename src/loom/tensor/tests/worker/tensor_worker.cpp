@@ -8,8 +8,8 @@
 #include <string>
 
 #include "loom/core/error.h"
-#include "loom/dist/launch_env.h"
-#include "loom/dist/process_group.h"
+#include "loom/distributed/launch_env.h"
+#include "loom/distributed/process_group.h"
 #include "loom/tensor/collectives.h"
 
 namespace {
@@ -113,9 +113,9 @@ int main(int argc, char** argv) {
       {"collectives", scenario_collectives}};
   int rank = -1;
   try {
-    const auto env = loom::dist::detect_launch_env();
+    const auto env = loom::distributed::detect_launch_env();
     rank = env.rank;
-    auto dist = loom::dist::init_distributed(env, std::chrono::seconds(60));
+    auto dist = loom::distributed::init_distributed(env, std::chrono::seconds(60));
     for (int i = 1; i < argc; ++i) {
       LOOM_REQUIRE(scenarios.count(argv[i]), "unknown scenario '", argv[i], "'");
       scenarios.at(argv[i])(dist->world());

@@ -9,8 +9,8 @@
 #include <string>
 
 #include "loom/core/error.h"
-#include "loom/dist/launch_env.h"
-#include "loom/dist/process_group.h"
+#include "loom/distributed/launch_env.h"
+#include "loom/distributed/process_group.h"
 #include "loom/models/llama3/parallelize.h"
 
 namespace {
@@ -67,7 +67,7 @@ void check_configuration(const tensor::CommPtr& comm, bool sp, bool loss_paralle
     reference.zero_grad();
     model.zero_grad();
     const torch::Tensor ref_loss = reference.forward_loss(tokens, labels);
-    dist::comm_stats().reset();
+    distributed::comm_stats().reset();
     const torch::Tensor loss = model.forward_loss(tokens, labels);
     ref_loss.backward();
     loss.backward();
@@ -75,14 +75,14 @@ void check_configuration(const tensor::CommPtr& comm, bool sp, bool loss_paralle
     for (const auto& name : plan->partial_gradient_parameters()) partial.push_back(model.parameter_slot(name).tensor.grad());
     plan->sum_partial_gradients(partial);
     // What went over the group equals the documented formula, call for call and byte for byte.
-    const dist::CommSnapshot sent = dist::comm_stats().snapshot();
+    const distributed::CommSnapshot sent = distributed::comm_stats().snapshot();
     const auto expected = llama3::tp_comm_volume(args, tokens.size(0), tokens.size(1), comm->size(), options);
-    for (auto op : {dist::CommOp::kAllGather, dist::CommOp::kReduceScatter, dist::CommOp::kAllReduce}) {
-      const dist::CommCounter got = sent.get(op, comm->name());
+    for (auto op : {distributed::CommOp::kAllGather, distributed::CommOp::kReduceScatter, distributed::CommOp::kAllReduce}) {
+      const distributed::CommCounter got = sent.get(op, comm->name());
       const auto it = expected.find(op);
-      const dist::CommCounter want = it == expected.end() ? dist::CommCounter{} : it->second;
+      const distributed::CommCounter want = it == expected.end() ? distributed::CommCounter{} : it->second;
       LOOM_REQUIRE(got.calls == want.calls && got.payload_bytes == want.payload_bytes && got.wire_bytes == want.wire_bytes,
-                   config, ": ", dist::to_string(op), " sent ", got.calls, " calls, ", got.payload_bytes,
+                   config, ": ", distributed::to_string(op), " sent ", got.calls, " calls, ", got.payload_bytes,
                    " payload bytes, ", got.wire_bytes.value(), " wire bytes; the formula says ", want.calls, ", ",
                    want.payload_bytes, ", ", want.wire_bytes.value());
     }
@@ -124,10 +124,10 @@ void scenario_llama(const tensor::CommPtr& comm) {
 int main(int argc, char** argv) {
   int rank = -1;
   try {
-    const auto env = dist::detect_launch_env();
+    const auto env = distributed::detect_launch_env();
     rank = env.rank;
     torch::set_num_threads(1);
-    auto d = dist::init_distributed(env, std::chrono::seconds(60));
+    auto d = distributed::init_distributed(env, std::chrono::seconds(60));
     for (int i = 1; i < argc; ++i) {
       LOOM_REQUIRE(std::string(argv[i]) == "llama", "unknown scenario '", argv[i], "'");
       scenario_llama(d->world());

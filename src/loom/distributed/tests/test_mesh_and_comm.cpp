@@ -10,12 +10,12 @@
 #include <thread>
 
 #include "loom/core/error.h"
-#include "loom/dist/comm.h"
-#include "loom/dist/device_mesh.h"
-#include "loom/dist/parallel_dims.h"
-#include "loom/dist/process_group.h"
+#include "loom/distributed/comm.h"
+#include "loom/distributed/device_mesh.h"
+#include "loom/distributed/parallel_dims.h"
+#include "loom/distributed/process_group.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 namespace {
 
 std::string usage_error_of(const std::function<void()>& fn) {
@@ -407,4 +407,4 @@ TEST(Backends, CommRoutesEachTensorToItsDevicesBackend) {
 }
 
 }  // namespace
-}  // namespace loom::dist
+}  // namespace loom::distributed

@@ -1,11 +1,11 @@
-#include "loom/dist/device_mesh.h"
+#include "loom/distributed/device_mesh.h"
 
 #include <algorithm>
 #include <set>
 
 #include "loom/core/error.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 namespace {
 
 std::string join(const std::vector<std::string>& items) {
@@ -170,4 +170,4 @@ std::vector<int> DeviceMesh::group_ranks(const std::string& name) const {
 
 std::vector<std::string> DeviceMesh::flattened_names() const { return flattened_; }
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

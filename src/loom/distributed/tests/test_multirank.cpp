@@ -1,5 +1,5 @@
 // Multi-rank tests: real processes started by `loom launch`, running the scenarios of
-// loom_dist_worker (tests/worker/dist_worker.cpp), plus the launcher's own contract (environment,
+// loom_distributed_worker (tests/worker/dist_worker.cpp), plus the launcher's own contract (environment,
 // failure propagation, signal forwarding). Binaries are found next to this test binary.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -27,7 +27,7 @@ std::string loom_launch(int nproc) {
 }
 
 RunResult run_worker(int nproc, const std::vector<std::string>& scenarios) {
-  std::string command = loom_launch(nproc) + " --exec -- " + bin_dir() + "/loom_dist_worker";
+  std::string command = loom_launch(nproc) + " --exec -- " + bin_dir() + "/loom_distributed_worker";
   for (const auto& s : scenarios) command += " " + s;
   return run(command);
 }

@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-namespace loom::dist {
+namespace loom::distributed {
 
 struct LaunchOptions {
   int nproc_per_node = 1;
@@ -64,4 +64,4 @@ const ResumeDescriber& resume_describer();  // empty when none was installed
 // A TCP port that was free on this host a moment ago (bound to port 0, then released).
 int pick_free_port();
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

@@ -10,9 +10,9 @@
 #include <utility>
 #include <vector>
 
-#include "loom/dist/device_mesh.h"
+#include "loom/distributed/device_mesh.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 
 struct ParallelDegrees {
   int dp_replicate = 1;
@@ -77,4 +77,4 @@ class ParallelDims {
   int rank_;
 };
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

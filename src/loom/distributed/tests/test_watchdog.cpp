@@ -8,11 +8,11 @@
 #include <thread>
 
 #include "loom/core/error.h"
-#include "loom/dist/watchdog.h"
+#include "loom/distributed/watchdog.h"
 
 namespace {
 
-using namespace loom::dist;
+using namespace loom::distributed;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 

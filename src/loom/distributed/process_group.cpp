@@ -1,4 +1,4 @@
-#include "loom/dist/process_group.h"
+#include "loom/distributed/process_group.h"
 
 #include <ATen/Parallel.h>
 #include <sched.h>
@@ -17,10 +17,10 @@
 
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
-#include "loom/dist/peer_abort.h"
-#include "loom/dist/watchdog.h"
+#include "loom/distributed/peer_abort.h"
+#include "loom/distributed/watchdog.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 namespace {
 
 std::optional<int> positive_env_int(const char* name) {
@@ -268,4 +268,4 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
   }
 }
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

@@ -31,7 +31,7 @@
 #include <utility>
 #include <vector>
 
-namespace loom::dist {
+namespace loom::distributed {
 
 enum class ReduceOp { kSum, kAvg, kMax };
 enum class CommOp { kAllReduce, kAllGather, kReduceScatter, kBroadcast, kAllToAll, kSend, kRecv,
@@ -237,4 +237,4 @@ class Comm {
   uint64_t group_seq_ = 0;
 };
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

@@ -14,14 +14,14 @@
 #include <string>
 #include <vector>
 
-#include "loom/dist/comm.h"
-#include "loom/dist/launch_env.h"
+#include "loom/distributed/comm.h"
+#include "loom/distributed/launch_env.h"
 
 namespace gloo::transport {
 class Device;
 }
 
-namespace loom::dist {
+namespace loom::distributed {
 
 class CollectiveWatchdog;
 class PeerAbort;
@@ -130,4 +130,4 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
 // process may run on divided by the ranks on this node (at least 1), so ranks do not oversubscribe.
 int intra_op_threads(const LaunchEnv& env);
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

@@ -1,5 +1,5 @@
 // Per-rank scenarios for the dist multi-rank tests. Started as
-//   loom launch --nproc N [--max-restarts R] --exec -- loom_dist_worker <scenario> [<scenario>...]
+//   loom launch --nproc N [--max-restarts R] --exec -- loom_distributed_worker <scenario> [<scenario>...]
 // Every rank checks its own results; a failed check exits 1 with one line naming the rank and the
 // mismatch. On success each rank prints "rank R/W <scenario>: ok".
 #include <csignal>
@@ -11,15 +11,15 @@
 #include <thread>
 
 #include "loom/core/error.h"
-#include "loom/dist/comm.h"
-#include "loom/dist/device_mesh.h"
-#include "loom/dist/launch_env.h"
-#include "loom/dist/parallel_dims.h"
-#include "loom/dist/process_group.h"
+#include "loom/distributed/comm.h"
+#include "loom/distributed/device_mesh.h"
+#include "loom/distributed/launch_env.h"
+#include "loom/distributed/parallel_dims.h"
+#include "loom/distributed/process_group.h"
 
 namespace {
 
-using namespace loom::dist;
+using namespace loom::distributed;
 
 void expect_equal(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
   LOOM_REQUIRE(actual.sizes() == expected.sizes() && at::equal(actual, expected), what,

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "loom/dist/comm.h"
-#include "loom/dist/process_group.h"
+#include "loom/distributed/comm.h"
+#include "loom/distributed/process_group.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 
 class MeshLayout {
  public:
@@ -82,4 +82,4 @@ class DeviceMesh {
   std::vector<std::string> flattened_;
 };
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

@@ -8,8 +8,8 @@
 #include <regex>
 #include <set>
 
-#include "loom/dist/launcher.h"
-#include "loom/dist/watchdog.h"
+#include "loom/distributed/launcher.h"
+#include "loom/distributed/watchdog.h"
 #include "loom/testing/run.h"
 
 namespace {
@@ -25,7 +25,7 @@ std::string launch(int nproc, const std::string& flags) {
 }
 
 std::string worker(const std::string& scenario) {
-  return c10::str("--exec -- ", bin_dir(), "/loom_dist_worker ", scenario);
+  return c10::str("--exec -- ", bin_dir(), "/loom_distributed_worker ", scenario);
 }
 
 bool contains(const std::string& haystack, const std::string& needle) {
@@ -35,7 +35,7 @@ bool contains(const std::string& haystack, const std::string& needle) {
 TEST(Restart, RankKilledOnTheFirstAttemptIsRestartedOnTheSamePort) {
   // A fixed --master-port: the second attempt's rank 0 hosts its store on the port the first
   // attempt's store (killed with its rank) had.
-  const int port = loom::dist::pick_free_port();
+  const int port = loom::distributed::pick_free_port();
   const RunResult r = run(launch(2, c10::str("--max-restarts 2 --master-port ", port, " ",
                                              worker("die_once"))));
   EXPECT_EQ(r.exit_code, 0) << r.output;

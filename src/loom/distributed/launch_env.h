@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace loom::dist {
+namespace loom::distributed {
 
 // Rendezvous port used by mpirun/srun jobs that do not set MASTER_PORT (single node only) and by
 // torchrun's own default; `loom launch` picks a free port instead when none is given.
@@ -49,4 +49,4 @@ LaunchEnv detect_launch_env();
 // Expands Slurm's compressed per-node task counts, e.g. "2(x3),1" -> {2, 2, 2, 1}.
 std::vector<int> parse_slurm_tasks_per_node(const std::string& value);
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

@@ -23,9 +23,9 @@
 #include <optional>
 #include <thread>
 
-#include "loom/dist/comm.h"
+#include "loom/distributed/comm.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 
 // Exit code of a rank whose collective outlived the timeout. 124 is what coreutils `timeout` uses
 // for "timed out", and differs from 1 (an error) and 2 (bad usage). `loom launch` names it.
@@ -82,4 +82,4 @@ class CollectiveWatchdog {
   std::thread thread_;
 };
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

@@ -1,4 +1,4 @@
-#include "loom/dist/peer_abort.h"
+#include "loom/distributed/peer_abort.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -7,7 +7,7 @@
 #include "loom/core/error_report.h"
 #include "loom/core/logging.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 
 PeerAbort::PeerAbort(const LaunchEnv& env, c10::intrusive_ptr<c10d::Store> store,
                      std::chrono::milliseconds poll_interval)
@@ -93,4 +93,4 @@ void PeerAbort::run() {
   }
 }
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

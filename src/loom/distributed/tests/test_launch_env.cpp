@@ -7,10 +7,10 @@
 #include <string>
 
 #include "loom/core/error.h"
-#include "loom/dist/launch_env.h"
-#include "loom/dist/process_group.h"
+#include "loom/distributed/launch_env.h"
+#include "loom/distributed/process_group.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 namespace {
 
 // Clears every launcher variable for the test's duration, sets the given ones, and restores the
@@ -228,4 +228,4 @@ TEST(IntraOpThreads, DividesCoresAmongLocalRanksUnlessOverridden) {
 }
 
 }  // namespace
-}  // namespace loom::dist
+}  // namespace loom::distributed

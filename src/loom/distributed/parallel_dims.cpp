@@ -1,8 +1,8 @@
-#include "loom/dist/parallel_dims.h"
+#include "loom/distributed/parallel_dims.h"
 
 #include "loom/core/error.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 
 ParallelDims::ParallelDims(const ParallelDegrees& d, int world_size, int rank)
     : dp_replicate_(d.dp_replicate),
@@ -111,4 +111,4 @@ std::string ParallelDims::describe() const {
                   tp_, " pp=", pp_, " (world ", world_size_, ")");
 }
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

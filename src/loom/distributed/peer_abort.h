@@ -25,9 +25,9 @@
 #include <string>
 #include <thread>
 
-#include "loom/dist/launch_env.h"
+#include "loom/distributed/launch_env.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 
 inline constexpr const char* kAbortKey = "loom/abort";
 
@@ -66,4 +66,4 @@ class PeerAbort {
   std::thread thread_;
 };
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

@@ -1,4 +1,4 @@
-#include "loom/dist/launcher.h"
+#include "loom/distributed/launcher.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -19,11 +19,11 @@
 #include <set>
 
 #include "loom/core/error.h"
-#include "loom/dist/watchdog.h"
+#include "loom/distributed/watchdog.h"
 
 extern char** environ;
 
-namespace loom::dist {
+namespace loom::distributed {
 namespace {
 
 // ----------------------------------------------------------------------------------------------
@@ -569,4 +569,4 @@ int launch(const LaunchOptions& options) {
   }
 }
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

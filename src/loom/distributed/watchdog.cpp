@@ -1,4 +1,4 @@
-#include "loom/dist/watchdog.h"
+#include "loom/distributed/watchdog.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -6,7 +6,7 @@
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 namespace {
 
 double seconds(std::chrono::steady_clock::duration d) {
@@ -112,4 +112,4 @@ void CollectiveWatchdog::run() {
   }
 }
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

@@ -1,11 +1,11 @@
-// `loom launch`: the CLI front of loom::dist::launch.
+// `loom launch`: the CLI front of loom::distributed::launch.
 #include <CLI/CLI.hpp>
 
-#include "loom/apps/commands.h"
+#include "loom/distributed/launcher_cli.h"
 #include "loom/core/error.h"
-#include "loom/dist/launcher.h"
+#include "loom/distributed/launcher.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 namespace {
 ResumeDescriber& installed_describer() {
   static ResumeDescriber describer;
@@ -17,12 +17,10 @@ void set_resume_describer(ResumeDescriber describer) {
   installed_describer() = std::move(describer);
 }
 const ResumeDescriber& resume_describer() { return installed_describer(); }
-}  // namespace loom::dist
 
-namespace loom::apps {
 
 void register_launch_command(CLI::App& app) {
-  auto options = std::make_shared<dist::LaunchOptions>();
+  auto options = std::make_shared<distributed::LaunchOptions>();
   auto master_port = std::make_shared<int>(0);
   auto grace_seconds = std::make_shared<double>(5.0);
   CLI::App* cmd = app.add_subcommand(
@@ -84,15 +82,15 @@ void register_launch_command(CLI::App& app) {
       LOOM_REQUIRE_USAGE(options->max_restarts > 0, "--checkpoint-folder only matters with "
                          "--max-restarts R > 0 (it names what a restart resumes from)");
       const std::filesystem::path folder = *checkpoint_folder;
-      const dist::ResumeDescriber& describe = dist::resume_describer();
+      const distributed::ResumeDescriber& describe = distributed::resume_describer();
       options->restart_note = [folder, describe](int restarts_done, int max_restarts) {
         if (describe) return describe(folder, restarts_done, max_restarts);
         return c10::str("ranks resume from the newest complete checkpoint in '", folder.string(),
                         "', if any");
       };
     }
-    dist::launch(*options);
+    distributed::launch(*options);
   });
 }
 
-}  // namespace loom::apps
+}  // namespace loom::distributed

@@ -1,4 +1,4 @@
-#include "loom/dist/launch_env.h"
+#include "loom/distributed/launch_env.h"
 
 #include <charconv>
 #include <cstdlib>
@@ -6,7 +6,7 @@
 
 #include "loom/core/error.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 namespace {
 
 std::optional<std::string> env(const char* name) {
@@ -212,4 +212,4 @@ LaunchEnv detect_launch_env() {
   return e;
 }
 
-}  // namespace loom::dist
+}  // namespace loom::distributed

@@ -1,4 +1,4 @@
-#include "loom/dist/comm.h"
+#include "loom/distributed/comm.h"
 
 #include <c10/util/StringUtil.h>
 
@@ -9,7 +9,7 @@
 
 #include "loom/core/error.h"
 
-namespace loom::dist {
+namespace loom::distributed {
 namespace {
 
 std::string format_bytes(double bytes) {
@@ -497,7 +497,7 @@ WorkHandle Comm::launch(Issue issue, c10d::Backend* backend,
     inner = run(*backend);
   } catch (const c10::Error& e) {
     flight_recorder().finish(seq, false);
-    fail(dist::describe(identity), " could not be issued on group rank ", rank_, ": ",
+    fail(distributed::describe(identity), " could not be issued on group rank ", rank_, ": ",
          e.what_without_backtrace());
   } catch (...) {
     flight_recorder().finish(seq, false);
@@ -716,4 +716,4 @@ void Comm::send(const at::Tensor& tensor, int dst, int tag) { send_async(tensor,
 void Comm::recv(const at::Tensor& tensor, int src, int tag) { recv_async(tensor, src, tag)->wait(); }
 void Comm::barrier() { barrier_async()->wait(); }
 
-}  // namespace loom::dist
+}  // namespace loom::distributed
