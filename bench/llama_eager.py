@@ -52,9 +52,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
-        q = apply_rope(self.wq(x).view(b, t, self.nh, self.hd), cos, sin)
-        k = apply_rope(self.wk(x).view(b, t, self.nkv, self.hd), cos, sin)
-        v = self.wv(x).view(b, t, self.nkv, self.hd)
+        # Head counts from the projections' outputs (-1), as TorchTitan: under tensor parallelism
+        # (bench/tp_llama.py) wq/wk/wv are colwise-sharded and a rank holds n_heads/tp query and
+        # n_kv_heads/tp kv heads; in one process -1 is n_heads / n_kv_heads, so nothing changes.
+        q = apply_rope(self.wq(x).view(b, t, -1, self.hd), cos, sin)
+        k = apply_rope(self.wk(x).view(b, t, -1, self.hd), cos, sin)
+        v = self.wv(x).view(b, t, -1, self.hd)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True, enable_gqa=True)
         return self.wo(o.transpose(1, 2).reshape(b, t, -1))

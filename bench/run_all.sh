@@ -6,4 +6,5 @@ BUILD=${1:-build}
 .venv/bin/python bench/train_vs_eager.py --loom "$BUILD/bin/loom"
 .venv/bin/python bench/async_checkpoint.py --loom "$BUILD/bin/loom"
 .venv/bin/python bench/fsdp_vs_fsdp2.py --loom "$BUILD/bin/loom"
+.venv/bin/python bench/tp_vs_pytorch_tp.py --loom "$BUILD/bin/loom"
 "$BUILD/bin/loom_plan_report"
