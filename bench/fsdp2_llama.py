@@ -127,6 +127,32 @@ def apply_fsdp(model):
     fully_shard(model)
 
 
+def build_model_and_optimizer(a, rank, parallelize):
+    """Builds the model on the meta device, applies `parallelize(model)`, materialises and
+    initialises only the local shards (each rank from its own generator: DTensor's random ops are
+    CUDA-only), fills the RoPE tables, and makes AdamW with weight decay on matrices only.
+    Returns (model, optimizer, "fused" | "foreach"). Shared with tp_llama.py."""
+    with torch.device("meta"):
+        model = Transformer(a)
+    parallelize(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(rank)
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+    init_weights(model, a)
+    cos, sin = scaled_rope_tables(a.dim // a.n_heads, a.seq_len, a.rope_theta)
+    with torch.no_grad():
+        model.cos.copy_(cos)
+        model.sin.copy_(sin)
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    try:
+        return model, torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=True), "fused"
+    except (RuntimeError, ValueError):
+        return model, torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True), "foreach"
+
+
 def main():
     p = argparse.ArgumentParser()
     add_model_args(p)
@@ -166,27 +192,7 @@ def main():
     # shards, so no rank ever holds the whole model (Loom materialises per shard too). DTensor's
     # random ops are CUDA-only, so on CPU each rank draws its shards from its own generator; the
     # per-rank seed keeps the two halves of a matrix from being identical copies.
-    with torch.device("meta"):
-        model = Transformer(a)
-    apply_fsdp(model)
-    model.to_empty(device="cpu")
-    torch.manual_seed(rank)
-    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-    init_weights(model, a)
-    cos, sin = scaled_rope_tables(a.dim // a.n_heads, a.seq_len, a.rope_theta)
-    with torch.no_grad():
-        model.cos.copy_(cos)
-        model.sin.copy_(sin)
-
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    try:
-        opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-        impl = "fused"
-    except (RuntimeError, ValueError):
-        opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
-        impl = "foreach"
+    model, opt, impl = build_model_and_optimizer(a, rank, apply_fsdp)
 
     total = a.warmup + a.steps
     peak_before_kib = status_kib("VmHWM")

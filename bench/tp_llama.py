@@ -39,7 +39,6 @@ import json
 import os
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -51,9 +50,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fsdp2_llama import (init_weights, lr_factor, packed_stream, reset_peak_rss,  # noqa: E402
-                         scaled_rope_tables, status_kib)
-from llama_eager import Transformer, add_model_args, ffn_hidden  # noqa: E402
+from fsdp2_llama import (build_model_and_optimizer, lr_factor, packed_stream, reset_peak_rss,  # noqa: E402
+                         status_kib)
+from llama_eager import add_model_args, ffn_hidden  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,27 +129,7 @@ def main():
 
     # As TorchTitan: build on the meta device, parallelize, then materialise and initialise only the
     # local shards. Replicated parameters (the norms) are initialised to ones, so they agree.
-    with torch.device("meta"):
-        model = Transformer(a)
-    apply_tp(model, mesh)
-    model.to_empty(device="cpu")
-    torch.manual_seed(rank)
-    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-    init_weights(model, a)
-    cos, sin = scaled_rope_tables(a.dim // a.n_heads, a.seq_len, a.rope_theta)
-    with torch.no_grad():
-        model.cos.copy_(cos)
-        model.sin.copy_(sin)
-
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    try:
-        opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-        impl = "fused"
-    except (RuntimeError, ValueError):
-        opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
-        impl = "foreach"
+    model, opt, impl = build_model_and_optimizer(a, rank, lambda m: apply_tp(m, mesh))
 
     total = a.warmup + a.steps
     peak_before_kib = status_kib("VmHWM")

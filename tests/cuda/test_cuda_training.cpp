@@ -14,7 +14,6 @@
 
 namespace {
 using loom::testing::loom_bin;
-using loom::testing::read_jsonl;
 using loom::testing::run;
 using loom::testing::RunResult;
 using loom::testing::TempDir;
@@ -35,13 +34,7 @@ std::string train_args(const TempDir& dir, const std::string& device, int steps)
          " --parallelism.data_parallel_shard_degree=1";
 }
 
-std::vector<double> losses(const TempDir& dir) {
-  std::vector<double> out;
-  for (const auto& row : read_jsonl(dir.path() / "metrics.jsonl")) {
-    if (!row.contains("event")) out.push_back(row["loss"]);
-  }
-  return out;
-}
+std::vector<double> losses(const TempDir& dir) { return loom::testing::logged_losses(dir.path()); }
 
 }  // namespace
 

@@ -75,6 +75,16 @@ inline std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path)
   return rows;
 }
 
+// The loss of every logged step in a run folder's metrics.jsonl, in order (resume markers and
+// other events skipped).
+inline std::vector<double> logged_losses(const std::filesystem::path& dump_folder) {
+  std::vector<double> out;
+  for (const auto& row : read_jsonl(dump_folder / "metrics.jsonl")) {
+    if (!row.contains("event")) out.push_back(row["loss"]);
+  }
+  return out;
+}
+
 // A file's whole content (empty when it cannot be read): e.g. to compare checkpoints bitwise.
 inline std::string file_bytes(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);

@@ -33,13 +33,7 @@ std::string train_args(const TempDir& dir, int local_batch, int steps = 20) {
          " --parallelism.data_parallel_shard_degree=1";
 }
 
-std::vector<double> losses(const TempDir& dir) {
-  std::vector<double> out;
-  for (const auto& row : read_jsonl(dir.path() / "metrics.jsonl")) {
-    if (!row.contains("event")) out.push_back(row["loss"]);  // skip resume markers
-  }
-  return out;
-}
+std::vector<double> losses(const TempDir& dir) { return loom::testing::logged_losses(dir.path()); }
 
 }  // namespace
 

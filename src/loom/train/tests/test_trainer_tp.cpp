@@ -18,7 +18,6 @@
 
 namespace {
 using loom::testing::bin_dir;
-using loom::testing::read_jsonl;
 using loom::testing::run;
 using loom::testing::RunResult;
 using loom::testing::TempDir;
@@ -40,13 +39,7 @@ std::string command(int nproc, const std::string& args) {
   return nproc == 1 ? bin_dir() + "/loom" + args : bin_dir() + "/loom launch --nproc " + std::to_string(nproc) + " --" + args;
 }
 
-std::vector<double> losses(const TempDir& dir) {
-  std::vector<double> out;
-  for (const auto& row : read_jsonl(dir.path() / "metrics.jsonl")) {
-    if (!row.contains("event")) out.push_back(row["loss"]);
-  }
-  return out;
-}
+std::vector<double> losses(const TempDir& dir) { return loom::testing::logged_losses(dir.path()); }
 
 double worst_relative(const std::vector<double>& a, const std::vector<double>& b, size_t from = 0) {
   double worst = 0;
