@@ -5,6 +5,7 @@
 #include "loom/core/error.h"
 #include "loom/tensor/collectives.h"
 #include "loom/tensor/placement.h"
+#include "loom/testing/errors.h"
 #include "loom/testing/run.h"
 
 namespace lt = loom::tensor;
@@ -33,13 +34,9 @@ TEST(Placement, UnevenShardIsAUsageErrorNamingTheTensor) {
   lt::TensorLayout layout;
   layout.global_shape = {6, 5};
   layout.placements = {{"tp", lt::Shard{1}, 0, 2}};
-  try {
-    layout.local_box();
-    ADD_FAILURE() << "expected loom::UsageError";
-  } catch (const loom::UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("dim 1 of size 5 does not split evenly over 2 ranks of mesh dim tp"),
-              std::string::npos) << e.what();
-  }
+  loom::testing::expect_error<loom::UsageError>(
+      [&] { layout.local_box(); },
+      {"dim 1 of size 5 does not split evenly over 2 ranks of mesh dim tp"});
 }
 
 // On one rank every collective is the identity and keeps the autograd graph intact.

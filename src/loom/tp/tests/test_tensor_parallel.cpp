@@ -5,18 +5,13 @@
 
 #include "loom/core/error.h"
 #include "loom/models/llama3/parallelize.h"
+#include "loom/testing/errors.h"
 #include "loom/testing/run.h"
 
 namespace {
 
 void expect_usage_error(const std::function<void()>& fn, const std::string& expected) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected loom::UsageError containing: " << expected;
-  } catch (const loom::UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
-    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
-  }
+  loom::testing::expect_error<loom::UsageError>(fn, {expected});
 }
 
 void expect_workers(int nproc) {
