@@ -284,6 +284,8 @@ HookHandle Module::add_forward_pre_hook(ForwardPreHook hook) {
   return HookHandle(hooks_, id, /*is_pre=*/true);
 }
 
+void Module::set_forward_override(ForwardOverride around) { hooks_->around = std::move(around); }
+
 HookHandle Module::add_forward_post_hook(ForwardPostHook hook) {
   TORCH_CHECK(hook != nullptr, "add_forward_post_hook got an empty function");
   const int64_t id = hooks_->next_id++;

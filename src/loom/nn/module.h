@@ -60,12 +60,20 @@ struct NamedBuffer {
 using ForwardPreHook = std::function<torch::Tensor(Module&, torch::Tensor input)>;
 using ForwardPostHook =
     std::function<torch::Tensor(Module&, torch::Tensor input, torch::Tensor output)>;
+// Around-hook: runs instead of the module's forward (after the pre-hooks, before the post-hooks)
+// and may call `forward`, the module's own, or not. What PyTorch users do by reassigning
+// `module.forward`: a parallelism that fuses a module's computation with communication (async
+// tensor parallel's collective matmuls) replaces the computation without the model knowing.
+using ForwardFn = std::function<torch::Tensor(const torch::Tensor&)>;
+using ForwardOverride =
+    std::function<torch::Tensor(Module&, const torch::Tensor& input, const ForwardFn& forward)>;
 
 namespace detail {
 struct HookTable {
   int64_t next_id = 0;
   std::map<int64_t, ForwardPreHook> pre;  // ordered by id = registration order
   std::map<int64_t, ForwardPostHook> post;
+  ForwardOverride around;  // at most one
 };
 }  // namespace detail
 
@@ -150,7 +158,11 @@ class Module {
   // ---- Hooks ----
   HookHandle add_forward_pre_hook(ForwardPreHook hook);
   HookHandle add_forward_post_hook(ForwardPostHook hook);
-  bool has_forward_hooks() const { return !hooks_->pre.empty() || !hooks_->post.empty(); }
+  // Replaces the forward (see ForwardOverride); a second call replaces the first, null removes it.
+  void set_forward_override(ForwardOverride around);
+  bool has_forward_hooks() const {
+    return !hooks_->pre.empty() || !hooks_->post.empty() || hooks_->around != nullptr;
+  }
 
   // Multi-line tree of modules with parameter shapes, for debugging and `loom info`.
   std::string describe();
@@ -162,7 +174,7 @@ class Module {
   torch::Tensor call_with_hooks(torch::Tensor input, F&& forward) {
     if (!has_forward_hooks()) return forward(input);
     input = run_pre_hooks(std::move(input));
-    torch::Tensor output = forward(input);
+    torch::Tensor output = hooks_->around ? hooks_->around(*this, input, ForwardFn(forward)) : forward(input);
     return run_post_hooks(input, std::move(output));
   }
 

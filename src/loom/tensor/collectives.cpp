@@ -75,23 +75,27 @@ torch::Tensor all_to_all(const torch::Tensor& local, int64_t from_dim, int64_t t
 
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
 // The comm travels with the autograd node: a capsule is the IValue that holds any C++ object.
 struct CommCapsule : torch::CustomClassHolder {
   explicit CommCapsule(CommPtr c) : comm(std::move(c)) {}
   CommPtr comm;
 };
 
-void save_comm(AutogradContext* ctx, const CommPtr& comm) {
+}  // namespace
+
+void save_comm(torch::autograd::AutogradContext* ctx, const CommPtr& comm) {
   LOOM_REQUIRE(comm != nullptr, "collective without a comm");
   ctx->saved_data["comm"] = c10::IValue::make_capsule(c10::make_intrusive<CommCapsule>(comm));
 }
 
-distributed::Comm& saved_comm(AutogradContext* ctx) {
+distributed::Comm& saved_comm(torch::autograd::AutogradContext* ctx) {
   return *c10::static_intrusive_pointer_cast<CommCapsule>(ctx->saved_data["comm"].toCapsule())->comm;
 }
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
 struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t dim,

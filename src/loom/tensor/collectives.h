@@ -52,6 +52,11 @@ torch::Tensor all_to_all(const torch::Tensor& local, int64_t from_dim, int64_t t
 torch::Tensor redistribute(const torch::Tensor& local, const Placement& from, const Placement& to,
                            const CommPtr& comm, ReplicatedGrad grad = ReplicatedGrad::kIdentical);
 
+// For autograd functions built on these (tp/collective_matmul.h): keeps `comm` with the node
+// (under saved_data["comm"]) for its backward.
+void save_comm(torch::autograd::AutogradContext* ctx, const CommPtr& comm);
+distributed::Comm& saved_comm(torch::autograd::AutogradContext* ctx);
+
 // The same movements without autograd, on plain tensors (the gradient paths above use them).
 namespace raw {
 torch::Tensor gather(const torch::Tensor& local, int64_t dim, distributed::Comm& comm);

@@ -1,12 +1,16 @@
 #include "loom/tp/tensor_parallel.h"
 
 #include "loom/core/error.h"
+#include "loom/tp/collective_matmul.h"
 
 namespace loom::tp {
 
-TensorParallel::TensorParallel(tensor::CommPtr comm, bool sequence_parallel)
-    : comm_(std::move(comm)), sequence_parallel_(sequence_parallel) {
+TensorParallel::TensorParallel(tensor::CommPtr comm, bool sequence_parallel, bool async_tp)
+    : comm_(std::move(comm)), sequence_parallel_(sequence_parallel), async_tp_(async_tp) {
   LOOM_REQUIRE(comm_ != nullptr, "TensorParallel needs a comm");
+  LOOM_REQUIRE_USAGE(!async_tp || sequence_parallel,
+                     "parallelism.enable_async_tensor_parallel needs sequence parallelism (it overlaps the "
+                     "sequence all-gathers and reduce-scatters); set parallelism.disable_sequence_parallel = false");
 }
 
 void TensorParallel::shard_parameter(nn::Module& module, const std::string& fqn,
@@ -44,6 +48,12 @@ void TensorParallel::colwise(nn::Linear& linear, const std::string& fqn) {
 void TensorParallel::rowwise(nn::Linear& linear, const std::string& fqn) {
   LOOM_REQUIRE(!linear.has_bias(), "rowwise parallel linear ", fqn, " has a bias: not supported");
   shard_parameter(linear, fqn, "weight", 1);
+  if (async_tp_) {
+    linear.set_forward_override([this](nn::Module& m, const torch::Tensor& x, const nn::ForwardFn&) {
+      return matmul_reduce_scatter(x, static_cast<nn::Linear&>(m).weight(), kSequenceDim, comm_);
+    });
+    return;
+  }
   reduce_partial_output(linear);
 }
 
@@ -67,7 +77,36 @@ void TensorParallel::rowwise_embedding(nn::Embedding& embedding, const std::stri
   });
 }
 
-void TensorParallel::prepare_input(nn::Module& module) {
+void TensorParallel::prepare_input(nn::Module& module, const std::vector<nn::Linear*>& consumers) {
+  if (async_tp_ && !consumers.empty()) {
+    // The gather and the consumers' matmuls in one collective matmul. The results wait here until
+    // each consumer's forward asks for them with the gathered input (a consumer called with any
+    // other input, or twice, computes as usual).
+    struct Pending {
+      const c10::TensorImpl* input = nullptr;
+      std::vector<torch::Tensor> outputs;
+    };
+    auto pending = std::make_shared<Pending>();
+    module.add_forward_pre_hook([this, consumers, pending](nn::Module&, torch::Tensor x) {
+      std::vector<torch::Tensor> weights;
+      for (nn::Linear* linear : consumers) {
+        LOOM_REQUIRE(!linear->has_bias(), "async tensor parallel: a colwise linear with a bias is not supported");
+        weights.push_back(linear->weight());
+      }
+      GatheredMatmul fused = all_gather_matmul(x, weights, kSequenceDim, comm_);
+      pending->input = fused.input.unsafeGetTensorImpl();
+      pending->outputs = std::move(fused.outputs);
+      return fused.input;
+    });
+    for (size_t i = 0; i < consumers.size(); ++i) {
+      consumers[i]->set_forward_override(
+          [pending, i](nn::Module&, const torch::Tensor& x, const nn::ForwardFn& forward) {
+            if (pending->input != x.unsafeGetTensorImpl() || !pending->outputs[i].defined()) return forward(x);
+            return std::exchange(pending->outputs[i], torch::Tensor());
+          });
+    }
+    return;
+  }
   module.add_forward_pre_hook([this](nn::Module&, torch::Tensor x) {
     // The module's weights are sharded: each rank's gradient of its input is a partial sum.
     return sequence_parallel_ ? tensor::all_gather(x, kSequenceDim, comm_, tensor::ReplicatedGrad::kPartial)

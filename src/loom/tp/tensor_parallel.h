@@ -17,6 +17,12 @@
 //                                                    gradient is summed over the group after
 //                                                    backward (sum_partial_gradients)
 //
+// Async TP (`async_tp`, needs SP): the all-gather before a module's colwise projections and the
+// reduce-scatter after a rowwise one become collective matmuls (tp/collective_matmul.h) that
+// overlap each chunk's transfer with the matmul of the previous one. prepare_input then computes
+// the projections it is given together with the gather, and each projection's forward hands back
+// its result; a rowwise linear's forward is replaced by matmul_reduce_scatter.
+//
 // With sequence parallelism (SP) the residual stream between blocks is sharded along the sequence,
 // so norms and elementwise work are split and activations are 1/t the size. Every sharded
 // parameter's layout (global shape, Shard(d) on mesh dim "tp") is recorded for initialization,
@@ -40,18 +46,21 @@ inline constexpr int64_t kSequenceDim = 1;  // activations are [batch, seq, hidd
 
 class TensorParallel {
  public:
-  TensorParallel(tensor::CommPtr comm, bool sequence_parallel);
+  TensorParallel(tensor::CommPtr comm, bool sequence_parallel, bool async_tp = false);
 
   const tensor::CommPtr& comm() const { return comm_; }
   int degree() const { return comm_->size(); }
   int rank() const { return comm_->rank(); }
   bool sequence_parallel() const { return sequence_parallel_; }
+  bool async_tp() const { return async_tp_; }
 
   // `fqn`: the module's dotted path in the model, which names its parameters in the layouts.
   void colwise(nn::Linear& linear, const std::string& fqn);
   void rowwise(nn::Linear& linear, const std::string& fqn);
   void rowwise_embedding(nn::Embedding& embedding, const std::string& fqn);
-  void prepare_input(nn::Module& module);
+  // `consumers`: the colwise linears inside `module` that read its (gathered) input; under async TP
+  // they are computed with the gather. Without async TP they are not needed.
+  void prepare_input(nn::Module& module, const std::vector<nn::Linear*>& consumers = {});
   void sequence_parallel(nn::RMSNorm& norm, const std::string& fqn);
   // The output head: colwise on a prepared input; without loss parallel the vocab-sharded logits
   // are gathered (the plain loss then sees whole logits).
@@ -78,6 +87,7 @@ class TensorParallel {
 
   tensor::CommPtr comm_;
   bool sequence_parallel_;
+  bool async_tp_;
   std::map<std::string, tensor::TensorLayout> layouts_;  // sharded parameters, by fqn
   std::vector<std::string> partial_grads_;
 };

@@ -168,8 +168,9 @@ const std::vector<ConfigKey> kSchema = {
      "With tensor parallelism, gather the vocabulary-sharded logits for the loss instead of computing "
      "the cross-entropy on the shards (loss parallel, which never materializes the whole logits).", {}},
     {LOOM_CONFIG_KEY(parallelism, enable_async_tensor_parallel),
-     "Overlap tensor parallelism's all-gathers and reduce-scatters with the matmuls around them. "
-     "**Not available yet: only `false` is accepted.**", {}},
+     "Overlap tensor parallelism's sequence all-gathers and reduce-scatters with the matmuls around "
+     "them (collective matmuls: the transfer goes around the ring one sequence chunk at a time while "
+     "the previous chunk's matmul runs). Needs sequence parallelism; same numerics as plain TP.", {}},
     {LOOM_CONFIG_KEY(parallelism, context_parallel_degree),
      "Context-parallel ranks. **Not available yet: only `1` is accepted** (see below).", {}},
     {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_degree),

@@ -49,9 +49,6 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
                      "context and pipeline parallelism are not available yet (context_parallel_degree ",
                      p.context_parallel_degree, ", pipeline_parallel_degree ", p.pipeline_parallel_degree,
                      "); set parallelism.context_parallel_degree and pipeline_parallel_degree to 1");
-  LOOM_REQUIRE_USAGE(!p.enable_async_tensor_parallel,
-                     "parallelism.enable_async_tensor_parallel is not available yet; set it to false "
-                     "(tensor parallelism itself is)");
   LOOM_REQUIRE_USAGE(config_.activation_checkpoint.mode == "none",
                      "activation_checkpoint.mode '", config_.activation_checkpoint.mode,
                      "' is not available yet; use \"none\"");
@@ -110,7 +107,8 @@ void Trainer::check_layout(const distributed::LaunchEnv& env) {
   parallel_dims_ = std::make_unique<distributed::ParallelDims>(degrees, env.world_size, env.rank);
   tokenizer_ = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(config_.model.tokenizer_path));
   llama3::validate_tp_degree(model_args(), p.tensor_parallel_degree, config_.training.seq_len,
-                             {!p.disable_sequence_parallel, !p.disable_loss_parallel});
+                             {!p.disable_sequence_parallel, !p.disable_loss_parallel,
+                              p.enable_async_tensor_parallel});
 }
 
 void Trainer::init_distributed(const distributed::LaunchEnv& env) {
@@ -194,6 +192,7 @@ void Trainer::parallelize() {
   llama3::ParallelizeOptions options;
   options.tp.sequence_parallel = !p.disable_sequence_parallel;
   options.tp.loss_parallel = !p.disable_loss_parallel;
+  options.tp.async = p.enable_async_tensor_parallel;
   const auto reshard = llama3::FSDPReshardSetting::parse(p.fsdp_reshard_after_forward);
   options.fsdp.reshard_after_forward = reshard.blocks;
   options.fsdp_reshard_last_block = reshard.last_block;

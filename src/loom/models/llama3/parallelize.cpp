@@ -73,6 +73,9 @@ std::string divisors_near(const std::vector<int64_t>& sizes, int64_t degree) {
 
 void validate_tp_degree(const ModelArgs& args, int64_t degree, int64_t seq_len, const TPOptions& options) {
   LOOM_REQUIRE_USAGE(degree >= 1, "parallelism.tensor_parallel_degree must be >= 1, got ", degree);
+  LOOM_REQUIRE_USAGE(!options.async || options.sequence_parallel,
+                     "parallelism.enable_async_tensor_parallel needs sequence parallelism (it overlaps the "
+                     "sequence all-gathers and reduce-scatters); set parallelism.disable_sequence_parallel = false");
   if (degree == 1) return;
   std::vector<int64_t> sizes = {args.n_heads, args.n_kv_heads, args.ffn_hidden_dim(), args.vocab_size};
   const char* names[] = {"n_heads", "n_kv_heads", "the FFN hidden size", "the vocabulary size"};
@@ -88,19 +91,21 @@ void validate_tp_degree(const ModelArgs& args, int64_t degree, int64_t seq_len, 
 
 std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr comm,
                                              const TPOptions& options) {
-  auto tp = std::make_shared<tp::TensorParallel>(std::move(comm), options.sequence_parallel);
+  auto tp = std::make_shared<tp::TensorParallel>(std::move(comm), options.sequence_parallel, options.async);
   tp->rowwise_embedding(model.tok_embeddings(), "tok_embeddings");
   for (const auto& [id, layer] : model.layers().named_children()) {
     auto& block = static_cast<TransformerBlock&>(*layer);
     const std::string prefix = "layers." + id + ".";
     tp->sequence_parallel(block.attention_norm(), prefix + "attention_norm");
-    tp->prepare_input(block.attention());
+    auto& attention = block.attention();
+    tp->prepare_input(attention, {&attention.wq(), &attention.wk(), &attention.wv()});
     tp->colwise(block.attention().wq(), prefix + "attention.wq");
     tp->colwise(block.attention().wk(), prefix + "attention.wk");
     tp->colwise(block.attention().wv(), prefix + "attention.wv");
     tp->rowwise(block.attention().wo(), prefix + "attention.wo");
     tp->sequence_parallel(block.ffn_norm(), prefix + "ffn_norm");
-    tp->prepare_input(block.feed_forward());
+    auto& ffn = block.feed_forward();
+    tp->prepare_input(ffn, {&ffn.w1(), &ffn.w3()});
     tp->colwise(block.feed_forward().w1(), prefix + "feed_forward.w1");
     tp->colwise(block.feed_forward().w3(), prefix + "feed_forward.w3");
     tp->rowwise(block.feed_forward().w2(), prefix + "feed_forward.w2");
@@ -183,8 +188,16 @@ std::map<distributed::CommOp, distributed::CommCounter> tp_comm_volume(const Mod
     // Per block: forward gathers the sequence before attention and the FFN and reduce-scatters
     // after wo and w2; backward does the opposite of each. The embedding reduce-scatters (backward:
     // gathers) and the head gathers (backward: reduce-scatters).
-    add(CommOp::kAllGather, 4 * L + 2, activation);
-    add(CommOp::kReduceScatter, 4 * L + 2, activation);
+    const int64_t block_collectives = options.async ? 0 : 4 * L;
+    add(CommOp::kAllGather, block_collectives + 2, activation);
+    add(CommOp::kReduceScatter, block_collectives + 2, activation);
+    if (options.async) {
+      // The blocks' 8 L gathers and reduce-scatters as rings of collective matmuls: each passes
+      // t-1 chunks of 1/t of the activation to the next rank and receives as many, the same wire
+      // bytes as the ring collective it replaces.
+      add(CommOp::kSend, 8 * L * (degree - 1), activation / degree);
+      add(CommOp::kRecv, 8 * L * (degree - 1), activation / degree);
+    }
     // Once per step: the SP norms' gradients (2 per block + the final norm), fp32.
     add(CommOp::kAllReduce, 1, (2 * L + 1) * args.dim * 4);
   } else {

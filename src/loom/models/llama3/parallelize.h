@@ -31,6 +31,7 @@ namespace loom::llama3 {
 struct TPOptions {
   bool sequence_parallel = true;  // shard the residual stream along the sequence between blocks
   bool loss_parallel = true;      // cross-entropy on vocabulary-sharded logits, never gathered
+  bool async = false;             // collective matmuls overlap the SP gathers / reduce-scatters
 };
 
 // Checks that `degree` splits the model as TP needs: query heads, key/value heads, the FFN hidden

@@ -200,8 +200,9 @@ INSTANTIATE_TEST_SUITE_P(
                                          " --parallelism.context_parallel_degree=2",
                  2, "context and pipeline parallelism are not available yet"},
         BadInput{"async_tensor_parallel", "train --config " + src("configs/llama3_debug.toml") +
-                                              " --parallelism.enable_async_tensor_parallel=true",
-                 2, "parallelism.enable_async_tensor_parallel is not available yet"},
+                                              " --parallelism.enable_async_tensor_parallel=true"
+                                              " --parallelism.disable_sequence_parallel=true",
+                 2, "parallelism.enable_async_tensor_parallel needs sequence parallelism"},
         BadInput{"activation_checkpoint", "train --config " + src("configs/llama3_debug.toml") +
                                               " --activation_checkpoint.mode=selective",
                  2, "activation_checkpoint.mode 'selective' is not available yet; use \"none\""}),

@@ -60,7 +60,8 @@ struct Layout {
 
 // The single process with 8 rows per step against: TP 2 and 4 (sequence parallel and loss
 // parallel on), TP 2 with each of them off, FSDP 2 x TP 2 and DDP 2 x TP 2 (HSDP with one shard)
-// on 4 ranks, and FSDP 2 x TP 2 accumulating two micro-batches of 2 rows.
+// on 4 ranks, FSDP 2 x TP 2 accumulating two micro-batches of 2 rows, async TP alone and under
+// FSDP, and HSDP 2 x 2 x TP 2 on 8 ranks (the 3-D mesh dp_replicate x dp_shard x tp).
 TEST(TrainerTP, EveryLayoutTrainsLikeTheSingleProcess) {
   constexpr int kSteps = 30;
   TempDir reference("single");
@@ -80,6 +81,10 @@ TEST(TrainerTP, EveryLayoutTrainsLikeTheSingleProcess) {
       {"ddp2_tp2", 4, 4, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_replicate_degree=2"
                          " --parallelism.data_parallel_shard_degree=1"},
       {"fsdp2_tp2_accum2", 4, 2, "--parallelism.tensor_parallel_degree=2 --training.global_batch_size=8"},
+      {"tp2_async", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"
+                          " --parallelism.enable_async_tensor_parallel=true"},
+      {"fsdp2_tp2_async", 4, 4, "--parallelism.tensor_parallel_degree=2 --parallelism.enable_async_tensor_parallel=true"},
+      {"hsdp2x2_tp2", 8, 2, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_replicate_degree=2"},
   };
   for (const Layout& l : layouts) {
     TempDir dir(l.name);

@@ -3,7 +3,7 @@
 // Every rank builds the single-process Llama (the reference) and the same model under the TP plan
 // (llama3::apply_tp) from the same seed, runs forward_loss and backward on the same batch, and
 // compares the loss and every parameter's gradient (this rank's shard of it) with the reference's,
-// for sequence parallel and loss parallel on and off, then takes a few SGD steps and compares the
+// for sequence parallel and loss parallel on and off (and async TP, with SP), then takes a few SGD steps and compares the
 // losses again. Exits 1 with one line naming the rank, configuration and mismatch.
 #include <cstdio>
 #include <string>
@@ -37,14 +37,15 @@ torch::Tensor local_piece(const tp::TensorParallel& plan, const std::string& nam
   return piece;
 }
 
-void check_configuration(const tensor::CommPtr& comm, bool sp, bool loss_parallel) {
-  const std::string config = c10::str("tp=", comm->size(), " sp=", sp, " loss_parallel=", loss_parallel);
+void check_configuration(const tensor::CommPtr& comm, bool sp, bool loss_parallel, bool async = false) {
+  const std::string config =
+      c10::str("tp=", comm->size(), " sp=", sp, " loss_parallel=", loss_parallel, async ? " async" : "");
   const llama3::ModelArgs args = tiny_args();
   constexpr uint64_t kSeed = 7;
   llama3::Transformer reference(args);
   reference.init_weights(kSeed);
   llama3::Transformer model(args, torch::TensorOptions().device(torch::kMeta));
-  const llama3::TPOptions options{sp, loss_parallel};
+  const llama3::TPOptions options{sp, loss_parallel, async};
   llama3::validate_tp_degree(args, comm->size(), 16, options);
   auto plan = llama3::apply_tp(model, comm, options);
   model.to_empty(torch::kCPU);
@@ -77,7 +78,8 @@ void check_configuration(const tensor::CommPtr& comm, bool sp, bool loss_paralle
     // What went over the group equals the documented formula, call for call and byte for byte.
     const distributed::CommSnapshot sent = distributed::comm_stats().snapshot();
     const auto expected = llama3::tp_comm_volume(args, tokens.size(0), tokens.size(1), comm->size(), options);
-    for (auto op : {distributed::CommOp::kAllGather, distributed::CommOp::kReduceScatter, distributed::CommOp::kAllReduce}) {
+    for (auto op : {distributed::CommOp::kAllGather, distributed::CommOp::kReduceScatter, distributed::CommOp::kAllReduce,
+                    distributed::CommOp::kSend, distributed::CommOp::kRecv}) {
       const distributed::CommCounter got = sent.get(op, comm->name());
       const auto it = expected.find(op);
       const distributed::CommCounter want = it == expected.end() ? distributed::CommCounter{} : it->second;
@@ -117,6 +119,7 @@ void scenario_llama(const tensor::CommPtr& comm) {
   for (bool sp : {true, false}) {
     for (bool loss_parallel : {true, false}) check_configuration(comm, sp, loss_parallel);
   }
+  for (bool loss_parallel : {true, false}) check_configuration(comm, true, loss_parallel, /*async=*/true);
 }
 
 }  // namespace
