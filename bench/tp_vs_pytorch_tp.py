@@ -1,11 +1,14 @@
-"""Loom TP 2 vs Loom FSDP 2 vs PyTorch TP 2: same Llama config, ranks, threads and batches, one run.
+"""Loom TP 2 (plain and async) vs Loom FSDP 2 vs PyTorch TP 2: same Llama config, ranks, threads and
+batches, one run.
 
 Trains the ~124M Llama 3 of bench/llama3_124m_fsdp.toml on 2 ranks (1 intra-op thread each, fp32,
-Gloo) three ways, alternating between them with --repeats:
+Gloo) four ways, alternating between them with --repeats:
 
 - Loom TP: `loom launch --nproc 2 -- train --config bench/llama3_124m_fsdp.toml
   --parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1
   --training.local_batch_size=4` (sequence parallel and loss parallel on, Loom's defaults);
+- Loom TP async: the same plus `--parallelism.enable_async_tensor_parallel=true` (collective
+  matmuls overlap the sequence gathers / reduce-scatters with the projections);
 - Loom FSDP: the same config as bench/fsdp_vs_fsdp2.py (FSDP over 2 ranks, local batch 2);
 - PyTorch TP: bench/tp_llama.py under torchrun (`parallelize_module` with TorchTitan's Llama plan,
   SP and loss parallel, on a 1-D DeviceMesh over Gloo).
@@ -50,10 +53,11 @@ SEQ, GLOBAL_BATCH = 256, 4
 # The shapes of CONFIG (flavor 124M of src/loom/models/llama3), passed to the PyTorch trainer.
 MODEL = {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 32000,
          "seq_len": SEQ, "batch": GLOBAL_BATCH, "lr": 3e-4, "lr_warmup_steps": 2}
-NAMES = {"loom_tp": "Loom TP 2", "loom_fsdp": "Loom FSDP 2", "pytorch_tp": "PyTorch TP 2"}
+NAMES = {"loom_tp": "Loom TP 2", "loom_tp_async": "Loom TP async", "loom_fsdp": "Loom FSDP 2",
+         "pytorch_tp": "PyTorch TP 2"}
 
 
-def run_loom(args, dump, tp):
+def run_loom(args, dump, tp, async_tp=False):
     total = args.warmup + args.steps
     local_batch = GLOBAL_BATCH if tp else GLOBAL_BATCH // NPROC
     cmd = [args.loom, "launch", "--nproc", str(NPROC), "--", "train", "--config", CONFIG,
@@ -63,6 +67,8 @@ def run_loom(args, dump, tp):
            "--metrics.peak_flops=1e11"]
     if tp:
         cmd += ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"]
+    if async_tp:
+        cmd += ["--parallelism.enable_async_tensor_parallel=true"]
     peak_kib = run_sampled(cmd, thread_env(args.threads), subprocess.DEVNULL)
     rows = [json.loads(l) for l in open(os.path.join(dump, "metrics.jsonl"))]
     assert len(rows) == total, f"expected {total} metric rows from Loom, got {len(rows)}"
@@ -93,7 +99,7 @@ def run_one(name, args):
     if name == "pytorch_tp":
         return run_pytorch_tp(args)
     with tempfile.TemporaryDirectory() as dump:
-        return run_loom(args, dump, tp=name == "loom_tp")
+        return run_loom(args, dump, tp=name.startswith("loom_tp"), async_tp=name == "loom_tp_async")
 
 
 def main():
@@ -119,7 +125,7 @@ def main():
         load_start = None
 
     # Alternate the order (A B C, C B A, ...) so a change in machine load hits all three.
-    order = ["loom_tp", "loom_fsdp", "pytorch_tp"]
+    order = ["loom_tp", "loom_tp_async", "loom_fsdp", "pytorch_tp"]
     runs = {name: [] for name in order}
     for i in range(args.repeats):
         for name in (order if i % 2 == 0 else order[::-1]):
@@ -139,8 +145,9 @@ def main():
         r["peak_max_kib"] = max(r["peak_kib"].values())
         r["all_step_times"] = times
         res[name] = r
-    ltp, lfs, ptp = res["loom_tp"], res["loom_fsdp"], res["pytorch_tp"]
+    ltp, lta, lfs, ptp = res["loom_tp"], res["loom_tp_async"], res["loom_fsdp"], res["pytorch_tp"]
     tps_ratio, mem_ratio = ltp["tps"] / ptp["tps"], ltp["peak_max_kib"] / ptp["peak_max_kib"]
+    async_tps_ratio, async_mem_ratio = lta["tps"] / ptp["tps"], lta["peak_max_kib"] / ptp["peak_max_kib"]
     tps_vs_fsdp, mem_vs_fsdp = ltp["tps"] / lfs["tps"], ltp["peak_max_kib"] / lfs["peak_max_kib"]
 
     print(f"config: {os.path.relpath(CONFIG, ROOT)}, {NPROC} ranks x {args.threads} thread(s), global batch "
@@ -171,6 +178,8 @@ def main():
           f"{gib(lfs['rank0_train_peak_kib']):.3f} GiB")
     print(f"Loom TP / PyTorch TP: tokens/s {tps_ratio:.3f}x (target >= 1.2), "
           f"peak RSS per rank {mem_ratio:.3f}x (target <= 0.8)")
+    print(f"Loom TP async / PyTorch TP: tokens/s {async_tps_ratio:.3f}x (target >= 1.2), "
+          f"peak RSS per rank {async_mem_ratio:.3f}x (target <= 0.8)")
     print(f"Loom TP / Loom FSDP:  tokens/s {tps_vs_fsdp:.3f}x, peak RSS per rank {mem_vs_fsdp:.3f}x")
     for name in order:
         print(f"loss {NAMES[name]:<13} " + " ".join(f"{l:.3f}" for l in res[name]["losses"]))
@@ -181,7 +190,9 @@ def main():
     ln_v = math.log(MODEL["vocab_size"])
     ok = all(abs(r["losses"][0] - ln_v) < 1.0 and r["losses"][-1] < r["losses"][0] - 0.5 for r in res.values())
     drop = ltp["losses"][0] - ltp["losses"][-1]
-    ok = ok and all(abs(ltp["losses"][-1] - r["losses"][-1]) < 0.15 * drop for r in (lfs, ptp))
+    ok = ok and all(abs(ltp["losses"][-1] - r["losses"][-1]) < 0.15 * drop for r in (lta, lfs, ptp))
+    # Async TP is the same computation as TP: the same loss to float32 rounding.
+    ok = ok and max(abs(x - y) for x, y in zip(ltp["losses"], lta["losses"])) < 1e-3
     first = min(3, len(ltp["losses"]))
     first_diff = max(abs(x - y) for x, y in zip(ltp["losses"][:first], ptp["losses"][:first]))
     ok = ok and first_diff < 0.1
@@ -197,7 +208,8 @@ def main():
                       **{f"{n}_losses": res[n]["losses"] for n in order},
                       "pytorch_tp_comm_counts_step1": ptp.get("comm_counts_step1"),
                       "loom_tp_comm_bytes": ltp["comm_bytes"], "loom_fsdp_comm_bytes": lfs["comm_bytes"],
-                      "tps_ratio_vs_pytorch_tp": tps_ratio, "peak_rss_ratio_vs_pytorch_tp": mem_ratio,
+                      "tps_ratio_vs_pytorch_tp": tps_ratio, "async_tps_ratio_vs_pytorch_tp": async_tps_ratio,
+                      "async_peak_rss_ratio_vs_pytorch_tp": async_mem_ratio, "peak_rss_ratio_vs_pytorch_tp": mem_ratio,
                       "tps_ratio_vs_loom_fsdp": tps_vs_fsdp, "peak_rss_ratio_vs_loom_fsdp": mem_vs_fsdp,
                       "same_training": ok}))
     if not ok:
