@@ -1,0 +1,250 @@
+#include "loom/cp/ring_attention.h"
+
+#include <functional>
+
+#include "loom/core/error.h"
+
+namespace loom::cp {
+
+RotateMethod parse_rotate_method(const std::string& name) {
+  if (name == "ring") return RotateMethod::kRing;
+  if (name == "allgather") return RotateMethod::kAllGather;
+  fail_usage("parallelism.context_parallel_rotate_method '", name, "' is not one of ring, allgather");
+}
+
+const char* to_string(RotateMethod method) { return method == RotateMethod::kRing ? "ring" : "allgather"; }
+
+std::vector<int64_t> chunk_ids(int rank, int degree) { return {rank, 2 * degree - 1 - rank}; }
+
+torch::Tensor shard_sequence(const torch::Tensor& full, int64_t dim, int rank, int degree) {
+  const int64_t d = dim < 0 ? dim + full.dim() : dim;
+  LOOM_REQUIRE_USAGE(full.size(d) % (2 * degree) == 0, "context parallel degree ", degree,
+                     " needs the sequence length to be divisible by 2 x ", degree, " = ", 2 * degree,
+                     ", got ", full.size(d), "; change training.seq_len");
+  const int64_t n = full.size(d) / (2 * degree);
+  std::vector<torch::Tensor> pieces;
+  for (int64_t c : chunk_ids(rank, degree)) pieces.push_back(full.narrow(d, c * n, n));
+  return torch::cat(pieces, d);
+}
+
+torch::Tensor sequence_positions(int64_t seq_len, int rank, int degree) {
+  return shard_sequence(torch::arange(seq_len, torch::kInt64), 0, rank, degree);
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// One block of flash attention with its log-sum-exp: queries of one local chunk against one key
+// chunk, fully (the keys are all earlier) or causally (the same chunk).
+struct BlockResult {
+  torch::Tensor out, lse;  // [B, H, n, D], [B, H, n] (float32)
+};
+
+void require_supported(const torch::Tensor& q) {
+  LOOM_REQUIRE_USAGE(q.device().is_cpu(), "context parallel attention runs on the CPU only so far (got ",
+                     q.device(), "); set parallelism.context_parallel_degree = 1 on this device");
+}
+
+BlockResult attend_block(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool causal) {
+  auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
+  return {out, lse};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> attend_block_backward(
+    const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& out, const torch::Tensor& lse, bool causal) {
+  return at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal);
+}
+
+// The blocks between this rank's query chunks and the key chunks of rank `src`.
+struct Block {
+  int query_half;  // 0: the early chunk (rank), 1: the late one (2c-1-rank)
+  int key_half;    // of src's key/value tensors
+  bool causal;
+};
+
+std::vector<Block> blocks_with(int rank, int src, int degree) {
+  const auto queries = chunk_ids(rank, degree), keys = chunk_ids(src, degree);
+  std::vector<Block> blocks;
+  for (int kh = 0; kh < 2; ++kh) {
+    for (int qh = 0; qh < 2; ++qh) {
+      if (keys[kh] < queries[qh]) blocks.push_back({qh, kh, false});
+      if (keys[kh] == queries[qh]) blocks.push_back({qh, kh, true});
+    }
+  }
+  return blocks;
+}
+
+// Running merge of one query chunk's partial results.
+struct Merged {
+  torch::Tensor out, lse;
+  void add(const BlockResult& b) {
+    if (!out.defined()) {
+      out = b.out.to(torch::kFloat32);
+      lse = b.lse;
+      return;
+    }
+    const torch::Tensor new_lse = torch::logaddexp(lse, b.lse);
+    out = out * (lse - new_lse).exp().unsqueeze(-1) + b.out.to(torch::kFloat32) * (b.lse - new_lse).exp().unsqueeze(-1);
+    lse = new_lse;
+  }
+};
+
+torch::Tensor half(const torch::Tensor& t, int h) {
+  const int64_t n = t.size(2) / 2;
+  return t.narrow(2, h * n, n);
+}
+
+// Even ranks send first and odd ranks receive first, so two ranks sharing one NCCL communicator
+// never both wait on a receive (Gloo takes any order). See tp/collective_matmul.cpp.
+struct Exchange {
+  distributed::WorkHandle send, recv;
+  void start(distributed::Comm& comm, const torch::Tensor& to_send, const torch::Tensor& to_recv, int tag) {
+    const int t = comm.size(), r = comm.rank();
+    const int next = (r + 1) % t, prev = (r + t - 1) % t;
+    if (r % 2 == 0) {
+      send = comm.send_async(to_send, next, tag);
+      recv = comm.recv_async(to_recv, prev, tag);
+    } else {
+      recv = comm.recv_async(to_recv, prev, tag);
+      send = comm.send_async(to_send, next, tag);
+    }
+  }
+  void wait() {
+    if (recv) recv->wait();
+    if (send) send->wait();
+    recv.reset();
+    send.reset();
+  }
+};
+
+// Calls visit(src, kv) for the key/values [2, B, Hkv, T, D] of every rank, this rank's first, then
+// around the ring (src = rank - j), fetched as `method` says.
+void for_each_source(const torch::Tensor& kv, distributed::Comm& comm, RotateMethod method,
+                     const std::function<void(int src, const torch::Tensor& kv)>& visit) {
+  const int t = comm.size(), r = comm.rank();
+  if (method == RotateMethod::kAllGather && t > 1) {
+    torch::Tensor all = torch::empty({t * kv.size(0), kv.size(1), kv.size(2), kv.size(3), kv.size(4)}, kv.options());
+    comm.all_gather_into_tensor(all, kv);
+    for (int j = 0; j < t; ++j) {
+      const int src = (r - j + t) % t;
+      visit(src, all.narrow(0, 2 * src, 2));
+    }
+    return;
+  }
+  torch::Tensor current = kv;
+  for (int j = 0; j < t; ++j) {
+    Exchange x;
+    torch::Tensor next;
+    if (j + 1 < t) {
+      next = torch::empty_like(current);
+      x.start(comm, current, next, j);
+    }
+    visit((r - j + t) % t, current);
+    x.wait();
+    current = next;
+  }
+}
+
+struct RingAttention : torch::autograd::Function<RingAttention> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const tensor::CommPtr& comm, int64_t method) {
+    distributed::Comm& group = *comm;
+    const int t = group.size(), r = group.rank();
+    const torch::Tensor kv = torch::stack({k, v}).contiguous();
+    Merged merged[2];
+    for_each_source(kv, group, static_cast<RotateMethod>(method), [&](int src, const torch::Tensor& pair) {
+      for (const Block& b : blocks_with(r, src, t)) {
+        merged[b.query_half].add(attend_block(half(q, b.query_half), half(pair[0], b.key_half),
+                                              half(pair[1], b.key_half), b.causal));
+      }
+    });
+    const torch::Tensor out = torch::cat({merged[0].out, merged[1].out}, 2).to(q.scalar_type());
+    const torch::Tensor lse = torch::cat({merged[0].lse, merged[1].lse}, 2);
+    ctx->save_for_backward({q, k, v, out});
+    ctx->saved_data["lse"] = lse;
+    ctx->saved_data["method"] = method;
+    tensor::save_comm(ctx, comm);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3];
+    const torch::Tensor lse = ctx->saved_data["lse"].toTensor();
+    const auto method = static_cast<RotateMethod>(ctx->saved_data["method"].toInt());
+    distributed::Comm& group = tensor::saved_comm(ctx);
+    const int t = group.size(), r = group.rank();
+    const torch::Tensor dout = grads[0].contiguous();
+    torch::Tensor dq = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat32));
+    const torch::Tensor kv = torch::stack({k, v}).contiguous();
+    // The key/value gradients of every source's blocks, in float32: [t, 2, B, Hkv, T, D] for the
+    // reduce-scatter (allgather) or one source's at a time travelling home (ring).
+    auto contributions = [&](int src, const torch::Tensor& pair) {
+      torch::Tensor dkv = torch::zeros(pair.sizes(), pair.options().dtype(torch::kFloat32));
+      for (const Block& b : blocks_with(r, src, t)) {
+        auto [dq_b, dk_b, dv_b] = attend_block_backward(
+            half(dout, b.query_half), half(q, b.query_half), half(pair[0], b.key_half),
+            half(pair[1], b.key_half), half(out, b.query_half), half(lse, b.query_half), b.causal);
+        half(dq, b.query_half).add_(dq_b);
+        half(dkv[0], b.key_half).add_(dk_b);
+        half(dkv[1], b.key_half).add_(dv_b);
+      }
+      return dkv;
+    };
+    torch::Tensor dkv_own;
+    if (method == RotateMethod::kAllGather && t > 1) {
+      torch::Tensor all = torch::zeros({t * 2, kv.size(1), kv.size(2), kv.size(3), kv.size(4)},
+                                       kv.options().dtype(torch::kFloat32));
+      for_each_source(kv, group, method, [&](int src, const torch::Tensor& pair) {
+        all.narrow(0, 2 * src, 2).copy_(contributions(src, pair));
+      });
+      dkv_own = torch::empty(kv.sizes(), all.options());
+      group.reduce_scatter_tensor(dkv_own, all);
+    } else {
+      // The gradient of each source's keys and values travels with them around the ring, each rank
+      // adding its blocks' share; after a full turn it arrives at its owner.
+      Exchange home;
+      torch::Tensor sending, arriving;
+      int step = 0;
+      for_each_source(kv, group, method, [&](int src, const torch::Tensor& pair) {
+        (void)src;
+        torch::Tensor dkv = contributions(src, pair);
+        if (step > 0) {
+          home.wait();
+          dkv.add_(arriving);
+        }
+        sending = dkv;
+        if (t > 1) {
+          arriving = torch::empty_like(dkv);
+          home.start(group, sending, arriving, 1000 + step);
+        } else {
+          arriving = dkv;
+        }
+        ++step;
+      });
+      home.wait();
+      dkv_own = arriving;
+    }
+    return {dq.to(q.scalar_type()), dkv_own[0].to(k.scalar_type()), dkv_own[1].to(v.scalar_type()), {}, {}};
+  }
+};
+
+}  // namespace
+
+torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const tensor::CommPtr& comm, RotateMethod method) {
+  LOOM_REQUIRE(comm != nullptr, "ring_attention needs a comm");
+  require_supported(q);
+  LOOM_REQUIRE(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
+                   q.size(2) == k.size(2) && q.size(3) == k.size(3) && q.size(1) % k.size(1) == 0,
+               "ring_attention needs q [B, Hq, T, D] and k, v [B, Hkv, T, D] with Hkv dividing Hq, got ",
+               q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  LOOM_REQUIRE(q.size(2) % 2 == 0, "ring_attention: the local sequence holds two equal chunks, got length ",
+               q.size(2));
+  return RingAttention::apply(q, k, v, comm, static_cast<int64_t>(method));
+}
+
+}  // namespace loom::cp

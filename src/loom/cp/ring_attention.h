@@ -1,0 +1,47 @@
+// Context parallelism's attention: each of the c ranks of the "cp" mesh dim holds 2 of the 2c
+// equal chunks of every sequence, chunks i and 2c-1-i ("head-tail" load balance: under a causal
+// mask the early chunk attends to few keys and the late one to many, so every rank does the same
+// work). Its queries must attend to the keys and values of every rank:
+//
+//   ring       the key/value chunks travel around the ring (async p2p, the next pair's transfer
+//              overlapped with this pair's attention), as in Ring Attention / TorchTitan's default;
+//   allgather  one all-gather of every rank's keys and values, then the same blocks locally
+//              (Megatron-LM's and Llama 3's choice: less latency, c x the key/value memory).
+//
+// Per (query chunk x, key chunk m): m < x attends fully, m == x causally, m > x not at all, so no
+// mask is built and no masked block is computed. The blocks' partial results are merged exactly
+// with their log-sum-exps (out = sum_k exp(lse_k - lse) out_k), in the same order for both
+// methods, so ring and allgather give identical outputs (their key/value gradients are summed in
+// a different order: around the ring, or by the reduce-scatter). Backward recomputes each block's
+// gradients from the merged output and log-sum-exp (flash attention's backward takes them), and
+// the key/value gradients go back to their owners: around the ring with the keys and values, or
+// by one reduce-scatter. GQA: only the key/value heads travel.
+//
+// Layout: q [B, Hq, T, D], k and v [B, Hkv, T, D] with T = 2n local tokens (this rank's two
+// chunks, early one first), Hq a multiple of Hkv. Kernels: libtorch's flash attention with
+// log-sum-exp (CPU); other devices are refused with one line until they are built and run there.
+#pragma once
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "loom/tensor/collectives.h"
+
+namespace loom::cp {
+
+enum class RotateMethod { kRing, kAllGather };
+RotateMethod parse_rotate_method(const std::string& name);  // "ring" | "allgather", else UsageError
+const char* to_string(RotateMethod method);
+
+torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const tensor::CommPtr& comm, RotateMethod method);
+
+// Head-tail sharding of a sequence dim: the 2c chunk indices rank `rank` of `degree` holds.
+std::vector<int64_t> chunk_ids(int rank, int degree);
+// This rank's tokens of `full` along `dim` (length divisible by 2 x degree): chunks i and 2c-1-i.
+torch::Tensor shard_sequence(const torch::Tensor& full, int64_t dim, int rank, int degree);
+// The positions (0-based, in the whole sequence) of this rank's tokens: what RoPE needs.
+torch::Tensor sequence_positions(int64_t seq_len, int rank, int degree);
+
+}  // namespace loom::cp
