@@ -102,6 +102,6 @@ class TensorParallel {
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight_local,
                                            const torch::Tensor& labels, int64_t vocab_start,
                                            const tensor::CommPtr& comm, int64_t ignore_index = -100,
-                                           int64_t chunk_tokens = 1024);
+                                           int64_t chunk_tokens = 256);
 
 }  // namespace loom::tp

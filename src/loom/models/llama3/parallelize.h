@@ -82,7 +82,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transfo
 // `chunk_tokens` is loss parallel's chunk.
 std::map<distributed::CommOp, distributed::CommCounter> tp_comm_volume(const ModelArgs& args, int64_t batch, int64_t seq,
                                                          int degree, const TPOptions& options,
-                                                         int64_t element_bytes = 4, int64_t chunk_tokens = 1024);
+                                                         int64_t element_bytes = 4, int64_t chunk_tokens = 256);
 
 // parallelism.fsdp_reshard_after_forward as TorchTitan reads it: "default" reshards every block
 // but the last (backward needs it first, so re-gathering it would only cost an all-gather),
