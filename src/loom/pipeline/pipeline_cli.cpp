@@ -135,8 +135,10 @@ void register_compare(CLI::App* parent) {
     std::string out = "pp " + std::to_string(args->pp) + ", " + std::to_string(args->microbatches) +
                       " micro-batches, costs " + options.costs.str() + "\n";
     char line[512];
-    std::snprintf(line, sizeof line, "%-22s %2s %9s %8s  %s\n", "schedule", "v", "makespan", "bubble",
-                  "peak activations per rank");
+    // makespan is in units of one stage's forward; a rank's v stages share its layers, so
+    // makespan / v is the step time in units of the forward of all of a rank's layers.
+    std::snprintf(line, sizeof line, "%-22s %2s %9s %10s %8s  %s\n", "schedule", "v", "makespan", "makespan/v",
+                  "bubble", "peak activations per rank");
     out += line;
     for (const std::string& n : schedule_names()) {
       int v = 1;
@@ -144,13 +146,15 @@ void register_compare(CLI::App* parent) {
       try {
         const Schedule s = build_schedule({n, args->pp, args->microbatches, v});
         const SimulationResult r = simulate(s, options);
-        std::snprintf(line, sizeof line, "%-22s %2d %9g %8.4f  %s\n", n.c_str(), v, r.makespan, r.bubble_fraction,
-                      join_ints(r.peak_activations).c_str());
+        std::snprintf(line, sizeof line, "%-22s %2d %9g %10g %8.4f  %s\n", n.c_str(), v, r.makespan, r.makespan / v,
+                      r.bubble_fraction, join_ints(r.peak_activations).c_str());
       } catch (const UsageError& e) {
         std::snprintf(line, sizeof line, "%-22s %2d  not available: %s\n", n.c_str(), v, e.what());
       }
       out += line;
     }
+    out += "(makespan: unit costs per stage action; makespan/v: in forwards of a rank's whole share of the layers; "
+           "peak activations: (stage, micro-batch) pairs held at once)\n";
     write_stdout(out);
   });
 }
