@@ -8,6 +8,7 @@
 #include "loom/data/tokenizer_cli.h"
 #include "loom/distributed/launcher_cli.h"
 #include "loom/models/llama3/cli.h"
+#include "loom/pipeline/pipeline_cli.h"
 #include "loom/train/train_cli.h"
 #include "loom/apps/restart_policy.h"
 #include "loom/core/error.h"
@@ -57,6 +58,7 @@ int main(int argc, char** argv) {
   loom::data::register_tokenizer_command(app);
   loom::llama3::register_info_command(app);
   loom::llama3::register_convert_command(app);
+  loom::pipeline::register_pipeline_command(app);
   if (const std::string unknown = unknown_command(app, argc, argv); !unknown.empty()) {
     std::fprintf(stderr, "error: %s\n", unknown.c_str());
     return loom::kExitUsage;

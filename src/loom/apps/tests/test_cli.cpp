@@ -14,7 +14,7 @@ using loom::testing::loom_bin;
 using loom::testing::run;
 
 const std::string kAvailable =
-    "; available: launch, train, score, tokenizer, info, convert (see 'loom --help')";
+    "; available: launch, train, score, tokenizer, info, convert, pipeline (see 'loom --help')";
 
 // Issue 8 H: these printed only "A subcommand is required".
 TEST(LoomCli, UnknownCommandsAndOptionsListTheCommands) {
