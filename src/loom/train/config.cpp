@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "loom/core/error.h"
+#include "loom/models/spec.h"
 
 namespace loom::train {
 namespace {
@@ -38,7 +39,7 @@ const std::vector<ConfigKey> kSchema = {
      "Print the resolved config (as TOML) at startup.", {}},
     // [model]
     {LOOM_CONFIG_KEY(model, name),
-     "Model family to train.", {"llama3"}},
+     "Model family to train.", models::spec_names()},
     {LOOM_CONFIG_KEY(model, flavor),
      "Size within the family: `debugmodel`, `8B`, `70B`, `405B`, ... (the family's list of "
      "flavors decides what is valid).", {}},

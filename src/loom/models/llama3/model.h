@@ -94,11 +94,8 @@ class Transformer : public nn::Module {
 // Public so a sharded materialization can draw a parameter's full value on its own.
 nn::ParameterInit parameter_init(const ModelArgs& args, const std::string& name);
 
-struct ParameterCounts {
-  int64_t total = 0;
-  int64_t embedding = 0;      // tok_embeddings only (the untied output head counts as compute)
-  int64_t non_embedding = 0;  // total - embedding: TorchTitan's N in 6N
-};
+// total, embedding (tok_embeddings only: the untied output head counts as compute), non_embedding.
+using models::ParameterCounts;
 ParameterCounts count_parameters(Transformer& model);
 // Same numbers from the shapes alone (no model needed).
 ParameterCounts count_parameters(const ModelArgs& args);
