@@ -803,6 +803,9 @@ void validate(const JobConfig& c) {
           ">= 1", c);
   require(c.parallelism.pipeline_parallel_degree >= 1,
           key("parallelism.pipeline_parallel_degree"), ">= 1", c);
+  LOOM_REQUIRE_USAGE(!c.parallelism.enable_async_tensor_parallel || !c.parallelism.disable_sequence_parallel,
+                     "parallelism.enable_async_tensor_parallel needs sequence parallelism (it overlaps the "
+                     "sequence all-gathers and reduce-scatters); set parallelism.disable_sequence_parallel = false");
   require(c.metrics.log_freq > 0, key("metrics.log_freq"), "> 0", c);
   require(!c.metrics.enable_tensorboard, key("metrics.enable_tensorboard"),
           "false (TensorBoard output is not part of this build; use metrics.enable_jsonl)", c);
