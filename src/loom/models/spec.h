@@ -57,6 +57,7 @@ struct TensorParallelOptions {
 // parallelisms apply is decided by the mesh.
 struct ParallelizeOptions {
   TensorParallelOptions tp;
+  std::string cp_rotate_method = "allgather";  // parallelism.context_parallel_rotate_method
   // parallelism.fsdp_reshard_after_forward as written: which of its modules a model reshards
   // ("default" keeps the last block gathered) is the model's plan, so the model parses it.
   std::string fsdp_reshard_after_forward = "default";

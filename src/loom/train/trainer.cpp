@@ -43,10 +43,9 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   // before rendezvous and data loading, so the answer is this line on every rank, whatever the
   // world size, not a world-size mismatch or a wait for peers.
   const auto& p = config_.parallelism;
-  LOOM_REQUIRE_USAGE(p.context_parallel_degree == 1 && p.pipeline_parallel_degree == 1,
-                     "context and pipeline parallelism are not available yet (context_parallel_degree ",
-                     p.context_parallel_degree, ", pipeline_parallel_degree ", p.pipeline_parallel_degree,
-                     "); set parallelism.context_parallel_degree and pipeline_parallel_degree to 1");
+  LOOM_REQUIRE_USAGE(p.pipeline_parallel_degree == 1,
+                     "pipeline parallelism is not available in loom train yet (pipeline_parallel_degree ",
+                     p.pipeline_parallel_degree, "); set parallelism.pipeline_parallel_degree to 1");
   LOOM_REQUIRE_USAGE(config_.activation_checkpoint.mode == "none",
                      "activation_checkpoint.mode '", config_.activation_checkpoint.mode,
                      "' is not available yet; use \"none\"");
@@ -185,6 +184,7 @@ void Trainer::parallelize() {
   const auto& t = config_.training;
   models::ParallelizeOptions options;
   options.tp = tensor_parallel_options();
+  options.cp_rotate_method = config_.parallelism.context_parallel_rotate_method;
   options.fsdp_reshard_after_forward = config_.parallelism.fsdp_reshard_after_forward;
   options.fsdp_mixed_precision.param_dtype =
       c10::ScalarType(t.mixed_precision_param == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
@@ -352,10 +352,27 @@ void Trainer::maybe_inject_fault(bool after_step) {
 }
 
 double Trainer::global_mean_loss(double local_loss) {
-  if (!parallel_dims_->dp_enabled()) return local_loss;
+  // Data-parallel ranks see different rows and context-parallel ranks different tokens of them
+  // (as many on each): the mean over both is the batch's.
+  if (!parallel_dims_->dp_cp_enabled()) return local_loss;
   torch::Tensor t = torch::tensor({local_loss}, torch::kFloat64);
-  mesh_->comm("dp")->all_reduce(t, distributed::ReduceOp::kAvg);
+  mesh_->comm("dp_cp")->all_reduce(t, distributed::ReduceOp::kAvg);
   return t.item<double>();
+}
+
+parallel::ModelBatch Trainer::model_batch(const data::Batch& batch) const {
+  // Documents are packed into rows, each starting with BOS: a row's document index is the count
+  // of BOS tokens up to each position (a row may begin inside a document: index 0).
+  torch::Tensor documents;
+  if (config_.model.attention_mask == "block_causal") {
+    documents = (batch.inputs == tokenizer_->bos_id()).to(torch::kInt64).cumsum(1);
+  }
+  parallel::ModelBatch local = parallel_model_->prepare_batch(batch.inputs, batch.labels, documents);
+  local.tokens = to_device(local.tokens);
+  local.labels = to_device(local.labels);
+  if (local.layout.positions.defined()) local.layout.positions = to_device(local.layout.positions);
+  if (local.layout.document_ids.defined()) local.layout.document_ids = to_device(local.layout.document_ids);
+  return local;
 }
 
 torch::Tensor Trainer::to_device(const torch::Tensor& host) const {
@@ -382,7 +399,7 @@ StepResult Trainer::train_step() {
     torch::Tensor loss;
     {
       AutocastScope autocast(device_, autocast_dtype_);
-      loss = parallel_model_->forward_loss(to_device(batch.inputs), to_device(batch.labels));
+      loss = parallel_model_->forward_loss(model_batch(batch));
     }
     if (micro == 0 && fault_due("LOOM_FAULT_NAN", dist_->rank(), step_)) {
       loss = loss * std::numeric_limits<float>::quiet_NaN();

@@ -84,6 +84,9 @@ class Trainer {
   // Everything a checkpoint holds, as views into the live state (used for save and for load).
   checkpoint::ShardedStateDict state_dict();
   void load_initial_weights(const std::string& path);
+  // The loaded batch as this rank's model takes it (documents, context-parallel chunks), on the
+  // device.
+  parallel::ModelBatch model_batch(const data::Batch& batch) const;
   double global_mean_loss(double local_loss_sum);
   // The non-finite guard: called when the step's global loss or gradient norm is NaN/inf (the
   // same on every rank). Skips the step while training.skip_nonfinite_steps allows, else waits for

@@ -21,9 +21,10 @@ TransformerBlock::TransformerBlock(int64_t layer_id, const ModelArgs& args,
       "feed_forward", std::make_shared<nn::FeedForward>(args.dim, args.ffn_hidden_dim(), options));
 }
 
-torch::Tensor TransformerBlock::forward(const torch::Tensor& x, const torch::Tensor& rope_cache) {
+torch::Tensor TransformerBlock::forward(const torch::Tensor& x, const torch::Tensor& rope_cache,
+                                       const nn::TokenLayout& layout) {
   return call_with_hooks(x, [&](const torch::Tensor& in) {
-    torch::Tensor h = in + attention_->forward(attention_norm_->forward(in), rope_cache);
+    torch::Tensor h = in + attention_->forward(attention_norm_->forward(in), rope_cache, layout);
     return h + feed_forward_->forward(ffn_norm_->forward(h));
   });
 }
@@ -62,10 +63,10 @@ torch::Tensor Transformer::embed(const torch::Tensor& tokens) {
   return tok_embeddings_->forward(tokens);
 }
 
-torch::Tensor Transformer::run_layers(torch::Tensor hidden) {
+torch::Tensor Transformer::run_layers(torch::Tensor hidden, const nn::TokenLayout& layout) {
   const torch::Tensor& cache = rope_cache_->tensor;
   for (const auto& [name, layer] : layers_->named_children()) {
-    hidden = static_cast<TransformerBlock&>(*layer).forward(hidden, cache);
+    hidden = static_cast<TransformerBlock&>(*layer).forward(hidden, cache, layout);
   }
   return hidden;
 }
@@ -84,7 +85,8 @@ torch::Tensor Transformer::forward(const torch::Tensor& tokens) {
   });
 }
 
-torch::Tensor Transformer::forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels) {
+torch::Tensor Transformer::forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels,
+                                       const nn::TokenLayout& layout) {
   LOOM_REQUIRE(tokens.dim() == 2, "Transformer expects tokens [batch, seq], got shape ",
                tokens.sizes());
   LOOM_REQUIRE(labels.sizes() == tokens.sizes(), "labels of shape ", labels.sizes(),
@@ -92,7 +94,7 @@ torch::Tensor Transformer::forward_loss(const torch::Tensor& tokens, const torch
   LOOM_REQUIRE(tokens.size(1) <= args_.max_seq_len, "sequence length ", tokens.size(1),
                " exceeds max_seq_len ", args_.max_seq_len, "; build the model with a larger one");
   return call_with_hooks(tokens, [&](const torch::Tensor& in) {
-    const torch::Tensor hidden = norm_->forward(run_layers(embed(in)));
+    const torch::Tensor hidden = norm_->forward(run_layers(embed(in), layout));
     if (head_loss_) return head_loss_(hidden, *output_, labels);
     if (output_->has_forward_hooks() || output_->has_bias()) {
       // The head is wrapped (e.g. by a parallel style): keep its forward, take the plain loss.

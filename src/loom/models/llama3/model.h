@@ -23,7 +23,8 @@ class TransformerBlock : public nn::Module {
   TransformerBlock(int64_t layer_id, const ModelArgs& args, const torch::TensorOptions& options);
 
   // x: [B, T, dim] -> [B, T, dim]: x + attn(norm(x)), then + ffn(norm(.)).
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cache);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cache,
+                        const nn::TokenLayout& layout = {});
 
   int64_t layer_id() const { return layer_id_; }
   nn::RMSNorm& attention_norm() { return *attention_norm_; }
@@ -51,10 +52,12 @@ class Transformer : public nn::Module {
   // Training loss: mean next-token cross-entropy of `labels` [B, T] (int64, -100 = ignore). The
   // final norm, output head and loss run fused over token chunks (nn::fused_linear_cross_entropy):
   // the [B*T, vocab] logits are never materialised. Same forward hooks as forward().
-  torch::Tensor forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels);
+  // `layout`: the tokens' positions and documents (nn::TokenLayout; default: causal rows 0..T-1).
+  torch::Tensor forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels,
+                             const nn::TokenLayout& layout = {});
   // The pieces of forward, for callers that need the hidden states (loss fusion, pipelining).
   torch::Tensor embed(const torch::Tensor& tokens);
-  torch::Tensor run_layers(torch::Tensor hidden);
+  torch::Tensor run_layers(torch::Tensor hidden, const nn::TokenLayout& layout = {});
   torch::Tensor head(const torch::Tensor& hidden);  // final norm + output projection
 
   // Initializes every parameter by name (see parameter_init) from `seed` and recomputes the RoPE

@@ -26,6 +26,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
   ParallelizeOptions plan;
   plan.tp.sequence_parallel = options.tp.sequence_parallel;
   plan.tp.async = options.tp.async;
+  plan.cp_rotate_method = cp::parse_rotate_method(options.cp_rotate_method);
   plan.tp.loss_parallel = options.tp.loss_parallel;
   const auto reshard = FSDPReshardSetting::parse(options.fsdp_reshard_after_forward);
   plan.fsdp.reshard_after_forward = reshard.blocks;
