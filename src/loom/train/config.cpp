@@ -815,6 +815,13 @@ void validate(const JobConfig& c) {
           ">= 1", c);
   require(c.parallelism.pipeline_parallel_degree >= 1,
           key("parallelism.pipeline_parallel_degree"), ">= 1", c);
+  {
+    const int64_t seq = c.training.seq_len, cp = c.parallelism.context_parallel_degree;
+    LOOM_REQUIRE_USAGE(cp == 1 || seq % (2 * cp) == 0, "training.seq_len = ", seq,
+                       " is not divisible by 2 x parallelism.context_parallel_degree = ", 2 * cp,
+                       " (context parallel cuts each sequence into that many equal chunks); use a multiple of ",
+                       2 * cp, ", e.g. ", (seq / (2 * cp) + 1) * 2 * cp);
+  }
   LOOM_REQUIRE_USAGE(!c.parallelism.enable_async_tensor_parallel || !c.parallelism.disable_sequence_parallel,
                      "parallelism.enable_async_tensor_parallel needs sequence parallelism (it overlaps the "
                      "sequence all-gathers and reduce-scatters); set parallelism.disable_sequence_parallel = false");

@@ -105,8 +105,10 @@ void Trainer::check_layout(const distributed::LaunchEnv& env) {
   tokenizer_ = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(config_.model.tokenizer_path));
   model_spec_ = &models::get_spec(config_.model.name);
   model_args_ = model_spec_->build_args({config_.model.flavor, model_vocab_size(), config_.training.seq_len});
-  model_spec_->validate_layout(*model_args_, *parallel_dims_, config_.training.seq_len,
-                               tensor_parallel_options());
+  // Context parallel cuts each sequence into 2 x degree equal chunks (config validation checked
+  // that it can); what is left per rank is what sequence parallel splits again.
+  model_spec_->validate_layout(*model_args_, *parallel_dims_,
+                               config_.training.seq_len / p.context_parallel_degree, tensor_parallel_options());
 }
 
 void Trainer::init_distributed(const distributed::LaunchEnv& env) {

@@ -196,6 +196,10 @@ INSTANTIATE_TEST_SUITE_P(
                                                  " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
                                                  " --parallelism.data_parallel_shard_degree=1",
                  2, "training.mixed_precision_reduce = \"bfloat16\" needs FSDP"},
+        BadInput{"context_parallel_seq_len", "train --config " + src("configs/llama3_debug.toml") +
+                                                 " --parallelism.context_parallel_degree=2 --training.seq_len=66",
+                 2, "training.seq_len = 66 is not divisible by 2 x parallelism.context_parallel_degree = 4 "
+                    "(context parallel cuts each sequence into that many equal chunks); use a multiple of 4, e.g. 68"},
         BadInput{"pipeline_parallel", "train --config " + src("configs/llama3_debug.toml") +
                                           " --parallelism.pipeline_parallel_degree=2",
                  2, "pipeline parallelism is not available in loom train yet"},
