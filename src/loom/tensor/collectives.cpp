@@ -17,26 +17,40 @@ int64_t normalized_dim(const torch::Tensor& t, int64_t dim) {
 torch::Tensor gather(const torch::Tensor& local, int64_t dim, distributed::Comm& comm) {
   if (comm.size() == 1) return local;
   dim = normalized_dim(local, dim);
-  // The comm layer gathers along dim 0 of contiguous tensors: move the dim to the front and back.
-  const torch::Tensor front = local.movedim(dim, 0).contiguous();
-  std::vector<int64_t> shape = front.sizes().vec();
-  shape[0] *= comm.size();
-  torch::Tensor out = torch::empty(shape, front.options());
-  comm.all_gather_into_tensor(out, front);
-  return out.movedim(0, dim);
+  const int64_t t = comm.size();
+  // The comm layer concatenates the ranks' contiguous tensors along dim 0: each rank sends its
+  // piece as it is, into [t, *local] (no copy on the way in), and one copy puts the rank index
+  // next to `dim`, so the result is contiguous (a strided view here would be copied again by every
+  // matmul that reads it: three times for q, k, v).
+  const torch::Tensor piece = local.contiguous();
+  std::vector<int64_t> stacked = piece.sizes().vec();
+  stacked.insert(stacked.begin(), t);
+  torch::Tensor out = torch::empty(stacked, piece.options());
+  comm.all_gather_into_tensor(out, piece);
+  if (dim == 0) return out.flatten(0, 1);
+  std::vector<int64_t> full = piece.sizes().vec();
+  full[dim] *= t;
+  return out.movedim(0, dim).reshape(full);
 }
 
 torch::Tensor reduce_scatter(const torch::Tensor& partial, int64_t dim, distributed::Comm& comm) {
   if (comm.size() == 1) return partial;
   dim = normalized_dim(partial, dim);
-  LOOM_REQUIRE(partial.size(dim) % comm.size() == 0, "reduce_scatter along dim ", dim, " of size ",
-               partial.size(dim), " over ", comm.size(), " ranks: not divisible");
-  const torch::Tensor front = partial.movedim(dim, 0).contiguous();
-  std::vector<int64_t> shape = front.sizes().vec();
-  shape[0] /= comm.size();
+  const int64_t t = comm.size();
+  LOOM_REQUIRE(partial.size(dim) % t == 0, "reduce_scatter along dim ", dim, " of size ",
+               partial.size(dim), " over ", t, " ranks: not divisible");
+  // Rank r's chunk along `dim` must be the r-th contiguous block: split `dim` into (t, size / t)
+  // and bring t to the front (one copy); the chunk that comes back is then contiguous in the
+  // original layout.
+  std::vector<int64_t> split = partial.sizes().vec();
+  split[dim] /= t;
+  split.insert(split.begin() + dim, t);
+  const torch::Tensor front = partial.reshape(split).movedim(dim, 0).contiguous();
+  std::vector<int64_t> shape = partial.sizes().vec();
+  shape[dim] /= t;
   torch::Tensor out = torch::empty(shape, front.options());
   comm.reduce_scatter_tensor(out, front, distributed::ReduceOp::kSum);
-  return out.movedim(0, dim);
+  return out;
 }
 
 torch::Tensor sum(const torch::Tensor& partial, distributed::Comm& comm) {
