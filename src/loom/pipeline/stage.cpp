@@ -112,12 +112,29 @@ torch::Tensor PipelineStage::backward_input(int mb, const torch::Tensor& grad_ou
   auto [r, g] = root(s, grad_output);
   s.input_done = true;
   torch::Tensor grad_input;
-  if (method_ == WeightGradMethod::kAutograd) {
+  if (method_ == WeightGradMethod::kAutograd && !is_last()) {
     // Keeps the graph for W, which walks it again down to the parameters.
     s.grad_root = g;
     if (!is_first()) {
       grad_input = torch::autograd::grad({r}, {s.input}, {g}, /*retain_graph=*/true)[0];
     }
+    return grad_input;
+  }
+  if (method_ == WeightGradMethod::kAutograd) {
+    // The last stage's loss may not support a second pass over a retained graph (the fused head
+    // hands its precomputed gradients out once), so its weight gradients are taken here, in the
+    // same pass as the input gradient; W adds them.
+    std::vector<torch::Tensor> params = trainable_parameters();
+    std::vector<torch::Tensor> wanted = params;
+    if (!is_first()) wanted.push_back(s.input);
+    std::vector<torch::Tensor> grads = torch::autograd::grad(
+        {r}, wanted, {g}, /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
+    s.other_grads.clear();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (grads[i].defined()) s.other_grads.push_back(params[i]), s.other_grads.push_back(grads[i]);
+    }
+    if (!is_first()) grad_input = grads.back();
+    s.output = torch::Tensor();
     return grad_input;
   }
   // kPerOp: one pass for the input gradient and the gradient of every kept layer output; the
@@ -169,7 +186,7 @@ void PipelineStage::accumulate(const torch::Tensor& param, const torch::Tensor& 
 void PipelineStage::backward_weight(int mb) {
   MicroBatch& s = state(mb, "W");
   LOOM_REQUIRE(s.input_done, "stage ", index_, ": W of micro-batch ", mb, " before its I");
-  if (method_ == WeightGradMethod::kAutograd) {
+  if (method_ == WeightGradMethod::kAutograd && s.grad_root.defined()) {
     const std::vector<torch::Tensor> params = trainable_parameters();
     if (!params.empty()) {
       torch::autograd::backward({s.output}, {s.grad_root}, /*retain_graph=*/false,

@@ -28,7 +28,9 @@
 // W = autograd::backward(out, inputs = parameters). It keeps the whole graph alive until W and W
 // re-runs the activation-gradient chain down to the earliest parameter, so I + W cost about 1.5 B.
 // It goes through autograd's AccumulateGrad, which a parallelism hooking gradient accumulation
-// (FSDP's reduce-scatter) may need.
+// (FSDP's reduce-scatter) may need. On the last stage I takes the weight gradients too (the fused
+// head + loss hands its precomputed gradients out once and cannot be walked twice), so there the
+// split is only in name.
 #pragma once
 #include <torch/torch.h>
 

@@ -132,11 +132,9 @@ void check_configuration(const std::shared_ptr<distributed::Comm>& comm, const C
     }
     torch::NoGradGuard no_grad;
     for (auto& m : models) {
-      for (const auto& p : m->named_parameters()) {
-        p.slot->tensor.sub_(p.tensor().grad(), kLr);
-        reference.parameter_slot(p.name).tensor.sub_(reference.parameter(p.name).grad(), kLr);
-      }
+      for (const auto& p : m->named_parameters()) p.slot->tensor.sub_(p.tensor().grad(), kLr);
     }
+    for (const auto& p : reference.named_parameters()) p.slot->tensor.sub_(p.tensor().grad(), kLr);
   }
   worst_loss = all_max(*comm, worst_loss);
   const double worst_grad_all = all_max(*comm, worst_grad);
