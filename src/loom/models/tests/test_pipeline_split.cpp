@@ -5,6 +5,8 @@
 // every schedule is pipeline/tests/test_executor.cpp.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdio>
 #include <set>
 
 #include "loom/core/error.h"
@@ -156,4 +158,74 @@ TEST(PipelineSplit, ExecutorRefusesStagesTheScheduleDoesNotGiveTheRank) {
         pipeline::PipelineExecutor(schedule, stages, {distributed::Comm::single("pp", 0), {1, 16, 64}});
       },
       {"pipeline rank 0 holds stages [0] but the schedule gives it [0, 1]"});
+}
+
+// What the I/W split costs on a middle stage (2 layers of dim 256, 4 x 64 tokens): B, and I + W for
+// both methods, in milliseconds (best of 5). kPerOp's I skips the weight GEMMs and its W is one
+// GEMM per Linear, so I + W should cost about B; kAutograd's W walks the graph again. Printed, not
+// asserted: timings on a shared machine are not a test.
+TEST(PipelineSplit, CostOfTheBackwardSplit) {
+  ModelArgs args = tiny(4);
+  args.dim = 256, args.n_heads = 8, args.n_kv_heads = 4, args.max_seq_len = 64;
+  auto models = stage_models(args, llama3::stage_layer_bounds(args, {2, 1}), {1});
+  // A middle stage: the last stage's head and loss would dominate a model this small.
+  models[0]->remove_head();
+  const torch::Tensor x = torch::randn({4, 64, args.dim});
+  const torch::Tensor dy = torch::randn({4, 64, args.dim});
+  auto time_ms = [](const std::function<void()>& fn) {
+    double best = 1e30;
+    for (int rep = 0; rep < 5; ++rep) {
+      const auto start = std::chrono::steady_clock::now();
+      fn();
+      best = std::min(best, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    }
+    return best;
+  };
+  double ms[3][3] = {};  // [B, per-op, autograd][forward, I or B, W]
+  for (int variant = 0; variant < 3; ++variant) {
+    const auto method = variant == 2 ? pipeline::WeightGradMethod::kAutograd : pipeline::WeightGradMethod::kPerOp;
+    pipeline::PipelineStage stage(1, 3, models[0], [&](const torch::Tensor& in, const torch::Tensor&) {
+      return models[0]->forward_part(in, {});
+    }, method);
+    const bool split = variant > 0;
+    ms[variant][0] = time_ms([&] { stage.forward(0, x, {}, split); stage.clear(); });
+    double b = 1e30, w = 1e30;
+    for (int rep = 0; rep < 5; ++rep) {
+      stage.forward(0, x, {}, split);
+      auto t0 = std::chrono::steady_clock::now();
+      if (split) stage.backward_input(0, dy); else stage.backward(0, dy);
+      auto t1 = std::chrono::steady_clock::now();
+      if (split) stage.backward_weight(0);
+      auto t2 = std::chrono::steady_clock::now();
+      b = std::min(b, std::chrono::duration<double, std::milli>(t1 - t0).count());
+      w = std::min(w, std::chrono::duration<double, std::milli>(t2 - t1).count());
+    }
+    ms[variant][1] = b, ms[variant][2] = split ? w : 0;
+  }
+  std::printf("forward %.2f ms; B %.2f ms; per-op I %.2f + W %.2f = %.2f ms (%.2f B); autograd I %.2f + W %.2f = %.2f ms (%.2f B)\n",
+              ms[0][0], ms[0][1], ms[1][1], ms[1][2], ms[1][1] + ms[1][2], (ms[1][1] + ms[1][2]) / ms[0][1],
+              ms[2][1], ms[2][2], ms[2][1] + ms[2][2], (ms[2][1] + ms[2][2]) / ms[0][1]);
+}
+
+// The FSDP seam: a schedule lowered with UNSHARD/RESHARD calls the callbacks once per stage per
+// step, the unshard before the stage's first compute and the reshard after its last.
+TEST(PipelineSplit, UnshardAndReshardActionsCallTheCallbacks) {
+  const ModelArgs args = tiny(4);
+  const pipeline::Schedule schedule = pipeline::build_schedule({"LoopedBFS", 1, 2, 2}, /*fsdp=*/true);
+  auto models = stage_models(args, llama3::stage_layer_bounds(args, {1, 2}), schedule.stages_of(0));
+  auto stages = llama3::make_pipeline_stages(models, schedule.stages_of(0), 2);
+  std::vector<std::string> events;
+  pipeline::ExecutorOptions options{distributed::Comm::single("pp", 0), {1, 16, args.dim}};
+  options.unshard = [&](pipeline::PipelineStage& s) {
+    EXPECT_EQ(s.num_pending(), 0u);
+    events.push_back("unshard " + std::to_string(s.index()));
+  };
+  options.reshard = [&](pipeline::PipelineStage& s) {
+    EXPECT_EQ(s.num_pending(), 0u);
+    events.push_back("reshard " + std::to_string(s.index()));
+  };
+  pipeline::PipelineExecutor executor(schedule, stages, options);
+  const torch::Tensor tokens = torch::randint(0, args.vocab_size, {2, 16});
+  executor.step({tokens.narrow(0, 0, 1), tokens.narrow(0, 1, 1)}, {tokens.narrow(0, 0, 1), tokens.narrow(0, 1, 1)});
+  EXPECT_EQ(events, (std::vector<std::string>{"unshard 0", "unshard 1", "reshard 1", "reshard 0"}));
 }
