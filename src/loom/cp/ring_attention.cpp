@@ -1,6 +1,7 @@
 #include "loom/cp/ring_attention.h"
 
 #include <functional>
+#include <limits>
 
 #include "loom/core/error.h"
 
@@ -47,15 +48,49 @@ void require_supported(const torch::Tensor& q) {
                      q.device(), "); set parallelism.context_parallel_degree = 1 on this device");
 }
 
-BlockResult attend_block(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool causal) {
-  auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
-  return {out, lse};
+// Which (query, key) pairs of a block may attend, with document masking: [B, n, n] bool, or
+// undefined when the block has no documents to respect (plain causal / full).
+struct BlockMask {
+  torch::Tensor allowed;   // [B, n, n]
+  torch::Tensor additive;  // [B, 1, n, n]: 0 where allowed, -inf elsewhere (the kernel's form)
+  torch::Tensor empty_rows;  // [B, 1, n]: query rows with no allowed key
+  bool any = true;
+};
+
+BlockMask block_mask(const torch::Tensor& q_docs, const torch::Tensor& k_docs, bool causal,
+                     const torch::TensorOptions& options) {
+  BlockMask m;
+  if (!q_docs.defined()) return m;
+  m.allowed = q_docs.unsqueeze(2) == k_docs.unsqueeze(1);
+  if (causal) m.allowed = m.allowed.logical_and(torch::ones({q_docs.size(1), k_docs.size(1)}, torch::kBool).tril());
+  m.any = m.allowed.any().item<bool>();
+  m.additive = torch::zeros(m.allowed.sizes(), options)
+                   .masked_fill(m.allowed.logical_not(), -std::numeric_limits<double>::infinity())
+                   .unsqueeze(1);
+  m.empty_rows = m.allowed.any(-1).logical_not().unsqueeze(1);
+  return m;
+}
+
+BlockResult attend_block(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool causal,
+                         const BlockMask& mask) {
+  if (!mask.allowed.defined()) {
+    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
+    return {out, lse};
+  }
+  // The mask holds the causal part; the kernel leaves rows with no allowed key at out 0 and
+  // log-sum-exp 0, which must weigh nothing in the merge: -inf.
+  auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, mask.additive);
+  return {out, lse.masked_fill(mask.empty_rows, -std::numeric_limits<double>::infinity())};
 }
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> attend_block_backward(
     const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-    const torch::Tensor& out, const torch::Tensor& lse, bool causal) {
-  return at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal);
+    const torch::Tensor& out, const torch::Tensor& lse, bool causal, const BlockMask& mask) {
+  if (!mask.allowed.defined()) {
+    return at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal);
+  }
+  return at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, false,
+                                                                   mask.additive);
 }
 
 // The blocks between this rank's query chunks and the key chunks of rank `src`.
@@ -87,7 +122,9 @@ struct Merged {
       return;
     }
     const torch::Tensor new_lse = torch::logaddexp(lse, b.lse);
-    out = out * (lse - new_lse).exp().unsqueeze(-1) + b.out.to(torch::kFloat32) * (b.lse - new_lse).exp().unsqueeze(-1);
+    // Rows where both are -inf (no allowed key yet, document masking) stay 0 / -inf, not NaN.
+    auto weight = [&](const torch::Tensor& part) { return (part - new_lse).exp().nan_to_num(0.0).unsqueeze(-1); };
+    out = out * weight(lse) + b.out.to(torch::kFloat32) * weight(b.lse);
     lse = new_lse;
   }
 };
@@ -95,6 +132,23 @@ struct Merged {
 torch::Tensor half(const torch::Tensor& t, int h) {
   const int64_t n = t.size(2) / 2;
   return t.narrow(2, h * n, n);
+}
+
+// Document ids [B, T] of one half of the local tokens (undefined stays undefined).
+torch::Tensor doc_half(const torch::Tensor& docs, int h) {
+  if (!docs.defined()) return docs;
+  const int64_t n = docs.size(1) / 2;
+  return docs.narrow(1, h * n, n);
+}
+
+// Every rank's document ids [t, B, T] (small: once per call), so each block knows its keys'.
+torch::Tensor gather_documents(const torch::Tensor& docs, distributed::Comm& comm) {
+  if (!docs.defined()) return docs;
+  if (comm.size() == 1) return docs.unsqueeze(0);
+  const torch::Tensor local = docs.contiguous();
+  torch::Tensor all = torch::empty({comm.size(), local.size(0), local.size(1)}, local.options());
+  comm.all_gather_into_tensor(all, local);
+  return all;
 }
 
 // Even ranks send first and odd ranks receive first, so two ranks sharing one NCCL communicator
@@ -150,15 +204,22 @@ void for_each_source(const torch::Tensor& kv, distributed::Comm& comm, RotateMet
 
 struct RingAttention : torch::autograd::Function<RingAttention> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const tensor::CommPtr& comm, int64_t method) {
+                               const torch::Tensor& v, const tensor::CommPtr& comm, int64_t method,
+                               const std::optional<torch::Tensor>& document_ids) {
+    const torch::Tensor documents = document_ids.value_or(torch::Tensor());
     distributed::Comm& group = *comm;
     const int t = group.size(), r = group.rank();
     const torch::Tensor kv = torch::stack({k, v}).contiguous();
+    const torch::Tensor all_docs = gather_documents(documents, group);
     Merged merged[2];
     for_each_source(kv, group, static_cast<RotateMethod>(method), [&](int src, const torch::Tensor& pair) {
       for (const Block& b : blocks_with(r, src, t)) {
+        const BlockMask mask = block_mask(doc_half(documents, b.query_half),
+                                          all_docs.defined() ? doc_half(all_docs[src], b.key_half) : all_docs,
+                                          b.causal, q.options());
+        if (!mask.any) continue;
         merged[b.query_half].add(attend_block(half(q, b.query_half), half(pair[0], b.key_half),
-                                              half(pair[1], b.key_half), b.causal));
+                                              half(pair[1], b.key_half), b.causal, mask));
       }
     });
     const torch::Tensor out = torch::cat({merged[0].out, merged[1].out}, 2).to(q.scalar_type());
@@ -166,6 +227,10 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     ctx->save_for_backward({q, k, v, out});
     ctx->saved_data["lse"] = lse;
     ctx->saved_data["method"] = method;
+    if (documents.defined()) {
+      ctx->saved_data["documents"] = documents;
+      ctx->saved_data["all_documents"] = all_docs;
+    }
     tensor::save_comm(ctx, comm);
     return out;
   }
@@ -175,6 +240,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3];
     const torch::Tensor lse = ctx->saved_data["lse"].toTensor();
     const auto method = static_cast<RotateMethod>(ctx->saved_data["method"].toInt());
+    const bool masked = ctx->saved_data.count("documents") > 0;
+    const torch::Tensor documents = masked ? ctx->saved_data["documents"].toTensor() : torch::Tensor();
+    const torch::Tensor all_docs = masked ? ctx->saved_data["all_documents"].toTensor() : torch::Tensor();
     distributed::Comm& group = tensor::saved_comm(ctx);
     const int t = group.size(), r = group.rank();
     const torch::Tensor dout = grads[0].contiguous();
@@ -185,9 +253,13 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     auto contributions = [&](int src, const torch::Tensor& pair) {
       torch::Tensor dkv = torch::zeros(pair.sizes(), pair.options().dtype(torch::kFloat32));
       for (const Block& b : blocks_with(r, src, t)) {
+        const BlockMask mask = block_mask(doc_half(documents, b.query_half),
+                                          all_docs.defined() ? doc_half(all_docs[src], b.key_half) : all_docs,
+                                          b.causal, q.options());
+        if (!mask.any) continue;
         auto [dq_b, dk_b, dv_b] = attend_block_backward(
             half(dout, b.query_half), half(q, b.query_half), half(pair[0], b.key_half),
-            half(pair[1], b.key_half), half(out, b.query_half), half(lse, b.query_half), b.causal);
+            half(pair[1], b.key_half), half(out, b.query_half), half(lse, b.query_half), b.causal, mask);
         half(dq, b.query_half).add_(dq_b);
         half(dkv[0], b.key_half).add_(dk_b);
         half(dkv[1], b.key_half).add_(dv_b);
@@ -228,14 +300,14 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       home.wait();
       dkv_own = arriving;
     }
-    return {dq.to(q.scalar_type()), dkv_own[0].to(k.scalar_type()), dkv_own[1].to(v.scalar_type()), {}, {}};
+    return {dq.to(q.scalar_type()), dkv_own[0].to(k.scalar_type()), dkv_own[1].to(v.scalar_type()), {}, {}, {}};
   }
 };
 
 }  // namespace
 
 torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                             const tensor::CommPtr& comm, RotateMethod method) {
+                             const tensor::CommPtr& comm, RotateMethod method, const torch::Tensor& document_ids) {
   LOOM_REQUIRE(comm != nullptr, "ring_attention needs a comm");
   require_supported(q);
   LOOM_REQUIRE(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
@@ -244,7 +316,14 @@ torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, con
                q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   LOOM_REQUIRE(q.size(2) % 2 == 0, "ring_attention: the local sequence holds two equal chunks, got length ",
                q.size(2));
-  return RingAttention::apply(q, k, v, comm, static_cast<int64_t>(method));
+  LOOM_REQUIRE(!document_ids.defined() || (document_ids.dim() == 2 && document_ids.size(0) == q.size(0) &&
+                                            document_ids.size(1) == q.size(2)),
+               "ring_attention: document ids must be [batch, local tokens] = [", q.size(0), ", ", q.size(2),
+               "], got ", document_ids.sizes());
+  // Passed as a non-differentiable argument (an int64 tensor has no gradient).
+  std::optional<torch::Tensor> documents;
+  if (document_ids.defined()) documents = document_ids.to(torch::kInt64);
+  return RingAttention::apply(q, k, v, comm, static_cast<int64_t>(method), documents);
 }
 
 }  // namespace loom::cp

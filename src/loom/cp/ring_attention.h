@@ -9,7 +9,7 @@
 //              (Megatron-LM's and Llama 3's choice: less latency, c x the key/value memory).
 //
 // Per (query chunk x, key chunk m): m < x attends fully, m == x causally, m > x not at all, so no
-// mask is built and no masked block is computed. The blocks' partial results are merged exactly
+// mask is built (without documents) and no masked block is computed. The blocks' partial results are merged exactly
 // with their log-sum-exps (out = sum_k exp(lse_k - lse) out_k), in the same order for both
 // methods, so ring and allgather give identical outputs (their key/value gradients are summed in
 // a different order: around the ring, or by the reduce-scatter). Backward recomputes each block's
@@ -34,8 +34,13 @@ enum class RotateMethod { kRing, kAllGather };
 RotateMethod parse_rotate_method(const std::string& name);  // "ring" | "allgather", else UsageError
 const char* to_string(RotateMethod method);
 
+// `document_ids` ([B, T] int64, this rank's tokens; undefined = plain causal): block-causal
+// attention, where a token attends only to earlier tokens of its own document. Each block then
+// carries the mask of its (query, key) document pairs; blocks with no allowed pair are skipped,
+// and query rows of a block with none get log-sum-exp -inf so they weigh nothing in the merge.
 torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                             const tensor::CommPtr& comm, RotateMethod method);
+                             const tensor::CommPtr& comm, RotateMethod method,
+                             const torch::Tensor& document_ids = torch::Tensor());
 
 // Head-tail sharding of a sequence dim: the 2c chunk indices rank `rank` of `degree` holds.
 std::vector<int64_t> chunk_ids(int rank, int degree);

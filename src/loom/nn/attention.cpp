@@ -36,27 +36,41 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Attention::project_qkv(
   return {q, k, v};
 }
 
+torch::Tensor block_causal_mask(const torch::Tensor& document_ids) {
+  const int64_t t = document_ids.size(1);
+  const torch::Tensor causal = torch::ones({t, t}, document_ids.options().dtype(torch::kBool)).tril();
+  return (document_ids.unsqueeze(2) == document_ids.unsqueeze(1)).logical_and(causal).unsqueeze(1);
+}
+
 torch::Tensor Attention::attend(const torch::Tensor& q, const torch::Tensor& k,
-                                const torch::Tensor& v) const {
+                                const torch::Tensor& v, const TokenLayout& layout) const {
+  if (attend_) return attend_(q, k, v, layout);
   const int64_t batch = q.size(0);
   const int64_t seq = q.size(1);
   const int64_t heads = q.size(2);  // this rank's query heads (all of them without TP)
   // SDPA wants [B, heads, T, D]; the transposes are strided views the flash kernel reads directly.
+  // Positions other than 0..T-1 (a context-parallel shard) need a backend that knows the other
+  // ranks' keys; this one sees the whole row.
+  LOOM_REQUIRE(!layout.positions.defined(),
+               "Attention::attend without a backend needs tokens at positions 0..T-1");
+  std::optional<torch::Tensor> mask;
+  if (layout.document_ids.defined()) mask = block_causal_mask(layout.document_ids);
   torch::Tensor out = at::scaled_dot_product_attention(
-      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), /*attn_mask=*/std::nullopt,
-      /*dropout_p=*/0.0, /*is_causal=*/true, /*scale=*/std::nullopt,
+      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+      /*dropout_p=*/0.0, /*is_causal=*/!mask.has_value(), /*scale=*/std::nullopt,
       /*enable_gqa=*/heads != k.size(2));
   // The CPU/CUDA flash kernels allocate the output as [B, T, H, D] and return a transposed view,
   // so this reshape is a view, not a copy.
   return out.transpose(1, 2).reshape({batch, seq, heads * head_dim_});
 }
 
-torch::Tensor Attention::forward(const torch::Tensor& x, const torch::Tensor& rope_cache) {
+torch::Tensor Attention::forward(const torch::Tensor& x, const torch::Tensor& rope_cache, const TokenLayout& layout) {
   return call_with_hooks(x, [&](const torch::Tensor& in) {
     auto [q, k, v] = project_qkv(in);
-    q = apply_rotary_embedding(q, rope_cache);
-    k = apply_rotary_embedding(k, rope_cache);
-    return wo_->forward(attend(q, k, v));
+    const torch::Tensor rope = layout.positions.defined() ? rope_cache.index_select(1, layout.positions) : rope_cache;
+    q = apply_rotary_embedding(q, rope);
+    k = apply_rotary_embedding(k, rope);
+    return wo_->forward(attend(q, k, v, layout));
   });
 }
 

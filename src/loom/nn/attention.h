@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "loom/nn/layers.h"
@@ -12,19 +13,42 @@
 
 namespace loom::nn {
 
+// Where a batch's tokens sit, as attention needs it: the model passes it, unchanged, to every
+// block. Default-constructed: each row is one sequence 0..T-1 under a causal mask.
+struct TokenLayout {
+  // [T] int64: each token's position in its sequence (RoPE). Context parallelism gives each rank
+  // non-contiguous chunks of the sequence; undefined means 0..T-1.
+  torch::Tensor positions;
+  // [B, T] int64: the document each token belongs to. A token attends only to earlier tokens of
+  // its own document (block-causal masking of packed rows); undefined means causal over the row.
+  torch::Tensor document_ids;
+};
+
+// Block-causal attention mask [B, 1, T, T] (true = may attend) of `document_ids` [B, T] for
+// tokens at positions 0..T-1.
+torch::Tensor block_causal_mask(const torch::Tensor& document_ids);
+
 class Attention : public Module {
  public:
   // head_dim = dim / n_heads; n_heads must be a multiple of n_kv_heads.
   Attention(int64_t dim, int64_t n_heads, int64_t n_kv_heads, const torch::TensorOptions& options);
 
-  // x: [B, T, dim]; rope_cache: [2, >=T, head_dim] (loom/nn/rope.h). Returns [B, T, dim].
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cache);
+  // x: [B, T, dim]; rope_cache: [2, >=T, head_dim] (loom/nn/rope.h), indexed by the layout's
+  // positions. Returns [B, T, dim].
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cache, const TokenLayout& layout = {});
 
   // The steps of forward, separately callable (a fused-kernel path replaces them one at a time).
   // Projects x to q [B, T, H, D] and k, v [B, T, KV, D].
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> project_qkv(const torch::Tensor& x);
-  // q [B, T, H, D], k/v [B, T, KV, D] (after RoPE) -> attention output [B, T, H * D].
-  torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const;
+  // q [B, T, H, D], k/v [B, T, KV, D] (after RoPE) -> attention output [B, T, H * D]: causal SDPA,
+  // block-causal with the layout's documents, or the installed backend.
+  torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const TokenLayout& layout = {}) const;
+  // Replaces the attention core (same contract as attend): a parallelism whose keys live on
+  // other ranks (context parallel's ring attention) installs its own from outside.
+  using AttendFn = std::function<torch::Tensor(const torch::Tensor& q, const torch::Tensor& k,
+                                               const torch::Tensor& v, const TokenLayout& layout)>;
+  void set_attend(AttendFn attend) { attend_ = std::move(attend); }
 
   Linear& wq() { return *wq_; }
   Linear& wk() { return *wk_; }
@@ -42,6 +66,7 @@ class Attention : public Module {
   std::shared_ptr<Linear> wk_;
   std::shared_ptr<Linear> wv_;
   std::shared_ptr<Linear> wo_;
+  AttendFn attend_;
 };
 
 }  // namespace loom::nn

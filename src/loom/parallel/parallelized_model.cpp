@@ -1,5 +1,7 @@
 #include "loom/parallel/parallelized_model.h"
 
+#include "loom/cp/ring_attention.h"
+
 #include "loom/core/error.h"
 #include "loom/optim/clip_grad.h"
 
@@ -56,9 +58,19 @@ void ParallelizedModel::begin_micro_batch(bool last) {
   if (parts_.fsdp) parts_.fsdp->set_requires_gradient_sync(last);
 }
 
-torch::Tensor ParallelizedModel::forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels) {
-  return parts_.forward_loss(tokens, labels);
+ModelBatch ParallelizedModel::prepare_batch(const torch::Tensor& tokens, const torch::Tensor& labels,
+                                            const torch::Tensor& document_ids) const {
+  ModelBatch batch{tokens, labels, {torch::Tensor(), document_ids}};
+  if (!parts_.cp || parts_.cp->size() == 1) return batch;
+  const int rank = parts_.cp->rank(), degree = parts_.cp->size();
+  batch.tokens = cp::shard_sequence(tokens, 1, rank, degree);
+  batch.labels = cp::shard_sequence(labels, 1, rank, degree);
+  batch.layout.positions = cp::sequence_positions(tokens.size(1), rank, degree).to(tokens.device());
+  if (document_ids.defined()) batch.layout.document_ids = cp::shard_sequence(document_ids, 1, rank, degree);
+  return batch;
 }
+
+torch::Tensor ParallelizedModel::forward_loss(const ModelBatch& batch) { return parts_.forward_loss(batch); }
 
 void ParallelizedModel::finish_gradient_sync() {
   if (parts_.ddp) parts_.ddp->finish_gradient_sync();

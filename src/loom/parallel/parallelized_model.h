@@ -25,13 +25,23 @@
 #include "loom/ddp/ddp.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/fsdp/sharded_optimizer.h"
+#include "loom/nn/attention.h"
 #include "loom/nn/module.h"
 #include "loom/optim/adamw.h"
 #include "loom/tp/tensor_parallel.h"
 
 namespace loom::parallel {
 
-using ForwardLoss = std::function<torch::Tensor(const torch::Tensor& tokens, const torch::Tensor& labels)>;
+// One micro-batch as the model sees it on this rank: under context parallelism this rank's two
+// chunks of every row (head-tail), with their positions and documents; otherwise the rows as
+// loaded.
+struct ModelBatch {
+  torch::Tensor tokens;  // [B, T_local] int64
+  torch::Tensor labels;  // [B, T_local] int64
+  nn::TokenLayout layout;
+};
+
+using ForwardLoss = std::function<torch::Tensor(const ModelBatch& batch)>;
 
 struct ParallelParts {
   std::shared_ptr<nn::Module> module;  // the model; its parameters are this rank's pieces
@@ -39,6 +49,7 @@ struct ParallelParts {
   std::shared_ptr<tp::TensorParallel> tp;     // null: no tensor parallelism
   std::shared_ptr<fsdp::FSDPModule> fsdp;     // null: no FSDP (the root module's handle)
   std::unique_ptr<ddp::DataParallel> ddp;     // null: no DDP
+  tensor::CommPtr cp;                         // null: no context parallelism (the "cp" group)
 };
 
 class ParallelizedModel {
@@ -54,7 +65,13 @@ class ParallelizedModel {
   // Before each micro-batch: `last` is the one whose backward synchronises gradients (DDP and
   // FSDP accumulate locally before it).
   void begin_micro_batch(bool last);
-  torch::Tensor forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels);
+  // The loaded rows [B, T] (and, for block-causal attention, their document ids [B, T]) as this
+  // rank's model takes them: under context parallelism its chunks i and 2c-1-i of each row, their
+  // positions and documents. The loss is then the mean over this rank's tokens; FSDP's average
+  // over dp_shard x cp makes the step's gradient the mean over all of them.
+  ModelBatch prepare_batch(const torch::Tensor& tokens, const torch::Tensor& labels,
+                           const torch::Tensor& document_ids = torch::Tensor()) const;
+  torch::Tensor forward_loss(const ModelBatch& batch);
   // After the step's last backward: every gradient reduction done.
   void finish_gradient_sync();
   void zero_grad();

@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "loom/core/error.h"
+#include "loom/models/spec.h"
 
 namespace loom::train {
 namespace {
@@ -38,7 +39,7 @@ const std::vector<ConfigKey> kSchema = {
      "Print the resolved config (as TOML) at startup.", {}},
     // [model]
     {LOOM_CONFIG_KEY(model, name),
-     "Model family to train.", {"llama3"}},
+     "Model family to train.", models::spec_names()},
     {LOOM_CONFIG_KEY(model, flavor),
      "Size within the family: `debugmodel`, `8B`, `70B`, `405B`, ... (the family's list of "
      "flavors decides what is valid).", {}},
@@ -49,6 +50,10 @@ const std::vector<ConfigKey> kSchema = {
      "Rows of the token embedding and output projection; `0` = the tokenizer's vocabulary size."
      " A larger value pads the vocabulary (e.g. to a multiple of the TP degree).", {}},
     // [optimizer]
+    {LOOM_CONFIG_KEY(model, attention_mask),
+     "Which earlier tokens a token attends to. `causal`: every earlier token of its row. "
+     "`block_causal`: only those of its own document (documents are packed into rows, each "
+     "starting with BOS), TorchTitan's default for pre-training.", {"causal", "block_causal"}},
     {LOOM_CONFIG_KEY(optimizer, name),
      "Optimizer. AdamW follows `torch.optim.AdamW` exactly (bias correction, decoupled weight "
      "decay).", {"AdamW"}},
@@ -172,7 +177,14 @@ const std::vector<ConfigKey> kSchema = {
      "them (collective matmuls: the transfer goes around the ring one sequence chunk at a time while "
      "the previous chunk's matmul runs). Needs sequence parallelism; same numerics as plain TP.", {}},
     {LOOM_CONFIG_KEY(parallelism, context_parallel_degree),
-     "Context-parallel ranks. **Not available yet: only `1` is accepted** (see below).", {}},
+     "Context-parallel ranks: each sequence is cut into 2 x degree chunks and rank i of the `cp` "
+     "group holds chunks i and 2 x degree - 1 - i (equal causal work). Attention runs over every "
+     "rank's keys (see context_parallel_rotate_method); FSDP shards parameters over dp_shard x cp. "
+     "`training.seq_len` must be divisible by 2 x degree (x the TP degree with sequence parallel).", {}},
+    {LOOM_CONFIG_KEY(parallelism, context_parallel_rotate_method),
+     "How context-parallel attention reaches the other ranks' keys and values: `allgather` (one "
+     "all-gather per layer, then local blocks) or `ring` (they travel around the ring, each "
+     "transfer overlapped with the previous block's attention).", {"allgather", "ring"}},
     {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_degree),
      "Pipeline stages (ranks). **Not available yet: only `1` is accepted** (see below).", {}},
     // [activation_checkpoint]
@@ -254,9 +266,10 @@ Training step *k* (1-based) runs at `lr * factor(k - 1)`:
     {"parallelism",
      R"md(The degrees multiply to the number of ranks; `data_parallel_shard_degree = -1` takes whatever the
 others leave.)md",
-     R"md(Context and pipeline parallelism are not available yet. The keys exist for TorchTitan
-compatibility; any degree other than 1 stops `loom train` with exit code 2 and
-`error: context and pipeline parallelism are not available yet (...); set parallelism.context_parallel_degree and pipeline_parallel_degree to 1`.)md"},
+     R"md(Pipeline parallelism is not available in `loom train` yet (its schedules are: `loom pipeline
+schedule`). The key exists for TorchTitan compatibility; any degree other than 1 stops `loom train`
+with exit code 2 and `error: pipeline parallelism is not available in loom train yet (...); set
+parallelism.pipeline_parallel_degree to 1`.)md"},
     {"metrics",
      R"md(Every `log_freq` steps rank 0 prints one line (step, loss, grad_norm, lr, tokens/s, MFU %,
 peak memory) and appends one JSON object to `<dump_folder>/metrics.jsonl` with the keys `step`,
@@ -802,6 +815,9 @@ void validate(const JobConfig& c) {
           ">= 1", c);
   require(c.parallelism.pipeline_parallel_degree >= 1,
           key("parallelism.pipeline_parallel_degree"), ">= 1", c);
+  LOOM_REQUIRE_USAGE(!c.parallelism.enable_async_tensor_parallel || !c.parallelism.disable_sequence_parallel,
+                     "parallelism.enable_async_tensor_parallel needs sequence parallelism (it overlaps the "
+                     "sequence all-gathers and reduce-scatters); set parallelism.disable_sequence_parallel = false");
   require(c.metrics.log_freq > 0, key("metrics.log_freq"), "> 0", c);
   require(!c.metrics.enable_tensorboard, key("metrics.enable_tensorboard"),
           "false (TensorBoard output is not part of this build; use metrics.enable_jsonl)", c);

@@ -33,6 +33,7 @@ struct ModelSection {
   std::string flavor = "debugmodel";
   std::string tokenizer_path = "data/default/tokenizer.json";
   int64_t vocab_size = 0;  // 0 = the tokenizer's vocabulary size
+  std::string attention_mask = "causal";  // "causal" | "block_causal" (no attention across documents)
 
   bool operator==(const ModelSection&) const = default;
 };
@@ -91,6 +92,7 @@ struct ParallelismSection {
   bool disable_loss_parallel = false;      // TP: gather the logits for the loss
   bool enable_async_tensor_parallel = false;
   int64_t context_parallel_degree = 1;
+  std::string context_parallel_rotate_method = "allgather";  // "allgather" | "ring"
   int64_t pipeline_parallel_degree = 1;
 
   bool operator==(const ParallelismSection&) const = default;

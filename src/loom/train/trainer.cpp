@@ -15,8 +15,6 @@
 #include "loom/core/memory.h"
 #include "loom/core/timer.h"
 #include "loom/distributed/launch_env.h"
-#include "loom/models/llama3/model_dir.h"
-#include "loom/models/llama3/parallelize.h"
 #include "loom/optim/clip_grad.h"
 #include "loom/optim/optimizer.h"
 
@@ -45,16 +43,15 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   // before rendezvous and data loading, so the answer is this line on every rank, whatever the
   // world size, not a world-size mismatch or a wait for peers.
   const auto& p = config_.parallelism;
-  LOOM_REQUIRE_USAGE(p.context_parallel_degree == 1 && p.pipeline_parallel_degree == 1,
-                     "context and pipeline parallelism are not available yet (context_parallel_degree ",
-                     p.context_parallel_degree, ", pipeline_parallel_degree ", p.pipeline_parallel_degree,
-                     "); set parallelism.context_parallel_degree and pipeline_parallel_degree to 1");
+  LOOM_REQUIRE_USAGE(p.pipeline_parallel_degree == 1,
+                     "pipeline parallelism is not available in loom train yet (pipeline_parallel_degree ",
+                     p.pipeline_parallel_degree, "); set parallelism.pipeline_parallel_degree to 1");
   LOOM_REQUIRE_USAGE(config_.activation_checkpoint.mode == "none",
                      "activation_checkpoint.mode '", config_.activation_checkpoint.mode,
                      "' is not available yet; use \"none\"");
-  // 1. The layout, checked before any process group exists (a bad combination is then the same
-  //    one line on every rank, not a rendezvous): degrees against the world size, the model
-  //    against the tensor-parallel degree. Then the world, device and mesh.
+  // 1. The model's spec, and the layout checked before any process group exists (a bad
+  //    combination is then the same one line on every rank, not a rendezvous): degrees against the
+  //    world size, the model against the tensor-parallel degree. Then the world, device and mesh.
   const distributed::LaunchEnv env = distributed::detect_launch_env();
   check_layout(env);
   init_distributed(env);
@@ -74,8 +71,8 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
     at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
   }
   init_data();         // 3. tokenizer + this rank's loader
-  build_model();       // 4. meta-device model, counts, FLOPs/token
-  parallelize();       // 5+6. materialize, init, DDP
+  build_model();       // 4. meta-device model (the spec's), counts, FLOPs/token
+  parallelize();       // 5+6. the spec's plan: TP, FSDP or DDP; materialize, init
   init_optimizer();    // 7. AdamW + LR schedule
   init_checkpointing();  // 8. resume or initial weights
 
@@ -106,9 +103,10 @@ void Trainer::check_layout(const distributed::LaunchEnv& env) {
   degrees.pp = static_cast<int>(p.pipeline_parallel_degree);
   parallel_dims_ = std::make_unique<distributed::ParallelDims>(degrees, env.world_size, env.rank);
   tokenizer_ = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(config_.model.tokenizer_path));
-  llama3::validate_tp_degree(model_args(), p.tensor_parallel_degree, config_.training.seq_len,
-                             {!p.disable_sequence_parallel, !p.disable_loss_parallel,
-                              p.enable_async_tensor_parallel});
+  model_spec_ = &models::get_spec(config_.model.name);
+  model_args_ = model_spec_->build_args({config_.model.flavor, model_vocab_size(), config_.training.seq_len});
+  model_spec_->validate_layout(*model_args_, *parallel_dims_, config_.training.seq_len,
+                               tensor_parallel_options());
 }
 
 void Trainer::init_distributed(const distributed::LaunchEnv& env) {
@@ -168,39 +166,30 @@ int64_t Trainer::model_vocab_size() const {
   return vocab;
 }
 
-llama3::ModelArgs Trainer::model_args() const {
-  LOOM_REQUIRE_USAGE(config_.model.name == "llama3", "unknown model.name '", config_.model.name,
-                     "'; available: llama3");
-  llama3::ModelArgs args = llama3::flavor(config_.model.flavor, model_vocab_size());
-  args.max_seq_len = std::max(args.max_seq_len, config_.training.seq_len);
-  return args;
+models::TensorParallelOptions Trainer::tensor_parallel_options() const {
+  const auto& p = config_.parallelism;
+  return {!p.disable_sequence_parallel, !p.disable_loss_parallel, p.enable_async_tensor_parallel};
 }
 
 void Trainer::build_model() {
-  const llama3::ModelArgs args = model_args();
-  model_ = std::make_shared<llama3::Transformer>(args, torch::TensorOptions().device(torch::kMeta));
-  const auto counts = llama3::count_parameters(args);
-  flops_per_token_ = llama3::flops_per_token(args, counts.non_embedding, config_.training.seq_len);
-  log::info("model: llama3 ", config_.model.flavor, " (", args.summary(), "): ", counts.total,
-            " parameters, ", counts.non_embedding, " non-embedding, ", flops_per_token_ / 1e6,
-            " MFLOP/token");
+  model_ = model_spec_->build_model(*model_args_, torch::TensorOptions().device(torch::kMeta));
+  const auto counts = model_spec_->count_parameters(*model_args_);
+  flops_per_token_ = model_spec_->flops_per_token(*model_args_, config_.training.seq_len);
+  log::info("model: ", model_spec_->name, " ", config_.model.flavor, " (", model_args_->summary(),
+            "): ", counts.total, " parameters, ", counts.non_embedding, " non-embedding, ",
+            flops_per_token_ / 1e6, " MFLOP/token");
 }
 
 void Trainer::parallelize() {
   const auto& t = config_.training;
-  const auto& p = config_.parallelism;
-  llama3::ParallelizeOptions options;
-  options.tp.sequence_parallel = !p.disable_sequence_parallel;
-  options.tp.loss_parallel = !p.disable_loss_parallel;
-  options.tp.async = p.enable_async_tensor_parallel;
-  const auto reshard = llama3::FSDPReshardSetting::parse(p.fsdp_reshard_after_forward);
-  options.fsdp.reshard_after_forward = reshard.blocks;
-  options.fsdp_reshard_last_block = reshard.last_block;
-  options.fsdp.mixed_precision.param_dtype =
+  models::ParallelizeOptions options;
+  options.tp = tensor_parallel_options();
+  options.cp_rotate_method = config_.parallelism.context_parallel_rotate_method;
+  options.fsdp_reshard_after_forward = config_.parallelism.fsdp_reshard_after_forward;
+  options.fsdp_mixed_precision.param_dtype =
       c10::ScalarType(t.mixed_precision_param == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
-  options.fsdp.mixed_precision.reduce_dtype =
+  options.fsdp_mixed_precision.reduce_dtype =
       c10::ScalarType(t.mixed_precision_reduce == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
-  options.fsdp.device = device_;  // FSDP's buffers on the rank's device (caching allocator on GPUs)
   options.seed = static_cast<uint64_t>(t.seed);
   options.device = device_;
   if (!parallel_dims_->fsdp_enabled()) {
@@ -213,7 +202,7 @@ void Trainer::parallelize() {
                        "gradients are float32 master-weight gradients; set it to \"float32\"");
     if (t.mixed_precision_param == "bfloat16") autocast_dtype_ = torch::kBFloat16;
   }
-  parallel_model_ = llama3::parallelize(model_, *parallel_dims_, *mesh_, options);
+  parallel_model_ = model_spec_->parallelize(model_, *model_args_, *parallel_dims_, *mesh_, options);
   log::info("parallelized: ", parallel_model_->describe());
 }
 
@@ -292,7 +281,7 @@ checkpoint::ShardedStateDict Trainer::state_dict() {
   for (const auto& [name, t] : lr_scheduler_state_) sd.add_full("lr_scheduler." + name, "lr_scheduler", t);
   sd.json()["step"] = step_;
   // The model config makes the checkpoint self-describing: `loom score` and `loom convert` read it.
-  sd.json()[llama3::kModelConfigKey] = llama3::model_config_json(model_->args());
+  sd.json()[models::kModelConfigKey] = model_spec_->model_config_json(*model_args_);
   sd.json()["data_loader"] = loader_->state_dict();
   sd.rank_json()["rng"] = rng_state_bytes(at::detail::getDefaultCPUGenerator());
   if (!device_.is_cpu()) {
@@ -303,18 +292,17 @@ checkpoint::ShardedStateDict Trainer::state_dict() {
 }
 
 void Trainer::load_initial_weights(const std::string& path) {
-  if (llama3::detect_model_dir_format(path) == llama3::ModelDirFormat::kLoom) {
+  const models::InitialWeights weights = model_spec_->read_initial_weights(path);
+  if (!weights.loom_checkpoint.empty()) {
     // A Loom checkpoint (`loom convert --to loom`, or another run's step-N): each rank reads only
     // the pieces of its own shards, whatever layout saved them; optimizer state is not read.
-    const fs::path dir = llama3::resolve_loom_checkpoint(path);
+    const fs::path& dir = weights.loom_checkpoint;
     checkpoint::load_checkpoint(dir, state_dict().only(checkpoint::kModelComponent), dist_->rank());
     log::info("initial weights loaded from ", dir.string());
     return;
   }
-  auto loaded = llama3::load_model_dir(path);
-  optim::TensorDict full;
-  for (const auto& p : loaded.model->named_parameters()) full[p.name] = p.tensor().detach();
-  parallel_model_->load_full_parameters(full);  // each rank keeps only its pieces
+  // Another format (Hugging Face), read whole by the model's spec.
+  parallel_model_->load_full_parameters(weights.full_parameters);  // each rank keeps only its pieces
   log::info("initial weights loaded from ", path);
 }
 
@@ -364,10 +352,27 @@ void Trainer::maybe_inject_fault(bool after_step) {
 }
 
 double Trainer::global_mean_loss(double local_loss) {
-  if (!parallel_dims_->dp_enabled()) return local_loss;
+  // Data-parallel ranks see different rows and context-parallel ranks different tokens of them
+  // (as many on each): the mean over both is the batch's.
+  if (!parallel_dims_->dp_cp_enabled()) return local_loss;
   torch::Tensor t = torch::tensor({local_loss}, torch::kFloat64);
-  mesh_->comm("dp")->all_reduce(t, distributed::ReduceOp::kAvg);
+  mesh_->comm("dp_cp")->all_reduce(t, distributed::ReduceOp::kAvg);
   return t.item<double>();
+}
+
+parallel::ModelBatch Trainer::model_batch(const data::Batch& batch) const {
+  // Documents are packed into rows, each starting with BOS: a row's document index is the count
+  // of BOS tokens up to each position (a row may begin inside a document: index 0).
+  torch::Tensor documents;
+  if (config_.model.attention_mask == "block_causal") {
+    documents = (batch.inputs == tokenizer_->bos_id()).to(torch::kInt64).cumsum(1);
+  }
+  parallel::ModelBatch local = parallel_model_->prepare_batch(batch.inputs, batch.labels, documents);
+  local.tokens = to_device(local.tokens);
+  local.labels = to_device(local.labels);
+  if (local.layout.positions.defined()) local.layout.positions = to_device(local.layout.positions);
+  if (local.layout.document_ids.defined()) local.layout.document_ids = to_device(local.layout.document_ids);
+  return local;
 }
 
 torch::Tensor Trainer::to_device(const torch::Tensor& host) const {
@@ -394,7 +399,7 @@ StepResult Trainer::train_step() {
     torch::Tensor loss;
     {
       AutocastScope autocast(device_, autocast_dtype_);
-      loss = parallel_model_->forward_loss(to_device(batch.inputs), to_device(batch.labels));
+      loss = parallel_model_->forward_loss(model_batch(batch));
     }
     if (micro == 0 && fault_due("LOOM_FAULT_NAN", dist_->rank(), step_)) {
       loss = loss * std::numeric_limits<float>::quiet_NaN();

@@ -3,14 +3,15 @@
 // itself knows nothing of ranks.
 //
 // Build order:
-//   1. the layout checked before any process group (ParallelDims against the world size, the model
-//      against the TP degree), then the distributed world (device -> rendezvous -> DeviceMesh) and
-//      the run folder: rank 0 locks job.dump_folder (one job per folder)
+//   1. the model's spec (models::get_spec(model.name)) and the layout checked before any process
+//      group (ParallelDims against the world size, the model against the TP degree), then the
+//      distributed world (device -> rendezvous -> DeviceMesh) and the run folder: rank 0 locks
+//      job.dump_folder (one job per folder)
 //   2. determinism and seeds
 //   3. the data loader for this rank's data-parallel slice (the tokenizer came with the layout)
 //   4. model on the meta device (no memory), parameter count and FLOPs/token
-//   5. parallelize (the model's own plan): tensor parallel over tp, then FSDP over dp_shard (HSDP
-//      with dp_replicate) or DDP over dp_replicate alone
+//   5. parallelize (the spec's plan for the model): tensor parallel over tp, then FSDP over
+//      dp_shard (HSDP with dp_replicate) or DDP over dp_replicate alone
 //   6. materialize and initialize every parameter from the seed (sharded: each rank only its pieces)
 //   7. optimizer (AdamW, weight-decay groups) and LR schedule
 //   8. checkpointer: folder checked writable on every rank, then resume from the newest complete
@@ -28,7 +29,7 @@
 #include "loom/distributed/launch_env.h"
 #include "loom/distributed/parallel_dims.h"
 #include "loom/distributed/process_group.h"
-#include "loom/models/llama3/model.h"
+#include "loom/models/spec.h"
 #include "loom/optim/adamw.h"
 #include "loom/parallel/parallelized_model.h"
 #include "loom/optim/lr_scheduler.h"
@@ -61,7 +62,7 @@ class Trainer {
   std::vector<StepResult> train();
   StepResult train_step();
 
-  llama3::Transformer& model() { return *model_; }
+  nn::Module& model() { return *model_; }
   const distributed::ParallelDims& parallel_dims() const { return *parallel_dims_; }
   const JobConfig& config() const { return config_; }
   const c10::Device& device() const { return device_; }
@@ -75,13 +76,17 @@ class Trainer {
   void build_model();
   // The model's embedding rows: model.vocab_size, or the tokenizer's vocabulary when it is 0.
   int64_t model_vocab_size() const;
-  llama3::ModelArgs model_args() const;  // the flavor with this run's vocabulary and sequence length
+  // parallelism.disable_sequence_parallel / disable_loss_parallel, as the model's plan reads them.
+  models::TensorParallelOptions tensor_parallel_options() const;
   void parallelize();
   void init_optimizer();
   void init_checkpointing();
   // Everything a checkpoint holds, as views into the live state (used for save and for load).
   checkpoint::ShardedStateDict state_dict();
   void load_initial_weights(const std::string& path);
+  // The loaded batch as this rank's model takes it (documents, context-parallel chunks), on the
+  // device.
+  parallel::ModelBatch model_batch(const data::Batch& batch) const;
   double global_mean_loss(double local_loss_sum);
   // The non-finite guard: called when the step's global loss or gradient norm is NaN/inf (the
   // same on every rank). Skips the step while training.skip_nonfinite_steps allows, else waits for
@@ -106,7 +111,11 @@ class Trainer {
   std::unique_ptr<distributed::DeviceMesh> mesh_;
   std::unique_ptr<data::Tokenizer> tokenizer_;
   std::unique_ptr<data::DataLoader> loader_;
-  std::shared_ptr<llama3::Transformer> model_;
+  // The model as its spec (model.name) builds, counts, parallelizes and describes it: the Trainer
+  // holds the module and the flavor's args and reads neither's fields.
+  const models::ModelSpec* model_spec_ = nullptr;
+  std::unique_ptr<models::ModelArgs> model_args_;  // the flavor, this run's vocabulary and seq_len
+  std::shared_ptr<nn::Module> model_;
   // The model with its parallelisms applied: every step, optimizer and checkpoint call goes through
   // it, so nothing below knows which parallelisms a run uses.
   std::unique_ptr<parallel::ParallelizedModel> parallel_model_;

@@ -21,9 +21,10 @@ TransformerBlock::TransformerBlock(int64_t layer_id, const ModelArgs& args,
       "feed_forward", std::make_shared<nn::FeedForward>(args.dim, args.ffn_hidden_dim(), options));
 }
 
-torch::Tensor TransformerBlock::forward(const torch::Tensor& x, const torch::Tensor& rope_cache) {
+torch::Tensor TransformerBlock::forward(const torch::Tensor& x, const torch::Tensor& rope_cache,
+                                       const nn::TokenLayout& layout) {
   return call_with_hooks(x, [&](const torch::Tensor& in) {
-    torch::Tensor h = in + attention_->forward(attention_norm_->forward(in), rope_cache);
+    torch::Tensor h = in + attention_->forward(attention_norm_->forward(in), rope_cache, layout);
     return h + feed_forward_->forward(ffn_norm_->forward(h));
   });
 }
@@ -91,10 +92,10 @@ torch::Tensor Transformer::embed(const torch::Tensor& tokens) {
   return tok_embeddings().forward(tokens);
 }
 
-torch::Tensor Transformer::run_layers(torch::Tensor hidden) {
+torch::Tensor Transformer::run_layers(torch::Tensor hidden, const nn::TokenLayout& layout) {
   const torch::Tensor& cache = rope_cache_->tensor;
   for (const auto& [name, layer] : layers_->named_children()) {
-    hidden = static_cast<TransformerBlock&>(*layer).forward(hidden, cache);
+    hidden = static_cast<TransformerBlock&>(*layer).forward(hidden, cache, layout);
   }
   return hidden;
 }
@@ -125,7 +126,8 @@ torch::Tensor Transformer::loss_from_normed(const torch::Tensor& hidden,
                                         labels.flatten(0, 1));
 }
 
-torch::Tensor Transformer::forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels) {
+torch::Tensor Transformer::forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels,
+                                       const nn::TokenLayout& layout) {
   LOOM_REQUIRE(has_embedding() && has_head(), "forward_loss needs the whole model; a part without "
                "its embedding or head runs forward_part");
   LOOM_REQUIRE(tokens.dim() == 2, "Transformer expects tokens [batch, seq], got shape ",
@@ -135,12 +137,13 @@ torch::Tensor Transformer::forward_loss(const torch::Tensor& tokens, const torch
   LOOM_REQUIRE(tokens.size(1) <= args_.max_seq_len, "sequence length ", tokens.size(1),
                " exceeds max_seq_len ", args_.max_seq_len, "; build the model with a larger one");
   return call_with_hooks(tokens, [&](const torch::Tensor& in) {
-    return loss_from_normed(norm_->forward(run_layers(embed(in))), labels);
+    return loss_from_normed(norm_->forward(run_layers(embed(in), layout)), labels);
   });
 }
 
-torch::Tensor Transformer::forward_part(const torch::Tensor& input, const torch::Tensor& labels) {
-  if (has_embedding() && has_head()) return forward_loss(input, labels);
+torch::Tensor Transformer::forward_part(const torch::Tensor& input, const torch::Tensor& labels,
+                                        const nn::TokenLayout& layout) {
+  if (has_embedding() && has_head()) return forward_loss(input, labels, layout);
   const int64_t expected_dim = has_embedding() ? 2 : 3;
   LOOM_REQUIRE(input.dim() == expected_dim, "this part of the Transformer expects ",
                has_embedding() ? "tokens [batch, seq]" : "hidden states [batch, seq, dim]",
@@ -154,7 +157,7 @@ torch::Tensor Transformer::forward_part(const torch::Tensor& input, const torch:
                  input.sizes());
   }
   return call_with_hooks(input, [&](const torch::Tensor& in) {
-    torch::Tensor hidden = run_layers(has_embedding() ? embed(in) : in);
+    torch::Tensor hidden = run_layers(has_embedding() ? embed(in) : in, layout);
     return has_head() ? loss_from_normed(norm_->forward(hidden), labels) : hidden;
   });
 }

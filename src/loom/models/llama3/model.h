@@ -23,7 +23,8 @@ class TransformerBlock : public nn::Module {
   TransformerBlock(int64_t layer_id, const ModelArgs& args, const torch::TensorOptions& options);
 
   // x: [B, T, dim] -> [B, T, dim]: x + attn(norm(x)), then + ffn(norm(.)).
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cache);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cache,
+                        const nn::TokenLayout& layout = {});
 
   int64_t layer_id() const { return layer_id_; }
   nn::RMSNorm& attention_norm() { return *attention_norm_; }
@@ -51,10 +52,12 @@ class Transformer : public nn::Module {
   // Training loss: mean next-token cross-entropy of `labels` [B, T] (int64, -100 = ignore). The
   // final norm, output head and loss run fused over token chunks (nn::fused_linear_cross_entropy):
   // the [B*T, vocab] logits are never materialised. Same forward hooks as forward().
-  torch::Tensor forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels);
+  // `layout`: the tokens' positions and documents (nn::TokenLayout; default: causal rows 0..T-1).
+  torch::Tensor forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels,
+                             const nn::TokenLayout& layout = {});
   // The pieces of forward, for callers that need the hidden states (loss fusion, pipelining).
   torch::Tensor embed(const torch::Tensor& tokens);
-  torch::Tensor run_layers(torch::Tensor hidden);
+  torch::Tensor run_layers(torch::Tensor hidden, const nn::TokenLayout& layout = {});
   torch::Tensor head(const torch::Tensor& hidden);  // final norm + output projection
 
   // ---- Parts of the model (a pipeline stage is a Transformer with some parts removed) ----
@@ -70,7 +73,9 @@ class Transformer : public nn::Module {
   // [B, T, dim] -> the layers -> with the head, the training loss of `labels` [B, T] exactly as
   // forward_loss computes it (fused chunked head + loss, or the installed HeadLoss), else the
   // hidden states [B, T, dim]. The whole model's forward_part(tokens, labels) is forward_loss.
-  torch::Tensor forward_part(const torch::Tensor& input, const torch::Tensor& labels);
+  // `layout` as forward_loss's (the pipeline stages pass none yet: causal rows 0..T-1).
+  torch::Tensor forward_part(const torch::Tensor& input, const torch::Tensor& labels,
+                             const nn::TokenLayout& layout = {});
 
   // Initializes every parameter by name (see parameter_init) from `seed` and recomputes the RoPE
   // cache. Identical values whatever the device, dtype or later sharding.
@@ -113,11 +118,8 @@ class Transformer : public nn::Module {
 // Public so a sharded materialization can draw a parameter's full value on its own.
 nn::ParameterInit parameter_init(const ModelArgs& args, const std::string& name);
 
-struct ParameterCounts {
-  int64_t total = 0;
-  int64_t embedding = 0;      // tok_embeddings only (the untied output head counts as compute)
-  int64_t non_embedding = 0;  // total - embedding: TorchTitan's N in 6N
-};
+// total, embedding (tok_embeddings only: the untied output head counts as compute), non_embedding.
+using models::ParameterCounts;
 ParameterCounts count_parameters(Transformer& model);
 // Same numbers from the shapes alone (no model needed).
 ParameterCounts count_parameters(const ModelArgs& args);

@@ -8,11 +8,12 @@
 #include <string>
 #include <vector>
 
+#include "loom/models/model_args.h"
 #include "loom/nn/rope.h"
 
 namespace loom::llama3 {
 
-struct ModelArgs {
+struct ModelArgs : models::ModelArgs {
   int64_t dim = 4096;
   int64_t n_layers = 32;
   int64_t n_heads = 32;
@@ -40,7 +41,7 @@ struct ModelArgs {
   }
   // Throws loom::UsageError naming the first inconsistent field.
   void validate() const;
-  std::string summary() const;  // "dim 4096, 32 layers, 32 heads (8 kv), ffn 14336, vocab 128256"
+  std::string summary() const override;  // "dim 4096, 32 layers, 32 heads (8 kv), ffn 14336, vocab 128256"
 };
 
 // Named flavors, as listed by flavor_names(): debugmodel, 124M, 1B, 3B, 8B, 70B, 405B.

@@ -110,11 +110,15 @@ ModelArgs read_checkpoint_model_args(const fs::path& path) {
   LOOM_REQUIRE(metadata.json.contains(kModelConfigKey), "checkpoint '", dir.string(),
                "' records no model config (\"", kModelConfigKey, "\" in ", where,
                "); it was saved by an older Loom, so pass the model flavor explicitly");
-  const nlohmann::json& model = metadata.json.at(kModelConfigKey);
-  LOOM_REQUIRE(model.value("name", "") == kModelName, "checkpoint '", dir.string(), "' holds a '",
-               model.value("name", ""), "' model; this loader reads ", kModelName);
-  LOOM_REQUIRE(model.contains("model_args"), "'", where, "' has no model.model_args");
-  return model_args_from_json(model.at("model_args"), where);
+  return model_args_from_config_json(metadata.json.at(kModelConfigKey), where);
+}
+
+ModelArgs model_args_from_config_json(const nlohmann::json& model, const std::string& source) {
+  LOOM_REQUIRE(model.is_object() && model.value("name", "") == kModelName, "'", source,
+               "' holds a '", model.is_object() ? model.value("name", "") : model.dump(),
+               "' model; this loader reads ", kModelName);
+  LOOM_REQUIRE(model.contains("model_args"), "'", source, "' has no model.model_args");
+  return model_args_from_json(model.at("model_args"), source);
 }
 
 LoadedModel load_model_dir(const fs::path& dir, const LoadOptions& options) {

@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/models/llama3/model.h"
+#include "loom/models/spec.h"
 
 namespace loom::llama3 {
 
@@ -34,8 +35,11 @@ ModelDirFormat detect_model_dir_format(const std::filesystem::path& dir);
 std::filesystem::path resolve_loom_checkpoint(const std::filesystem::path& path);
 
 // The checkpoint JSON entry that makes a Loom checkpoint self-describing (key kModelConfigKey).
-inline constexpr const char* kModelConfigKey = "model";
+using models::kModelConfigKey;
 nlohmann::json model_config_json(const ModelArgs& args);
+// The ModelArgs of such an entry; `source` names its file. Another model's entry, or one without
+// model_args, is a one-line loom::Error.
+ModelArgs model_args_from_config_json(const nlohmann::json& model, const std::string& source);
 // The ModelArgs recorded in checkpoint `dir` (resolved); a one-line error when it has none.
 ModelArgs read_checkpoint_model_args(const std::filesystem::path& dir);
 

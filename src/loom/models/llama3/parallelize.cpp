@@ -129,6 +129,19 @@ std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr
   return tp;
 }
 
+void apply_cp(Transformer& model, tensor::CommPtr comm, cp::RotateMethod method) {
+  for (const auto& [id, layer] : model.layers().named_children()) {
+    static_cast<TransformerBlock&>(*layer).attention().set_attend(
+        [comm, method](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const nn::TokenLayout& layout) {
+          // [B, T, H, D] -> ring attention's [B, H, T, D] and back to [B, T, H * D].
+          const torch::Tensor out = cp::ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       comm, method, layout.document_ids);
+          return out.transpose(1, 2).reshape({q.size(0), q.size(1), q.size(2) * q.size(3)});
+        });
+  }
+}
+
 std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transformer> model,
                                                          const distributed::ParallelDims& dims,
                                                          const distributed::DeviceMesh& mesh,
@@ -136,15 +149,24 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transfo
   parallel::ParallelParts parts;
   Transformer* raw = model.get();
   parts.module = model;
-  parts.forward_loss = [raw](const torch::Tensor& tokens, const torch::Tensor& labels) {
-    return raw->forward_loss(tokens, labels);
+  parts.forward_loss = [raw](const parallel::ModelBatch& batch) {
+    return raw->forward_loss(batch.tokens, batch.labels, batch.layout);
   };
   // 1. Tensor parallelism: parameters become this rank's shards (still on the meta device).
   if (dims.tp_enabled()) parts.tp = apply_tp(*model, mesh.comm("tp"), options.tp);
-  // 2. (Activation checkpointing will wrap blocks here, between TP and FSDP.)
-  // 3. Data parallelism over the TP-local parameters, then materialize and initialize.
+  // 2. Context parallelism: attention over the sequence chunks of the cp group.
+  if (dims.cp_enabled()) {
+    parts.cp = mesh.comm("cp");
+    apply_cp(*model, parts.cp, options.cp_rotate_method);
+  }
+  // 3. (Activation checkpointing will wrap blocks here, between TP/CP and FSDP.)
+  // 4. Data parallelism over the TP-local parameters, then materialize and initialize. The cp
+  //    ranks hold the same parameters and see different tokens: FSDP shards over dp_shard x cp
+  //    (TorchTitan's dp_shard_cp), so its gradient average spans them.
   if (dims.fsdp_enabled()) {
-    parts.fsdp = apply_fsdp(*model, mesh, options.fsdp, options.fsdp_reshard_last_block);
+    fsdp::FSDPPolicy policy = options.fsdp;
+    if (dims.cp_enabled()) policy.shard_dim = "dp_shard_cp";
+    parts.fsdp = apply_fsdp(*model, mesh, policy, options.fsdp_reshard_last_block);
     init_sharded_weights(*model, *parts.fsdp, options.seed, options.device, parts.tp.get());
   } else {
     model->to_empty(options.device);

@@ -22,6 +22,7 @@
 #include "loom/distributed/parallel_dims.h"
 #include "loom/models/llama3/model.h"
 #include "loom/parallel/parallelized_model.h"
+#include "loom/cp/ring_attention.h"
 #include "loom/tp/tensor_parallel.h"
 
 namespace loom::llama3 {
@@ -60,13 +61,19 @@ void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t 
 
 struct ParallelizeOptions {
   TPOptions tp;                           // when the mesh has "tp"
+  cp::RotateMethod cp_rotate_method = cp::RotateMethod::kAllGather;  // when the mesh has "cp"
   fsdp::FSDPPolicy fsdp;                  // when FSDP is on (dp_shard or cp > 1; HSDP with dp_replicate)
   bool fsdp_reshard_last_block = false;   // see FSDPReshardSetting
   uint64_t seed = 0;                      // initialization (the single-process values, any layout)
   c10::Device device = c10::kCPU;         // where parameters and buffers live
 };
 
-// Applies, in TorchTitan's order, tensor parallelism (tp > 1), then FSDP over dp_shard (HSDP with
+// Context parallelism: every attention's core becomes ring attention over `comm` (the "cp" mesh
+// dim); the model then takes this rank's head-tail chunks with their positions (prepare_batch).
+void apply_cp(Transformer& model, tensor::CommPtr comm, cp::RotateMethod method);
+
+// Applies, in TorchTitan's order, tensor parallelism (tp > 1), context parallelism (cp > 1), then
+// FSDP over dp_shard (dp_shard x cp with context parallelism; HSDP with
 // dp_replicate) or, without sharding, DDP over dp_replicate; materializes the model on the device
 // and initializes every parameter from the seed, each rank only its pieces. `model` is built on
 // the meta device. The result is what the Trainer drives.

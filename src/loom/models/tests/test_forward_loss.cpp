@@ -110,3 +110,27 @@ TEST(ForwardLoss, MismatchedLabelsAreOneLineError) {
 }
 
 }  // namespace
+
+// Block-causal attention (documents packed into one row): a token's loss depends only on its own
+// document. Row = [doc A | doc B]; the per-token losses of B are those of B run as its own row, and
+// changing A's tokens leaves them unchanged (so the row's mean over B equals B's own loss).
+TEST(ForwardLoss, BlockCausalKeepsDocumentsApart) {
+  auto model = small_model();
+  torch::NoGradGuard no_grad;
+  const torch::Tensor a = torch::randint(1, 131, {1, 10}), b = torch::randint(1, 131, {1, 14});
+  const torch::Tensor row = torch::cat({a, b}, 1);
+  const torch::Tensor docs = torch::cat({torch::zeros({1, 10}, torch::kInt64), torch::ones({1, 14}, torch::kInt64)}, 1);
+  // Labels only on B (ignore_index elsewhere): the loss is B's mean next-token loss.
+  torch::Tensor labels = torch::full({1, 24}, -100, torch::kInt64);
+  labels.narrow(1, 10, 13).copy_(row.narrow(1, 11, 13));
+  const double packed = model->forward_loss(row, labels, {torch::Tensor(), docs}).item<double>();
+  torch::Tensor own_labels = torch::full({1, 14}, -100, torch::kInt64);
+  own_labels.narrow(1, 0, 13).copy_(b.narrow(1, 1, 13));
+  const double alone = model->forward_loss(b, own_labels).item<double>();
+  EXPECT_NEAR(packed, alone, 1e-6 * alone);
+  // Another document A': B's loss does not move; with plain causal attention it does.
+  const torch::Tensor other = torch::cat({torch::randint(1, 131, {1, 10}), b}, 1);
+  EXPECT_NEAR(model->forward_loss(other, labels, {torch::Tensor(), docs}).item<double>(), packed, 1e-6 * packed);
+  EXPECT_GT(std::abs(model->forward_loss(other, labels).item<double>() - model->forward_loss(row, labels).item<double>()),
+            1e-4);
+}

@@ -388,8 +388,7 @@ TEST(Config, UnavailableFeaturesSayTheyAreNotAvailable) {
   std::stringstream doc;
   doc << in.rdbuf();
   const std::string docs = doc.str();
-  for (const char* name : {"parallelism.context_parallel_degree",
-                           "parallelism.pipeline_parallel_degree", "activation_checkpoint.mode"}) {
+  for (const char* name : {"parallelism.pipeline_parallel_degree", "activation_checkpoint.mode"}) {
     SCOPED_TRACE(name);
     const auto key = std::find_if(config_schema().begin(), config_schema().end(),
                                   [&](const ConfigKey& k) { return k.name() == name; });

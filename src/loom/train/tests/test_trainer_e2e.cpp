@@ -196,9 +196,9 @@ INSTANTIATE_TEST_SUITE_P(
                                                  " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
                                                  " --parallelism.data_parallel_shard_degree=1",
                  2, "training.mixed_precision_reduce = \"bfloat16\" needs FSDP"},
-        BadInput{"context_parallel", "train --config " + src("configs/llama3_debug.toml") +
-                                         " --parallelism.context_parallel_degree=2",
-                 2, "context and pipeline parallelism are not available yet"},
+        BadInput{"pipeline_parallel", "train --config " + src("configs/llama3_debug.toml") +
+                                          " --parallelism.pipeline_parallel_degree=2",
+                 2, "pipeline parallelism is not available in loom train yet"},
         BadInput{"async_tensor_parallel", "train --config " + src("configs/llama3_debug.toml") +
                                               " --parallelism.enable_async_tensor_parallel=true"
                                               " --parallelism.disable_sequence_parallel=true",

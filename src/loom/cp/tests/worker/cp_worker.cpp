@@ -22,26 +22,38 @@ double max_relative_diff(const torch::Tensor& a, const torch::Tensor& b) {
   return (a - b).abs().max().item<double>() / scale;
 }
 
-void check_case(const tensor::CommPtr& comm, int64_t heads, int64_t kv_heads, cp::RotateMethod method) {
+void check_case(const tensor::CommPtr& comm, int64_t heads, int64_t kv_heads, cp::RotateMethod method,
+                bool documents) {
   const int c = comm->size(), r = comm->rank();
-  const std::string name = c10::str("cp=", c, " heads=", heads, "/", kv_heads, " ", cp::to_string(method));
+  const std::string name = c10::str("cp=", c, " heads=", heads, "/", kv_heads, " ", cp::to_string(method),
+                                    documents ? " block_causal" : " causal");
   constexpr int64_t kBatch = 2, kSeq = 64, kDim = 16;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   const torch::Tensor q_full = torch::randn({kBatch, heads, kSeq, kDim}, gen);
   const torch::Tensor k_full = torch::randn({kBatch, kv_heads, kSeq, kDim}, gen);
   const torch::Tensor v_full = torch::randn({kBatch, kv_heads, kSeq, kDim}, gen);
   const torch::Tensor dout_full = torch::randn({kBatch, heads, kSeq, kDim}, gen);
+  // Documents: each row cut at random places (about one boundary per 12 tokens), so blocks with
+  // no allowed pair, rows of a block with none, and documents spanning ranks all occur.
+  const torch::Tensor doc_ids = (torch::rand({kBatch, kSeq}, gen) < 1.0 / 12).to(torch::kInt64).cumsum(1);
+  std::optional<torch::Tensor> ref_mask;
+  if (documents) {
+    ref_mask = (doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1))
+                   .logical_and(torch::ones({kSeq, kSeq}, torch::kBool).tril())
+                   .unsqueeze(1);
+  }
 
   torch::Tensor q_ref = q_full.clone().requires_grad_(), k_ref = k_full.clone().requires_grad_(),
                 v_ref = v_full.clone().requires_grad_();
-  const torch::Tensor out_ref = at::scaled_dot_product_attention(q_ref, k_ref, v_ref, std::nullopt, 0.0, true,
+  const torch::Tensor out_ref = at::scaled_dot_product_attention(q_ref, k_ref, v_ref, ref_mask, 0.0, !documents,
                                                                  std::nullopt, heads != kv_heads);
   out_ref.backward(dout_full);
 
   auto shard = [&](const torch::Tensor& t) { return cp::shard_sequence(t, 2, r, c); };
   torch::Tensor q = shard(q_full).requires_grad_(), k = shard(k_full).requires_grad_(),
                 v = shard(v_full).requires_grad_();
-  const torch::Tensor out = cp::ring_attention(q, k, v, comm, method);
+  const torch::Tensor out = cp::ring_attention(q, k, v, comm, method,
+                                               documents ? cp::shard_sequence(doc_ids, 1, r, c) : torch::Tensor());
   out.backward(shard(dout_full));
   const double d_out = max_relative_diff(out, shard(out_ref));
   const double d_q = max_relative_diff(q.grad(), shard(q_ref.grad()));
@@ -58,8 +70,10 @@ void check_case(const tensor::CommPtr& comm, int64_t heads, int64_t kv_heads, cp
 
 void scenario_attention(const tensor::CommPtr& comm) {
   for (auto method : {cp::RotateMethod::kRing, cp::RotateMethod::kAllGather}) {
-    check_case(comm, 4, 4, method);
-    check_case(comm, 8, 2, method);  // GQA: only the 2 key/value heads travel
+    for (bool documents : {false, true}) {
+      check_case(comm, 4, 4, method, documents);
+      check_case(comm, 8, 2, method, documents);  // GQA: only the 2 key/value heads travel
+    }
   }
 }
 

@@ -1,0 +1,88 @@
+#include "loom/models/llama3/spec.h"
+
+#include <algorithm>
+
+#include "loom/core/error.h"
+#include "loom/models/llama3/model.h"
+#include "loom/models/llama3/model_dir.h"
+#include "loom/models/llama3/parallelize.h"
+
+namespace loom::llama3 {
+namespace {
+
+std::unique_ptr<models::ModelArgs> build_args(const models::ModelRequest& request) {
+  auto args = std::make_unique<ModelArgs>(flavor(request.flavor, request.vocab_size));
+  // The RoPE cache covers at least the training sequence.
+  args->max_seq_len = std::max(args->max_seq_len, request.seq_len);
+  return args;
+}
+
+std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
+    std::shared_ptr<nn::Module> module, const models::ModelArgs& /*args*/,
+    const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
+    const models::ParallelizeOptions& options) {
+  auto model = std::dynamic_pointer_cast<Transformer>(std::move(module));
+  LOOM_REQUIRE(model != nullptr, "llama3's parallelize was given a model its spec did not build");
+  ParallelizeOptions plan;
+  plan.tp.sequence_parallel = options.tp.sequence_parallel;
+  plan.tp.async = options.tp.async;
+  plan.cp_rotate_method = cp::parse_rotate_method(options.cp_rotate_method);
+  plan.tp.loss_parallel = options.tp.loss_parallel;
+  const auto reshard = FSDPReshardSetting::parse(options.fsdp_reshard_after_forward);
+  plan.fsdp.reshard_after_forward = reshard.blocks;
+  plan.fsdp_reshard_last_block = reshard.last_block;
+  plan.fsdp.mixed_precision = options.fsdp_mixed_precision;
+  plan.fsdp.device = options.device;  // FSDP's buffers on the rank's device (caching allocator on GPUs)
+  plan.seed = options.seed;
+  plan.device = options.device;
+  return parallelize(std::move(model), dims, mesh, plan);
+}
+
+models::InitialWeights read_initial_weights(const std::filesystem::path& path) {
+  models::InitialWeights weights;
+  if (detect_model_dir_format(path) == ModelDirFormat::kLoom) {
+    weights.loom_checkpoint = resolve_loom_checkpoint(path);
+    return weights;
+  }
+  const auto model = load_hf_model_dir(path);
+  for (const auto& p : model->named_parameters()) weights.full_parameters[p.name] = p.tensor().detach();
+  return weights;
+}
+
+}  // namespace
+
+const ModelArgs& args_of(const models::ModelArgs& args) {
+  const auto* llama = dynamic_cast<const ModelArgs*>(&args);
+  LOOM_REQUIRE(llama != nullptr, "llama3's spec was given another model's args");
+  return *llama;
+}
+
+models::ModelSpec model_spec() {
+  models::ModelSpec spec;
+  spec.name = "llama3";
+  spec.flavors = flavor_names();
+  spec.build_args = build_args;
+  spec.build_model = [](const models::ModelArgs& args, const torch::TensorOptions& options) {
+    return std::static_pointer_cast<nn::Module>(std::make_shared<Transformer>(args_of(args), options));
+  };
+  spec.count_parameters = [](const models::ModelArgs& args) { return count_parameters(args_of(args)); };
+  spec.flops_per_token = [](const models::ModelArgs& args, int64_t seq_len) {
+    const ModelArgs& a = args_of(args);
+    return flops_per_token(a, count_parameters(a).non_embedding, seq_len);
+  };
+  spec.validate_layout = [](const models::ModelArgs& args, const distributed::ParallelDims& dims,
+                            int64_t seq_len, const models::TensorParallelOptions& tp) {
+    validate_tp_degree(args_of(args), dims.tp(), seq_len, {tp.sequence_parallel, tp.loss_parallel, tp.async});
+  };
+  spec.parallelize = parallelize_model;
+  // spec.pipeline: none yet (pipeline parallelism is not built).
+  spec.model_config_json = [](const models::ModelArgs& args) { return model_config_json(args_of(args)); };
+  spec.model_args_from_config_json = [](const nlohmann::json& json, const std::string& source) {
+    return std::unique_ptr<models::ModelArgs>(
+        std::make_unique<ModelArgs>(model_args_from_config_json(json, source)));
+  };
+  spec.read_initial_weights = read_initial_weights;
+  return spec;
+}
+
+}  // namespace loom::llama3

@@ -1,0 +1,40 @@
+// The registered models. Registration is this list rather than static initializers in each
+// model's file: the models are a static library, and a linker drops an object file nothing
+// refers to, registration included.
+#include <algorithm>
+
+#include "loom/core/error.h"
+#include "loom/models/llama3/spec.h"
+#include "loom/models/spec.h"
+
+namespace loom::models {
+namespace {
+
+const std::vector<ModelSpec>& registered_specs() {
+  static const std::vector<ModelSpec> specs = {llama3::model_spec()};
+  return specs;
+}
+
+}  // namespace
+
+const std::vector<std::string_view>& spec_names() {
+  static const std::vector<std::string_view> names = [] {
+    std::vector<std::string_view> n;
+    for (const ModelSpec& spec : registered_specs()) n.emplace_back(spec.name);
+    return n;
+  }();
+  return names;
+}
+
+const ModelSpec& get_spec(const std::string& name) {
+  const auto& specs = registered_specs();
+  const auto it = std::find_if(specs.begin(), specs.end(), [&](const ModelSpec& s) { return s.name == name; });
+  if (it == specs.end()) {
+    std::string available;
+    for (const std::string_view n : spec_names()) available += (available.empty() ? "" : ", ") + std::string(n);
+    fail_usage("unknown model.name '", name, "'; available: ", available);
+  }
+  return *it;
+}
+
+}  // namespace loom::models

@@ -1,0 +1,122 @@
+// A model as the Trainer knows it: a ModelSpec registered by name (TorchTitan's TrainSpec), which
+// builds the model, counts it, checks a layout against it, parallelizes it, describes it in
+// checkpoints and reads its initial weights. The Trainer holds an nn::Module, the spec and the
+// spec's ModelArgs, so it names no model.
+//
+// Trainer flow:
+//   const models::ModelSpec& spec = models::get_spec(config.model.name);
+//   auto args = spec.build_args({flavor, vocab_size, seq_len});
+//   spec.validate_layout(*args, dims, seq_len, tp_options);        // before any process group
+//   auto model = spec.build_model(*args, meta);                     // shapes only
+//   auto parallel_model = spec.parallelize(model, *args, dims, mesh, options);
+//   checkpoint json[kModelConfigKey] = spec.model_config_json(*args);
+//
+// Slots TorchTitan's TrainSpec has and a ModelSpec has not: the loss (a model's forward_loss fuses
+// its output head and loss, and parallelize may replace it, e.g. loss parallel); the optimizer,
+// LR schedule, data loader and tokenizer (the same for every model today, built by the Trainer).
+#pragma once
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "loom/distributed/device_mesh.h"
+#include "loom/distributed/parallel_dims.h"
+#include "loom/fsdp/fully_shard.h"
+#include "loom/models/model_args.h"
+#include "loom/nn/module.h"
+#include "loom/optim/optimizer.h"
+#include "loom/parallel/parallelized_model.h"
+
+namespace loom::models {
+
+// The key under which a checkpoint's global JSON records its model ({"name", "model_args"}), so
+// `loom score` and `loom convert` can rebuild it from the checkpoint alone.
+inline constexpr const char* kModelConfigKey = "model";
+
+// What a run asks of a flavor (TorchTitan's update_from_config).
+struct ModelRequest {
+  std::string flavor;
+  int64_t vocab_size = 0;  // embedding rows: model.vocab_size, or the tokenizer's vocabulary
+  int64_t seq_len = 0;     // training.seq_len: the positional tables must cover it
+};
+
+struct TensorParallelOptions {
+  bool sequence_parallel = true;  // parallelism.disable_sequence_parallel = false
+  bool loss_parallel = true;      // parallelism.disable_loss_parallel = false
+  bool async = false;             // parallelism.enable_async_tensor_parallel
+};
+
+// The parallelism and training settings a model's plan reads (TorchTitan hands parallelize_fn the
+// job config; here the models library sits below train/, so the Trainer passes these). Which
+// parallelisms apply is decided by the mesh.
+struct ParallelizeOptions {
+  TensorParallelOptions tp;
+  std::string cp_rotate_method = "allgather";  // parallelism.context_parallel_rotate_method
+  // parallelism.fsdp_reshard_after_forward as written: which of its modules a model reshards
+  // ("default" keeps the last block gathered) is the model's plan, so the model parses it.
+  std::string fsdp_reshard_after_forward = "default";
+  fsdp::MixedPrecisionPolicy fsdp_mixed_precision;  // FSDP's param and reduce dtypes
+  uint64_t seed = 0;               // initialization: the single-process values, whatever the layout
+  c10::Device device = c10::kCPU;  // the rank's device: parameters, buffers and FSDP's storage
+};
+
+// checkpoint.initial_load_path as a model reads it: a Loom checkpoint the Trainer loads through
+// the checkpointer (each rank reads only its pieces, whatever layout saved them), or every
+// parameter's whole value read from another format (Hugging Face) by Loom parameter name.
+struct InitialWeights {
+  std::filesystem::path loom_checkpoint;  // non-empty: this checkpoint directory (resolved)
+  optim::TensorDict full_parameters;      // else: these, for ParallelizedModel::load_full_parameters
+};
+
+struct ModelSpec {
+  std::string name;                  // model.name
+  std::vector<std::string> flavors;  // model.flavor's valid values
+
+  // The flavor's args for this run; an unknown flavor is a loom::UsageError listing the valid ones.
+  std::function<std::unique_ptr<ModelArgs>(const ModelRequest&)> build_args;
+  // The model on `options`' device (torch::kMeta: shapes only, no memory), parameters uninitialized.
+  std::function<std::shared_ptr<nn::Module>(const ModelArgs&, const torch::TensorOptions&)> build_model;
+  std::function<ParameterCounts(const ModelArgs&)> count_parameters;
+  // Training FLOPs per token at `seq_len` (TorchTitan's 6N + attention), for MFU.
+  std::function<double(const ModelArgs&, int64_t seq_len)> flops_per_token;
+
+  // Refuses, with a one-line loom::UsageError (exit 2) naming the value and what would work, a
+  // layout the model cannot be split into (e.g. a TP degree not dividing the heads). Called before
+  // any process group exists.
+  std::function<void(const ModelArgs&, const distributed::ParallelDims&, int64_t seq_len,
+                     const TensorParallelOptions&)>
+      validate_layout;
+  // Applies the model's plan to `model` (built by build_model on the meta device): TP, then FSDP or
+  // DDP, as the mesh has them; materializes on options.device and initializes from options.seed.
+  std::function<std::unique_ptr<parallel::ParallelizedModel>(
+      std::shared_ptr<nn::Module> model, const ModelArgs&, const distributed::ParallelDims&,
+      const distributed::DeviceMesh&, const ParallelizeOptions&)>
+      parallelize;
+  // Pipeline parallelism (TorchTitan's pipelining_fn: split the model into stages and build the
+  // schedule) does not exist yet; the slot stays null, its signature comes with it, and the
+  // Trainer refuses parallelism.pipeline_parallel_degree > 1 before looking at the model.
+  std::function<void()> pipeline;
+
+  // The checkpoint's model entry (under kModelConfigKey) and back; `source` names the file in
+  // errors, and an entry for another model or with unknown keys is a one-line error.
+  std::function<nlohmann::json(const ModelArgs&)> model_config_json;
+  std::function<std::unique_ptr<ModelArgs>(const nlohmann::json&, const std::string& source)>
+      model_args_from_config_json;
+  // What checkpoint.initial_load_path holds (see InitialWeights); a one-line loom::Error when it is
+  // nothing this model reads.
+  std::function<InitialWeights(const std::filesystem::path&)> read_initial_weights;
+};
+
+// The registered spec named `name`; an unknown name is a loom::UsageError listing the registered
+// ones.
+const ModelSpec& get_spec(const std::string& name);
+// The registered names, in registration order (the config schema's choices for model.name).
+const std::vector<std::string_view>& spec_names();
+
+}  // namespace loom::models
