@@ -59,8 +59,37 @@ void Transformer::reset_buffers() {
   cache = values.to(cache.device(), cache.scalar_type());
 }
 
+nn::Embedding& Transformer::tok_embeddings() {
+  LOOM_REQUIRE(tok_embeddings_ != nullptr, "this Transformer has no tok_embeddings (removed)");
+  return *tok_embeddings_;
+}
+
+nn::RMSNorm& Transformer::norm() {
+  LOOM_REQUIRE(norm_ != nullptr, "this Transformer has no final norm (head removed)");
+  return *norm_;
+}
+
+nn::Linear& Transformer::output() {
+  LOOM_REQUIRE(output_ != nullptr, "this Transformer has no output head (removed)");
+  return *output_;
+}
+
+void Transformer::remove_embedding() {
+  LOOM_REQUIRE(tok_embeddings_ != nullptr, "tok_embeddings already removed");
+  remove_module("tok_embeddings");
+  tok_embeddings_.reset();
+}
+
+void Transformer::remove_head() {
+  LOOM_REQUIRE(output_ != nullptr, "the head is already removed");
+  remove_module("norm");
+  remove_module("output");
+  norm_.reset();
+  output_.reset();
+}
+
 torch::Tensor Transformer::embed(const torch::Tensor& tokens) {
-  return tok_embeddings_->forward(tokens);
+  return tok_embeddings().forward(tokens);
 }
 
 torch::Tensor Transformer::run_layers(torch::Tensor hidden, const nn::TokenLayout& layout) {
@@ -72,7 +101,7 @@ torch::Tensor Transformer::run_layers(torch::Tensor hidden, const nn::TokenLayou
 }
 
 torch::Tensor Transformer::head(const torch::Tensor& hidden) {
-  return output_->forward(norm_->forward(hidden));
+  return output().forward(norm().forward(hidden));
 }
 
 torch::Tensor Transformer::forward(const torch::Tensor& tokens) {
@@ -85,8 +114,22 @@ torch::Tensor Transformer::forward(const torch::Tensor& tokens) {
   });
 }
 
+torch::Tensor Transformer::loss_from_normed(const torch::Tensor& hidden,
+                                            const torch::Tensor& labels) {
+  if (head_loss_) return head_loss_(hidden, *output_, labels);
+  if (output_->has_forward_hooks() || output_->has_bias()) {
+    // The head is wrapped (e.g. by a parallel style): keep its forward, take the plain loss.
+    const torch::Tensor logits = output_->forward(hidden).to(torch::kFloat32);
+    return torch::nn::functional::cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1));
+  }
+  return nn::fused_linear_cross_entropy(hidden.flatten(0, 1), output_->weight(),
+                                        labels.flatten(0, 1));
+}
+
 torch::Tensor Transformer::forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels,
                                        const nn::TokenLayout& layout) {
+  LOOM_REQUIRE(has_embedding() && has_head(), "forward_loss needs the whole model; a part without "
+               "its embedding or head runs forward_part");
   LOOM_REQUIRE(tokens.dim() == 2, "Transformer expects tokens [batch, seq], got shape ",
                tokens.sizes());
   LOOM_REQUIRE(labels.sizes() == tokens.sizes(), "labels of shape ", labels.sizes(),
@@ -94,15 +137,28 @@ torch::Tensor Transformer::forward_loss(const torch::Tensor& tokens, const torch
   LOOM_REQUIRE(tokens.size(1) <= args_.max_seq_len, "sequence length ", tokens.size(1),
                " exceeds max_seq_len ", args_.max_seq_len, "; build the model with a larger one");
   return call_with_hooks(tokens, [&](const torch::Tensor& in) {
-    const torch::Tensor hidden = norm_->forward(run_layers(embed(in), layout));
-    if (head_loss_) return head_loss_(hidden, *output_, labels);
-    if (output_->has_forward_hooks() || output_->has_bias()) {
-      // The head is wrapped (e.g. by a parallel style): keep its forward, take the plain loss.
-      const torch::Tensor logits = output_->forward(hidden).to(torch::kFloat32);
-      return torch::nn::functional::cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1));
-    }
-    return nn::fused_linear_cross_entropy(hidden.flatten(0, 1), output_->weight(),
-                                          labels.flatten(0, 1));
+    return loss_from_normed(norm_->forward(run_layers(embed(in), layout)), labels);
+  });
+}
+
+torch::Tensor Transformer::forward_part(const torch::Tensor& input, const torch::Tensor& labels,
+                                        const nn::TokenLayout& layout) {
+  if (has_embedding() && has_head()) return forward_loss(input, labels, layout);
+  const int64_t expected_dim = has_embedding() ? 2 : 3;
+  LOOM_REQUIRE(input.dim() == expected_dim, "this part of the Transformer expects ",
+               has_embedding() ? "tokens [batch, seq]" : "hidden states [batch, seq, dim]",
+               ", got shape ", input.sizes());
+  LOOM_REQUIRE(input.size(1) <= args_.max_seq_len, "sequence length ", input.size(1),
+               " exceeds max_seq_len ", args_.max_seq_len, "; build the model with a larger one");
+  if (has_head()) {
+    LOOM_REQUIRE(labels.dim() == 2 && labels.size(0) == input.size(0) &&
+                     labels.size(1) == input.size(1),
+                 "labels of shape ", labels.sizes(), " do not match hidden states of shape ",
+                 input.sizes());
+  }
+  return call_with_hooks(input, [&](const torch::Tensor& in) {
+    torch::Tensor hidden = run_layers(has_embedding() ? embed(in) : in, layout);
+    return has_head() ? loss_from_normed(norm_->forward(hidden), labels) : hidden;
   });
 }
 

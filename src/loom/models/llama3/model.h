@@ -60,6 +60,23 @@ class Transformer : public nn::Module {
   torch::Tensor run_layers(torch::Tensor hidden, const nn::TokenLayout& layout = {});
   torch::Tensor head(const torch::Tensor& hidden);  // final norm + output projection
 
+  // ---- Parts of the model (a pipeline stage is a Transformer with some parts removed) ----
+  // Removes tok_embeddings (inputs are then hidden states [B, T, dim]) / norm and output (outputs
+  // are then hidden states), and layers through layers().remove_module(id): the remaining layers
+  // keep their ids, so parameter names stay those of the whole model. Nothing here knows about
+  // ranks: which parts a stage keeps is decided outside (llama3/pipeline.h).
+  void remove_embedding();
+  void remove_head();
+  bool has_embedding() const { return tok_embeddings_ != nullptr; }
+  bool has_head() const { return output_ != nullptr; }
+  // Whatever parts are present, in order: tokens [B, T] (int64) with the embedding, else hidden
+  // [B, T, dim] -> the layers -> with the head, the training loss of `labels` [B, T] exactly as
+  // forward_loss computes it (fused chunked head + loss, or the installed HeadLoss), else the
+  // hidden states [B, T, dim]. The whole model's forward_part(tokens, labels) is forward_loss.
+  // `layout` as forward_loss's (the pipeline stages pass none yet: causal rows 0..T-1).
+  torch::Tensor forward_part(const torch::Tensor& input, const torch::Tensor& labels,
+                             const nn::TokenLayout& layout = {});
+
   // Initializes every parameter by name (see parameter_init) from `seed` and recomputes the RoPE
   // cache. Identical values whatever the device, dtype or later sharding.
   void init_weights(uint64_t seed);
@@ -74,10 +91,11 @@ class Transformer : public nn::Module {
   void set_head_loss(HeadLoss loss) { head_loss_ = std::move(loss); }
 
   const ModelArgs& args() const { return args_; }
-  nn::Embedding& tok_embeddings() { return *tok_embeddings_; }
+  // tok_embeddings / norm / output throw loom::Error when the part was removed.
+  nn::Embedding& tok_embeddings();
   nn::ModuleDict& layers() { return *layers_; }
-  nn::RMSNorm& norm() { return *norm_; }
-  nn::Linear& output() { return *output_; }
+  nn::RMSNorm& norm();
+  nn::Linear& output();
   const torch::Tensor& rope_cache() const { return rope_cache_->tensor; }
 
  private:
@@ -88,6 +106,9 @@ class Transformer : public nn::Module {
   std::shared_ptr<nn::Linear> output_;
   nn::BufferSlot* rope_cache_;  // "freqs": [2, max_seq_len, head_dim], non-persistent
   HeadLoss head_loss_;
+
+  // Final norm (already applied to `hidden`), output head and loss: the tail of forward_loss.
+  torch::Tensor loss_from_normed(const torch::Tensor& hidden, const torch::Tensor& labels);
 };
 
 // TorchTitan's initialization of parameter `name` (a dotted name of Transformer):

@@ -1,0 +1,56 @@
+// Splitting the Llama 3 model into pipeline stages, as TorchTitan's pipeline_llama /
+// pipeline_module_split: from outside the model, which stays free of ranks. Each stage is a
+// Transformer built whole on the meta device and trimmed: it keeps only its layers (removed with
+// layers().remove_module, so the others keep their ids and every parameter keeps its global name,
+// as checkpoints need), stage 0 keeps tok_embeddings, the last stage keeps norm + output and
+// computes the loss (Transformer::forward_part).
+//
+//   auto bounds = llama3::stage_layer_bounds(args, {pp, v, layers_per_stage, split_points});
+//   auto models = llama3::split_into_stages([&] { return make_shared<Transformer>(args, meta); },
+//                                           bounds, schedule.stages_of(pp_rank));
+//   for (auto& m : models) { m->to_empty(device); m->init_weights(seed); }  // whole-model values
+//   auto stages = llama3::make_pipeline_stages(models, schedule.num_stages());
+//   pipeline::PipelineExecutor executor(schedule, stages, {pp_comm, {mb, seq, dim}});
+#pragma once
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/models/llama3/model.h"
+#include "loom/pipeline/stage.h"
+
+namespace loom::llama3 {
+
+struct PipelineSplit {
+  int pp = 1;               // parallelism.pipeline_parallel_degree
+  int stages_per_rank = 1;  // v: the schedule's stages per rank
+  // parallelism.pipeline_parallel_layers_per_stage; 0: not set.
+  int64_t layers_per_stage = 0;
+  // parallelism.pipeline_parallel_split_points: the first layer of every stage but the first, as
+  // TorchTitan writes them ("layers.4") or bare ids ("4"); empty: not set.
+  std::vector<std::string> split_points;
+};
+
+// Stage s of the pp × v stages holds layers [bounds[s], bounds[s + 1]) (bounds has pp × v + 1
+// entries, 0 first, n_layers last). With neither option set the layers are split evenly, the first
+// n_layers % (pp × v) stages taking one more. Every stage holds at least one layer. A split that
+// cannot be made is a UsageError naming the numbers and the valid choices.
+std::vector<int64_t> stage_layer_bounds(const ModelArgs& args, const PipelineSplit& split);
+
+// One trimmed model per stage in `stage_ids` (this rank's stages, schedule.stages_of(rank)).
+// `build_model` builds the whole model (on the meta device, so building costs no memory); it is
+// called once per stage.
+std::vector<std::shared_ptr<Transformer>> split_into_stages(
+    const std::function<std::shared_ptr<Transformer>()>& build_model,
+    const std::vector<int64_t>& bounds, const std::vector<int>& stage_ids);
+
+// The runtime stage of each model (forward = Transformer::forward_part); models[i] is stage
+// stage_ids[i] of num_stages.
+std::vector<std::shared_ptr<pipeline::PipelineStage>> make_pipeline_stages(
+    const std::vector<std::shared_ptr<Transformer>>& models, const std::vector<int>& stage_ids,
+    int num_stages, pipeline::WeightGradMethod method = pipeline::WeightGradMethod::kPerOp);
+
+}  // namespace loom::llama3
