@@ -214,8 +214,8 @@ ByteCount ring_wire_bytes(CommOp op, int64_t payload_bytes, int group_size) {
       return ByteCount::fraction(2 * payload_bytes * (w - 1), w);
     case CommOp::kBroadcast:
     case CommOp::kSend:
-    case CommOp::kRecv:
       return ByteCount::exact(payload_bytes);
+    case CommOp::kRecv:  // the sender counts the bytes; counting them here too would double them
     case CommOp::kBarrier:
       return {};
   }

@@ -62,7 +62,7 @@ struct ByteCount {
 //   all_reduce:                  2(W-1)/W x size (a reduce-scatter followed by an all-gather)
 //   all_to_all:                  (W-1)/W x input size (everything but the local chunk, even splits)
 //   broadcast:                   size (pipelined chain: each rank forwards the tensor once)
-//   send / recv:                 size;  barrier: 0.
+//   send:                        size;  recv and barrier: 0 (the sending rank counts the bytes).
 // Groups of one rank send nothing.
 ByteCount ring_wire_bytes(CommOp op, int64_t payload_bytes, int group_size);
 
