@@ -210,21 +210,6 @@ std::vector<Action> dualpipev_rank(int pp, int rank, int m) {
 
 }  // namespace
 
-size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t substitute = diagonal + (a[i - 1] == b[j - 1] ? 0 : 1);
-      diagonal = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, substitute});
-    }
-  }
-  return row[b.size()];
-}
-
 const std::vector<std::string>& schedule_names() {
   static const std::vector<std::string> names = {"GPipe",         "1F1B",          "Interleaved1F1B", "LoopedBFS",
                                                  "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"};

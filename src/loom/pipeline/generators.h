@@ -12,6 +12,7 @@
 // (v in parentheses: the default when --stages-per-rank is not given.) Every generator's output is
 // checked by the simulator in the tests over a grid of (pp, m, v): no deadlock, complete.
 #pragma once
+#include "loom/core/strings.h"
 #include <string>
 #include <string_view>
 #include <vector>
@@ -59,7 +60,6 @@ Schedule add_unshard_reshard(const Schedule& compute_only);
 // generate_compute, then add_unshard_reshard when `fsdp`, then add_communication.
 Schedule build_schedule(const ScheduleSpec& spec, bool fsdp = false);
 
-// Levenshtein distance (for the nearest-name suggestion).
-size_t edit_distance(std::string_view a, std::string_view b);
+using loom::edit_distance;  // (core/strings.h) for the nearest-name suggestion
 
 }  // namespace loom::pipeline

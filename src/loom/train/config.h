@@ -8,6 +8,7 @@
 // that names the key, the problem, where it came from, and the nearest valid name when a key or
 // section is unknown.
 #pragma once
+#include "loom/core/strings.h"
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -217,7 +218,6 @@ int64_t gradient_accumulation_steps(const JobConfig& config, int64_t data_parall
 optim::AdamWOptions adamw_options(const JobConfig& config);
 optim::LRScheduleOptions lr_schedule_options(const JobConfig& config);
 
-// Levenshtein distance (exposed for tests).
-size_t edit_distance(std::string_view a, std::string_view b);
+using loom::edit_distance;  // (core/strings.h) the nearest-name suggestions use it
 
 }  // namespace loom::train

@@ -5,22 +5,11 @@
 
 #include <c10/util/StringUtil.h>
 
-#include "loom/testing/run.h"
+#include "loom/testing/worker.h"
 
 namespace {
 
-void expect_workers(int nproc) {
-  using loom::testing::bin_dir;
-  auto r = loom::testing::run(bin_dir() + "/loom launch --nproc " + std::to_string(nproc) +
-                                  " --exec -- " + bin_dir() + "/loom_pp_worker parity",
-                              300);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  for (int rank = 0; rank < nproc; ++rank) {
-    EXPECT_NE(r.output.find(c10::str("rank ", rank, "/", nproc, " parity: ok")), std::string::npos)
-        << r.output;
-  }
-  std::printf("%s", r.output.c_str());
-}
+void expect_workers(int nproc) { loom::testing::expect_workers("loom_pp_worker", "parity", nproc); }
 
 }  // namespace
 

@@ -6,7 +6,7 @@
 #include "loom/core/error.h"
 #include "loom/models/llama3/parallelize.h"
 #include "loom/testing/errors.h"
-#include "loom/testing/run.h"
+#include "loom/testing/worker.h"
 
 namespace {
 
@@ -14,17 +14,7 @@ void expect_usage_error(const std::function<void()>& fn, const std::string& expe
   loom::testing::expect_error<loom::UsageError>(fn, {expected});
 }
 
-void expect_workers(int nproc) {
-  using loom::testing::bin_dir;
-  auto r = loom::testing::run(bin_dir() + "/loom launch --nproc " + std::to_string(nproc) +
-                                  " --exec -- " + bin_dir() + "/loom_tp_worker llama",
-                              300);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  for (int rank = 0; rank < nproc; ++rank) {
-    EXPECT_NE(r.output.find(c10::str("rank ", rank, "/", nproc, " llama: ok")), std::string::npos) << r.output;
-  }
-  std::printf("%s", r.output.c_str());
-}
+void expect_workers(int nproc) { loom::testing::expect_workers("loom_tp_worker", "llama", nproc); }
 
 }  // namespace
 

@@ -12,8 +12,7 @@
 
 #include <cmath>
 
-#include "loom/core/build_paths.h"
-#include "loom/testing/run.h"
+#include "loom/train/tests/layout_runs.h"
 
 namespace {
 using loom::testing::bin_dir;
@@ -21,35 +20,13 @@ using loom::testing::run;
 using loom::testing::RunResult;
 using loom::testing::TempDir;
 
-std::string src(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
+using loom::testing::Layout;
+using loom::testing::worst_relative;
 
 std::string train_args(const TempDir& dir, int steps, int local_batch, const std::string& flags) {
-  return " train --config " + src("configs/llama3_debug.toml") +
-         " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
-         " --training.dataset_path=" + src("data/default/corpus.jsonl") + " --job.dump_folder=" +
-         dir.str() + " --training.seq_len=64 --training.steps=" + std::to_string(steps) +
-         " --training.local_batch_size=" + std::to_string(local_batch) +
-         " --training.deterministic=true --optimizer.lr=1e-3 --lr_scheduler.warmup_steps=2"
-         " --metrics.log_freq=1 --metrics.peak_flops=1e11 " + flags;
+  return loom::testing::layout_train_args(dir, steps, local_batch, flags);
 }
-
-std::string command(int nproc, const std::string& args) {
-  return nproc == 1 ? bin_dir() + "/loom" + args
-                    : bin_dir() + "/loom launch --nproc " + std::to_string(nproc) + " --" + args;
-}
-
-double worst_relative(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(a[i]));
-  return worst;
-}
-
-struct Layout {
-  const char* name;
-  int nproc;
-  int local_batch;
-  std::string flags;
-};
+std::string command(int nproc, const std::string& args) { return loom::testing::loom_command(nproc, args); }
 
 void expect_layouts_match_single_process(const std::string& mask, const std::vector<Layout>& layouts) {
   constexpr int kSteps = 20;

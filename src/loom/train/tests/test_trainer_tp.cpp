@@ -15,7 +15,7 @@
 
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/build_paths.h"
-#include "loom/testing/run.h"
+#include "loom/train/tests/layout_runs.h"
 
 namespace {
 using loom::testing::bin_dir;
@@ -23,32 +23,16 @@ using loom::testing::run;
 using loom::testing::RunResult;
 using loom::testing::TempDir;
 
-std::string src(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
+using loom::testing::Layout;
+using loom::testing::worst_relative;
 
-// The debug model, seq 64, deterministic, every step logged; `global_batch` rows per step.
 std::string train_args(const TempDir& dir, int steps, int local_batch, const std::string& layout) {
-  return " train --config " + src("configs/llama3_debug.toml") +
-         " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
-         " --training.dataset_path=" + src("data/default/corpus.jsonl") + " --job.dump_folder=" +
-         dir.str() + " --training.seq_len=64 --training.steps=" + std::to_string(steps) +
-         " --training.local_batch_size=" + std::to_string(local_batch) +
-         " --training.deterministic=true --optimizer.lr=1e-3 --lr_scheduler.warmup_steps=2"
-         " --metrics.log_freq=1 --metrics.peak_flops=1e11 " + layout;
+  return loom::testing::layout_train_args(dir, steps, local_batch, layout);
 }
-
-std::string command(int nproc, const std::string& args) {
-  return nproc == 1 ? bin_dir() + "/loom" + args : bin_dir() + "/loom launch --nproc " + std::to_string(nproc) + " --" + args;
-}
+std::string command(int nproc, const std::string& args) { return loom::testing::loom_command(nproc, args); }
 
 std::vector<double> losses(const TempDir& dir) { return loom::testing::logged_losses(dir.path()); }
 
-double worst_relative(const std::vector<double>& a, const std::vector<double>& b, size_t from = 0) {
-  double worst = 0;
-  for (size_t i = from; i < std::min(a.size(), b.size()); ++i) {
-    worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(a[i]));
-  }
-  return worst;
-}
 
 // The run's parameters after its last step, gathered whole: its final checkpoint converted to
 // Hugging Face's format by `loom convert` (which reassembles every TP box and FSDP range).
@@ -83,12 +67,6 @@ double worst_parameter_difference(const std::map<std::string, torch::Tensor>& wa
   return worst;
 }
 
-struct Layout {
-  const char* name;
-  int nproc;
-  int local_batch;
-  std::string flags;
-};
 
 }  // namespace
 

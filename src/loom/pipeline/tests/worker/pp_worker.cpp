@@ -11,11 +11,10 @@
 #include <string>
 
 #include "loom/core/error.h"
-#include "loom/distributed/launch_env.h"
-#include "loom/distributed/process_group.h"
 #include "loom/models/llama3/pipeline.h"
 #include "loom/pipeline/executor.h"
 #include "loom/pipeline/generators.h"
+#include "loom/testing/worker.h"
 
 namespace {
 
@@ -169,22 +168,5 @@ void scenario_parity(const std::shared_ptr<distributed::Comm>& comm) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int rank = -1;
-  try {
-    const auto env = distributed::detect_launch_env();
-    rank = env.rank;
-    torch::set_num_threads(1);
-    auto d = distributed::init_distributed(env, std::chrono::seconds(60));
-    for (int i = 1; i < argc; ++i) {
-      LOOM_REQUIRE(std::string(argv[i]) == "parity", "unknown scenario '", argv[i], "'");
-      scenario_parity(d->world());
-      std::printf("rank %d/%d %s: ok\n", env.rank, env.world_size, argv[i]);
-      std::fflush(stdout);
-    }
-    d->shutdown();
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "rank %d: error: %s\n", rank, e.what());
-  }
-  return 1;
+  return loom::testing::worker_main(argc, argv, {{"parity", scenario_parity}});
 }
