@@ -23,23 +23,21 @@ using loom::testing::TempDir;
 using loom::testing::Layout;
 using loom::testing::worst_relative;
 
-std::string train_args(const TempDir& dir, int steps, int local_batch, const std::string& flags) {
-  return loom::testing::layout_train_args(dir, steps, local_batch, flags);
-}
-std::string command(int nproc, const std::string& args) { return loom::testing::loom_command(nproc, args); }
+using loom::testing::layout_train_args;
+using loom::testing::loom_command;
 
 void expect_layouts_match_single_process(const std::string& mask, const std::vector<Layout>& layouts) {
   constexpr int kSteps = 20;
   const std::string common = "--model.attention_mask=" + mask;
   TempDir reference("single");
-  RunResult ref = run(command(1, train_args(reference, kSteps, 8, common + " --parallelism.data_parallel_shard_degree=1")), 600);
+  RunResult ref = run(loom_command(1, layout_train_args(reference, kSteps, 8, common + " --parallelism.data_parallel_shard_degree=1")), 600);
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   const auto want = loom::testing::logged_losses(reference.path());
   ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
   EXPECT_LT(want.back(), want.front());
   for (const Layout& l : layouts) {
     TempDir dir(l.name);
-    RunResult r = run(command(l.nproc, train_args(dir, kSteps, l.local_batch, common + " " + l.flags)), 600);
+    RunResult r = run(loom_command(l.nproc, layout_train_args(dir, kSteps, l.local_batch, common + " " + l.flags)), 600);
     ASSERT_EQ(r.exit_code, 0) << l.name << "\n" << r.output;
     const auto got = loom::testing::logged_losses(dir.path());
     ASSERT_EQ(got.size(), want.size()) << l.name;

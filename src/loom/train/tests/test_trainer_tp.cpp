@@ -26,10 +26,8 @@ using loom::testing::TempDir;
 using loom::testing::Layout;
 using loom::testing::worst_relative;
 
-std::string train_args(const TempDir& dir, int steps, int local_batch, const std::string& layout) {
-  return loom::testing::layout_train_args(dir, steps, local_batch, layout);
-}
-std::string command(int nproc, const std::string& args) { return loom::testing::loom_command(nproc, args); }
+using loom::testing::layout_train_args;
+using loom::testing::loom_command;
 
 std::vector<double> losses(const TempDir& dir) { return loom::testing::logged_losses(dir.path()); }
 
@@ -79,7 +77,7 @@ TEST(TrainerTP, EveryLayoutTrainsLikeTheSingleProcess) {
   // Every run saves its final state, whose parameters are compared gathered.
   const std::string save_last = " --checkpoint.enable=true --checkpoint.interval=30";
   TempDir reference("single");
-  RunResult ref = run(command(1, train_args(reference, kSteps, 8, "--parallelism.data_parallel_shard_degree=1" + save_last)), 600);
+  RunResult ref = run(loom_command(1, layout_train_args(reference, kSteps, 8, "--parallelism.data_parallel_shard_degree=1" + save_last)), 600);
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   const auto want = losses(reference);
   const auto want_params = gathered_parameters(reference, kSteps);
@@ -104,7 +102,7 @@ TEST(TrainerTP, EveryLayoutTrainsLikeTheSingleProcess) {
   };
   for (const Layout& l : layouts) {
     TempDir dir(l.name);
-    RunResult r = run(command(l.nproc, train_args(dir, kSteps, l.local_batch, l.flags + save_last)), 600);
+    RunResult r = run(loom_command(l.nproc, layout_train_args(dir, kSteps, l.local_batch, l.flags + save_last)), 600);
     ASSERT_EQ(r.exit_code, 0) << l.name << "\n" << r.output;
     const auto got = losses(dir);
     ASSERT_EQ(got.size(), want.size()) << l.name;
@@ -124,7 +122,7 @@ TEST(TrainerTP, EveryLayoutTrainsLikeTheSingleProcess) {
 TEST(TrainerTP, CheckpointsMoveBetweenTensorParallelLayouts) {
   const std::string saving = "--parallelism.tensor_parallel_degree=2 --checkpoint.enable=true --checkpoint.interval=6";
   TempDir whole("whole");
-  RunResult w = run(command(4, train_args(whole, 12, 4, saving)), 600);
+  RunResult w = run(loom_command(4, layout_train_args(whole, 12, 4, saving)), 600);
   ASSERT_EQ(w.exit_code, 0) << w.output;
   const auto uninterrupted = losses(whole);
   ASSERT_EQ(uninterrupted.size(), 12u);
@@ -153,7 +151,7 @@ TEST(TrainerTP, CheckpointsMoveBetweenTensorParallelLayouts) {
     TempDir dir(l.name);
     std::filesystem::create_directories(dir.path() / "checkpoint");
     std::filesystem::copy(step6, dir.path() / "checkpoint" / "step-6", std::filesystem::copy_options::recursive);
-    RunResult r = run(command(l.nproc, train_args(dir, 12, l.local_batch, l.flags + " --checkpoint.enable=true")), 600);
+    RunResult r = run(loom_command(l.nproc, layout_train_args(dir, 12, l.local_batch, l.flags + " --checkpoint.enable=true")), 600);
     ASSERT_EQ(r.exit_code, 0) << l.name << "\n" << r.output;
     EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
     const auto got = losses(dir);
@@ -172,7 +170,7 @@ TEST(TrainerTP, CheckpointsMoveBetweenTensorParallelLayouts) {
 // A degree that does not split the model: one line per rank, exit 2, naming what works.
 TEST(TrainerTP, DegreeThatDoesNotSplitTheModelIsOneLine) {
   TempDir dir("tp3");
-  RunResult r = run(command(3, train_args(dir, 2, 8, "--parallelism.tensor_parallel_degree=3"
+  RunResult r = run(loom_command(3, layout_train_args(dir, 2, 8, "--parallelism.tensor_parallel_degree=3"
                                                      " --parallelism.data_parallel_shard_degree=1")), 120);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("parallelism.tensor_parallel_degree = 3 does not divide n_heads of the model (16); "
