@@ -151,29 +151,6 @@ torch::Tensor gather_documents(const torch::Tensor& docs, distributed::Comm& com
   return all;
 }
 
-// Even ranks send first and odd ranks receive first, so two ranks sharing one NCCL communicator
-// never both wait on a receive (Gloo takes any order). See tp/collective_matmul.cpp.
-struct Exchange {
-  distributed::WorkHandle send, recv;
-  void start(distributed::Comm& comm, const torch::Tensor& to_send, const torch::Tensor& to_recv, int tag) {
-    const int t = comm.size(), r = comm.rank();
-    const int next = (r + 1) % t, prev = (r + t - 1) % t;
-    if (r % 2 == 0) {
-      send = comm.send_async(to_send, next, tag);
-      recv = comm.recv_async(to_recv, prev, tag);
-    } else {
-      recv = comm.recv_async(to_recv, prev, tag);
-      send = comm.send_async(to_send, next, tag);
-    }
-  }
-  void wait() {
-    if (recv) recv->wait();
-    if (send) send->wait();
-    recv.reset();
-    send.reset();
-  }
-};
-
 // Calls visit(src, kv) for the key/values [2, B, Hkv, T, D] of every rank, this rank's first, then
 // around the ring (src = rank - j), fetched as `method` says.
 void for_each_source(const torch::Tensor& kv, distributed::Comm& comm, RotateMethod method,
@@ -190,11 +167,11 @@ void for_each_source(const torch::Tensor& kv, distributed::Comm& comm, RotateMet
   }
   torch::Tensor current = kv;
   for (int j = 0; j < t; ++j) {
-    Exchange x;
+    distributed::RingStep x;
     torch::Tensor next;
     if (j + 1 < t) {
       next = torch::empty_like(current);
-      x.start(comm, current, next, j);
+      x = distributed::ring_step(comm, current, next, j);
     }
     visit((r - j + t) % t, current);
     x.wait();
@@ -278,7 +255,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     } else {
       // The gradient of each source's keys and values travels with them around the ring, each rank
       // adding its blocks' share; after a full turn it arrives at its owner.
-      Exchange home;
+      distributed::RingStep home;
       torch::Tensor sending, arriving;
       int step = 0;
       for_each_source(kv, group, method, [&](int src, const torch::Tensor& pair) {
@@ -291,7 +268,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
         sending = dkv;
         if (t > 1) {
           arriving = torch::empty_like(dkv);
-          home.start(group, sending, arriving, 1000 + step);
+          home = distributed::ring_step(group, sending, arriving, 1000 + step);
         } else {
           arriving = dkv;
         }

@@ -716,4 +716,34 @@ void Comm::send(const at::Tensor& tensor, int dst, int tag) { send_async(tensor,
 void Comm::recv(const at::Tensor& tensor, int src, int tag) { recv_async(tensor, src, tag)->wait(); }
 void Comm::barrier() { barrier_async()->wait(); }
 
+void RingStep::wait_recv() {
+  if (recv) recv->wait();
+  recv.reset();
+}
+
+void RingStep::wait_send() {
+  if (send) send->wait();
+  send.reset();
+}
+
+RingStep ring_step(Comm& comm, const at::Tensor& to_send, const at::Tensor& to_recv, int tag) {
+  const int t = comm.size(), r = comm.rank();
+  const int next = (r + 1) % t, prev = (r + t - 1) % t;
+  RingStep step;
+  auto post_send = [&] {
+    if (to_send.defined()) step.send = comm.send_async(to_send, next, tag);
+  };
+  auto post_recv = [&] {
+    if (to_recv.defined()) step.recv = comm.recv_async(to_recv, prev, tag);
+  };
+  if (r % 2 == 0) {
+    post_send();
+    post_recv();
+  } else {
+    post_recv();
+    post_send();
+  }
+  return step;
+}
+
 }  // namespace loom::distributed

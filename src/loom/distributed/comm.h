@@ -237,4 +237,18 @@ class Comm {
   uint64_t group_seq_ = 0;
 };
 
+// One step of a ring over `comm`: sends `to_send` to the next group rank and receives `to_recv`
+// from the previous one (either may be undefined: no such transfer). On Gloo any posting order
+// works; on NCCL a send and a receive between the same two ranks share one communicator and
+// stream, so with two ranks both must not post their receive first. Even ranks post the send
+// first, odd ranks the receive: every pair matches. Used by the collective matmuls of async TP and
+// by ring attention.
+struct RingStep {
+  WorkHandle send, recv;
+  void wait_recv();
+  void wait_send();
+  void wait() { wait_recv(), wait_send(); }
+};
+RingStep ring_step(Comm& comm, const at::Tensor& to_send, const at::Tensor& to_recv, int tag);
+
 }  // namespace loom::distributed

@@ -34,32 +34,6 @@ void batched_mm_into(const torch::Tensor& out, const torch::Tensor& a, const tor
   }
 }
 
-// Point-to-point ordering. On Gloo any order works; on NCCL a send and a receive between the same
-// two ranks share one communicator and stream, so with two ranks both must not post their receive
-// first. Even ranks send first, odd ranks receive first: every pair then matches.
-struct RingExchange {
-  distributed::WorkHandle send, recv;
-  void start(distributed::Comm& comm, const torch::Tensor& to_send, const torch::Tensor& to_recv, int tag) {
-    const int t = comm.size(), r = comm.rank();
-    const int next = (r + 1) % t, prev = (r + t - 1) % t;
-    if (r % 2 == 0) {
-      if (to_send.defined()) send = comm.send_async(to_send, next, tag);
-      if (to_recv.defined()) recv = comm.recv_async(to_recv, prev, tag);
-    } else {
-      if (to_recv.defined()) recv = comm.recv_async(to_recv, prev, tag);
-      if (to_send.defined()) send = comm.send_async(to_send, next, tag);
-    }
-  }
-  void wait_recv() {
-    if (recv) recv->wait();
-    recv.reset();
-  }
-  void wait_send() {
-    if (send) send->wait();
-    send.reset();
-  }
-};
-
 // Gathers `local` ([b, n, f], this rank's chunk) along the sequence around the ring. `on_chunk`
 // runs on each chunk as soon as it is here (the local one first), with the chunk's sequence
 // offset, while the next chunk is in flight. Returns the gathered [b, t*n, f].
@@ -73,11 +47,11 @@ torch::Tensor ring_all_gather(const torch::Tensor& local, distributed::Comm& com
   torch::Tensor current = local.contiguous();
   for (int j = 0; j < t; ++j) {
     const int src = (r - j + t) % t;  // whose chunk `current` is
-    RingExchange ring;
+    distributed::RingStep ring;
     torch::Tensor incoming;
     if (j + 1 < t) {
       incoming = torch::empty_like(current);
-      ring.start(comm, current, incoming, j);
+      ring = distributed::ring_step(comm, current, incoming, j);
     }
     full.narrow(kSeq, src * n, n).copy_(current);
     on_chunk(src * n, current);
@@ -100,12 +74,12 @@ torch::Tensor ring_reduce_scatter(const std::vector<int64_t>& chunk_sizes, const
   distributed::WorkHandle send;
   for (int j = 0; j < t; ++j) {
     const int c = ((r - 1 - j) % t + t) % t;  // the chunk the ring carries through this rank now
-    RingExchange ring;
+    distributed::RingStep ring;
     torch::Tensor incoming;
     // The running sum of chunk c, from the previous rank (its step j - 1), and this rank's addend.
     if (j > 0) {
       incoming = torch::empty(chunk_sizes, options);
-      ring.start(comm, torch::Tensor(), incoming, j - 1);
+      ring = distributed::ring_step(comm, torch::Tensor(), incoming, j - 1);
     }
     torch::Tensor sum = partial(c);
     if (j + 1 == t && before_last_wait) before_last_wait();
@@ -116,9 +90,7 @@ torch::Tensor ring_reduce_scatter(const std::vector<int64_t>& chunk_sizes, const
     if (j + 1 < t) {
       if (send) send->wait();
       sending = sum;
-      RingExchange out;
-      out.start(comm, sending, torch::Tensor(), j);
-      send = out.send;
+      send = distributed::ring_step(comm, sending, torch::Tensor(), j).send;
     } else {
       result = sum;
     }
