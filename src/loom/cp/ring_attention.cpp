@@ -259,7 +259,6 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       torch::Tensor sending, arriving;
       int step = 0;
       for_each_source(kv, group, method, [&](int src, const torch::Tensor& pair) {
-        (void)src;
         torch::Tensor dkv = contributions(src, pair);
         if (step > 0) {
           home.wait();

@@ -100,9 +100,9 @@ torch::Tensor ring_reduce_scatter(const std::vector<int64_t>& chunk_sizes, const
 }
 
 struct AllGatherMatmul : torch::autograd::Function<AllGatherMatmul> {
+  // The sequence dim is kSeq (the public functions check it).
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& local, at::TensorList weights,
-                               int64_t dim, const tensor::CommPtr& comm) {
-    (void)dim;
+                               const tensor::CommPtr& comm) {
     const int64_t n = local.size(kSeq);
     std::vector<torch::Tensor> outputs;
     for (const auto& w : weights) {
@@ -136,7 +136,7 @@ struct AllGatherMatmul : torch::autograd::Function<AllGatherMatmul> {
     for (size_t i = 0; i < weights.size(); ++i) {
       if (grads[i + 1].defined()) g_out[i] = grads[i + 1].contiguous();
     }
-    variable_list result(1 + weights.size() + 2);
+    variable_list result(1 + weights.size() + 1);  // local, weights, comm
     auto weight_grads = [&] {
       const torch::Tensor x = full.reshape({-1, full.size(-1)});
       for (size_t i = 0; i < weights.size(); ++i) {
@@ -163,8 +163,7 @@ struct AllGatherMatmul : torch::autograd::Function<AllGatherMatmul> {
 
 struct MatmulReduceScatter : torch::autograd::Function<MatmulReduceScatter> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& input, const torch::Tensor& weight,
-                               int64_t dim, const tensor::CommPtr& comm) {
-    (void)dim;
+                               const tensor::CommPtr& comm) {
     const torch::Tensor x = input.contiguous();
     const int t = comm->size();
     const int64_t n = x.size(kSeq) / t;
@@ -194,7 +193,7 @@ struct MatmulReduceScatter : torch::autograd::Function<MatmulReduceScatter> {
       batched_mm_into(grad_input.narrow(kSeq, offset, n), chunk, weight, false);
     });
     torch::Tensor grad_weight = g_full.reshape({-1, g_full.size(-1)}).t().mm(x.reshape({-1, x.size(-1)}));
-    return {grad_input, grad_weight, {}, {}};
+    return {grad_input, grad_weight, {}};
   }
 };
 
@@ -203,13 +202,13 @@ struct MatmulReduceScatter : torch::autograd::Function<MatmulReduceScatter> {
 GatheredMatmul all_gather_matmul(const torch::Tensor& local, const std::vector<torch::Tensor>& weights,
                                  int64_t dim, const tensor::CommPtr& comm) {
   LOOM_REQUIRE(comm != nullptr, "all_gather_matmul needs a comm");
-  const int64_t d = sequence_dim(local, dim);
+  sequence_dim(local, dim);  // only the sequence dim is supported
   LOOM_REQUIRE(!weights.empty(), "all_gather_matmul needs at least one weight");
   for (const auto& w : weights) {
     LOOM_REQUIRE(w.dim() == 2 && w.size(1) == local.size(-1), "all_gather_matmul: weight ", w.sizes(),
                  " does not take inputs of ", local.size(-1), " features");
   }
-  variable_list out = AllGatherMatmul::apply(local, at::TensorList(weights), d, comm);
+  variable_list out = AllGatherMatmul::apply(local, at::TensorList(weights), comm);
   GatheredMatmul result;
   result.input = out[0];
   result.outputs.assign(out.begin() + 1, out.end());
@@ -224,7 +223,7 @@ torch::Tensor matmul_reduce_scatter(const torch::Tensor& input, const torch::Ten
                weight.sizes(), " does not take inputs of ", input.size(-1), " features");
   LOOM_REQUIRE(input.size(d) % comm->size() == 0, "matmul_reduce_scatter: sequence length ", input.size(d),
                " is not divisible by the group size ", comm->size());
-  return MatmulReduceScatter::apply(input, weight, d, comm);
+  return MatmulReduceScatter::apply(input, weight, comm);
 }
 
 }  // namespace loom::tp
