@@ -7,6 +7,7 @@
 #include "loom/tensor/placement.h"
 #include "loom/testing/errors.h"
 #include "loom/testing/run.h"
+#include "loom/testing/worker.h"
 
 namespace lt = loom::tensor;
 
@@ -51,17 +52,7 @@ TEST(Collectives, SingleRankIsTheIdentity) {
 }
 
 namespace {
-void expect_workers(int nproc) {
-  using loom::testing::bin_dir;
-  auto r = loom::testing::run(bin_dir() + "/loom launch --nproc " + std::to_string(nproc) +
-                                  " --exec -- " + bin_dir() + "/loom_tensor_worker collectives",
-                              120);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  for (int rank = 0; rank < nproc; ++rank) {
-    EXPECT_NE(r.output.find(c10::str("rank ", rank, "/", nproc, " collectives: ok")), std::string::npos)
-        << r.output;
-  }
-}
+void expect_workers(int nproc) { loom::testing::expect_workers("loom_tensor_worker", "collectives", nproc, 120); }
 }  // namespace
 
 // Forward values and gradients of every collective, along dims 0, 2 and -2, against the

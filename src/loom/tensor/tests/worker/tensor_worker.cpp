@@ -8,9 +8,8 @@
 #include <string>
 
 #include "loom/core/error.h"
-#include "loom/distributed/launch_env.h"
-#include "loom/distributed/process_group.h"
 #include "loom/tensor/collectives.h"
+#include "loom/testing/worker.h"
 
 namespace {
 
@@ -109,23 +108,5 @@ void scenario_collectives(const CommPtr& comm) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::map<std::string, std::function<void(const CommPtr&)>> scenarios = {
-      {"collectives", scenario_collectives}};
-  int rank = -1;
-  try {
-    const auto env = loom::distributed::detect_launch_env();
-    rank = env.rank;
-    auto dist = loom::distributed::init_distributed(env, std::chrono::seconds(60));
-    for (int i = 1; i < argc; ++i) {
-      LOOM_REQUIRE(scenarios.count(argv[i]), "unknown scenario '", argv[i], "'");
-      scenarios.at(argv[i])(dist->world());
-      std::printf("rank %d/%d %s: ok\n", env.rank, env.world_size, argv[i]);
-      std::fflush(stdout);
-    }
-    dist->shutdown();
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "rank %d: error: %s\n", rank, e.what());
-  }
-  return 1;
+  return loom::testing::worker_main(argc, argv, {{"collectives", scenario_collectives}});
 }
