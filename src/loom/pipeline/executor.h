@@ -65,6 +65,7 @@ class PipelineExecutor {
 
   const Schedule& schedule() const { return schedule_; }
   int pp_rank() const { return rank_; }
+  distributed::Comm& comm() const { return *options_.comm; }
   const std::vector<std::shared_ptr<PipelineStage>>& stages() const { return stages_; }
   const StepTimes& last_step_times() const { return times_; }
 
