@@ -18,6 +18,7 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -47,6 +48,10 @@ struct StepTimes {
   double compute = 0;
   double wait = 0;
   double total = 0;
+  // Compute seconds and action count of F, B, I and W (indexed by ActionKind): what the
+  // simulator's Costs are, measured.
+  std::array<double, 4> kind_seconds{};
+  std::array<int, 4> kind_count{};
 };
 
 class PipelineExecutor {
