@@ -388,7 +388,7 @@ TEST(Config, UnavailableFeaturesSayTheyAreNotAvailable) {
   std::stringstream doc;
   doc << in.rdbuf();
   const std::string docs = doc.str();
-  for (const char* name : {"parallelism.pipeline_parallel_degree", "activation_checkpoint.mode"}) {
+  for (const char* name : {"activation_checkpoint.mode"}) {
     SCOPED_TRACE(name);
     const auto key = std::find_if(config_schema().begin(), config_schema().end(),
                                   [&](const ConfigKey& k) { return k.name() == name; });
@@ -402,7 +402,7 @@ TEST(Config, UnavailableFeaturesSayTheyAreNotAvailable) {
   std::ifstream readme_in(kSource + "/README.md");
   std::stringstream readme;
   readme << readme_in.rdbuf();
-  for (const char* says : {"`pipeline_parallel_degree` accepts only 1", "`activation_checkpoint.mode` only `\"none\"`"}) {
+  for (const char* says : {"`activation_checkpoint.mode` only `\"none\"`"}) {
     EXPECT_NE(readme.str().find(says), std::string::npos) << says;
   }
 }
