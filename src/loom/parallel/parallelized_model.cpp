@@ -55,7 +55,10 @@ std::string ParallelizedModel::describe() const {
   if (parts_.ddp) out += out.empty() ? "DDP" : " + DDP";
   if (parts_.pipeline) {
     const pipeline::Schedule& s = parts_.pipeline->schedule();
-    out += c10::str(out.empty() ? "" : " + ", "PP ", s.num_ranks, " (", s.name, ", ", s.num_microbatches,
+    if (parts_.pipeline_replicas && parts_.pipeline_replicas->size() > 1) {
+      out += c10::str(out.empty() ? "" : " + ", "DP ", parts_.pipeline_replicas->size(), " replicas");
+    }
+    out += c10::str(out.empty() ? "" : " x ", "PP ", s.num_ranks, " (", s.name, ", ", s.num_microbatches,
                     " micro-batches of ", parts_.pipeline_microbatch_size, " rows, ", s.stages_per_rank,
                     s.stages_per_rank == 1 ? " stage" : " stages", " per rank)");
   }
@@ -136,6 +139,26 @@ torch::Tensor ParallelizedModel::pipeline_forward_backward(const std::vector<Mod
 }
 
 void ParallelizedModel::finish_gradient_sync() {
+  if (parts_.pipeline_replicas && parts_.pipeline_replicas->size() > 1) {
+    // DDP's average over the replicas, once per step after the whole schedule (the stages' weight
+    // gradients come from several actions per micro-batch, so there is no single last hook to
+    // overlap with): one flat buffer, one all-reduce.
+    std::vector<torch::Tensor> grads;
+    for (const auto& [name, g] : local_gradients()) {
+      if (g.defined() && g.numel() > 0) grads.push_back(g);
+    }
+    if (grads.empty()) return;
+    std::vector<torch::Tensor> flats;
+    for (const auto& g : grads) flats.push_back(g.reshape(-1));
+    torch::Tensor flat = torch::cat(flats);
+    parts_.pipeline_replicas->all_reduce(flat, distributed::ReduceOp::kAvg);
+    int64_t offset = 0;
+    for (auto& g : grads) {
+      g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+      offset += g.numel();
+    }
+    return;
+  }
   if (parts_.ddp) parts_.ddp->finish_gradient_sync();
   if (parts_.fsdp) parts_.fsdp->finalize_backward();
   if (parts_.tp && !parts_.tp->partial_gradient_parameters().empty()) {
@@ -178,6 +201,7 @@ torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
   if (parts_.pipeline) {
     // Each parameter lives on one pp rank: the squares of every rank's gradients, summed over pp.
     LOOM_REQUIRE_USAGE(max_norm > 0, "clip_grad_norm_ needs max_norm > 0, got ", max_norm);
+    // Replicas (pipeline_replicas) hold identical averaged gradients: counted once, over pp only.
     LOOM_REQUIRE(!parts_.tp && !parts_.fsdp && !parts_.ddp, "pipeline stages with TP, FSDP or DDP");
     std::vector<torch::Tensor> grads;
     torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);

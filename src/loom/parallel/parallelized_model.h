@@ -58,6 +58,9 @@ struct ParallelParts {
   // micro-batch; null: none.
   std::shared_ptr<pipeline::PipelineExecutor> pipeline;
   int64_t pipeline_microbatch_size = 0;
+  // Data-parallel replicas of the pipeline (dp_replicate x pp): each holds the same stages and
+  // sees other rows; their gradients are averaged once the schedule is done. Null: none.
+  tensor::CommPtr pipeline_replicas;
   std::shared_ptr<tp::TensorParallel> tp;     // null: no tensor parallelism
   std::shared_ptr<fsdp::FSDPModule> fsdp;     // null: no FSDP (the root module's handle)
   std::unique_ptr<ddp::DataParallel> ddp;     // null: no DDP

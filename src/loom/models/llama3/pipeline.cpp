@@ -175,10 +175,11 @@ PipelinePlan plan_pipeline(const ModelArgs& args, int pp, const models::Pipeline
 
 PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::ParallelDims& dims,
                                       const models::PipelineOptions& options) {
-  LOOM_REQUIRE_USAGE(dims.tp() == 1 && dims.cp() == 1 && !dims.dp_enabled(),
-                     "pipeline parallelism does not compose with data, tensor or context parallelism in "
-                     "this build yet (", dims.describe(), "); give the pipeline every rank: "
-                     "parallelism.pipeline_parallel_degree = the number of ranks, the other degrees 1");
+  LOOM_REQUIRE_USAGE(dims.tp() == 1 && dims.cp() == 1 && !dims.dp_shard_enabled(),
+                     "pipeline parallelism composes only with replicated data parallelism "
+                     "(data_parallel_replicate_degree) in this build, not with FSDP, tensor or context "
+                     "parallelism (", dims.describe(), "); set parallelism.data_parallel_shard_degree = 1 "
+                     "and the tensor and context degrees to 1");
   return plan_pipeline(args, dims.pp(), options);
 }
 
@@ -209,6 +210,7 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
   for (auto& model : models) parts.modules.push_back(model);
   parts.pipeline = std::make_shared<pipeline::PipelineExecutor>(plan.schedule, stages, executor);
   parts.pipeline_microbatch_size = options.microbatch_size;
+  if (dims.dp_replicate_enabled()) parts.pipeline_replicas = mesh.comm("dp_replicate");
   return std::make_unique<parallel::ParallelizedModel>(std::move(parts));
 }
 

@@ -86,7 +86,8 @@ std::map<std::string, torch::Tensor> read_whole_checkpoint(const fs::path& dir) 
 }  // namespace
 
 // The one-stage-per-rank schedules at PP 2: 8 rows as 4 micro-batches of 2 and 8 of 1; 1F1B also
-// accumulating two loaded batches of 4 rows (global batch 8) per step.
+// accumulating two loaded batches of 4 rows (global batch 8) per step, and with two data-parallel
+// replicas of 4 rows each (dp_replicate 2 x pp 2 on 4 ranks).
 TEST(TrainerPP, SingleStageSchedulesTrainLikeTheSingleProcess) {
   expect_layouts_match_single_process(
       "", {
@@ -95,6 +96,7 @@ TEST(TrainerPP, SingleStageSchedulesTrainLikeTheSingleProcess) {
               {"pp2_1F1B_m4", 2, 8, pp(2, "1F1B", 2)},
               {"pp2_1F1B_m8", 2, 8, pp(2, "1F1B", 1)},
               {"pp2_1F1B_m4_x_2_accumulated", 2, 4, pp(2, "1F1B", 1) + " --training.global_batch_size=8"},
+              {"dp2_x_pp2_1F1B_m4", 4, 4, pp(2, "1F1B", 1) + " --parallelism.data_parallel_replicate_degree=2"},
           });
 }
 
