@@ -100,6 +100,7 @@ void run_generate(GenerateOptions o) {
   });
   const double seconds = timer.seconds();
   std::printf("\n");
+  std::fflush(stdout);
   std::fprintf(stderr, "%zu prompt + %zu new tokens in %.2f s (%.1f tokens/s; load %.2f s) from %s\n", prompt.size(),
                produced.size(), seconds, static_cast<double>(produced.size()) / std::max(seconds, 1e-9), load_seconds,
                o.checkpoint.c_str());
