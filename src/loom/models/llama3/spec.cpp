@@ -41,8 +41,8 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
   // Pipeline parallelism first splits the model into this rank's stages (built afresh, so the
   // whole meta model is not needed).
   if (dims.pp_enabled()) {
-    return pipeline_llama(model->args(), dims, mesh, options.pipeline, options.autocast_dtype, options.seed,
-                          options.device);
+    return pipeline_llama(model->args(), dims, mesh, options.pipeline, options.tp, options.autocast_dtype,
+                          options.seed, options.device);
   }
   return parallelize(std::move(model), dims, mesh, plan);
 }
