@@ -123,16 +123,21 @@ torch::Tensor ParallelizedModel::pipeline_forward_backward(const std::vector<Mod
   }
   double loss = 0;
   for (const ModelBatch& batch : batches) {
-    LOOM_REQUIRE(!batch.layout.positions.defined() && !batch.layout.document_ids.defined(),
-                 "pipeline stages take causal rows only (no positions or document ids)");
+    LOOM_REQUIRE(!batch.layout.positions.defined(), "pipeline stages take whole rows (no positions)");
     LOOM_REQUIRE(batch.tokens.size(0) == rows * m, "pipeline step: a batch of ", batch.tokens.size(0),
                  " rows is not ", m, " micro-batches of ", rows);
     std::vector<torch::Tensor> inputs, labels;
+    std::vector<nn::TokenLayout> layouts;
     for (int i = 0; i < m; ++i) {
       inputs.push_back(batch.tokens.narrow(0, i * rows, rows));
       labels.push_back(batch.labels.narrow(0, i * rows, rows));
+      // Every stage masks attention by document; every rank has the rows (they are loaded on all
+      // pp ranks), so the ids travel with no message.
+      if (batch.layout.document_ids.defined()) {
+        layouts.push_back({torch::Tensor(), batch.layout.document_ids.narrow(0, i * rows, rows)});
+      }
     }
-    loss += executor.step(inputs, labels) / static_cast<double>(k);
+    loss += executor.step(inputs, labels, layouts) / static_cast<double>(k);
   }
   finish_gradient_sync();
   return torch::tensor(loss, torch::kFloat64);

@@ -79,7 +79,8 @@ int PipelineExecutor::tag(int boundary, int mb, bool gradient) const {
 }
 
 double PipelineExecutor::step(const std::vector<torch::Tensor>& inputs,
-                              const std::vector<torch::Tensor>& labels) {
+                              const std::vector<torch::Tensor>& labels,
+                              const std::vector<nn::TokenLayout>& layouts) {
   const auto step_start = Clock::now();
   times_ = {};
   const int m = schedule_.num_microbatches;
@@ -203,7 +204,8 @@ double PipelineExecutor::step(const std::vector<torch::Tensor>& inputs,
                                             : take_received(recv_f, local_inputs, key, "input");
         torch::Tensor out = st.forward(a.microbatch, input,
                                        st.is_last() ? labels.at(a.microbatch) : torch::Tensor(),
-                                       split_[a.stage][a.microbatch]);
+                                       split_[a.stage][a.microbatch],
+                                       layouts.empty() ? nn::TokenLayout{} : layouts.at(a.microbatch));
         if (st.is_last()) {
           loss_sum = loss_sum.defined() ? loss_sum + out.to(torch::kFloat64)
                                         : out.to(torch::kFloat64);

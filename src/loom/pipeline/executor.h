@@ -66,7 +66,9 @@ class PipelineExecutor {
   // (read by the rank holding the last stage); ranks that hold neither may pass empty vectors.
   // Gradients accumulate into the stages' parameters' .grad (zero them before). Returns the step's
   // loss (mean over micro-batches) on every pp rank.
-  double step(const std::vector<torch::Tensor>& inputs, const std::vector<torch::Tensor>& labels);
+  // `layouts[mb]`: micro-batch mb's token layout, read by every stage (empty: causal rows).
+  double step(const std::vector<torch::Tensor>& inputs, const std::vector<torch::Tensor>& labels,
+              const std::vector<nn::TokenLayout>& layouts = {});
 
   const Schedule& schedule() const { return schedule_; }
   int pp_rank() const { return rank_; }

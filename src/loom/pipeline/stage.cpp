@@ -60,7 +60,8 @@ PipelineStage::MicroBatch& PipelineStage::state(int mb, const char* what) {
 }
 
 torch::Tensor PipelineStage::forward(int mb, const torch::Tensor& input,
-                                     const torch::Tensor& labels, bool split_backward) {
+                                     const torch::Tensor& labels, bool split_backward,
+                                     const nn::TokenLayout& layout) {
   LOOM_REQUIRE(pending_.count(mb) == 0, "stage ", index_, ": second forward of micro-batch ", mb,
                " before its backward");
   MicroBatch s;
@@ -70,7 +71,7 @@ torch::Tensor PipelineStage::forward(int mb, const torch::Tensor& input,
   torch::AutoGradMode grad_mode(true);
   capture_ = (split_backward && method_ == WeightGradMethod::kPerOp) ? &s.ops : nullptr;
   try {
-    s.output = forward_(s.input, labels);
+    s.output = forward_(s.input, labels, layout);
   } catch (...) {
     capture_ = nullptr;
     throw;

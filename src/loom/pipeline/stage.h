@@ -40,14 +40,16 @@
 #include <string>
 #include <vector>
 
+#include "loom/nn/attention.h"
 #include "loom/nn/module.h"
 
 namespace loom::pipeline {
 
-// The stage's computation: input (tokens on the first stage, activations elsewhere) and the
-// micro-batch's labels (read by the last stage only) -> activations, or the loss on the last stage.
-using StageForward =
-    std::function<torch::Tensor(const torch::Tensor& input, const torch::Tensor& labels)>;
+// The stage's computation: input (tokens on the first stage, activations elsewhere), the
+// micro-batch's labels (read by the last stage only) and its token layout (document ids for
+// block-causal attention; default: causal rows) -> activations, or the loss on the last stage.
+using StageForward = std::function<torch::Tensor(const torch::Tensor& input, const torch::Tensor& labels,
+                                                 const nn::TokenLayout& layout)>;
 
 enum class WeightGradMethod { kPerOp, kAutograd };
 
@@ -81,7 +83,7 @@ class PipelineStage {
   // I + W for this micro-batch (kPerOp keeps the layers' inputs and outputs). Returns the output,
   // detached (activations to pass on, or the loss).
   torch::Tensor forward(int mb, const torch::Tensor& input, const torch::Tensor& labels,
-                        bool split_backward = false);
+                        bool split_backward = false, const nn::TokenLayout& layout = {});
   // B: input and weight gradients; weight gradients accumulate in the parameters' .grad. Returns
   // the gradient of the stage input (undefined on the first stage). `grad_output`: the gradient of
   // the output (ignored on the last stage, whose root is the loss times loss_scale).

@@ -848,10 +848,6 @@ void validate(const JobConfig& c) {
   require(c.parallelism.pipeline_parallel_layers_per_stage >= 0,
           key("parallelism.pipeline_parallel_layers_per_stage"), ">= 0 (0 = not set)", c);
   if (c.parallelism.pipeline_parallel_degree > 1) {
-    LOOM_REQUIRE_USAGE(c.model.attention_mask == "causal",
-                       "model.attention_mask = \"", c.model.attention_mask, "\" with pipeline parallelism is not "
-                       "available yet (the stages pass no document ids); use \"causal\" or "
-                       "parallelism.pipeline_parallel_degree = 1");
     const int64_t rows = c.training.local_batch_size, mb = c.parallelism.pipeline_parallel_microbatch_size;
     LOOM_REQUIRE_USAGE(rows % mb == 0, "parallelism.pipeline_parallel_microbatch_size = ", mb,
                        " does not divide training.local_batch_size = ", rows,

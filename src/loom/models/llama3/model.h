@@ -73,7 +73,7 @@ class Transformer : public nn::Module {
   // [B, T, dim] -> the layers -> with the head, the training loss of `labels` [B, T] exactly as
   // forward_loss computes it (fused chunked head + loss, or the installed HeadLoss), else the
   // hidden states [B, T, dim]. The whole model's forward_part(tokens, labels) is forward_loss.
-  // `layout` as forward_loss's (the pipeline stages pass none yet: causal rows 0..T-1).
+  // `layout` as forward_loss's (pipeline stages pass each micro-batch's document ids).
   torch::Tensor forward_part(const torch::Tensor& input, const torch::Tensor& labels,
                              const nn::TokenLayout& layout = {});
 

@@ -114,11 +114,12 @@ std::vector<std::shared_ptr<pipeline::PipelineStage>> make_pipeline_stages(
                      model->has_head() == (stage_ids[i] == num_stages - 1),
                  "stage ", stage_ids[i], " of ", num_stages,
                  ": the embedding belongs to stage 0 only and the head to the last stage only");
-    auto forward = [model, autocast, device](const torch::Tensor& input, const torch::Tensor& labels) {
+    auto forward = [model, autocast, device](const torch::Tensor& input, const torch::Tensor& labels,
+                                             const nn::TokenLayout& layout) {
       // Autocast covers the forward only (the stage's backward runs each op in its forward's
       // dtype). The residual stream stays float32 under autocast, as the receive buffers expect.
       AutocastScope scope(device, autocast);
-      return model->forward_part(input, labels);
+      return model->forward_part(input, labels, layout);
     };
     // The fused loss reads output.weight without calling the module (and a hooked head would
     // switch it to whole logits), so the per-op weight gradient leaves the head to autograd.

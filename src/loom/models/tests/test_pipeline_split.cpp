@@ -184,7 +184,7 @@ TEST(PipelineSplit, CostOfTheBackwardSplit) {
   double ms[3][3] = {};  // [B, per-op, autograd][forward, I or B, W]
   for (int variant = 0; variant < 3; ++variant) {
     const auto method = variant == 2 ? pipeline::WeightGradMethod::kAutograd : pipeline::WeightGradMethod::kPerOp;
-    pipeline::PipelineStage stage(1, 3, models[0], [&](const torch::Tensor& in, const torch::Tensor&) {
+    pipeline::PipelineStage stage(1, 3, models[0], [&](const torch::Tensor& in, const torch::Tensor&, const nn::TokenLayout&) {
       return models[0]->forward_part(in, {});
     }, method);
     const bool split = variant > 0;
