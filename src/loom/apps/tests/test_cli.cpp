@@ -14,7 +14,7 @@ using loom::testing::loom_bin;
 using loom::testing::run;
 
 const std::string kAvailable =
-    "; available: launch, train, score, tokenizer, info, convert, pipeline (see 'loom --help')";
+    "; available: launch, train, plot, score, tokenizer, info, convert, pipeline (see 'loom --help')";
 
 // Issue 8 H: these printed only "A subcommand is required".
 TEST(LoomCli, UnknownCommandsAndOptionsListTheCommands) {
@@ -72,7 +72,7 @@ TEST(LoomBinary, TrainingDeviceCuda) {
   if (torch::cuda::is_available()) {
     EXPECT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("device: cuda:0"), std::string::npos) << r.output;
-    EXPECT_NE(r.output.find("step:     3"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("[step 3/3 · "), std::string::npos) << r.output;
     return;
   }
   EXPECT_EQ(r.exit_code, 2) << r.output;
