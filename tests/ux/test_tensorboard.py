@@ -56,7 +56,8 @@ def main():
             for key, value in r.items():
                 if key != "step" and value is not None:
                     expected.setdefault(key, {})[r["step"]] = np.float32(value)
-        for key in ("loss", "grad_norm", "lr", "tps", "mfu", "mem_peak_gib", "comm_bytes"):
+        for key in ("loss", "grad_norm", "lr", "tps", "mfu", "mem_peak_gib", "comm_bytes",
+                    "comm_bytes/dp_shard"):
             if key not in expected:
                 failures.append(f"metrics.jsonl has no {key}")
         tags = sorted(acc.Tags()["scalars"])
@@ -85,7 +86,7 @@ def main():
             failures.append(f"{len(records)} records, expected 1 + {len(rows)} logged steps")
 
         out = proc.stdout
-        for text in ("run summary: steps 1-7 of 7", "tensorboard --logdir " + run_dir,
+        for text in ("run summary: steps 1-7 of 7", "tensorboard --logdir " + os.path.join(dump, "tb"),
                      "plot:         " + os.path.join(dump, "loss.svg"), "[step 7/7 · "):
             if text not in out:
                 failures.append(f"the output lacks {text!r}")

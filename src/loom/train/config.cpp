@@ -304,11 +304,12 @@ others leave.)md",
 peak memory) and appends one JSON object to `<dump_folder>/metrics.jsonl` with the keys `step`,
 `loss`, `grad_norm`, `lr`, `tps` (tokens/s per rank), `mfu` (percent), `mem_peak_gib` (peak
 resident memory of the rank since the previous log; on a GPU, the peak allocated by the CUDA
-caching allocator), plus extra keys: `comm_bytes` (bytes sent per step), and on a GPU
+caching allocator), plus extra keys: `comm_bytes` (bytes sent per step) and `comm_bytes/<dim>`
+(the same per mesh dim that carried traffic: `dp_shard`, `tp`, `cp`, ...), and on a GPU
 `mem_reserved_gib` (held by the caching allocator) and `mem_peak_pct` (peak as a percentage of the
 device's memory). Each line is flushed when written; NaN/inf are written as `null` (and an MFU that
 cannot be computed prints as `n/a`). The console line starts with the step, the time since training
-started and an ETA (`[step 120/400 · 1m32s · eta 3m35s]`: the mean time of the last 50 steps, the
+started and an ETA (`[step 120/400 · 1m32s · eta 3m35s]`: the mean time of the last 100 steps, the
 first step of the process excluded as warm-up, times the steps left); on a terminal a line with the
 latest step and loss is redrawn in place between log steps. At the end rank 0 prints a summary
 (steps, tokens, wall time, mean tokens/s and MFU, first/last/best loss, peak memory, where the run's

@@ -84,6 +84,16 @@ double dense_transformer_flops_per_token(int64_t non_embedding_params, int64_t n
              static_cast<double>(head_dim) * static_cast<double>(seq_len);
 }
 
+void add_comm_metrics(StepMetrics& m, const distributed::CommSnapshot& snapshot, int64_t steps) {
+  LOOM_REQUIRE(steps > 0, "add_comm_metrics needs a positive step count, got ", steps);
+  const double per_step = 1.0 / static_cast<double>(steps);
+  m.extra["comm_bytes"] = snapshot.total().wire_bytes.value() * per_step;
+  for (const auto& [key, counter] : snapshot.counters) {
+    const std::string name = "comm_bytes/" + key.second;
+    if (m.extra.count(name) == 0) m.extra[name] = snapshot.total_for_dim(key.second).wire_bytes.value() * per_step;
+  }
+}
+
 MetricsLogger::MetricsLogger(MetricsLoggerOptions options)
     : options_(std::move(options)), jsonl_path_(options_.dump_folder / "metrics.jsonl") {
   if (options_.rank != 0) return;

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "loom/distributed/comm.h"
 #include "loom/train/tensorboard.h"
 
 namespace loom::train {
@@ -46,6 +47,12 @@ struct StepMetrics {
   double mem_peak_gib = 0.0;  // peak resident memory of this rank since the last log, GiB
   std::map<std::string, double> extra;  // more JSONL keys, e.g. comm_bytes; printed after the rest
 };
+
+// The communication keys of a logged step, per step of the `steps` the snapshot covers (ring-model
+// wire bytes this rank sent): "comm_bytes" over every mesh dim, and "comm_bytes/<dim>" for each
+// mesh dim that carried traffic (dp_shard, tp, cp, ...), so the total can be split by parallelism
+// (TensorBoard groups the per-dim keys under "comm_bytes").
+void add_comm_metrics(StepMetrics& metrics, const distributed::CommSnapshot& snapshot, int64_t steps);
 
 struct MetricsLoggerOptions {
   std::filesystem::path dump_folder;

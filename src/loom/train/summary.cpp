@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 
 namespace loom::train {
 namespace {
@@ -145,7 +146,9 @@ std::vector<std::string> format_run_summary(const RunSummary& s) {
                            "   # overlay runs"));
   }
   if (!s.tensorboard_folder.empty()) {
-    out.push_back(c10::str("  tensorboard --logdir ", s.tensorboard_folder,
+    // The folder above this run's: TensorBoard then lists this run beside the folder's earlier ones.
+    const std::filesystem::path runs = std::filesystem::path(s.tensorboard_folder).parent_path();
+    out.push_back(c10::str("  tensorboard --logdir ", runs.empty() ? s.tensorboard_folder : runs.string(),
                            "   # (.venv/bin/tensorboard after make setup)"));
   }
   if (!s.last_checkpoint.empty()) {

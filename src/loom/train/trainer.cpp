@@ -589,8 +589,7 @@ std::vector<StepResult> Trainer::train() {
                                     static_cast<double>(info.total_memory_bytes);
         }
       }
-      const auto comm = distributed::comm_stats().snapshot().total();
-      m.extra["comm_bytes"] = comm.wire_bytes.value() / static_cast<double>(window_steps);
+      add_comm_metrics(m, distributed::comm_stats().snapshot(), window_steps);
       progress.record_log(m);
       metrics_->log(m, progress.prefix());
       window_seconds = 0.0;

@@ -242,7 +242,7 @@ TEST(Progress, SummaryFiguresAndLines) {
                 "  plot:         outputs/run/loss.svg (loss, learning rate and tokens/s against step)",
                 "next:",
                 "  loom plot outputs/run OTHER_RUN_DIR --out compare.svg   # overlay runs",
-                "  tensorboard --logdir outputs/run/tb/20261124-101500   # (.venv/bin/tensorboard after make setup)",
+                "  tensorboard --logdir outputs/run/tb   # (.venv/bin/tensorboard after make setup)",
                 "  loom score --checkpoint outputs/run/checkpoint/step-4 --tokenizer tok.json --text-file FILE"
                 "   # per-token loss and perplexity of a text"}));
 
@@ -347,6 +347,24 @@ TEST_F(MetricsLoggerTest, TensorBoardFileHasAVersionRecordThenOnePerLoggedStep) 
   MetricsLogger off({.dump_folder = dir_ / "off"});
   EXPECT_TRUE(off.tensorboard_file().empty());
   EXPECT_FALSE(fs::exists(dir_ / "off" / "tb"));
+}
+
+// Issue 14: communication per mesh dim besides the total.
+TEST(Metrics, CommBytesInTotalAndPerMeshDim) {
+  distributed::CommSnapshot snapshot;
+  using distributed::ByteCount;
+  using distributed::CommOp;
+  snapshot.counters[{CommOp::kAllGather, "dp_shard"}] = {4, 4096, ByteCount::exact(2048)};
+  snapshot.counters[{CommOp::kReduceScatter, "dp_shard"}] = {2, 4096, ByteCount::exact(2048)};
+  snapshot.counters[{CommOp::kAllReduce, "tp"}] = {2, 300, ByteCount::fraction(900, 2)};
+  StepMetrics m = sample(10);
+  add_comm_metrics(m, snapshot, /*steps=*/2);
+  EXPECT_EQ(m.extra, (std::map<std::string, double>{{"comm_bytes", (2048 + 2048 + 450) / 2.0},
+                                                    {"comm_bytes/dp_shard", 4096 / 2.0},
+                                                    {"comm_bytes/tp", 450 / 2.0}}));
+  StepMetrics none = sample(10);
+  add_comm_metrics(none, distributed::CommSnapshot{}, 1);  // one process: no traffic, no dims
+  EXPECT_EQ(none.extra, (std::map<std::string, double>{{"comm_bytes", 0.0}}));
 }
 
 TEST(Metrics, ThroughputAndMfuArithmetic) {
