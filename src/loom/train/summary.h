@@ -31,7 +31,8 @@ struct RunProgressOptions {
   // The ETA's mean covers this many of the most recent steps: recent enough to follow a lasting
   // change of step time, long enough to ride out a passing one (on a shared 2-core machine another
   // job halved the speed for 40 steps; a 50-step window then overshot the remaining time by 24 %
-  // at step 100 of 400, this one by about 9 %).
+  // at step 100 of 400, where the mean since warm-up, which this window is there, computed from the
+  // same log, was off by about 9 %).
   size_t eta_window = 100;
 };
 
