@@ -152,12 +152,14 @@ std::vector<std::string> format_run_summary(const RunSummary& s) {
                            "   # (.venv/bin/tensorboard after make setup)"));
   }
   if (!s.last_checkpoint.empty()) {
-    out.push_back(c10::str("  loom score --checkpoint ", s.last_checkpoint,
-                           s.tokenizer_path.empty() ? "" : " --tokenizer " + s.tokenizer_path,
+    const std::string tokenizer = s.tokenizer_path.empty() ? "" : " --tokenizer " + s.tokenizer_path;
+    out.push_back(c10::str("  loom generate --checkpoint ", s.last_checkpoint, tokenizer,
+                           " --prompt \"Once upon a time\"   # sample from the trained model"));
+    out.push_back(c10::str("  loom score --checkpoint ", s.last_checkpoint, tokenizer,
                            " --text-file FILE   # per-token loss and perplexity of a text"));
   } else {
-    out.push_back("  train with --checkpoint.enable=true to keep the weights, then loom score "
-                  "--checkpoint <run folder>/checkpoint/step-N --text-file FILE");
+    out.push_back("  train with --checkpoint.enable=true to keep the weights, then loom generate / "
+                  "loom score --checkpoint <run folder>/checkpoint/step-N");
   }
   return out;
 }

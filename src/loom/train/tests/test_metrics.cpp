@@ -243,6 +243,8 @@ TEST(Progress, SummaryFiguresAndLines) {
                 "next:",
                 "  loom plot outputs/run OTHER_RUN_DIR --out compare.svg   # overlay runs",
                 "  tensorboard --logdir outputs/run/tb   # (.venv/bin/tensorboard after make setup)",
+                "  loom generate --checkpoint outputs/run/checkpoint/step-4 --tokenizer tok.json "
+                "--prompt \"Once upon a time\"   # sample from the trained model",
                 "  loom score --checkpoint outputs/run/checkpoint/step-4 --tokenizer tok.json --text-file FILE"
                 "   # per-token loss and perplexity of a text"}));
 
@@ -262,7 +264,7 @@ TEST(Progress, SummaryFiguresAndLines) {
   for (const std::string& line : lines) {
     EXPECT_EQ(line.find("loom plot"), std::string::npos) << line;
     EXPECT_EQ(line.find("tensorboard --logdir"), std::string::npos) << line;
-    EXPECT_EQ(line.find("loom generate"), std::string::npos) << line;  // not built yet
+    EXPECT_EQ(line.find("loom generate --checkpoint"), std::string::npos) << line;  // nothing to load
   }
 }
 
