@@ -5,8 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# chromium: only the test that renders `loom plot`'s SVG in a real browser (tests/ux) uses it.
 APT_PACKAGES=(cmake ninja-build g++ ccache libtomlplusplus-dev nlohmann-json3-dev libcli11-dev
-  libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev fortunes)
+  libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev fortunes chromium)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -18,12 +19,14 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-PY_STAMP=.venv/.loom-setup-v1
-if [ ! -f "$PY_STAMP" ]; then
-  echo "setup: creating .venv with torch==2.13.0 (CPU) and reference packages"
-  python3 -m venv .venv
+# The stamp is a copy of the requirements last installed: a venv made before a package was added
+# (tensorboard, for issue 14's test) gets it on the next set-up, not only a fresh one.
+PY_STAMP=.venv/.loom-setup-requirements
+if ! cmp -s requirements.txt "$PY_STAMP"; then
+  echo "setup: installing requirements.txt into .venv (torch==2.13.0 CPU and reference packages)"
+  [ -x .venv/bin/python ] || python3 -m venv .venv
   .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
-  touch "$PY_STAMP"
+  cp requirements.txt "$PY_STAMP"
 fi
 
 # The default corpus: English text from Debian's `fortunes` package (BSD licence, see README).

@@ -320,7 +320,7 @@ TEST(Faults, BlockedCheckpointFolderFailsAtStart) {
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("the checkpoint folder (job.dump_folder/checkpoint.folder)"), std::string::npos)
       << r.output;
-  EXPECT_EQ(r.output.find("step:"), std::string::npos) << "trained before failing:\n" << r.output;
+  EXPECT_EQ(r.output.find("[step "), std::string::npos) << "trained before failing:\n" << r.output;
 }
 
 // Issue 8, item 7: a model-only last save does not block a later resume (the run resumes from the

@@ -54,6 +54,7 @@ int main(int argc, char** argv) {
   // Each command lives beside the concept it drives; main only registers them, in this order.
   loom::distributed::register_launch_command(app);
   loom::train::register_train_command(app);
+  loom::train::register_plot_command(app);
   loom::llama3::register_score_command(app);
   loom::llama3::register_generate_command(app);
   loom::data::register_tokenizer_command(app);

@@ -5,11 +5,16 @@
 #include <cstdlib>
 #include <mutex>
 
+#include <unistd.h>
+
 namespace loom::log {
 namespace {
 std::atomic<int> g_rank{0};
 std::atomic<int> g_level{static_cast<int>(Level::kInfo)};
 std::mutex g_mutex;
+bool g_status_shown = false;  // a status line without a newline is on stdout (guarded by g_mutex)
+// Back to the start of the line and erase it (VT100: every terminal emulator in use has it).
+constexpr const char* kEraseLine = "\r\033[K";
 bool all_ranks() {
   static const bool v = [] {
     const char* e = std::getenv("LOOM_LOG_ALL_RANKS");
@@ -29,6 +34,11 @@ void write(Level level, const std::string& message) {
   if (r != 0 && level < Level::kWarn && !all_ranks()) return;
   static const char* names[] = {"debug", "info", "warning", "error"};
   std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_status_shown) {
+    std::fputs(kEraseLine, stdout);
+    std::fflush(stdout);
+    g_status_shown = false;
+  }
   FILE* out = level >= Level::kWarn ? stderr : stdout;
   if (level == Level::kInfo) {
     std::fprintf(out, "[rank%d] %s\n", r, message.c_str());
@@ -36,6 +46,20 @@ void write(Level level, const std::string& message) {
     std::fprintf(out, "[rank%d] %s: %s\n", r, names[static_cast<int>(level)], message.c_str());
   }
   std::fflush(out);
+}
+
+bool stdout_is_terminal() {
+  static const bool v = ::isatty(STDOUT_FILENO) == 1;
+  return v;
+}
+
+bool status(const std::string& line) {
+  if (g_rank.load() != 0 || !stdout_is_terminal()) return false;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  std::fprintf(stdout, "%s[rank%d] %s", kEraseLine, g_rank.load(), line.c_str());
+  std::fflush(stdout);
+  g_status_shown = true;
+  return true;
 }
 
 }  // namespace loom::log

@@ -14,6 +14,15 @@ int rank();
 void set_level(Level level);
 void write(Level level, const std::string& message);
 
+// A transient progress line (rank 0): on a terminal, `line` replaces the previous status line in
+// place (carriage return, erase line) and stays until the next status() or write(), which erases
+// it first, so warnings and log lines never land in the middle of it. Where stdout is not a
+// terminal (a file, a pipe, CI) nothing is written: logs keep one plain line per log step.
+// Returns whether the line was shown.
+bool status(const std::string& line);
+// Whether stdout is a terminal (isatty), checked once.
+bool stdout_is_terminal();
+
 template <typename... Args>
 void info(const Args&... args) { write(Level::kInfo, c10::str(args...)); }
 template <typename... Args>

@@ -31,8 +31,8 @@ ConfigField bind(JobConfig& config) {
 const std::vector<ConfigKey> kSchema = {
     // [job]
     {LOOM_CONFIG_KEY(job, dump_folder),
-     "Folder for this run's outputs: `config.toml`, `metrics.jsonl`, checkpoints. Created if "
-     "missing.", {}},
+     "Folder for this run's outputs: `config.toml`, `metrics.jsonl`, `loss.svg`, checkpoints, "
+     "`tb/` (TensorBoard). Created if missing.", {}},
     {LOOM_CONFIG_KEY(job, description),
      "Free-text description of the job.", {}},
     {LOOM_CONFIG_KEY(job, print_config),
@@ -230,8 +230,10 @@ const std::vector<ConfigKey> kSchema = {
     {LOOM_CONFIG_KEY(metrics, enable_jsonl),
      "Write `metrics.jsonl`.", {}},
     {LOOM_CONFIG_KEY(metrics, enable_tensorboard),
-     "TensorBoard event files are not written by this build; the key exists for TorchTitan "
-     "compatibility and must stay `false`.", {}},
+     "Rank 0 also writes TensorBoard event files (`events.out.tfevents.*`) to "
+     "`<dump_folder>/tb/<YYYYmmdd-HHMMSS>/`, one folder per fresh run (a resumed run continues the "
+     "newest): the scalars of `metrics.jsonl`, same keys and steps, as float32. View with "
+     "`tensorboard --logdir <dump_folder>/tb`.", {}},
     {LOOM_CONFIG_KEY(metrics, peak_flops),
      "Peak FLOP/s per rank that MFU is measured against. `0` = on the CPU, measure this "
      "machine's fp32 GEMM peak at startup (best rate of 1024x1024 matmuls for ~0.3 s at the "
@@ -302,10 +304,17 @@ others leave.)md",
 peak memory) and appends one JSON object to `<dump_folder>/metrics.jsonl` with the keys `step`,
 `loss`, `grad_norm`, `lr`, `tps` (tokens/s per rank), `mfu` (percent), `mem_peak_gib` (peak
 resident memory of the rank since the previous log; on a GPU, the peak allocated by the CUDA
-caching allocator), plus extra keys: `comm_bytes` (bytes sent per step), and on a GPU
+caching allocator), plus extra keys: `comm_bytes` (bytes sent per step) and `comm_bytes/<dim>`
+(the same per mesh dim that carried traffic: `dp_shard`, `tp`, `cp`, ...), and on a GPU
 `mem_reserved_gib` (held by the caching allocator) and `mem_peak_pct` (peak as a percentage of the
 device's memory). Each line is flushed when written; NaN/inf are written as `null` (and an MFU that
-cannot be computed prints as `n/a`).)md",
+cannot be computed prints as `n/a`). The console line starts with the step, the time since training
+started and an ETA (`[step 120/400 · 1m32s · eta 3m35s]`: the mean time of the last 100 steps, the
+first step of the process excluded as warm-up, times the steps left); on a terminal a line with the
+latest step and loss is redrawn in place between log steps. At the end rank 0 prints a summary
+(steps, tokens, wall time, mean tokens/s and MFU, first/last/best loss, peak memory, where the run's
+files are, commands to try next) and, when `enable_jsonl` is on, draws `<dump_folder>/loss.svg` from
+`metrics.jsonl` (what `loom plot` draws: loss, learning rate and tokens/s against step).)md",
      R"md()md"},
 };
 
@@ -865,8 +874,6 @@ void validate(const JobConfig& c) {
                      "parallelism.enable_async_tensor_parallel needs sequence parallelism (it overlaps the "
                      "sequence all-gathers and reduce-scatters); set parallelism.disable_sequence_parallel = false");
   require(c.metrics.log_freq > 0, key("metrics.log_freq"), "> 0", c);
-  require(!c.metrics.enable_tensorboard, key("metrics.enable_tensorboard"),
-          "false (TensorBoard output is not part of this build; use metrics.enable_jsonl)", c);
   require(c.metrics.peak_flops >= 0.0, key("metrics.peak_flops"), ">= 0 (0 = measure)", c);
   require(!c.checkpoint.folder.empty(), key("checkpoint.folder"), "a non-empty path", c);
   require(c.checkpoint.interval > 0, key("checkpoint.interval"), "> 0", c);

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <ctime>
 #include <mutex>
 
 #include "loom/core/error.h"
@@ -19,7 +20,15 @@ namespace {
 constexpr const char* kStandardKeys[] = {"step", "loss", "grad_norm", "lr",
                                          "tps",  "mfu",  "mem_peak_gib"};
 
-// 12345678 -> "12,345,678"
+
+std::string printf_string(const char* format, double value) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), format, value);
+  return buf;
+}
+
+}  // namespace
+
 std::string with_thousands(double value) {
   if (!std::isfinite(value)) return c10::str(value);
   std::string digits = std::to_string(static_cast<int64_t>(std::llround(value)));
@@ -30,14 +39,6 @@ std::string with_thousands(double value) {
   }
   return digits;
 }
-
-std::string printf_string(const char* format, double value) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), format, value);
-  return buf;
-}
-
-}  // namespace
 
 double measure_peak_fp32_flops() {
   static std::mutex mutex;
@@ -83,14 +84,46 @@ double dense_transformer_flops_per_token(int64_t non_embedding_params, int64_t n
              static_cast<double>(head_dim) * static_cast<double>(seq_len);
 }
 
+void add_comm_metrics(StepMetrics& m, const distributed::CommSnapshot& snapshot, int64_t steps) {
+  LOOM_REQUIRE(steps > 0, "add_comm_metrics needs a positive step count, got ", steps);
+  const double per_step = 1.0 / static_cast<double>(steps);
+  m.extra["comm_bytes"] = snapshot.total().wire_bytes.value() * per_step;
+  for (const auto& [key, counter] : snapshot.counters) {
+    const std::string name = "comm_bytes/" + key.second;
+    if (m.extra.count(name) == 0) m.extra[name] = snapshot.total_for_dim(key.second).wire_bytes.value() * per_step;
+  }
+}
+
 MetricsLogger::MetricsLogger(MetricsLoggerOptions options)
     : options_(std::move(options)), jsonl_path_(options_.dump_folder / "metrics.jsonl") {
-  if (options_.rank != 0 || !options_.enable_jsonl) return;
+  if (options_.rank != 0) return;
   std::error_code ec;
   std::filesystem::create_directories(options_.dump_folder, ec);
   LOOM_REQUIRE(!ec, "cannot create dump folder '", options_.dump_folder.string(),
                "': ", ec.message(), "; set job.dump_folder to a writable path");
   const bool resuming = options_.resumed_from_step.has_value();
+  if (options_.enable_tensorboard) {
+    const std::filesystem::path tb = options_.dump_folder / "tb";
+    // Folder names are local start times, so the newest run's sorts last.
+    std::filesystem::path folder;
+    if (resuming && std::filesystem::is_directory(tb, ec)) {
+      for (const auto& entry : std::filesystem::directory_iterator(tb, ec)) {
+        if (entry.is_directory() && (folder.empty() || entry.path().filename() > folder.filename())) {
+          folder = entry.path();
+        }
+      }
+    }
+    if (folder.empty()) {
+      const std::time_t now = std::time(nullptr);
+      std::tm local{};
+      localtime_r(&now, &local);
+      char name[32];
+      std::strftime(name, sizeof(name), "%Y%m%d-%H%M%S", &local);
+      folder = tb / name;
+    }
+    tensorboard_ = std::make_unique<tensorboard::EventFileWriter>(folder);
+  }
+  if (!options_.enable_jsonl) return;
   if (!resuming && std::filesystem::file_size(jsonl_path_, ec) > 0 && !ec) {
     // A fresh run in a folder that already holds metrics: keep them, under the first free name.
     for (int k = 1;; ++k) {
@@ -122,8 +155,8 @@ void MetricsLogger::write_line(const std::string& json) {
   LOOM_REQUIRE(ok, "cannot write to '", jsonl_path_.string(), "': ", std::strerror(errno));
 }
 
-std::string MetricsLogger::console_line(const StepMetrics& m) {
-  std::string line = c10::str("step: ", printf_string("%5.0f", static_cast<double>(m.step)),
+std::string MetricsLogger::console_line(const StepMetrics& m, const std::string& progress) {
+  std::string line = c10::str(progress.empty() ? "step: " + printf_string("%5.0f", static_cast<double>(m.step)) : progress,
                               "  loss: ", printf_string("%8.4f", m.loss),
                               "  grad_norm: ", printf_string("%8.4f", m.grad_norm),
                               "  lr: ", printf_string("%.2e", m.lr),
@@ -154,12 +187,36 @@ std::string MetricsLogger::json_line(const StepMetrics& m) {
   return j.dump();  // NaN and inf are written as null
 }
 
-void MetricsLogger::log(const StepMetrics& metrics) {
+void MetricsLogger::log(const StepMetrics& metrics, const std::string& progress) {
   if (options_.rank != 0) return;
   const std::string json = json_line(metrics);  // validates extra keys before printing anything
-  log::info(console_line(metrics));
+  log::info(console_line(metrics, progress));
+  if (tensorboard_) tensorboard_->write_scalars(metrics.step, tensorboard_scalars(metrics));
   if (file_ == nullptr) return;
   write_line(json);
+}
+
+std::vector<std::pair<std::string, float>> MetricsLogger::tensorboard_scalars(const StepMetrics& m) {
+  std::vector<std::pair<std::string, float>> scalars;
+  const auto add = [&](const std::string& key, double value) {
+    if (std::isfinite(value)) scalars.emplace_back(key, static_cast<float>(value));
+  };
+  add("loss", m.loss);
+  add("grad_norm", m.grad_norm);
+  add("lr", m.lr);
+  add("tps", m.tps);
+  add("mfu", m.mfu);
+  add("mem_peak_gib", m.mem_peak_gib);
+  for (const auto& [key, value] : m.extra) add(key, value);
+  return scalars;
+}
+
+std::filesystem::path MetricsLogger::tensorboard_folder() const {
+  return tensorboard_ ? tensorboard_->path().parent_path() : std::filesystem::path();
+}
+
+std::filesystem::path MetricsLogger::tensorboard_file() const {
+  return tensorboard_ ? tensorboard_->path() : std::filesystem::path();
 }
 
 }  // namespace loom::train

@@ -9,6 +9,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include "loom/distributed/comm.h"
+#include "loom/train/tensorboard.h"
 
 namespace loom::train {
 
@@ -16,6 +21,9 @@ namespace loom::train {
 // (at::get_num_threads()): the best rate of 1024x1024x1024 matmuls over ~0.3 s. Cached per thread
 // count, so only the first call per count pays. Uses no random numbers (RNG streams untouched).
 double measure_peak_fp32_flops();
+
+// 12345678 -> "12,345,678" (rounded to an integer).
+std::string with_thousands(double value);
 
 // Tokens processed per second on this rank.
 double tokens_per_second(int64_t tokens, double seconds);
@@ -40,6 +48,12 @@ struct StepMetrics {
   std::map<std::string, double> extra;  // more JSONL keys, e.g. comm_bytes; printed after the rest
 };
 
+// The communication keys of a logged step, per step of the `steps` the snapshot covers (ring-model
+// wire bytes this rank sent): "comm_bytes" over every mesh dim, and "comm_bytes/<dim>" for each
+// mesh dim that carried traffic (dp_shard, tp, cp, ...), so the total can be split by parallelism
+// (TensorBoard groups the per-dim keys under "comm_bytes").
+void add_comm_metrics(StepMetrics& metrics, const distributed::CommSnapshot& snapshot, int64_t steps);
+
 struct MetricsLoggerOptions {
   std::filesystem::path dump_folder;
   bool enable_jsonl = true;
@@ -51,6 +65,10 @@ struct MetricsLoggerOptions {
   // overwritten.
   std::optional<int64_t> resumed_from_step;
   int attempt = 0;  // the launcher's restart count (LOOM_RESTART_COUNT), recorded in the marker
+  // TensorBoard event files under <dump_folder>/tb/<YYYYmmdd-HHMMSS>/ (one folder per fresh run,
+  // so `tensorboard --logdir <dump_folder>/tb` lists the runs side by side; a resumed run appends
+  // a new event file to the newest folder, which TensorBoard reads as the same run).
+  bool enable_tensorboard = false;
 };
 
 class MetricsLogger {
@@ -61,11 +79,13 @@ class MetricsLogger {
 
   // Prints the console line and appends + flushes the JSON line (rank 0 only), so a crash loses
   // nothing already logged. loom::Error if an extra key collides with a standard key.
-  void log(const StepMetrics& metrics);
+  // `progress` (RunProgress::prefix(): "[step 120/400 · 1m32s · eta 3m35s]") takes the place of
+  // "step: N" on the console when given.
+  void log(const StepMetrics& metrics, const std::string& progress = {});
 
   // "step:   10  loss:  7.2345  grad_norm:  1.0123  lr: 8.00e-04  tps: 12,345  mfu: 12.34%
-  //  memory:  1.23GiB" followed by any extra keys.
-  static std::string console_line(const StepMetrics& metrics);
+  //  memory:  1.23GiB" followed by any extra keys; with `progress`, that instead of "step: N".
+  static std::string console_line(const StepMetrics& metrics, const std::string& progress = {});
   // {"step":..,"loss":..,"grad_norm":..,"lr":..,"tps":..,"mfu":..,"mem_peak_gib":..,<extra>}.
   // Non-finite numbers become null (JSON has no NaN/inf).
   static std::string json_line(const StepMetrics& metrics);
@@ -73,6 +93,14 @@ class MetricsLogger {
   const std::filesystem::path& jsonl_path() const { return jsonl_path_; }
   // Where a fresh run moved the previous metrics.jsonl; empty when there was none.
   const std::filesystem::path& rotated_to() const { return rotated_to_; }
+  // This run's TensorBoard folder and event file (rank 0 with enable_tensorboard; empty otherwise).
+  std::filesystem::path tensorboard_folder() const;
+  std::filesystem::path tensorboard_file() const;
+
+  // The scalars TensorBoard gets for a logged step: every key of json_line() but "step", each as
+  // the float32 TensorBoard stores, in the same order; non-finite values (null in the JSON) are left
+  // out, as a curve has no point for them.
+  static std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics& metrics);
 
  private:
   void write_line(const std::string& json);
@@ -81,6 +109,7 @@ class MetricsLogger {
   std::filesystem::path jsonl_path_;
   std::filesystem::path rotated_to_;
   std::unique_ptr<FILE, int (*)(FILE*)> file_{nullptr, &std::fclose};
+  std::unique_ptr<tensorboard::EventFileWriter> tensorboard_;
 };
 
 }  // namespace loom::train

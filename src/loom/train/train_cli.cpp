@@ -10,6 +10,7 @@
 #include "loom/core/error.h"
 #include "loom/core/error_report.h"
 #include "loom/train/config.h"
+#include "loom/train/plot.h"
 #include "loom/train/trainer.h"
 
 namespace loom::train {
@@ -74,6 +75,22 @@ void register_train_command(CLI::App& app) {
     }
     check_misspelt_options(*cmd, cmd->remaining());
     run_training(train::load_job_config(*config_path, cmd->remaining()));
+  });
+}
+
+void register_plot_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "plot", "Draw loss, learning rate and tokens/s against step from runs' metrics.jsonl as SVG");
+  auto runs = std::make_shared<std::vector<std::string>>();
+  auto out = std::make_shared<std::string>("loss.svg");
+  cmd->add_option("runs", *runs, "Run folders (job.dump_folder) or metrics .jsonl files; several "
+                                 "are overlaid, one colour each")
+      ->required();
+  cmd->add_option("--out", *out, "SVG file to write")->capture_default_str();
+  cmd->callback([runs, out] {
+    std::vector<std::filesystem::path> paths(runs->begin(), runs->end());
+    train::write_plot(paths, *out);
+    std::printf("wrote %s (%zu run%s)\n", out->c_str(), paths.size(), paths.size() == 1 ? "" : "s");
   });
 }
 

@@ -18,7 +18,9 @@
 #include "loom/core/timer.h"
 #include "loom/distributed/launch_env.h"
 #include "loom/optim/clip_grad.h"
+#include "loom/checkpoint/metadata.h"
 #include "loom/optim/optimizer.h"
+#include "loom/train/plot.h"
 
 namespace loom::train {
 namespace fs = std::filesystem;
@@ -85,6 +87,7 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   MetricsLoggerOptions metrics_options{dump, config_.metrics.enable_jsonl, dist_->rank()};
   if (step_ > 0) metrics_options.resumed_from_step = step_;
   metrics_options.attempt = dist_->env().restart_count;
+  metrics_options.enable_tensorboard = config_.metrics.enable_tensorboard;
   metrics_ = std::make_unique<MetricsLogger>(metrics_options);
 }
 
@@ -537,6 +540,15 @@ std::vector<StepResult> Trainer::train() {
   // on the same tokens, so each is credited with 1/t of them (and MFU with 1/t of the FLOPs).
   const int64_t tokens_per_step = t.local_batch_size * t.seq_len * grad_accum_steps_;
   const double ranks_per_batch = parallel_dims_->non_data_parallel_size();
+  RunProgressOptions progress_options;
+  progress_options.total_steps = t.steps;
+  progress_options.start_step = step_;
+  progress_options.global_tokens_per_step = loader_->global_batch_size() * grad_accum_steps_ * t.seq_len;
+  progress_options.rank_tokens_per_step = static_cast<double>(tokens_per_step) / ranks_per_batch;
+  progress_options.flops_per_token = flops_per_token_;
+  progress_options.peak_flops = peak_flops;
+  RunProgress progress(progress_options);
+  const Timer run_timer;
   double window_seconds = 0.0;
   int64_t window_steps = 0;
   memory::reset_peak(device_);
@@ -556,6 +568,7 @@ std::vector<StepResult> Trainer::train() {
     if (log_step) synchronize(device_);
     r.seconds = iteration.seconds();
     results.push_back(r);
+    progress.record_step(r.step, r.loss, r.seconds, run_timer.seconds());
     window_seconds += r.seconds;
     ++window_steps;
     if (log_step) {
@@ -576,18 +589,47 @@ std::vector<StepResult> Trainer::train() {
                                     static_cast<double>(info.total_memory_bytes);
         }
       }
-      const auto comm = distributed::comm_stats().snapshot().total();
-      m.extra["comm_bytes"] = comm.wire_bytes.value() / static_cast<double>(window_steps);
-      metrics_->log(m);
+      add_comm_metrics(m, distributed::comm_stats().snapshot(), window_steps);
+      progress.record_log(m);
+      metrics_->log(m, progress.prefix());
       window_seconds = 0.0;
       window_steps = 0;
       memory::reset_peak(device_);
       distributed::comm_stats().reset();
+    } else {
+      // Between log steps, a terminal shows where the run is on one line redrawn in place.
+      log::status(progress.status_line(r.loss));
     }
     maybe_inject_fault(/*after_step=*/true);
   }
   if (checkpointer_) checkpointer_->wait();
+  finish_run(progress.summary());
   return results;
+}
+
+void Trainer::finish_run(RunSummary summary) {
+  if (dist_->rank() != 0) return;
+  const fs::path dump(config_.job.dump_folder);
+  summary.run_folder = dump.string();
+  if (config_.metrics.enable_jsonl) {
+    summary.metrics_path = metrics_->jsonl_path().string();
+    // Training is done and its results are on disk: a plot that cannot be drawn is a warning, not
+    // a failed run.
+    try {
+      write_plot({dump}, dump / "loss.svg");
+      summary.plot_path = (dump / "loss.svg").string();
+    } catch (const std::exception& e) {
+      log::warn("the loss plot was not written: ", e.what());
+    }
+  }
+  if (checkpointer_) {
+    const fs::path folder = dump / config_.checkpoint.folder;
+    summary.checkpoint_folder = folder.string();
+    summary.last_checkpoint = (folder / checkpoint::step_dir_name(step_)).string();
+    summary.tokenizer_path = config_.model.tokenizer_path;
+  }
+  summary.tensorboard_folder = metrics_->tensorboard_folder().string();
+  for (const std::string& line : format_run_summary(summary)) log::info(line);
 }
 
 }  // namespace loom::train

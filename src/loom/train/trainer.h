@@ -17,7 +17,8 @@
 //   7. optimizer (AdamW, weight-decay groups) and LR schedule
 //   8. checkpointer: folder checked writable on every rank, then resume from the newest complete
 //      full checkpoint (or start from initial_load_path)
-//   9. metrics (console + metrics.jsonl) and the resolved config saved in the run folder
+//   9. metrics (console + metrics.jsonl + TensorBoard) and the resolved config saved in the run
+//      folder; after the last step, rank 0 draws loss.svg and prints the run summary
 #pragma once
 #include <memory>
 #include <optional>
@@ -37,6 +38,7 @@
 #include "loom/train/config.h"
 #include "loom/train/metrics.h"
 #include "loom/train/run_folder.h"
+#include "loom/train/summary.h"
 
 namespace loom::train {
 
@@ -104,6 +106,9 @@ class Trainer {
   // The first parameter (module order) whose gradient has a NaN/inf on any rank; "" if none.
   std::string first_nonfinite_gradient();
   void maybe_inject_fault(bool after_step);
+  // Rank 0, after the last step: draws <dump_folder>/loss.svg from metrics.jsonl and prints the
+  // run summary (the figures from `summary`, the paths from the config).
+  void finish_run(RunSummary summary);
   // A batch tensor packed on the host, on this rank's device (the tensor itself on the CPU).
   torch::Tensor to_device(const torch::Tensor& host) const;
 

@@ -218,9 +218,8 @@ TEST(Config, ValidateChecksRangesAndCrossFieldRules) {
             "config key 'checkpoint.keep_latest_k' must be 0 (keep all) or >= 2, got 1");
   EXPECT_EQ(invalid({"--lr_scheduler.decay_ratio=1.5"}),
             "config key 'lr_scheduler.decay_ratio' must be in [0, 1] or unset, got 1.5");
-  EXPECT_EQ(invalid({"--metrics.enable_tensorboard"}),
-            "config key 'metrics.enable_tensorboard' must be false (TensorBoard output is not part "
-            "of this build; use metrics.enable_jsonl), got true");
+  // Issue 14: TensorBoard is written now, so asking for it is valid.
+  EXPECT_TRUE(load_job_config("", {"--metrics.enable_tensorboard"}).metrics.enable_tensorboard);
 
   JobConfig c;
   c.training.local_batch_size = 4;

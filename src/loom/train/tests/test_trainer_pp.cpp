@@ -246,7 +246,7 @@ TEST(TrainerPP, BadPipelineSettingsAreOneLine) {
     RunResult r = run(loom_command(2, layout_train_args(dir, 2, 8, "--parallelism.data_parallel_shard_degree=1 " + c.flags)), 120);
     EXPECT_EQ(r.exit_code, 2) << c.flags << "\n" << r.output;
     EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.flags << "\n" << r.output;
-    EXPECT_EQ(r.output.find("step:"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("[step "), std::string::npos) << r.output;
     const size_t at = r.output.find("error:");
     std::printf("%s\n  -> %s\n", c.flags.c_str(),
                 at == std::string::npos ? "(no error line)" : r.output.substr(at, r.output.find('\n', at) - at).c_str());
