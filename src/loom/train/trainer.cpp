@@ -46,9 +46,6 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   LOOM_REQUIRE_USAGE(p.pipeline_parallel_degree == 1,
                      "pipeline parallelism is not available in loom train yet (pipeline_parallel_degree ",
                      p.pipeline_parallel_degree, "); set parallelism.pipeline_parallel_degree to 1");
-  LOOM_REQUIRE_USAGE(config_.activation_checkpoint.mode == "none",
-                     "activation_checkpoint.mode '", config_.activation_checkpoint.mode,
-                     "' is not available yet; use \"none\"");
   // 1. The model's spec, and the layout checked before any process group exists (a bad
   //    combination is then the same one line on every rank, not a rendezvous): degrees against the
   //    world size, the model against the tensor-parallel degree. Then the world, device and mesh.
@@ -194,6 +191,8 @@ void Trainer::parallelize() {
       c10::ScalarType(t.mixed_precision_reduce == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
   options.seed = static_cast<uint64_t>(t.seed);
   options.device = device_;
+  options.activation_checkpoint_mode = config_.activation_checkpoint.mode;
+  options.selective_ac_option = config_.activation_checkpoint.selective_ac_option;
   if (!parallel_dims_->fsdp_enabled()) {
     // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in
     // TorchTitan: float32 master weights, gradients and optimizer state; DDP all-reduces the

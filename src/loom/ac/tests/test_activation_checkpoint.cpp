@@ -188,7 +188,8 @@ TEST(ActivationCheckpoint, BlockHooksRunOnceInnerHooksRunAgain) {
     EXPECT_EQ(block_pre, 1) << name;
     EXPECT_EQ(block_post, 1) << name;
     EXPECT_EQ(output_hooks, 1) << name;
-    EXPECT_EQ(inner_pre, 2) << name << ": forward and recompute";
+    // Selective every 2nd block leaves block 0 alone: no recompute there.
+    EXPECT_EQ(inner_pre, o.wraps(0) ? 2 : 1) << name << ": forward and recompute";
   }
 }
 

@@ -33,6 +33,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
   plan.fsdp_reshard_last_block = reshard.last_block;
   plan.fsdp.mixed_precision = options.fsdp_mixed_precision;
   plan.fsdp.device = options.device;  // FSDP's buffers on the rank's device (caching allocator on GPUs)
+  plan.ac = ac::ACOptions::parse(options.activation_checkpoint_mode, options.selective_ac_option);
   plan.seed = options.seed;
   plan.device = options.device;
   return parallelize(std::move(model), dims, mesh, plan);
