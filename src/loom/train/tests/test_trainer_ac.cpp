@@ -1,8 +1,9 @@
 // Activation checkpointing through `loom train` (issue 13's acceptance): 20 steps of the debug
 // model with full, selective every 2nd block and selective per op give per-step losses bitwise
 // equal to no checkpointing, in one process, under FSDP 2 (the recompute reads parameters FSDP
-// re-gathered in backward; the reduce-scatters are not repeated) and under TP 2 (sequence-parallel
-// collectives re-run in the recompute). Bitwise because the recompute runs the same kernels on the
+// re-gathered in backward; the reduce-scatters are not repeated), under TP 2 and async TP 2
+// (sequence-parallel collectives re-run in the recompute) and under CP 2 (ring attention,
+// block-causal; FSDP over the cp ranks). Bitwise because the recompute runs the same kernels on the
 // same values and the gradients accumulate in the same order. The bytes each rank sends per step
 // (metrics.jsonl's comm_bytes) show where the recompute communicates: under FSDP not at all (the
 // recompute reads the parameters FSDP re-gathers for backward anyway, and each group is
@@ -40,6 +41,12 @@ TEST(TrainerAC, EveryModeTrainsBitwiseLikeNoCheckpointingInEveryLayout) {
       {"single", 1, 8, "--parallelism.data_parallel_shard_degree=1"},
       {"fsdp2", 2, 4, "--parallelism.data_parallel_shard_degree=2"},
       {"tp2", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"},
+      // Async TP: the projections' collective matmuls (their own around-hooks) are recomputed even
+      // per op; context parallel ring attention, block-causal: per op keeps the ring's own graph.
+      {"tp2_async", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"
+                          " --parallelism.enable_async_tensor_parallel=true"},
+      {"cp2_ring", 2, 8, "--parallelism.context_parallel_degree=2 --parallelism.context_parallel_rotate_method=ring"
+                         " --model.attention_mask=block_causal"},
   };
   const std::vector<Mode> modes = {
       {"full", "--activation_checkpoint.mode=full"},
