@@ -75,8 +75,8 @@ TEST(TrainerAC, EveryModeTrainsBitwiseLikeNoCheckpointingInEveryLayout) {
         // The recomputed blocks run their forward collectives (SP gathers, reduce-scatters) again.
         EXPECT_GT(bytes, want_bytes) << m.name;
       }
-      std::printf("%-7s %-13s comm bytes per step %.0f (no AC %.0f)\n", l.name, m.name, bytes, want_bytes);
-      std::printf("%-7s %-13s %d steps: losses %s no AC's (%.6f -> %.6f)\n", l.name, m.name, kSteps,
+      std::printf("%-9s %-13s comm bytes per step %.0f (no AC %.0f)\n", l.name, m.name, bytes, want_bytes);
+      std::printf("%-9s %-13s %d steps: losses %s no AC's (%.6f -> %.6f)\n", l.name, m.name, kSteps,
                   got == want ? "bitwise equal to" : "DIFFERENT from", got.front(), got.back());
     }
   }
