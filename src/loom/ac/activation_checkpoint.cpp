@@ -77,7 +77,7 @@ std::string ACOptions::describe() const {
     case Mode::kFull: return "full";
     case Mode::kSelective:
       if (per_op) return "selective per op";
-      return every == 1 ? std::string("selective every block") : c10::str("selective every ", every, "th block");
+      return every == 1 ? std::string("selective, every block") : c10::str("selective, every ", every, "-th block");
   }
   return "?";
 }

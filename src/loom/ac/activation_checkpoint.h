@@ -57,7 +57,7 @@ struct ACOptions {
   // stage keeps the whole model's ids, so every stage checkpoints the same blocks) is wrapped:
   // full and op: all; selective N: ids N-1, 2N-1, ... (TorchTitan wraps the N-th, 2N-th, ...).
   bool wraps(int64_t layer_id) const;
-  std::string describe() const;  // "none", "full", "selective every 2nd block", "selective per op"
+  std::string describe() const;  // "none", "full", "selective, every 2-th block", "selective per op"
 };
 
 // The op-level policy's state for one wrapped module (shared by the hooks on its ops). During the
