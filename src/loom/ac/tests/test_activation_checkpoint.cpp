@@ -8,6 +8,7 @@
 #include <map>
 
 #include "loom/ac/activation_checkpoint.h"
+#include "loom/core/autocast.h"
 #include "loom/core/error.h"
 #include "loom/core/memory.h"
 #include "loom/nn/rope.h"
@@ -133,6 +134,36 @@ TEST(ActivationCheckpoint, BlockCausalAttentionToo) {
   layout.document_ids = torch::tensor({0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2}, torch::kInt64).repeat({2, 1});
   const Result want = run(ACOptions{}, layout, 2, 16);
   for (const auto& [name, o] : modes()) expect_bitwise(want, run(o, layout, 2, 16), name + " block-causal");
+}
+
+// Mixed precision without FSDP is autocast around the forward only (the Trainer's scope ends
+// before backward): the recompute must run under the forward's autocast state, or its matmuls
+// would be float32 and the gradients would differ.
+TEST(ActivationCheckpoint, RecomputeRunsUnderTheForwardsAutocast) {
+  torch::set_num_threads(1);
+  auto run_bf16 = [](const ACOptions& o) {
+    Stack stack(2);
+    stack.apply(o);
+    torch::manual_seed(11);
+    torch::Tensor x = torch::randn({2, 16, kDim}).requires_grad_(true);
+    torch::Tensor out;
+    {
+      loom::AutocastScope autocast(c10::kCPU, torch::kBFloat16);
+      out = stack.forward(x);
+    }
+    out.square().sum().backward();
+    return Result{out.detach(), x.grad(), stack.grads()};
+  };
+  const Result want = run_bf16(ACOptions{});
+  // Autocast was on: the float32 forward gives other values (the residual stream is float32, the
+  // projections' outputs bfloat16).
+  EXPECT_FALSE(torch::equal(want.output, [] {
+    Stack stack(2);
+    torch::manual_seed(11);
+    torch::NoGradGuard no_grad;
+    return stack.forward(torch::randn({2, 16, kDim}));
+  }()));
+  for (const auto& [name, o] : modes()) expect_bitwise(want, run_bf16(o), name + " under bf16 autocast");
 }
 
 // Two forwards before their backwards (gradient accumulation, a pipeline stage's 1F1B): each
