@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
   loom::distributed::register_launch_command(app);
   loom::train::register_train_command(app);
   loom::llama3::register_score_command(app);
+  loom::llama3::register_generate_command(app);
   loom::data::register_tokenizer_command(app);
   loom::llama3::register_info_command(app);
   loom::llama3::register_convert_command(app);

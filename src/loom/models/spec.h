@@ -20,6 +20,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -44,12 +45,25 @@ struct ModelRequest {
   std::string flavor;
   int64_t vocab_size = 0;  // embedding rows: model.vocab_size, or the tokenizer's vocabulary
   int64_t seq_len = 0;     // training.seq_len: the positional tables must cover it
+  int64_t n_layers = 0;    // model.n_layers: overrides the flavor's when > 0
 };
 
 struct TensorParallelOptions {
   bool sequence_parallel = true;  // parallelism.disable_sequence_parallel = false
   bool loss_parallel = true;      // parallelism.disable_loss_parallel = false
   bool async = false;             // parallelism.enable_async_tensor_parallel
+};
+
+// Pipeline parallelism as a run asks for it (parallelism.pipeline_parallel_*). The model decides
+// how its layers become stages; the schedule comes from pipeline/generators.h.
+struct PipelineOptions {
+  std::string schedule = "1F1B";  // parallelism.pipeline_parallel_schedule
+  std::string schedule_csv;       // parallelism.pipeline_parallel_schedule_csv; "" = none
+  int64_t microbatch_size = 1;    // rows per micro-batch
+  int64_t microbatches = 1;       // per loaded batch: training.local_batch_size / microbatch_size
+  int64_t seq_len = 0;            // tokens per row on this rank: the activations' length
+  int64_t layers_per_stage = 0;   // 0 = not set
+  std::vector<std::string> split_points;  // empty = not set
 };
 
 // The parallelism and training settings a model's plan reads (TorchTitan hands parallelize_fn the
@@ -66,6 +80,9 @@ struct ParallelizeOptions {
   // checkpoints is its plan (llama3: its TransformerBlocks, see ac::ACOptions).
   std::string activation_checkpoint_mode = "none";
   std::string selective_ac_option = "2";
+  PipelineOptions pipeline;        // read when the mesh has "pp"
+  // Autocast around each forward (mixed precision without FSDP); nullopt = full precision.
+  std::optional<c10::ScalarType> autocast_dtype;
   uint64_t seed = 0;               // initialization: the single-process values, whatever the layout
   c10::Device device = c10::kCPU;  // the rank's device: parameters, buffers and FSDP's storage
 };
@@ -93,20 +110,19 @@ struct ModelSpec {
   // Refuses, with a one-line loom::UsageError (exit 2) naming the value and what would work, a
   // layout the model cannot be split into (e.g. a TP degree not dividing the heads). Called before
   // any process group exists.
+  // With pp > 1 it also plans the pipeline (stage split and schedule), so a split that cannot be
+  // made or too few micro-batches for the schedule fail here.
   std::function<void(const ModelArgs&, const distributed::ParallelDims&, int64_t seq_len,
-                     const TensorParallelOptions&)>
+                     const TensorParallelOptions&, const PipelineOptions&)>
       validate_layout;
   // Applies the model's plan to `model` (built by build_model on the meta device): TP, then FSDP or
   // DDP, as the mesh has them; materializes on options.device and initializes from options.seed.
+  // With "pp" in the mesh (TorchTitan's pipelining_fn) the model is first split into this rank's
+  // stages, and the result runs each step through the pipeline schedule.
   std::function<std::unique_ptr<parallel::ParallelizedModel>(
       std::shared_ptr<nn::Module> model, const ModelArgs&, const distributed::ParallelDims&,
       const distributed::DeviceMesh&, const ParallelizeOptions&)>
       parallelize;
-  // Pipeline parallelism (TorchTitan's pipelining_fn: split the model into stages and build the
-  // schedule) does not exist yet; the slot stays null, its signature comes with it, and the
-  // Trainer refuses parallelism.pipeline_parallel_degree > 1 before looking at the model.
-  std::function<void()> pipeline;
-
   // The checkpoint's model entry (under kModelConfigKey) and back; `source` names the file in
   // errors, and an entry for another model or with unknown keys is a one-line error.
   std::function<nlohmann::json(const ModelArgs&)> model_config_json;

@@ -32,7 +32,11 @@ torch::Tensor sum_of_squares(const std::vector<torch::Tensor>& grads, const torc
 }  // namespace
 
 ParallelizedModel::ParallelizedModel(ParallelParts parts) : parts_(std::move(parts)) {
-  LOOM_REQUIRE(parts_.module != nullptr && parts_.forward_loss, "ParallelizedModel needs a module and its loss");
+  LOOM_REQUIRE(!parts_.modules.empty(), "ParallelizedModel needs the model's parts");
+  for (const auto& m : parts_.modules) LOOM_REQUIRE(m != nullptr, "ParallelizedModel: a null model part");
+  LOOM_REQUIRE(parts_.forward_loss || parts_.pipeline, "ParallelizedModel needs the model's loss or a pipeline");
+  LOOM_REQUIRE(!parts_.pipeline || parts_.pipeline_microbatch_size > 0,
+               "a pipelined model needs its micro-batch size");
   LOOM_REQUIRE(!(parts_.fsdp && parts_.ddp), "FSDP and DDP on the same parameters: HSDP replicates "
                "through FSDP (dp_replicate), not DDP");
 }
@@ -49,6 +53,15 @@ std::string ParallelizedModel::describe() const {
                                               : c10::str(mesh.shard_size(), " ranks"));
   }
   if (parts_.ddp) out += out.empty() ? "DDP" : " + DDP";
+  if (parts_.pipeline) {
+    const pipeline::Schedule& s = parts_.pipeline->schedule();
+    if (parts_.pipeline_replicas && parts_.pipeline_replicas->size() > 1) {
+      out += c10::str(out.empty() ? "" : " + ", "DP ", parts_.pipeline_replicas->size(), " replicas");
+    }
+    out += c10::str(out.empty() ? "" : " x ", "PP ", s.num_ranks, " (", s.name, ", ", s.num_microbatches,
+                    " micro-batches of ", parts_.pipeline_microbatch_size, " rows, ", s.stages_per_rank,
+                    s.stages_per_rank == 1 ? " stage" : " stages", " per rank)");
+  }
   return out.empty() ? "one rank" : out;
 }
 
@@ -70,9 +83,82 @@ ModelBatch ParallelizedModel::prepare_batch(const torch::Tensor& tokens, const t
   return batch;
 }
 
-torch::Tensor ParallelizedModel::forward_loss(const ModelBatch& batch) { return parts_.forward_loss(batch); }
+std::vector<nn::NamedParameter> ParallelizedModel::named_parameters() {
+  std::vector<nn::NamedParameter> out;
+  for (const auto& m : parts_.modules) {
+    for (auto& p : m->named_parameters()) out.push_back(std::move(p));
+  }
+  return out;
+}
+
+torch::Tensor ParallelizedModel::forward_backward(const std::vector<ModelBatch>& batches, const LossHook& hook) {
+  LOOM_REQUIRE(!batches.empty(), "forward_backward needs at least one batch");
+  if (parts_.pipeline) return pipeline_forward_backward(batches);
+  const auto k = static_cast<int64_t>(batches.size());
+  // The step's loss is summed on the device and read back by the caller once, with the gradient
+  // norm: no host-device sync per micro-batch.
+  torch::Tensor loss_sum;
+  for (int64_t i = 0; i < k; ++i) {
+    begin_micro_batch(/*last=*/i + 1 == k);
+    torch::Tensor loss = parts_.forward_loss(batches[static_cast<size_t>(i)]);
+    if (hook) loss = hook(i, loss);
+    const torch::Tensor part = loss.detach().to(torch::kFloat64) / static_cast<double>(k);
+    loss_sum = loss_sum.defined() ? loss_sum + part : part;
+    // Mean over micro-batches: each contributes 1/k of the step's gradient.
+    (k > 1 ? loss / static_cast<double>(k) : loss).backward();
+  }
+  finish_gradient_sync();
+  return loss_sum;
+}
+
+torch::Tensor ParallelizedModel::pipeline_forward_backward(const std::vector<ModelBatch>& batches) {
+  pipeline::PipelineExecutor& executor = *parts_.pipeline;
+  const int m = executor.schedule().num_microbatches;
+  const int64_t rows = parts_.pipeline_microbatch_size;
+  const auto k = static_cast<int64_t>(batches.size());
+  // Each micro-batch's mean loss enters the backward scaled by 1 / (m k): the step's gradient is
+  // that of the mean loss over all m k micro-batches, as without a pipeline.
+  for (const auto& stage : executor.stages()) {
+    if (stage->is_last()) stage->set_loss_scale(1.0 / static_cast<double>(m * k));
+  }
+  double loss = 0;
+  for (const ModelBatch& batch : batches) {
+    LOOM_REQUIRE(!batch.layout.positions.defined() && !batch.layout.document_ids.defined(),
+                 "pipeline stages take causal rows only (no positions or document ids)");
+    LOOM_REQUIRE(batch.tokens.size(0) == rows * m, "pipeline step: a batch of ", batch.tokens.size(0),
+                 " rows is not ", m, " micro-batches of ", rows);
+    std::vector<torch::Tensor> inputs, labels;
+    for (int i = 0; i < m; ++i) {
+      inputs.push_back(batch.tokens.narrow(0, i * rows, rows));
+      labels.push_back(batch.labels.narrow(0, i * rows, rows));
+    }
+    loss += executor.step(inputs, labels) / static_cast<double>(k);
+  }
+  finish_gradient_sync();
+  return torch::tensor(loss, torch::kFloat64);
+}
 
 void ParallelizedModel::finish_gradient_sync() {
+  if (parts_.pipeline_replicas && parts_.pipeline_replicas->size() > 1) {
+    // DDP's average over the replicas, once per step after the whole schedule (the stages' weight
+    // gradients come from several actions per micro-batch, so there is no single last hook to
+    // overlap with): one flat buffer, one all-reduce.
+    std::vector<torch::Tensor> grads;
+    for (const auto& [name, g] : local_gradients()) {
+      if (g.defined() && g.numel() > 0) grads.push_back(g);
+    }
+    if (grads.empty()) return;
+    std::vector<torch::Tensor> flats;
+    for (const auto& g : grads) flats.push_back(g.reshape(-1));
+    torch::Tensor flat = torch::cat(flats);
+    parts_.pipeline_replicas->all_reduce(flat, distributed::ReduceOp::kAvg);
+    int64_t offset = 0;
+    for (auto& g : grads) {
+      g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+      offset += g.numel();
+    }
+    return;
+  }
   if (parts_.ddp) parts_.ddp->finish_gradient_sync();
   if (parts_.fsdp) parts_.fsdp->finalize_backward();
   if (parts_.tp && !parts_.tp->partial_gradient_parameters().empty()) {
@@ -93,7 +179,7 @@ void ParallelizedModel::zero_grad() {
   } else if (parts_.fsdp) {
     parts_.fsdp->zero_grad();
   } else {
-    parts_.module->zero_grad(/*set_to_none=*/true);
+    for (const auto& m : parts_.modules) m->zero_grad(/*set_to_none=*/true);
   }
 }
 
@@ -105,13 +191,31 @@ std::vector<std::pair<std::string, torch::Tensor>> ParallelizedModel::local_grad
     }
     return out;
   }
-  for (const auto& p : parts_.module->named_parameters()) {
+  for (const auto& p : named_parameters()) {
     if (p.slot->requires_grad) out.emplace_back(p.name, p.slot->tensor.grad());
   }
   return out;
 }
 
 torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
+  if (parts_.pipeline) {
+    // Each parameter lives on one pp rank: the squares of every rank's gradients, summed over pp.
+    LOOM_REQUIRE_USAGE(max_norm > 0, "clip_grad_norm_ needs max_norm > 0, got ", max_norm);
+    // Replicas (pipeline_replicas) hold identical averaged gradients: counted once, over pp only.
+    LOOM_REQUIRE(!parts_.tp && !parts_.fsdp && !parts_.ddp, "pipeline stages with TP, FSDP or DDP");
+    std::vector<torch::Tensor> grads;
+    torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
+    for (const auto& [name, g] : local_gradients()) {
+      if (!g.defined() || g.numel() == 0) continue;
+      options = options.device(g.device());
+      grads.push_back(g);
+    }
+    torch::Tensor squares = sum_of_squares(grads, options).reshape({1});
+    parts_.pipeline->comm().all_reduce(squares, distributed::ReduceOp::kSum);
+    const torch::Tensor norm = squares[0].sqrt();
+    optim::clip_grads_with_norm_(grads, max_norm, norm);
+    return norm;
+  }
   if (!parts_.tp) {
     // Data parallelism alone: the norms the FSDP and plain paths always computed.
     if (parts_.fsdp) return parts_.fsdp->clip_grad_norm_(max_norm);
@@ -143,7 +247,7 @@ std::unique_ptr<optim::Optimizer> ParallelizedModel::build_adamw(const optim::Ad
                                                                  double weight_decay) {
   if (parts_.fsdp) return std::make_unique<fsdp::ShardedAdamW>(parts_.fsdp, options, weight_decay);
   optim::NamedTensors named;
-  for (const auto& p : parts_.module->named_parameters()) {
+  for (const auto& p : named_parameters()) {
     if (p.slot->requires_grad) named.emplace_back(p.name, p.slot->tensor);
   }
   return std::make_unique<optim::AdamW>(optim::weight_decay_param_groups(named, weight_decay), options);
@@ -198,7 +302,7 @@ void ParallelizedModel::add_to_state_dict(checkpoint::ShardedStateDict& state, o
     }
     return;
   }
-  for (const auto& p : parts_.module->named_parameters()) {
+  for (const auto& p : named_parameters()) {
     add_piece(state, p.name, checkpoint::kModelComponent, p.name, p.slot->tensor.detach(), {}, std::nullopt);
   }
   for (const auto& [name, t] : optimizer.state_dict()) {
@@ -224,9 +328,11 @@ void ParallelizedModel::load_full_parameters(const optim::TensorDict& full) {
     parts_.fsdp->load_full_state_dict(pieces);
     return;
   }
-  auto params = parts_.module->named_parameters();
-  LOOM_REQUIRE(params.size() == pieces.size(), "initial weights have ", pieces.size(),
-               " parameters but the model has ", params.size(), "; check model.flavor and model.vocab_size");
+  auto params = named_parameters();
+  // A pipeline rank holds some of the parameters; the others' values are for the other ranks.
+  LOOM_REQUIRE(params.size() == pieces.size() || (parts_.pipeline && params.size() < pieces.size()),
+               "initial weights have ", pieces.size(), " parameters but the model has ", params.size(),
+               "; check model.flavor and model.vocab_size");
   torch::NoGradGuard no_grad;
   for (const auto& p : params) {
     auto it = pieces.find(p.name);

@@ -13,7 +13,10 @@
 //               over the FSDP shard group and over tp, of TP-replicated pieces over the FSDP shard
 //               group only;
 //   checkpoint  each parameter (and its AdamW moments) is a box of its global tensor when TP
-//               shards it, and FSDP's flat range within that box (or within the whole tensor).
+//               shards it, and FSDP's flat range within that box (or within the whole tensor);
+//   pipeline    the rank holds only its stages' modules (each parameter under its global name, on
+//               one pp rank), the step runs the schedule over the micro-batches, and the gradient
+//               norm sums the pp ranks' squares.
 #pragma once
 #include <functional>
 #include <memory>
@@ -28,6 +31,7 @@
 #include "loom/nn/attention.h"
 #include "loom/nn/module.h"
 #include "loom/optim/adamw.h"
+#include "loom/pipeline/executor.h"
 #include "loom/tp/tensor_parallel.h"
 
 namespace loom::parallel {
@@ -42,10 +46,21 @@ struct ModelBatch {
 };
 
 using ForwardLoss = std::function<torch::Tensor(const ModelBatch& batch)>;
+// Applied to micro-batch `index`'s loss before its backward (fault injection: a NaN loss).
+using LossHook = std::function<torch::Tensor(int64_t index, const torch::Tensor& loss)>;
 
 struct ParallelParts {
-  std::shared_ptr<nn::Module> module;  // the model; its parameters are this rank's pieces
-  ForwardLoss forward_loss;            // mean loss of one micro-batch
+  // The model parts this rank holds (TorchTitan's model_parts): the model, or this rank's pipeline
+  // stages. Their parameters are this rank's pieces, under their global names.
+  std::vector<std::shared_ptr<nn::Module>> modules;
+  ForwardLoss forward_loss;            // mean loss of one micro-batch (no pipeline)
+  // Pipeline parallelism: the executor of this rank's stages (modules) and the rows per
+  // micro-batch; null: none.
+  std::shared_ptr<pipeline::PipelineExecutor> pipeline;
+  int64_t pipeline_microbatch_size = 0;
+  // Data-parallel replicas of the pipeline (dp_replicate x pp): each holds the same stages and
+  // sees other rows; their gradients are averaged once the schedule is done. Null: none.
+  tensor::CommPtr pipeline_replicas;
   std::shared_ptr<tp::TensorParallel> tp;     // null: no tensor parallelism
   std::shared_ptr<fsdp::FSDPModule> fsdp;     // null: no FSDP (the root module's handle)
   std::unique_ptr<ddp::DataParallel> ddp;     // null: no DDP
@@ -56,24 +71,27 @@ class ParallelizedModel {
  public:
   explicit ParallelizedModel(ParallelParts parts);
 
-  nn::Module& module() { return *parts_.module; }
+  const std::vector<std::shared_ptr<nn::Module>>& modules() const { return parts_.modules; }
+  const pipeline::PipelineExecutor* pipeline() const { return parts_.pipeline.get(); }
   const tp::TensorParallel* tensor_parallel() const { return parts_.tp.get(); }
   fsdp::FSDPModule* fsdp() const { return parts_.fsdp.get(); }
   std::string describe() const;  // "TP 2 (sequence parallel, loss parallel) + FSDP over 2 ranks"
 
   // ---- The step ----
-  // Before each micro-batch: `last` is the one whose backward synchronises gradients (DDP and
-  // FSDP accumulate locally before it).
-  void begin_micro_batch(bool last);
   // The loaded rows [B, T] (and, for block-causal attention, their document ids [B, T]) as this
   // rank's model takes them: under context parallelism its chunks i and 2c-1-i of each row, their
   // positions and documents. The loss is then the mean over this rank's tokens; FSDP's average
   // over dp_shard x cp makes the step's gradient the mean over all of them.
   ModelBatch prepare_batch(const torch::Tensor& tokens, const torch::Tensor& labels,
                            const torch::Tensor& document_ids = torch::Tensor()) const;
-  torch::Tensor forward_loss(const ModelBatch& batch);
-  // After the step's last backward: every gradient reduction done.
-  void finish_gradient_sync();
+  // Forward and backward of one optimizer step over its loaded batches (gradient accumulation:
+  // each contributes 1/k of the gradient); on return every gradient reduction is done. Without a
+  // pipeline each batch is one micro-batch; with one, each batch is cut into micro-batches of
+  // pipeline_microbatch_size rows and runs through the schedule. Returns this rank's loss for the
+  // step (mean over the batches) as a float64 scalar (on the device, no host sync, without a
+  // pipeline; with one, the last stage's loss, the same on every pp rank). `hook`: see LossHook
+  // (applied without a pipeline only).
+  torch::Tensor forward_backward(const std::vector<ModelBatch>& batches, const LossHook& hook = nullptr);
   void zero_grad();
   // Global 2-norm over every mesh dim, each element counted once; scales the gradients by
   // min(1, max_norm / norm) and returns the norm before clipping (a device tensor, no host sync).
@@ -92,6 +110,14 @@ class ParallelizedModel {
 
  private:
   // The checkpoint region of parameter `name` held as `local` (TP box; FSDP range inside it).
+  // Before each micro-batch: `last` is the one whose backward synchronises gradients (DDP and
+  // FSDP accumulate locally before it).
+  void begin_micro_batch(bool last);
+  // After the step's last backward: every gradient reduction done.
+  void finish_gradient_sync();
+  torch::Tensor pipeline_forward_backward(const std::vector<ModelBatch>& batches);
+  // Every part's parameters, in part order.
+  std::vector<nn::NamedParameter> named_parameters();
   void add_piece(checkpoint::ShardedStateDict& state, const std::string& name, const std::string& component,
                  const std::string& param, const torch::Tensor& local, std::vector<int64_t> fsdp_shape,
                  std::optional<int64_t> fsdp_offset);

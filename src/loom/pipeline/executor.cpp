@@ -236,7 +236,12 @@ double PipelineExecutor::step(const std::vector<torch::Tensor>& inputs,
       default:
         fail("unexpected action ", a.str());
     }
-    times_.compute += seconds_since(compute_start) - (times_.wait - waited_before);
+    const double computed = seconds_since(compute_start) - (times_.wait - waited_before);
+    times_.compute += computed;
+    if (static_cast<size_t>(a.kind) < times_.kind_seconds.size()) {
+      times_.kind_seconds[static_cast<size_t>(a.kind)] += computed;
+      ++times_.kind_count[static_cast<size_t>(a.kind)];
+    }
     ++i;
   }
 

@@ -18,6 +18,7 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -47,6 +48,10 @@ struct StepTimes {
   double compute = 0;
   double wait = 0;
   double total = 0;
+  // Compute seconds and action count of F, B, I and W (indexed by ActionKind): what the
+  // simulator's Costs are, measured.
+  std::array<double, 4> kind_seconds{};
+  std::array<int, 4> kind_count{};
 };
 
 class PipelineExecutor {
@@ -65,6 +70,7 @@ class PipelineExecutor {
 
   const Schedule& schedule() const { return schedule_; }
   int pp_rank() const { return rank_; }
+  distributed::Comm& comm() const { return *options_.comm; }
   const std::vector<std::shared_ptr<PipelineStage>>& stages() const { return stages_; }
   const StepTimes& last_step_times() const { return times_; }
 

@@ -49,6 +49,9 @@ const std::vector<ConfigKey> kSchema = {
     {LOOM_CONFIG_KEY(model, vocab_size),
      "Rows of the token embedding and output projection; `0` = the tokenizer's vocabulary size."
      " A larger value pads the vocabulary (e.g. to a multiple of the TP degree).", {}},
+    {LOOM_CONFIG_KEY(model, n_layers),
+     "Transformer layers, overriding the flavor's (e.g. a deeper debug model to split into more "
+     "pipeline stages); `0` = the flavor's.", {}},
     // [optimizer]
     {LOOM_CONFIG_KEY(model, attention_mask),
      "Which earlier tokens a token attends to. `causal`: every earlier token of its row. "
@@ -186,7 +189,34 @@ const std::vector<ConfigKey> kSchema = {
      "all-gather per layer, then local blocks) or `ring` (they travel around the ring, each "
      "transfer overlapped with the previous block's attention).", {"allgather", "ring"}},
     {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_degree),
-     "Pipeline stages (ranks). **Not available yet: only `1` is accepted** (see below).", {}},
+     "Pipeline ranks: the model's layers are split into stages (one per rank, or several with the "
+     "multi-stage schedules) that pass activations forward and gradients back point to point; "
+     "see docs/pipeline_parallel.md.", {}},
+    {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_schedule),
+     "The pipeline schedule (TorchTitan's and PyTorch's names). `GPipe` and `1F1B` put one stage "
+     "on each rank; `Interleaved1F1B`, `LoopedBFS` and `InterleavedZeroBubble` loop over several "
+     "stages per rank (2 unless `pipeline_parallel_layers_per_stage` or `split_points` say "
+     "otherwise); `ZBVZeroBubble` and `DualPipeV` place two stages per rank in a V. The zero-bubble "
+     "schedules split each backward into input and weight gradients. Each schedule needs enough "
+     "micro-batches (a one-line error names the rule).",
+     {"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+      "DualPipeV"}},
+    {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_schedule_csv),
+     "A hand-written schedule instead of `pipeline_parallel_schedule`: PyTorch's CSV format, one "
+     "row per pipeline rank of actions such as `0F0,0B0` (`loom pipeline schedule --csv` writes "
+     "one to start from). It is simulated at start-up: a schedule that would deadlock is a one-line "
+     "error naming the action. Empty = none.", {}},
+    {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_microbatch_size),
+     "Rows per pipeline micro-batch: each loaded batch of `training.local_batch_size` rows is "
+     "split into local_batch_size / microbatch_size micro-batches, which must divide.", {}},
+    {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_layers_per_stage),
+     "Transformer layers per pipeline stage; with it the number of stages is n_layers / "
+     "layers_per_stage (a multiple of the degree). `0` = split the layers evenly over the "
+     "schedule's stages.", {}},
+    {LOOM_CONFIG_KEY(parallelism, pipeline_parallel_split_points),
+     "The first layer of every stage but the first, comma-separated (`\"layers.2,layers.5\"`, "
+     "TorchTitan's spelling, or bare ids); the number of stages is one more than the points. "
+     "Empty = not set.", {}},
     // [activation_checkpoint]
     {LOOM_CONFIG_KEY(activation_checkpoint, mode),
      "Recompute activations in backward instead of keeping them from forward (see "
@@ -271,10 +301,7 @@ Training step *k* (1-based) runs at `lr * factor(k - 1)`:
     {"parallelism",
      R"md(The degrees multiply to the number of ranks; `data_parallel_shard_degree = -1` takes whatever the
 others leave.)md",
-     R"md(Pipeline parallelism is not available in `loom train` yet (its schedules are: `loom pipeline
-schedule`). The key exists for TorchTitan compatibility; any degree other than 1 stops `loom train`
-with exit code 2 and `error: pipeline parallelism is not available in loom train yet (...); set
-parallelism.pipeline_parallel_degree to 1`.)md"},
+     R"md()md"},
     {"metrics",
      R"md(Every `log_freq` steps rank 0 prints one line (step, loss, grad_norm, lr, tokens/s, MFU %,
 peak memory) and appends one JSON object to `<dump_folder>/metrics.jsonl` with the keys `step`,
@@ -785,6 +812,7 @@ void validate(const JobConfig& c) {
   }
   require(!c.job.dump_folder.empty(), key("job.dump_folder"), "a non-empty path", c);
   require(c.model.vocab_size >= 0, key("model.vocab_size"), ">= 0", c);
+  require(c.model.n_layers >= 0, key("model.n_layers"), ">= 0 (0 = the flavor's)", c);
   require(c.optimizer.lr >= 0.0, key("optimizer.lr"), ">= 0", c);
   require(c.optimizer.eps >= 0.0, key("optimizer.eps"), ">= 0", c);
   require(c.optimizer.beta1 >= 0.0 && c.optimizer.beta1 < 1.0, key("optimizer.beta1"),
@@ -820,6 +848,21 @@ void validate(const JobConfig& c) {
           ">= 1", c);
   require(c.parallelism.pipeline_parallel_degree >= 1,
           key("parallelism.pipeline_parallel_degree"), ">= 1", c);
+  require(c.parallelism.pipeline_parallel_microbatch_size >= 1,
+          key("parallelism.pipeline_parallel_microbatch_size"), ">= 1", c);
+  require(c.parallelism.pipeline_parallel_layers_per_stage >= 0,
+          key("parallelism.pipeline_parallel_layers_per_stage"), ">= 0 (0 = not set)", c);
+  if (c.parallelism.pipeline_parallel_degree > 1) {
+    LOOM_REQUIRE_USAGE(c.model.attention_mask == "causal",
+                       "model.attention_mask = \"", c.model.attention_mask, "\" with pipeline parallelism is not "
+                       "available yet (the stages pass no document ids); use \"causal\" or "
+                       "parallelism.pipeline_parallel_degree = 1");
+    const int64_t rows = c.training.local_batch_size, mb = c.parallelism.pipeline_parallel_microbatch_size;
+    LOOM_REQUIRE_USAGE(rows % mb == 0, "parallelism.pipeline_parallel_microbatch_size = ", mb,
+                       " does not divide training.local_batch_size = ", rows,
+                       " (each loaded batch is cut into micro-batches of that many rows); use a divisor of ",
+                       rows);
+  }
   {
     const int64_t seq = c.training.seq_len, cp = c.parallelism.context_parallel_degree;
     LOOM_REQUIRE_USAGE(cp == 1 || seq % (2 * cp) == 0, "training.seq_len = ", seq,

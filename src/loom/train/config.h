@@ -34,6 +34,7 @@ struct ModelSection {
   std::string flavor = "debugmodel";
   std::string tokenizer_path = "data/default/tokenizer.json";
   int64_t vocab_size = 0;  // 0 = the tokenizer's vocabulary size
+  int64_t n_layers = 0;    // 0 = the flavor's
   std::string attention_mask = "causal";  // "causal" | "block_causal" (no attention across documents)
 
   bool operator==(const ModelSection&) const = default;
@@ -95,6 +96,11 @@ struct ParallelismSection {
   int64_t context_parallel_degree = 1;
   std::string context_parallel_rotate_method = "allgather";  // "allgather" | "ring"
   int64_t pipeline_parallel_degree = 1;
+  std::string pipeline_parallel_schedule = "1F1B";  // TorchTitan's names (pipeline/generators.h)
+  std::string pipeline_parallel_schedule_csv;       // a hand-written schedule; "" = none
+  int64_t pipeline_parallel_microbatch_size = 1;    // rows per micro-batch
+  int64_t pipeline_parallel_layers_per_stage = 0;   // 0 = not set
+  std::string pipeline_parallel_split_points;       // "layers.2,layers.4"; "" = not set
 
   bool operator==(const ParallelismSection&) const = default;
 };

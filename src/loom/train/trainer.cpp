@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
+#include <sstream>
 
 #include "loom/core/autocast.h"
 #include "loom/core/device.h"
@@ -39,13 +41,6 @@ void restore_rng_state(const nlohmann::json& rank_json, const std::string& key, 
 
 Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   validate(config_);
-  // Features whose keys exist (TorchTitan's configs set them) but which are not built yet. Checked
-  // before rendezvous and data loading, so the answer is this line on every rank, whatever the
-  // world size, not a world-size mismatch or a wait for peers.
-  const auto& p = config_.parallelism;
-  LOOM_REQUIRE_USAGE(p.pipeline_parallel_degree == 1,
-                     "pipeline parallelism is not available in loom train yet (pipeline_parallel_degree ",
-                     p.pipeline_parallel_degree, "); set parallelism.pipeline_parallel_degree to 1");
   // 1. The model's spec, and the layout checked before any process group exists (a bad
   //    combination is then the same one line on every rank, not a rendezvous): degrees against the
   //    world size, the model against the tensor-parallel degree. Then the world, device and mesh.
@@ -101,11 +96,13 @@ void Trainer::check_layout(const distributed::LaunchEnv& env) {
   parallel_dims_ = std::make_unique<distributed::ParallelDims>(degrees, env.world_size, env.rank);
   tokenizer_ = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(config_.model.tokenizer_path));
   model_spec_ = &models::get_spec(config_.model.name);
-  model_args_ = model_spec_->build_args({config_.model.flavor, model_vocab_size(), config_.training.seq_len});
+  model_args_ = model_spec_->build_args(
+      {config_.model.flavor, model_vocab_size(), config_.training.seq_len, config_.model.n_layers});
   // Context parallel cuts each sequence into 2 x degree equal chunks (config validation checked
   // that it can); what is left per rank is what sequence parallel splits again.
   model_spec_->validate_layout(*model_args_, *parallel_dims_,
-                               config_.training.seq_len / p.context_parallel_degree, tensor_parallel_options());
+                               config_.training.seq_len / p.context_parallel_degree, tensor_parallel_options(),
+                               pipeline_options());
 }
 
 void Trainer::init_distributed(const distributed::LaunchEnv& env) {
@@ -170,6 +167,25 @@ models::TensorParallelOptions Trainer::tensor_parallel_options() const {
   return {!p.disable_sequence_parallel, !p.disable_loss_parallel, p.enable_async_tensor_parallel};
 }
 
+models::PipelineOptions Trainer::pipeline_options() const {
+  const auto& p = config_.parallelism;
+  models::PipelineOptions options;
+  options.schedule = p.pipeline_parallel_schedule;
+  options.schedule_csv = p.pipeline_parallel_schedule_csv;
+  options.microbatch_size = p.pipeline_parallel_microbatch_size;
+  options.microbatches = config_.training.local_batch_size / p.pipeline_parallel_microbatch_size;
+  options.seq_len = config_.training.seq_len / p.context_parallel_degree;
+  options.layers_per_stage = p.pipeline_parallel_layers_per_stage;
+  // "layers.2, layers.5" -> {"layers.2", "layers.5"}
+  std::stringstream points(p.pipeline_parallel_split_points);
+  for (std::string point; std::getline(points, point, ',');) {
+    point.erase(0, point.find_first_not_of(" \t"));
+    point.erase(point.find_last_not_of(" \t") + 1);
+    if (!point.empty()) options.split_points.push_back(point);
+  }
+  return options;
+}
+
 void Trainer::build_model() {
   model_ = model_spec_->build_model(*model_args_, torch::TensorOptions().device(torch::kMeta));
   const auto counts = model_spec_->count_parameters(*model_args_);
@@ -193,6 +209,7 @@ void Trainer::parallelize() {
   options.device = device_;
   options.activation_checkpoint_mode = config_.activation_checkpoint.mode;
   options.selective_ac_option = config_.activation_checkpoint.selective_ac_option;
+  options.pipeline = pipeline_options();
   if (!parallel_dims_->fsdp_enabled()) {
     // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in
     // TorchTitan: float32 master weights, gradients and optimizer state; DDP all-reduces the
@@ -201,7 +218,7 @@ void Trainer::parallelize() {
                        "training.mixed_precision_reduce = \"", t.mixed_precision_reduce,
                        "\" needs FSDP (parallelism.data_parallel_shard_degree > 1): without it "
                        "gradients are float32 master-weight gradients; set it to \"float32\"");
-    if (t.mixed_precision_param == "bfloat16") autocast_dtype_ = torch::kBFloat16;
+    if (t.mixed_precision_param == "bfloat16") options.autocast_dtype = torch::kBFloat16;
   }
   parallel_model_ = model_spec_->parallelize(model_, *model_args_, *parallel_dims_, *mesh_, options);
   log::info("parallelized: ", parallel_model_->describe());
@@ -271,6 +288,18 @@ void Trainer::init_checkpointing() {
     }
   }
   if (!c.initial_load_path.empty()) load_initial_weights(c.initial_load_path);
+}
+
+void Trainer::save_checkpoint_to(const fs::path& folder) {
+  checkpoint::CheckpointOptions options;
+  options.folder = folder;
+  options.keep_latest_k = 0;
+  options.validate();
+  auto group = dist_->world_size() > 1 ? checkpoint::comm_group(dist_->world())
+                                       : checkpoint::single_process_group();
+  checkpoint::Checkpointer saver(options, group);
+  saver.save(step_, state_dict());
+  saver.wait();
 }
 
 checkpoint::ShardedStateDict Trainer::state_dict() {
@@ -387,30 +416,18 @@ StepResult Trainer::train_step() {
   Timer timer;
   ++step_;
   parallel_model_->zero_grad();
-  // The step's loss is summed on the device and read back once, with the gradient norm, after
-  // backward: no host-device sync per micro-batch.
-  torch::Tensor loss_sum;
-  for (int64_t micro = 0; micro < grad_accum_steps_; ++micro) {
-    data::Batch batch = loader_->next();
-    // Gradients are reduced across data-parallel ranks once, after the last micro-batch.
-    parallel_model_->begin_micro_batch(/*last=*/micro + 1 == grad_accum_steps_);
-    // Packed on the host; copied to the device (none on the CPU). Head and loss fused: the
-    // [tokens, vocab] logits are never materialised. Autocast covers the forward only; backward
-    // runs each op in the dtype its forward used.
-    torch::Tensor loss;
-    {
-      AutocastScope autocast(device_, autocast_dtype_);
-      loss = parallel_model_->forward_loss(model_batch(batch));
-    }
-    if (micro == 0 && fault_due("LOOM_FAULT_NAN", dist_->rank(), step_)) {
-      loss = loss * std::numeric_limits<float>::quiet_NaN();
-    }
-    const torch::Tensor part = loss.detach().to(torch::kFloat64) / static_cast<double>(grad_accum_steps_);
-    loss_sum = loss_sum.defined() ? loss_sum + part : part;
-    // Mean over micro-batches: each contributes 1/k of the step's gradient.
-    (grad_accum_steps_ > 1 ? loss / static_cast<double>(grad_accum_steps_) : loss).backward();
+  // The step's batches (more than one with gradient accumulation), packed on the host and copied
+  // to the device; the parallelized model runs their forward and backward (a pipeline schedule,
+  // or one micro-batch after another) and synchronises the gradients.
+  std::vector<parallel::ModelBatch> batches;
+  for (int64_t micro = 0; micro < grad_accum_steps_; ++micro) batches.push_back(model_batch(loader_->next()));
+  parallel::LossHook hook;
+  if (fault_due("LOOM_FAULT_NAN", dist_->rank(), step_)) {
+    hook = [](int64_t index, const torch::Tensor& loss) {
+      return index == 0 ? loss * std::numeric_limits<float>::quiet_NaN() : loss;
+    };
   }
-  parallel_model_->finish_gradient_sync();
+  const torch::Tensor loss_sum = parallel_model_->forward_backward(batches, hook);
   // The norm over every mesh dim; gradients scaled on the device.
   const torch::Tensor grad_norm_t = parallel_model_->clip_grad_norm_(config_.training.max_norm);
   const torch::Tensor host = torch::stack({loss_sum, grad_norm_t.detach().to(loss_sum.device(), torch::kFloat64)})
@@ -441,14 +458,17 @@ StepResult Trainer::train_step() {
 }
 
 std::string Trainer::first_nonfinite_gradient() {
-  // Local gradient pieces in module order (the same names, in the same order, on every rank).
-  const std::vector<std::pair<std::string, torch::Tensor>> grads = parallel_model_->local_gradients();
-  int64_t first = static_cast<int64_t>(grads.size());
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const torch::Tensor& g = grads[i].second;
+  // Indices into the whole model's parameter order, which every rank knows (a pipeline rank holds
+  // only its stages' parameters).
+  const std::vector<nn::NamedParameter> all = model_->named_parameters();
+  std::map<std::string, int64_t> index;
+  for (size_t i = 0; i < all.size(); ++i) index.emplace(all[i].name, static_cast<int64_t>(i));
+  const auto none = static_cast<int64_t>(all.size());
+  int64_t first = none;
+  for (const auto& [name, g] : parallel_model_->local_gradients()) {
     if (g.defined() && g.numel() > 0 && !torch::isfinite(g).all().item<bool>()) {
-      first = static_cast<int64_t>(i);
-      break;
+      auto it = index.find(name);
+      if (it != index.end()) first = std::min(first, it->second);
     }
   }
   if (dist_->world_size() > 1) {
@@ -456,7 +476,7 @@ std::string Trainer::first_nonfinite_gradient() {
     dist_->world()->all_reduce(t, distributed::ReduceOp::kMax);
     first = -t.item<int64_t>();
   }
-  return first < static_cast<int64_t>(grads.size()) ? grads[static_cast<size_t>(first)].first : "";
+  return first < none ? all[static_cast<size_t>(first)].name : "";
 }
 
 void Trainer::handle_nonfinite_step(const StepResult& r) {

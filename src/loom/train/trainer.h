@@ -10,8 +10,9 @@
 //   2. determinism and seeds
 //   3. the data loader for this rank's data-parallel slice (the tokenizer came with the layout)
 //   4. model on the meta device (no memory), parameter count and FLOPs/token
-//   5. parallelize (the spec's plan for the model): tensor parallel over tp, then FSDP over
-//      dp_shard (HSDP with dp_replicate) or DDP over dp_replicate alone
+//   5. parallelize (the spec's plan for the model): with pp > 1 the split into this rank's
+//      pipeline stages and the schedule that runs them; else tensor parallel over tp, context
+//      parallel over cp, then FSDP over dp_shard (HSDP with dp_replicate) or DDP over dp_replicate
 //   6. materialize and initialize every parameter from the seed (sharded: each rank only its pieces)
 //   7. optimizer (AdamW, weight-decay groups) and LR schedule
 //   8. checkpointer: folder checked writable on every rank, then resume from the newest complete
@@ -61,6 +62,10 @@ class Trainer {
   // Runs training.steps steps; returns every step's result (loss etc.), identical on all ranks.
   std::vector<StepResult> train();
   StepResult train_step();
+  // Saves the current state (the step reached, or the one resumed from) as <folder>/step-<N>,
+  // synchronously, on every rank (collective): e.g. to move a checkpoint to another layout without
+  // training (load in this layout, save, and any layout reads it back bitwise).
+  void save_checkpoint_to(const std::filesystem::path& folder);
 
   nn::Module& model() { return *model_; }
   const distributed::ParallelDims& parallel_dims() const { return *parallel_dims_; }
@@ -78,6 +83,8 @@ class Trainer {
   int64_t model_vocab_size() const;
   // parallelism.disable_sequence_parallel / disable_loss_parallel, as the model's plan reads them.
   models::TensorParallelOptions tensor_parallel_options() const;
+  // parallelism.pipeline_parallel_*, as the model's pipeline split reads them.
+  models::PipelineOptions pipeline_options() const;
   void parallelize();
   void init_optimizer();
   void init_checkpointing();
@@ -104,9 +111,6 @@ class Trainer {
   std::shared_ptr<distributed::Distributed> dist_;
   std::unique_ptr<RunFolderLock> run_folder_lock_;  // rank 0 only
   c10::Device device_{c10::kCPU};  // this rank's device (training.device), chosen once
-  // bf16 autocast around forward when FSDP is off and training.mixed_precision_param asks for it
-  // (FSDP casts parameters itself); nullopt: full precision.
-  std::optional<c10::ScalarType> autocast_dtype_;
   std::unique_ptr<distributed::ParallelDims> parallel_dims_;
   std::unique_ptr<distributed::DeviceMesh> mesh_;
   std::unique_ptr<data::Tokenizer> tokenizer_;

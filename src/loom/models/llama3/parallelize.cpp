@@ -1,5 +1,6 @@
 #include "loom/models/llama3/parallelize.h"
 
+#include "loom/core/autocast.h"
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
 #include "loom/nn/init.h"
@@ -160,8 +161,12 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transfo
                                                          const ParallelizeOptions& options) {
   parallel::ParallelParts parts;
   Transformer* raw = model.get();
-  parts.module = model;
-  parts.forward_loss = [raw](const parallel::ModelBatch& batch) {
+  parts.modules = {model};
+  const auto autocast = options.autocast_dtype;
+  const c10::Device device = options.device;
+  parts.forward_loss = [raw, autocast, device](const parallel::ModelBatch& batch) {
+    // Autocast covers the forward only; backward runs each op in the dtype its forward used.
+    AutocastScope scope(device, autocast);
     return raw->forward_loss(batch.tokens, batch.labels, batch.layout);
   };
   // 1. Tensor parallelism: parameters become this rank's shards (still on the meta device).

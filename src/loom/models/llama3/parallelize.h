@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "loom/ac/activation_checkpoint.h"
@@ -66,6 +67,8 @@ struct ParallelizeOptions {
   ac::ACOptions ac;                       // activation checkpointing of the blocks (apply_ac)
   fsdp::FSDPPolicy fsdp;                  // when FSDP is on (dp_shard or cp > 1; HSDP with dp_replicate)
   bool fsdp_reshard_last_block = false;   // see FSDPReshardSetting
+  // Autocast around the forward (mixed precision without FSDP); nullopt = full precision.
+  std::optional<c10::ScalarType> autocast_dtype;
   uint64_t seed = 0;                      // initialization (the single-process values, any layout)
   c10::Device device = c10::kCPU;         // where parameters and buffers live
 };

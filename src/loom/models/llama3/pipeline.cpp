@@ -1,8 +1,14 @@
 #include "loom/models/llama3/pipeline.h"
+#include "loom/models/llama3/parallelize.h"
 
 #include <algorithm>
 
+#include "loom/core/autocast.h"
 #include "loom/core/error.h"
+#include "loom/core/logging.h"
+#include "loom/pipeline/executor.h"
+#include "loom/pipeline/generators.h"
+#include "loom/pipeline/simulator.h"
 
 namespace loom::llama3 {
 
@@ -97,7 +103,8 @@ std::vector<std::shared_ptr<Transformer>> split_into_stages(
 
 std::vector<std::shared_ptr<pipeline::PipelineStage>> make_pipeline_stages(
     const std::vector<std::shared_ptr<Transformer>>& models, const std::vector<int>& stage_ids,
-    int num_stages, pipeline::WeightGradMethod method) {
+    int num_stages, pipeline::WeightGradMethod method, std::optional<c10::ScalarType> autocast,
+    c10::Device device) {
   LOOM_REQUIRE(models.size() == stage_ids.size(), models.size(), " stage models for ",
                stage_ids.size(), " stage ids");
   std::vector<std::shared_ptr<pipeline::PipelineStage>> stages;
@@ -107,7 +114,10 @@ std::vector<std::shared_ptr<pipeline::PipelineStage>> make_pipeline_stages(
                      model->has_head() == (stage_ids[i] == num_stages - 1),
                  "stage ", stage_ids[i], " of ", num_stages,
                  ": the embedding belongs to stage 0 only and the head to the last stage only");
-    auto forward = [model](const torch::Tensor& input, const torch::Tensor& labels) {
+    auto forward = [model, autocast, device](const torch::Tensor& input, const torch::Tensor& labels) {
+      // Autocast covers the forward only (the stage's backward runs each op in its forward's
+      // dtype). The residual stream stays float32 under autocast, as the receive buffers expect.
+      AutocastScope scope(device, autocast);
       return model->forward_part(input, labels);
     };
     // The fused loss reads output.weight without calling the module (and a hooked head would
@@ -116,6 +126,102 @@ std::vector<std::shared_ptr<pipeline::PipelineStage>> make_pipeline_stages(
         stage_ids[i], num_stages, models[i], forward, method, std::vector<std::string>{"output"}));
   }
   return stages;
+}
+
+PipelinePlan plan_pipeline(const ModelArgs& args, int pp, const models::PipelineOptions& options) {
+  LOOM_REQUIRE_USAGE(options.microbatches >= 1, "pipeline parallelism needs at least one micro-batch, got ",
+                     options.microbatches);
+  const int m = static_cast<int>(options.microbatches);
+  const int64_t n = args.n_layers;
+  PipelinePlan plan;
+  if (!options.schedule_csv.empty()) {
+    const std::string& path = options.schedule_csv;
+    pipeline::Schedule s = pipeline::load_csv(path);
+    LOOM_REQUIRE_USAGE(s.num_ranks == pp, "parallelism.pipeline_parallel_schedule_csv '", path, "' has ",
+                       s.num_ranks, " rows (pipeline ranks) but pipeline_parallel_degree is ", pp,
+                       "; write one row per rank");
+    LOOM_REQUIRE_USAGE(s.num_microbatches == m, "parallelism.pipeline_parallel_schedule_csv '", path,
+                       "' runs ", s.num_microbatches, " micro-batches but each batch has ", m,
+                       " (training.local_batch_size / pipeline_parallel_microbatch_size)");
+    // Compute-only rows get their send/recv placed (refused, naming the action, if they cannot
+    // run); the simulator then proves the whole schedule runs to the end on every rank.
+    if (!s.has_communication()) s = pipeline::add_communication(s);
+    pipeline::simulate(s);
+    plan.schedule = std::move(s);
+  } else {
+    int v = 0;  // the schedule's default
+    if (options.layers_per_stage > 0) {
+      const int64_t per = options.layers_per_stage;
+      if (n % per != 0 || (n / per) % pp != 0) {
+        std::string valid;
+        for (int64_t d = 1; d <= n; ++d) {
+          if (n % d == 0 && (n / d) % pp == 0) valid += c10::str(valid.empty() ? "" : ", ", d);
+        }
+        LOOM_REQUIRE_USAGE(false, "parallelism.pipeline_parallel_layers_per_stage = ", per, " does not cut the model's ",
+                           n, " layers into a multiple of pipeline_parallel_degree ", pp, " stages; values that do: ",
+                           valid.empty() ? std::string("none (use pipeline_parallel_split_points)") : valid);
+      }
+      v = static_cast<int>(n / per / pp);
+    } else if (!options.split_points.empty()) {
+      const int64_t stages = static_cast<int64_t>(options.split_points.size()) + 1;
+      LOOM_REQUIRE_USAGE(stages % pp == 0, "parallelism.pipeline_parallel_split_points makes ", stages,
+                         " stages, which is not a multiple of pipeline_parallel_degree ", pp);
+      v = static_cast<int>(stages / pp);
+    }
+    plan.schedule = pipeline::build_schedule({options.schedule, pp, m, v});
+  }
+  plan.layer_bounds = stage_layer_bounds(
+      args, {pp, plan.schedule.stages_per_rank, options.layers_per_stage, options.split_points});
+  return plan;
+}
+
+PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::ParallelDims& dims,
+                                      const models::PipelineOptions& options) {
+  LOOM_REQUIRE_USAGE(dims.tp() == 1 && dims.cp() == 1 && !dims.dp_shard_enabled(),
+                     "pipeline parallelism composes only with replicated data parallelism "
+                     "(data_parallel_replicate_degree) in this build, not with FSDP, tensor or context "
+                     "parallelism (", dims.describe(), "); set parallelism.data_parallel_shard_degree = 1 "
+                     "and the tensor and context degrees to 1");
+  return plan_pipeline(args, dims.pp(), options);
+}
+
+std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
+    const ModelArgs& args, const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
+    const models::PipelineOptions& options, std::optional<c10::ScalarType> autocast, uint64_t seed,
+    c10::Device device, const ac::ACOptions& ac) {
+  const PipelinePlan plan = validate_pipeline_layout(args, dims, options);
+  const tensor::CommPtr pp_comm = mesh.comm("pp");
+  const std::vector<int> stage_ids = plan.schedule.stages_of(pp_comm->rank());
+  auto models = split_into_stages(
+      [&] { return std::make_shared<Transformer>(args, torch::TensorOptions().device(torch::kMeta)); },
+      plan.layer_bounds, stage_ids);
+  // Each trimmed stage draws its parameters by global name from the seed: the values the whole
+  // model has, whatever the split.
+  for (auto& model : models) {
+    model->to_empty(device);
+    model->init_weights(seed);
+  }
+  // Activation checkpointing before the stages hook their layers: a checkpointed block's ops run
+  // without autograd in forward, so the split backward (kPerOp) captures none of them; their
+  // weight gradients accumulate in I, inside the block's recompute, instead of in W.
+  if (ac.mode != ac::Mode::kNone) {
+    int64_t wrapped = 0;
+    for (auto& model : models) wrapped += apply_ac(*model, ac);
+    log::info("activation checkpointing: ", ac.describe(), " (", wrapped, " blocks of this rank's stages)");
+  }
+  auto stages = make_pipeline_stages(models, stage_ids, plan.schedule.num_stages(),
+                                     pipeline::WeightGradMethod::kPerOp, autocast, device);
+  pipeline::ExecutorOptions executor;
+  executor.comm = pp_comm;
+  executor.activation_shape = {options.microbatch_size, options.seq_len, args.dim};
+  executor.activation_dtype = c10::kFloat;
+  executor.device = device;
+  parallel::ParallelParts parts;
+  for (auto& model : models) parts.modules.push_back(model);
+  parts.pipeline = std::make_shared<pipeline::PipelineExecutor>(plan.schedule, stages, executor);
+  parts.pipeline_microbatch_size = options.microbatch_size;
+  if (dims.dp_replicate_enabled()) parts.pipeline_replicas = mesh.comm("dp_replicate");
+  return std::make_unique<parallel::ParallelizedModel>(std::move(parts));
 }
 
 }  // namespace loom::llama3

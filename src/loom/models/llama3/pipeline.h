@@ -16,10 +16,17 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "loom/ac/activation_checkpoint.h"
+#include "loom/distributed/device_mesh.h"
+#include "loom/distributed/parallel_dims.h"
 #include "loom/models/llama3/model.h"
+#include "loom/models/spec.h"
+#include "loom/parallel/parallelized_model.h"
+#include "loom/pipeline/schedule.h"
 #include "loom/pipeline/stage.h"
 
 namespace loom::llama3 {
@@ -47,10 +54,37 @@ std::vector<std::shared_ptr<Transformer>> split_into_stages(
     const std::function<std::shared_ptr<Transformer>()>& build_model,
     const std::vector<int64_t>& bounds, const std::vector<int>& stage_ids);
 
-// The runtime stage of each model (forward = Transformer::forward_part); models[i] is stage
-// stage_ids[i] of num_stages.
+// The runtime stage of each model (forward = Transformer::forward_part, under autocast to
+// `autocast` on `device` when set); models[i] is stage stage_ids[i] of num_stages.
 std::vector<std::shared_ptr<pipeline::PipelineStage>> make_pipeline_stages(
     const std::vector<std::shared_ptr<Transformer>>& models, const std::vector<int>& stage_ids,
-    int num_stages, pipeline::WeightGradMethod method = pipeline::WeightGradMethod::kPerOp);
+    int num_stages, pipeline::WeightGradMethod method = pipeline::WeightGradMethod::kPerOp,
+    std::optional<c10::ScalarType> autocast = std::nullopt, c10::Device device = c10::kCPU);
+
+// ---- The Trainer's entry points (TorchTitan's pipeline_llama) --------------------------------
+
+// The stage split and the lowered schedule for `pp` ranks as `options` ask (the schedule by name,
+// or a CSV one, simulated so a deadlocking one is refused naming the action). The stages per rank
+// follow from layers_per_stage or split_points when set, else the schedule's default. A split that
+// cannot be made, or a schedule that cannot run these micro-batches, is a one-line UsageError.
+// Pure: called before any process group exists, and again when building.
+struct PipelinePlan {
+  pipeline::Schedule schedule;
+  std::vector<int64_t> layer_bounds;  // stage s holds layers [bounds[s], bounds[s + 1])
+};
+PipelinePlan plan_pipeline(const ModelArgs& args, int pp, const models::PipelineOptions& options);
+// plan_pipeline for the mesh's pp degree, after checking that the other dims are 1.
+PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::ParallelDims& dims,
+                                      const models::PipelineOptions& options);
+
+// This rank's stages of `plan` (the pp rank of `mesh`), materialized on `device` with the values
+// the whole model gets from `seed`, as a ParallelizedModel whose step runs the schedule over the
+// "pp" group. `autocast`: mixed precision around each stage's forward (nullopt: none). The other
+// mesh dims must be 1 (pipeline stages do not compose with TP, FSDP, DDP or CP in this build).
+// `ac`: activation checkpointing of the stages' blocks (apply_ac, by the whole model's layer ids).
+std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
+    const ModelArgs& args, const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
+    const models::PipelineOptions& options, std::optional<c10::ScalarType> autocast, uint64_t seed,
+    c10::Device device, const ac::ACOptions& ac = {});
 
 }  // namespace loom::llama3

@@ -6,12 +6,14 @@
 #include "loom/models/llama3/model.h"
 #include "loom/models/llama3/model_dir.h"
 #include "loom/models/llama3/parallelize.h"
+#include "loom/models/llama3/pipeline.h"
 
 namespace loom::llama3 {
 namespace {
 
 std::unique_ptr<models::ModelArgs> build_args(const models::ModelRequest& request) {
   auto args = std::make_unique<ModelArgs>(flavor(request.flavor, request.vocab_size));
+  if (request.n_layers > 0) args->n_layers = request.n_layers;
   // The RoPE cache covers at least the training sequence.
   args->max_seq_len = std::max(args->max_seq_len, request.seq_len);
   return args;
@@ -36,6 +38,13 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
   plan.ac = ac::ACOptions::parse(options.activation_checkpoint_mode, options.selective_ac_option);
   plan.seed = options.seed;
   plan.device = options.device;
+  plan.autocast_dtype = options.autocast_dtype;
+  // Pipeline parallelism first splits the model into this rank's stages (built afresh, so the
+  // whole meta model is not needed).
+  if (dims.pp_enabled()) {
+    return pipeline_llama(model->args(), dims, mesh, options.pipeline, options.autocast_dtype, options.seed,
+                          options.device, plan.ac);
+  }
   return parallelize(std::move(model), dims, mesh, plan);
 }
 
@@ -72,11 +81,12 @@ models::ModelSpec model_spec() {
     return flops_per_token(a, count_parameters(a).non_embedding, seq_len);
   };
   spec.validate_layout = [](const models::ModelArgs& args, const distributed::ParallelDims& dims,
-                            int64_t seq_len, const models::TensorParallelOptions& tp) {
+                            int64_t seq_len, const models::TensorParallelOptions& tp,
+                            const models::PipelineOptions& pipeline) {
     validate_tp_degree(args_of(args), dims.tp(), seq_len, {tp.sequence_parallel, tp.loss_parallel, tp.async});
+    if (dims.pp_enabled()) validate_pipeline_layout(args_of(args), dims, pipeline);
   };
   spec.parallelize = parallelize_model;
-  // spec.pipeline: none yet (pipeline parallelism is not built).
   spec.model_config_json = [](const models::ModelArgs& args) { return model_config_json(args_of(args)); };
   spec.model_args_from_config_json = [](const nlohmann::json& json, const std::string& source) {
     return std::unique_ptr<models::ModelArgs>(

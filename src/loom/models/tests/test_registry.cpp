@@ -21,11 +21,10 @@ TEST(ModelRegistry, LooksUpRegisteredModelsByName) {
   EXPECT_EQ(spec.name, "llama3");
   EXPECT_EQ(spec.flavors, llama3::flavor_names());
   EXPECT_EQ(&models::get_spec("llama3"), &spec);  // one registered object, not a copy per lookup
-  // Every slot the Trainer calls is filled; the pipeline slot waits for pipeline parallelism.
+  // Every slot the Trainer calls is filled.
   EXPECT_TRUE(spec.build_args && spec.build_model && spec.count_parameters && spec.flops_per_token &&
               spec.validate_layout && spec.parallelize && spec.model_config_json &&
               spec.model_args_from_config_json && spec.read_initial_weights);
-  EXPECT_FALSE(spec.pipeline);
 }
 
 TEST(ModelRegistry, UnknownNameIsAOneLineUsageErrorListingTheRegisteredOnes) {
@@ -64,9 +63,9 @@ TEST(Llama3Spec, ValidateLayoutIsTheTensorParallelCheck) {
   const models::ModelSpec& spec = models::get_spec("llama3");
   const auto args = spec.build_args({"debugmodel", 2048, 128});
   // debugmodel: 16 heads, 16 kv heads: TP 2 splits them, TP 3 does not.
-  spec.validate_layout(*args, distributed::ParallelDims({1, 1, 1, 2, 1}, 2, 0), 128, {});
+  spec.validate_layout(*args, distributed::ParallelDims({1, 1, 1, 2, 1}, 2, 0), 128, {}, {});
   loom::testing::expect_error<UsageError>(
-      [&] { spec.validate_layout(*args, distributed::ParallelDims({1, 1, 1, 3, 1}, 3, 0), 128, {}); },
+      [&] { spec.validate_layout(*args, distributed::ParallelDims({1, 1, 1, 3, 1}, 3, 0), 128, {}, {}); },
       {"tensor_parallel_degree"});
 }
 

@@ -28,42 +28,10 @@ using loom::testing::worst_relative;
 
 using loom::testing::layout_train_args;
 using loom::testing::loom_command;
+using loom::testing::gathered_parameters;
+using loom::testing::worst_parameter_difference;
 
 std::vector<double> losses(const TempDir& dir) { return loom::testing::logged_losses(dir.path()); }
-
-
-// The run's parameters after its last step, gathered whole: its final checkpoint converted to
-// Hugging Face's format by `loom convert` (which reassembles every TP box and FSDP range).
-std::map<std::string, torch::Tensor> gathered_parameters(const TempDir& dir, int step) {
-  const auto hf = dir.path() / "hf";
-  RunResult r = run(bin_dir() + "/loom convert --to hf --input " +
-                    (dir.path() / "checkpoint" / ("step-" + std::to_string(step))).string() + " --output " +
-                    hf.string());
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  std::map<std::string, torch::Tensor> out;
-  if (r.exit_code != 0) return out;
-  loom::checkpoint::SafetensorsFile file(hf / "model.safetensors");
-  for (const auto& name : file.names()) out[name] = file.tensor(name).clone();
-  return out;
-}
-
-// Largest difference over all tensors, each as ||got - want|| / ||want|| (Frobenius). Elementwise
-// ratios are the wrong yardstick after AdamW: an element whose gradient is ~0 moves by up to lr per
-// step in a direction set by rounding (its m / sqrt(v) is noise), so single elements differ by
-// ~1e-5 absolute (2e-4 of a small tensor's largest element) while the tensor agrees to ~4e-6.
-double worst_parameter_difference(const std::map<std::string, torch::Tensor>& want,
-                                  const std::map<std::string, torch::Tensor>& got) {
-  EXPECT_EQ(want.size(), got.size());
-  double worst = 0;
-  for (const auto& [name, w] : want) {
-    auto it = got.find(name);
-    EXPECT_NE(it, got.end()) << name;
-    if (it == got.end()) continue;
-    const double scale = std::max(w.norm().item<double>(), 1e-12);
-    worst = std::max(worst, (it->second - w).norm().item<double>() / scale);
-  }
-  return worst;
-}
 
 
 }  // namespace

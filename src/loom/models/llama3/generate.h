@@ -1,0 +1,59 @@
+// Autoregressive generation from a Llama 3 model with a key/value cache (`loom generate`).
+//
+// The cache is installed from outside the model, like context parallelism's ring attention: each
+// attention layer's core (nn::Attention::set_attend) is replaced by one that appends the new keys
+// and values to its layer's cache and lets the new queries attend to everything cached so far.
+// The model runs its ordinary embed -> run_layers -> head path with the new tokens' positions
+// (nn::TokenLayout::positions, which RoPE reads), so the prompt is one forward over all of its
+// tokens (prefill) and each further token one forward of length 1 (decode).
+#pragma once
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "loom/models/llama3/model.h"
+
+namespace loom::llama3 {
+
+struct SamplingOptions {
+  int64_t max_new_tokens = 64;
+  // 0: greedy (the most likely token every time); else the logits are divided by it.
+  double temperature = 0.8;
+  int64_t top_k = 0;       // keep the k most likely tokens; 0 = all
+  double top_p = 1.0;      // keep the smallest set whose probability reaches p; 1 = all
+  uint64_t seed = 0;       // the sampling stream: the same seed gives the same tokens
+  int64_t stop_id = -1;    // stop after this token (the tokenizer's EOS); -1 = never
+};
+
+// The next token from logits [V] (float32 on any device).
+int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& options, at::Generator& generator);
+
+class Generator {
+ public:
+  // Installs the cache on every layer of `model` (batch 1, up to `capacity` tokens: prompt plus
+  // new ones, at most the model's max_seq_len) and removes it again on destruction.
+  Generator(Transformer& model, int64_t capacity);
+  ~Generator();
+  Generator(const Generator&) = delete;
+  Generator& operator=(const Generator&) = delete;
+
+  // The prompt's continuation (new tokens only); `on_token` sees each as it is chosen.
+  std::vector<int64_t> generate(const std::vector<int64_t>& prompt, const SamplingOptions& options,
+                                const std::function<void(int64_t)>& on_token = nullptr);
+
+  // Logits [V] (float32) of the token after `tokens`, which continue what is cached.
+  torch::Tensor forward(const std::vector<int64_t>& tokens);
+
+  int64_t cached() const;
+
+ private:
+  struct LayerCache;
+  Transformer& model_;
+  int64_t capacity_;
+  std::vector<std::shared_ptr<LayerCache>> caches_;
+};
+
+}  // namespace loom::llama3

@@ -1,0 +1,143 @@
+// `loom generate`: sample a continuation of a prompt from a Llama 3 model directory (Hugging Face
+// or Loom format: `loom convert` output, or a training run's step-N), streaming tokens as they come.
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+
+#include "loom/core/device.h"
+#include "loom/core/error.h"
+#include "loom/core/timer.h"
+#include "loom/data/tokenizer.h"
+#include "loom/models/llama3/cli.h"
+#include "loom/models/llama3/generate.h"
+#include "loom/models/llama3/model_dir.h"
+
+namespace loom::llama3 {
+namespace {
+namespace fs = std::filesystem;
+
+struct GenerateOptions {
+  std::string checkpoint;
+  std::string prompt;
+  std::string prompt_tokens;
+  std::string tokenizer;
+  std::string device = "cpu";
+  std::string dtype = "float32";
+  bool print_ids = false;
+  bool no_bos = false;
+  SamplingOptions sampling;
+};
+
+std::vector<int64_t> parse_ids(const std::string& text) {
+  std::vector<int64_t> ids;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    size_t used = 0;
+    int64_t id = -1;
+    try {
+      id = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    LOOM_REQUIRE_USAGE(used > 0 && id >= 0, "--prompt-tokens entry '", item,
+                       "' is not a non-negative integer id; give comma-separated ids like 1,2,3");
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+void run_generate(GenerateOptions o) {
+  std::unique_ptr<data::Tokenizer> tokenizer;
+  std::string tokenizer_path = o.tokenizer;
+  if (tokenizer_path.empty() && fs::exists(fs::path(o.checkpoint) / "tokenizer.json")) {
+    tokenizer_path = (fs::path(o.checkpoint) / "tokenizer.json").string();
+  }
+  if (!tokenizer_path.empty()) tokenizer = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(tokenizer_path));
+  LOOM_REQUIRE_USAGE(tokenizer || !o.prompt_tokens.empty(),
+                     "loom generate --prompt needs a tokenizer: pass --tokenizer tokenizer.json (none found in '",
+                     o.checkpoint, "'), or give --prompt-tokens");
+  std::vector<int64_t> prompt;
+  if (!o.prompt_tokens.empty()) {
+    prompt = parse_ids(o.prompt_tokens);
+  } else {
+    prompt = tokenizer->encode(o.prompt, /*add_bos=*/!o.no_bos && tokenizer->bos_id() >= 0, /*add_eos=*/false);
+  }
+  LOOM_REQUIRE_USAGE(!prompt.empty(), "the prompt is empty");
+  if (tokenizer && o.sampling.stop_id < 0) o.sampling.stop_id = tokenizer->eos_id();
+
+  Timer load_timer;
+  LoadOptions load;
+  load.max_seq_len = static_cast<int64_t>(prompt.size()) + o.sampling.max_new_tokens;
+  const c10::Device device = select_device(o.device, /*local_rank=*/0, "--device");
+  load.options = torch::TensorOptions().dtype(o.dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32).device(device);
+  const auto loaded = load_model_dir(o.checkpoint, load);
+  Transformer& model = *loaded.model;
+  model.eval();
+  for (const int64_t id : prompt) {
+    LOOM_REQUIRE_USAGE(id < model.args().vocab_size, "prompt token id ", id, " is outside the model's vocabulary of ",
+                       model.args().vocab_size, "; check the tokenizer matches the checkpoint");
+  }
+  const double load_seconds = load_timer.seconds();
+
+  Generator generator(model, *load.max_seq_len);
+  std::vector<int64_t> produced;
+  std::string shown;  // decoded text already printed: a token may end inside a UTF-8 character
+  if (tokenizer && !o.print_ids) std::printf("%s", tokenizer->decode(prompt, /*skip_special=*/true).c_str());
+  std::fflush(stdout);
+  Timer timer;
+  generator.generate(prompt, o.sampling, [&](int64_t id) {
+    produced.push_back(id);
+    if (o.print_ids || !tokenizer) {
+      std::printf("%s%lld", produced.size() == 1 ? "" : ",", static_cast<long long>(id));
+    } else {
+      const std::string text = tokenizer->decode(produced, /*skip_special=*/true);
+      if (text.size() > shown.size() && text.compare(0, shown.size(), shown) == 0) {
+        std::printf("%s", text.substr(shown.size()).c_str());
+        shown = text;
+      }
+    }
+    std::fflush(stdout);
+  });
+  const double seconds = timer.seconds();
+  std::printf("\n");
+  std::fflush(stdout);
+  std::fprintf(stderr, "%zu prompt + %zu new tokens in %.2f s (%.1f tokens/s; load %.2f s) from %s\n", prompt.size(),
+               produced.size(), seconds, static_cast<double>(produced.size()) / std::max(seconds, 1e-9), load_seconds,
+               o.checkpoint.c_str());
+}
+
+}  // namespace
+
+void register_generate_command(CLI::App& app) {
+  auto options = std::make_shared<GenerateOptions>();
+  CLI::App* cmd = app.add_subcommand("generate", "Sample a continuation of a prompt (key/value cache, streamed)");
+  cmd->add_option("--checkpoint", options->checkpoint, "Model directory (Hugging Face Llama or Loom format)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  auto* text = cmd->add_option("--prompt", options->prompt, "Prompt text (tokenized with --tokenizer)");
+  auto* ids = cmd->add_option("--prompt-tokens", options->prompt_tokens, "Prompt as comma-separated token ids");
+  text->excludes(ids);
+  cmd->add_option("--tokenizer", options->tokenizer, "tokenizer.json (default: the checkpoint's)")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--max-new-tokens", options->sampling.max_new_tokens, "Tokens to generate (default 64)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--temperature", options->sampling.temperature, "0 = greedy; else logits / T (default 0.8)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-k", options->sampling.top_k, "Sample among the k most likely tokens; 0 = all")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-p", options->sampling.top_p, "Nucleus sampling: smallest set with probability >= p")
+      ->check(CLI::Range(1e-9, 1.0));
+  cmd->add_option("--seed", options->sampling.seed, "Sampling seed: the same seed gives the same tokens");
+  cmd->add_flag("--no-bos", options->no_bos, "Do not prepend the tokenizer's BOS to --prompt");
+  cmd->add_flag("--ids", options->print_ids, "Print the new token ids (comma-separated) instead of text");
+  cmd->add_option("--device", options->device, "cpu, cuda, or auto (the GPU when there is one)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  cmd->add_option("--dtype", options->dtype, "Dtype the model computes in (default: float32)")
+      ->check(CLI::IsMember({"float32", "bfloat16"}));
+  cmd->callback([options, text, ids] {
+    LOOM_REQUIRE_USAGE(text->count() + ids->count() == 1, "loom generate needs exactly one of --prompt or --prompt-tokens");
+    run_generate(*options);
+  });
+}
+
+}  // namespace loom::llama3

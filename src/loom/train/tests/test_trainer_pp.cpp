@@ -1,0 +1,230 @@
+// Pipeline parallelism through `loom train` (issue 11's acceptance): every schedule at PP 2 with 4
+// and 8 micro-batches, and 1F1B and Interleaved1F1B at PP 4, train the debug model like the single
+// process with the same global batch (8 rows of 64 tokens), step by step for 30 steps, and end
+// with the same parameters; a checkpoint moves PP 2 -> one process -> PP 4 bitwise; bad pipeline
+// settings are one line and exit 2.
+//
+// Tolerance: the pipeline sums each parameter's gradient over micro-batches (the single process
+// computes it from the whole batch at once) and the gradient norm over the pp ranks, so sums run
+// in another order: per-step losses within 1e-5 relative, gathered parameters within 1e-5
+// (relative L2 per tensor), not bitwise.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "loom/checkpoint/loader.h"
+#include "loom/checkpoint/metadata.h"
+#include "loom/checkpoint/state_dict.h"
+#include "loom/train/tests/layout_runs.h"
+
+namespace {
+namespace fs = std::filesystem;
+using loom::testing::bin_dir;
+using loom::testing::gathered_parameters;
+using loom::testing::Layout;
+using loom::testing::layout_train_args;
+using loom::testing::loom_command;
+using loom::testing::run;
+using loom::testing::RunResult;
+using loom::testing::TempDir;
+using loom::testing::worst_parameter_difference;
+using loom::testing::worst_relative;
+
+constexpr int kSteps = 30;
+const std::string kSaveLast = " --checkpoint.enable=true --checkpoint.interval=1000";
+
+// Layouts of `flags` (+ the model flags) against one single-process run of the same model.
+void expect_layouts_match_single_process(const std::string& model_flags, const std::vector<Layout>& layouts) {
+  TempDir reference("single");
+  RunResult ref = run(loom_command(1, layout_train_args(reference, kSteps, 8,
+                                                        model_flags + kSaveLast + " --parallelism.data_parallel_shard_degree=1")),
+                      600);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const auto want = loom::testing::logged_losses(reference.path());
+  ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
+  EXPECT_LT(want.back(), want.front());
+  const auto want_params = gathered_parameters(reference, kSteps);
+  for (const Layout& l : layouts) {
+    TempDir dir(l.name);
+    RunResult r = run(loom_command(l.nproc, layout_train_args(dir, kSteps, l.local_batch,
+                                                              model_flags + kSaveLast + " --parallelism.data_parallel_shard_degree=1 " + l.flags)),
+                      600);
+    ASSERT_EQ(r.exit_code, 0) << l.name << "\n" << r.output;
+    const auto got = loom::testing::logged_losses(dir.path());
+    ASSERT_EQ(got.size(), want.size()) << l.name;
+    const double worst = worst_relative(want, got);
+    EXPECT_LE(worst, 1e-5) << l.name;
+    const double worst_param = worst_parameter_difference(want_params, gathered_parameters(dir, kSteps));
+    EXPECT_LE(worst_param, 1e-5) << l.name;
+    std::printf("%-34s %d ranks: max relative per-step loss difference %.2e (final %.6f vs %.6f); "
+                "gathered parameters after step %d: relative L2 difference %.2e\n",
+                l.name, l.nproc, worst, got.back(), want.back(), kSteps, worst_param);
+  }
+}
+
+std::string pp(int degree, const std::string& schedule, int microbatch_rows) {
+  return "--parallelism.pipeline_parallel_degree=" + std::to_string(degree) +
+         " --parallelism.pipeline_parallel_schedule=" + schedule +
+         " --parallelism.pipeline_parallel_microbatch_size=" + std::to_string(microbatch_rows);
+}
+
+// Every checkpoint tensor whole (parameters, AdamW moments, step counts), read in one process.
+std::map<std::string, torch::Tensor> read_whole_checkpoint(const fs::path& dir) {
+  const auto meta = loom::checkpoint::CheckpointMetadata::read(dir);
+  loom::checkpoint::ShardedStateDict state;
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [name, t] : meta.tensors) {
+    torch::Tensor whole = torch::empty(t.shape, torch::TensorOptions().dtype(t.dtype));
+    state.add_full(name, t.component, whole);
+    out[name] = whole;
+  }
+  loom::checkpoint::load_checkpoint(dir, state, 0);
+  return out;
+}
+
+}  // namespace
+
+// The one-stage-per-rank schedules at PP 2: 8 rows as 4 micro-batches of 2 and 8 of 1; 1F1B also
+// accumulating two loaded batches of 4 rows (global batch 8) per step, and with two data-parallel
+// replicas of 4 rows each (dp_replicate 2 x pp 2 on 4 ranks).
+TEST(TrainerPP, SingleStageSchedulesTrainLikeTheSingleProcess) {
+  expect_layouts_match_single_process(
+      "", {
+              {"pp2_GPipe_m4", 2, 8, pp(2, "GPipe", 2)},
+              {"pp2_GPipe_m8", 2, 8, pp(2, "GPipe", 1)},
+              {"pp2_1F1B_m4", 2, 8, pp(2, "1F1B", 2)},
+              {"pp2_1F1B_m8", 2, 8, pp(2, "1F1B", 1)},
+              {"pp2_1F1B_m4_x_2_accumulated", 2, 4, pp(2, "1F1B", 1) + " --training.global_batch_size=8"},
+              {"dp2_x_pp2_1F1B_m4", 4, 4, pp(2, "1F1B", 1) + " --parallelism.data_parallel_replicate_degree=2"},
+          });
+}
+
+// Two stages per rank (6 layers as 4 stages of 2, 1, 2, 1... split evenly: 2, 2, 1, 1), looped.
+TEST(TrainerPP, LoopedSchedulesTrainLikeTheSingleProcess) {
+  expect_layouts_match_single_process(
+      "", {
+              {"pp2_Interleaved1F1B_m4", 2, 8, pp(2, "Interleaved1F1B", 2)},
+              {"pp2_Interleaved1F1B_m8", 2, 8, pp(2, "Interleaved1F1B", 1)},
+              {"pp2_LoopedBFS_m4", 2, 8, pp(2, "LoopedBFS", 2)},
+              {"pp2_LoopedBFS_m8", 2, 8, pp(2, "LoopedBFS", 1)},
+              {"pp2_InterleavedZeroBubble_m4", 2, 8, pp(2, "InterleavedZeroBubble", 2)},
+              {"pp2_InterleavedZeroBubble_m8", 2, 8, pp(2, "InterleavedZeroBubble", 1)},
+          });
+}
+
+// The V schedules (rank r holds stages r and 3 - r) and an explicit split.
+TEST(TrainerPP, VSchedulesTrainLikeTheSingleProcess) {
+  expect_layouts_match_single_process(
+      "", {
+              {"pp2_ZBVZeroBubble_m4", 2, 8, pp(2, "ZBVZeroBubble", 2)},
+              {"pp2_ZBVZeroBubble_m8", 2, 8, pp(2, "ZBVZeroBubble", 1)},
+              {"pp2_DualPipeV_m4", 2, 8, pp(2, "DualPipeV", 2)},
+              {"pp2_DualPipeV_m8", 2, 8, pp(2, "DualPipeV", 1)},
+              {"pp2_1F1B_m4_split_at_layers_4", 2, 8,
+               pp(2, "1F1B", 2) + " --parallelism.pipeline_parallel_split_points=layers.4"},
+          });
+}
+
+// PP 4 on an 8-layer debug model: 1F1B (one stage of 2 layers per rank) and Interleaved1F1B (8
+// stages of one layer, two per rank).
+TEST(TrainerPP, FourStagesTrainLikeTheSingleProcess) {
+  expect_layouts_match_single_process(
+      "--model.n_layers=8", {
+                                {"pp4_1F1B_m4", 4, 8, pp(4, "1F1B", 2)},
+                                {"pp4_1F1B_m8", 4, 8, pp(4, "1F1B", 1)},
+                                {"pp4_Interleaved1F1B_m4", 4, 8, pp(4, "Interleaved1F1B", 2)},
+                                {"pp4_Interleaved1F1B_m8", 4, 8, pp(4, "Interleaved1F1B", 1)},
+                            });
+}
+
+// A PP 2 checkpoint (each rank saved its stage) loads in one process, which saves it again; that
+// loads at PP 4, which saves it again. All three hold the same parameters, AdamW moments and step
+// counts, bitwise. Then PP 4 resumes from it and trains on.
+TEST(TrainerPP, CheckpointMovesFromPp2ToOneProcessToPp4Bitwise) {
+  TempDir source("pp2"), single("single"), pp4("pp4");
+  const std::string ckpt = " --checkpoint.enable=true --checkpoint.interval=6 --checkpoint.keep_latest_k=0";
+  RunResult a = run(loom_command(2, layout_train_args(source, 6, 8, ckpt + " --parallelism.data_parallel_shard_degree=1 " +
+                                                                        pp(2, "1F1B", 2))),
+                    600);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const fs::path step6 = source.path() / "checkpoint" / "step-6";
+  ASSERT_TRUE(fs::exists(step6 / "metadata.json")) << a.output;
+
+  // Load in a layout and save again, untrained: `loom_resave_worker OUT -- <train args>`.
+  auto resave = [&](const TempDir& run_dir, const fs::path& from, int nproc, const std::string& flags) {
+    fs::create_directories(run_dir.path() / "checkpoint");
+    fs::copy(from, run_dir.path() / "checkpoint" / "step-6", fs::copy_options::recursive);
+    const std::string args = layout_train_args(run_dir, 12, 8, ckpt + " --parallelism.data_parallel_shard_degree=1 " + flags);
+    // layout_train_args begins with " train --config FILE": the worker takes what follows "train".
+    const std::string worker_args = args.substr(args.find("--config"));
+    RunResult r = run(bin_dir() + "/loom launch --nproc " + std::to_string(nproc) + " --exec -- " + bin_dir() +
+                          "/loom_resave_worker " + (run_dir.path() / "resaved").string() + " " + worker_args,
+                      300);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return run_dir.path() / "resaved" / "step-6";
+  };
+  const fs::path from_single = resave(single, step6, 1, "");
+  const fs::path from_pp4 = resave(pp4, from_single, 4, pp(4, "1F1B", 2));
+
+  const auto original = read_whole_checkpoint(step6);
+  size_t moments = 0;
+  for (const auto& other : {read_whole_checkpoint(from_single), read_whole_checkpoint(from_pp4)}) {
+    ASSERT_EQ(other.size(), original.size());
+    for (const auto& [name, t] : original) {
+      auto it = other.find(name);
+      ASSERT_NE(it, other.end()) << name;
+      EXPECT_TRUE(torch::equal(it->second, t)) << name;
+      moments += name.find("exp_avg") != std::string::npos;
+    }
+  }
+  EXPECT_GT(moments, 0u);  // optimizer state was compared, not only parameters
+  std::printf("PP 2 -> one process -> PP 4: %zu tensors (parameters, AdamW moments, step counts) bitwise equal\n",
+              original.size());
+
+  // PP 4 resumes from the round-tripped checkpoint and trains on like PP 2 would (same losses
+  // within float32 rounding: the batches and state are the same).
+  TempDir pp2_on("pp2_on"), pp4_on("pp4_on");
+  for (const auto& [dir, nproc, flags] : {std::tuple{&pp2_on, 2, pp(2, "1F1B", 2)}, std::tuple{&pp4_on, 4, pp(4, "1F1B", 2)}}) {
+    fs::create_directories(dir->path() / "checkpoint");
+    fs::copy(nproc == 2 ? step6 : from_pp4, dir->path() / "checkpoint" / "step-6", fs::copy_options::recursive);
+    RunResult r = run(loom_command(nproc, layout_train_args(*dir, 10, 8, ckpt + " --parallelism.data_parallel_shard_degree=1 " + flags)), 600);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  }
+  const auto l2 = loom::testing::logged_losses(pp2_on.path()), l4 = loom::testing::logged_losses(pp4_on.path());
+  ASSERT_EQ(l2.size(), 4u);
+  ASSERT_EQ(l4.size(), 4u);
+  EXPECT_LE(worst_relative(l2, l4), 1e-5);
+}
+
+// Bad pipeline settings: one line on every rank, exit 2, before any training.
+TEST(TrainerPP, BadPipelineSettingsAreOneLine) {
+  TempDir dir("bad");
+  const fs::path csv = dir.path() / "deadlock.csv";
+  // Rank 0 waits for micro-batch 0's gradient before sending micro-batch 1's activations, which
+  // rank 1 wants first.
+  std::ofstream(csv) << "0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n";
+  struct Case {
+    std::string flags;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {pp(2, "1f1b_interleaved", 2), "did you mean"},
+      {pp(2, "1F1B", 8), "1F1B"},  // 1 micro-batch for 2 ranks
+      {pp(2, "1F1B", 3), "does not divide training.local_batch_size = 8"},
+      {pp(2, "1F1B", 2) + " --parallelism.pipeline_parallel_layers_per_stage=4",
+       "parallelism.pipeline_parallel_layers_per_stage = 4"},
+      {pp(2, "1F1B", 4) + " --parallelism.pipeline_parallel_schedule_csv=" + csv.string(), "schedule deadlocks"},
+      {pp(2, "1F1B", 2) + " --model.attention_mask=block_causal", "model.attention_mask"},
+  };
+  for (const Case& c : cases) {
+    RunResult r = run(loom_command(2, layout_train_args(dir, 2, 8, "--parallelism.data_parallel_shard_degree=1 " + c.flags)), 120);
+    EXPECT_EQ(r.exit_code, 2) << c.flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.flags << "\n" << r.output;
+    EXPECT_EQ(r.output.find("step:"), std::string::npos) << r.output;
+    const size_t at = r.output.find("error:");
+    std::printf("%s\n  -> %s\n", c.flags.c_str(),
+                at == std::string::npos ? "(no error line)" : r.output.substr(at, r.output.find('\n', at) - at).c_str());
+  }
+}
