@@ -47,6 +47,14 @@ TEST(TrainerAC, EveryModeTrainsBitwiseLikeNoCheckpointingInEveryLayout) {
                           " --parallelism.enable_async_tensor_parallel=true"},
       {"cp2_ring", 2, 8, "--parallelism.context_parallel_degree=2 --parallelism.context_parallel_rotate_method=ring"
                          " --model.attention_mask=block_causal"},
+      // Pipeline stages: each stage's blocks are checkpointed. 1F1B runs whole backwards (bitwise);
+      // ZBVZeroBubble splits them into I and W, and a checkpointed block's weight gradients come
+      // from autograd in I where the stage's W computes them with its own formulas otherwise, so
+      // there the losses agree to float32 rounding (1e-5), not bitwise.
+      {"pp2_1F1B", 2, 8, "--parallelism.pipeline_parallel_degree=2 --parallelism.pipeline_parallel_schedule=1F1B"
+                         " --parallelism.pipeline_parallel_microbatch_size=2 --parallelism.data_parallel_shard_degree=1"},
+      {"pp2_ZBV", 2, 8, "--parallelism.pipeline_parallel_degree=2 --parallelism.pipeline_parallel_schedule=ZBVZeroBubble"
+                        " --parallelism.pipeline_parallel_microbatch_size=2 --parallelism.data_parallel_shard_degree=1"},
   };
   const std::vector<Mode> modes = {
       {"full", "--activation_checkpoint.mode=full"},
@@ -67,7 +75,11 @@ TEST(TrainerAC, EveryModeTrainsBitwiseLikeNoCheckpointingInEveryLayout) {
       ASSERT_EQ(r.exit_code, 0) << l.name << " " << m.name << "\n" << r.output;
       EXPECT_NE(r.output.find("activation checkpointing: "), std::string::npos) << r.output;
       const auto got = losses(dir);
-      EXPECT_EQ(got, want) << l.name << " " << m.name << ": per-step losses must be bitwise those without AC";
+      if (std::string(l.name) == "pp2_ZBV") {
+        EXPECT_LE(loom::testing::worst_relative(want, got), 1e-5) << m.name;
+      } else {
+        EXPECT_EQ(got, want) << l.name << " " << m.name << ": per-step losses must be bitwise those without AC";
+      }
       const double bytes = comm_bytes_per_step(dir);
       if (std::string(l.name) == "fsdp2") {
         EXPECT_EQ(bytes, want_bytes) << m.name << ": no extra all-gather or reduce-scatter under FSDP";
@@ -76,8 +88,9 @@ TEST(TrainerAC, EveryModeTrainsBitwiseLikeNoCheckpointingInEveryLayout) {
         EXPECT_GT(bytes, want_bytes) << m.name;
       }
       std::printf("%-9s %-13s comm bytes per step %.0f (no AC %.0f)\n", l.name, m.name, bytes, want_bytes);
-      std::printf("%-9s %-13s %d steps: losses %s no AC's (%.6f -> %.6f)\n", l.name, m.name, kSteps,
-                  got == want ? "bitwise equal to" : "DIFFERENT from", got.front(), got.back());
+      std::printf("%-9s %-13s %d steps: losses %s no AC's (%.6f -> %.6f; max relative difference %.2e)\n", l.name,
+                  m.name, kSteps, got == want ? "bitwise equal to" : "differ from", got.front(), got.back(),
+                  loom::testing::worst_relative(want, got));
     }
   }
 }
