@@ -139,26 +139,6 @@ torch::Tensor ParallelizedModel::pipeline_forward_backward(const std::vector<Mod
 }
 
 void ParallelizedModel::finish_gradient_sync() {
-  if (parts_.pipeline_replicas && parts_.pipeline_replicas->size() > 1) {
-    // DDP's average over the replicas, once per step after the whole schedule (the stages' weight
-    // gradients come from several actions per micro-batch, so there is no single last hook to
-    // overlap with): one flat buffer, one all-reduce.
-    std::vector<torch::Tensor> grads;
-    for (const auto& [name, g] : local_gradients()) {
-      if (g.defined() && g.numel() > 0) grads.push_back(g);
-    }
-    if (grads.empty()) return;
-    std::vector<torch::Tensor> flats;
-    for (const auto& g : grads) flats.push_back(g.reshape(-1));
-    torch::Tensor flat = torch::cat(flats);
-    parts_.pipeline_replicas->all_reduce(flat, distributed::ReduceOp::kAvg);
-    int64_t offset = 0;
-    for (auto& g : grads) {
-      g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
-      offset += g.numel();
-    }
-    return;
-  }
   if (parts_.ddp) parts_.ddp->finish_gradient_sync();
   if (parts_.fsdp) parts_.fsdp->finalize_backward();
   if (parts_.tp && !parts_.tp->partial_gradient_parameters().empty()) {
@@ -170,6 +150,23 @@ void ParallelizedModel::finish_gradient_sync() {
       }
     }
     parts_.tp->sum_partial_gradients(partial);
+  }
+  if (parts_.pipeline_replicas && parts_.pipeline_replicas->size() > 1) {
+    // DDP's average over the pipeline's replicas, once per step after the whole schedule (a
+    // stage's weight gradients come from several actions per micro-batch, so there is no single
+    // last hook to overlap with): one flat buffer, one all-reduce. Sums commute with TP's above.
+    std::vector<torch::Tensor> grads, flats;
+    for (const auto& [name, g] : local_gradients()) {
+      if (g.defined() && g.numel() > 0) grads.push_back(g), flats.push_back(g.reshape(-1));
+    }
+    if (grads.empty()) return;
+    torch::Tensor flat = torch::cat(flats);
+    parts_.pipeline_replicas->all_reduce(flat, distributed::ReduceOp::kAvg);
+    int64_t offset = 0;
+    for (auto& g : grads) {
+      g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+      offset += g.numel();
+    }
   }
 }
 
@@ -201,19 +198,23 @@ torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
   if (parts_.pipeline) {
     // Each parameter lives on one pp rank: the squares of every rank's gradients, summed over pp.
     LOOM_REQUIRE_USAGE(max_norm > 0, "clip_grad_norm_ needs max_norm > 0, got ", max_norm);
-    // Replicas (pipeline_replicas) hold identical averaged gradients: counted once, over pp only.
-    LOOM_REQUIRE(!parts_.tp && !parts_.fsdp && !parts_.ddp, "pipeline stages with TP, FSDP or DDP");
-    std::vector<torch::Tensor> grads;
+    // Replicas (pipeline_replicas) hold identical averaged gradients: counted once. TP-sharded
+    // pieces are summed over tp, TP-replicated ones counted once; then everything over pp.
+    LOOM_REQUIRE(!parts_.fsdp && !parts_.ddp, "pipeline stages with FSDP or DDP");
+    std::vector<torch::Tensor> sharded, replicated, all;
     torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
     for (const auto& [name, g] : local_gradients()) {
       if (!g.defined() || g.numel() == 0) continue;
       options = options.device(g.device());
-      grads.push_back(g);
+      (parts_.tp && parts_.tp->is_sharded(name) ? sharded : replicated).push_back(g);
+      all.push_back(g);
     }
-    torch::Tensor squares = sum_of_squares(grads, options).reshape({1});
+    torch::Tensor squares = sum_of_squares(sharded, options).reshape({1});
+    if (parts_.tp) parts_.tp->comm()->all_reduce(squares, distributed::ReduceOp::kSum);
+    squares = squares + sum_of_squares(replicated, options);
     parts_.pipeline->comm().all_reduce(squares, distributed::ReduceOp::kSum);
     const torch::Tensor norm = squares[0].sqrt();
-    optim::clip_grads_with_norm_(grads, max_norm, norm);
+    optim::clip_grads_with_norm_(all, max_norm, norm);
     return norm;
   }
   if (!parts_.tp) {

@@ -154,8 +154,10 @@ torch::Tensor Transformer::forward_part(const torch::Tensor& input, const torch:
   LOOM_REQUIRE(input.size(1) <= args_.max_seq_len, "sequence length ", input.size(1),
                " exceeds max_seq_len ", args_.max_seq_len, "; build the model with a larger one");
   if (has_head()) {
-    LOOM_REQUIRE(labels.dim() == 2 && labels.size(0) == input.size(0) &&
-                     labels.size(1) == input.size(1),
+    // The hidden states may hold a slice of each row's sequence (sequence parallelism splits it;
+    // the head gathers it back before the loss), so their length need only divide the labels'.
+    LOOM_REQUIRE(labels.dim() == 2 && labels.size(0) == input.size(0) && input.size(1) > 0 &&
+                     labels.size(1) % input.size(1) == 0,
                  "labels of shape ", labels.sizes(), " do not match hidden states of shape ",
                  input.sizes());
   }

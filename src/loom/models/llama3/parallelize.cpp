@@ -94,7 +94,14 @@ void validate_tp_degree(const ModelArgs& args, int64_t degree, int64_t seq_len, 
 std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr comm,
                                              const TPOptions& options) {
   auto tp = std::make_shared<tp::TensorParallel>(std::move(comm), options.sequence_parallel, options.async);
-  tp->rowwise_embedding(model.tok_embeddings(), "tok_embeddings");
+  apply_tp(model, *tp, options);
+  return tp;
+}
+
+void apply_tp(Transformer& model, tp::TensorParallel& plan, const TPOptions& options) {
+  tp::TensorParallel* tp = &plan;
+  // A pipeline stage holds the embedding only on the first stage and the head only on the last.
+  if (model.has_embedding()) tp->rowwise_embedding(model.tok_embeddings(), "tok_embeddings");
   for (const auto& [id, layer] : model.layers().named_children()) {
     auto& block = static_cast<TransformerBlock&>(*layer);
     const std::string prefix = "layers." + id + ".";
@@ -112,6 +119,7 @@ std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr
     tp->colwise(block.feed_forward().w3(), prefix + "feed_forward.w3");
     tp->rowwise(block.feed_forward().w2(), prefix + "feed_forward.w2");
   }
+  if (!model.has_head()) return;
   tp->sequence_parallel(model.norm(), "norm");
   tp->colwise_output(model.output(), "output", options.loss_parallel);
   if (options.loss_parallel) {
@@ -128,7 +136,6 @@ std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr
                                               weight.size(0) * group->rank(), group);
     });
   }
-  return tp;
 }
 
 int64_t apply_ac(Transformer& model, const ac::ACOptions& options) {

@@ -55,6 +55,9 @@ void validate_tp_degree(const ModelArgs& args, int64_t degree, int64_t seq_len, 
 // parameters' layouts; the gradients to sum over the group after backward).
 std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr comm,
                                              const TPOptions& options);
+// The same plan recorded into an existing `tp` (the stages of one pipeline rank share one plan);
+// parts a pipeline stage lacks (embedding, norm + head) are skipped.
+void apply_tp(Transformer& model, tp::TensorParallel& tp, const TPOptions& options);
 
 // Initializes the TP-sharded model exactly as init_weights(seed) initializes the whole one.
 void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t seed);

@@ -1,4 +1,5 @@
 #include "loom/models/llama3/pipeline.h"
+
 #include "loom/models/llama3/parallelize.h"
 
 #include <algorithm>
@@ -177,29 +178,42 @@ PipelinePlan plan_pipeline(const ModelArgs& args, int pp, const models::Pipeline
 
 PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::ParallelDims& dims,
                                       const models::PipelineOptions& options) {
-  LOOM_REQUIRE_USAGE(dims.tp() == 1 && dims.cp() == 1 && !dims.dp_shard_enabled(),
-                     "pipeline parallelism composes only with replicated data parallelism "
-                     "(data_parallel_replicate_degree) in this build, not with FSDP, tensor or context "
-                     "parallelism (", dims.describe(), "); set parallelism.data_parallel_shard_degree = 1 "
-                     "and the tensor and context degrees to 1");
+  LOOM_REQUIRE_USAGE(dims.cp() == 1 && !dims.dp_shard_enabled(),
+                     "pipeline parallelism composes with replicated data parallelism "
+                     "(data_parallel_replicate_degree) and tensor parallelism in this build, not with FSDP "
+                     "or context parallelism (", dims.describe(), "); set parallelism.data_parallel_shard_degree = 1 "
+                     "and parallelism.context_parallel_degree = 1");
   return plan_pipeline(args, dims.pp(), options);
 }
 
 std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
     const ModelArgs& args, const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
-    const models::PipelineOptions& options, std::optional<c10::ScalarType> autocast, uint64_t seed,
-    c10::Device device, const ac::ACOptions& ac) {
+    const models::PipelineOptions& options, const models::TensorParallelOptions& tp_options,
+    std::optional<c10::ScalarType> autocast, uint64_t seed, c10::Device device, const ac::ACOptions& ac) {
   const PipelinePlan plan = validate_pipeline_layout(args, dims, options);
   const tensor::CommPtr pp_comm = mesh.comm("pp");
   const std::vector<int> stage_ids = plan.schedule.stages_of(pp_comm->rank());
   auto models = split_into_stages(
       [&] { return std::make_shared<Transformer>(args, torch::TensorOptions().device(torch::kMeta)); },
       plan.layer_bounds, stage_ids);
+  // Tensor parallelism inside each stage (one plan for all of the rank's stages), before the
+  // stages hook their layers for the weight-gradient split.
+  std::shared_ptr<tp::TensorParallel> tp;
+  if (dims.tp_enabled()) {
+    tp = std::make_shared<tp::TensorParallel>(mesh.comm("tp"), tp_options.sequence_parallel, tp_options.async);
+    for (auto& model : models) {
+      apply_tp(*model, *tp, {tp_options.sequence_parallel, tp_options.loss_parallel, tp_options.async});
+    }
+  }
   // Each trimmed stage draws its parameters by global name from the seed: the values the whole
-  // model has, whatever the split.
+  // model has (each TP rank its piece of them), whatever the split.
   for (auto& model : models) {
     model->to_empty(device);
-    model->init_weights(seed);
+    if (tp) {
+      init_tp_weights(*model, *tp, seed);
+    } else {
+      model->init_weights(seed);
+    }
   }
   // Activation checkpointing before the stages hook their layers: a checkpointed block's ops run
   // without autograd in forward, so the split backward (kPerOp) captures none of them; their
@@ -209,17 +223,24 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
     for (auto& model : models) wrapped += apply_ac(*model, ac);
     log::info("activation checkpointing: ", ac.describe(), " (", wrapped, " blocks of this rank's stages)");
   }
-  auto stages = make_pipeline_stages(models, stage_ids, plan.schedule.num_stages(),
-                                     pipeline::WeightGradMethod::kPerOp, autocast, device);
+  // The per-op weight gradient recomputes each layer's dW from its kept input and output, which
+  // under tensor parallelism are not what the layer's local weight saw (sequence-parallel
+  // gathers and scatters sit between them); there the I/W split goes through autograd.
+  const auto method = tp ? pipeline::WeightGradMethod::kAutograd : pipeline::WeightGradMethod::kPerOp;
+  auto stages = make_pipeline_stages(models, stage_ids, plan.schedule.num_stages(), method, autocast, device);
   pipeline::ExecutorOptions executor;
   executor.comm = pp_comm;
-  executor.activation_shape = {options.microbatch_size, options.seq_len, args.dim};
+  // Under sequence parallelism the residual stream between blocks, and so between stages, is this
+  // rank's 1/tp of the sequence.
+  const int64_t seq = tp && tp_options.sequence_parallel ? options.seq_len / dims.tp() : options.seq_len;
+  executor.activation_shape = {options.microbatch_size, seq, args.dim};
   executor.activation_dtype = c10::kFloat;
   executor.device = device;
   parallel::ParallelParts parts;
   for (auto& model : models) parts.modules.push_back(model);
   parts.pipeline = std::make_shared<pipeline::PipelineExecutor>(plan.schedule, stages, executor);
   parts.pipeline_microbatch_size = options.microbatch_size;
+  parts.tp = tp;
   if (dims.dp_replicate_enabled()) parts.pipeline_replicas = mesh.comm("dp_replicate");
   return std::make_unique<parallel::ParallelizedModel>(std::move(parts));
 }

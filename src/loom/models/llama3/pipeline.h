@@ -80,11 +80,15 @@ PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::
 // This rank's stages of `plan` (the pp rank of `mesh`), materialized on `device` with the values
 // the whole model gets from `seed`, as a ParallelizedModel whose step runs the schedule over the
 // "pp" group. `autocast`: mixed precision around each stage's forward (nullopt: none). The other
-// mesh dims must be 1 (pipeline stages do not compose with TP, FSDP, DDP or CP in this build).
-// `ac`: activation checkpointing of the stages' blocks (apply_ac, by the whole model's layer ids).
+// mesh dims may be dp_replicate (replicas average gradients after the step) and tp; FSDP and CP
+// do not compose with pipeline stages in this build.
+// With "tp" in the mesh each stage gets tensor parallelism (the options' `tp`) before it is
+// materialized: the activations between stages are then sequence-sharded under sequence
+// parallelism. `ac`: activation checkpointing of the stages' blocks (apply_ac, by the whole model's
+// layer ids), applied after TP, as in llama3::parallelize.
 std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
     const ModelArgs& args, const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
-    const models::PipelineOptions& options, std::optional<c10::ScalarType> autocast, uint64_t seed,
-    c10::Device device, const ac::ACOptions& ac = {});
+    const models::PipelineOptions& options, const models::TensorParallelOptions& tp,
+    std::optional<c10::ScalarType> autocast, uint64_t seed, c10::Device device, const ac::ACOptions& ac = {});
 
 }  // namespace loom::llama3

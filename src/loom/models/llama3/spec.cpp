@@ -42,8 +42,8 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
   // Pipeline parallelism first splits the model into this rank's stages (built afresh, so the
   // whole meta model is not needed).
   if (dims.pp_enabled()) {
-    return pipeline_llama(model->args(), dims, mesh, options.pipeline, options.autocast_dtype, options.seed,
-                          options.device, plan.ac);
+    return pipeline_llama(model->args(), dims, mesh, options.pipeline, options.tp, options.autocast_dtype,
+                          options.seed, options.device, plan.ac);
   }
   return parallelize(std::move(model), dims, mesh, plan);
 }

@@ -138,6 +138,19 @@ TEST(TrainerPP, FourStagesTrainLikeTheSingleProcess) {
                             });
 }
 
+// Tensor parallelism inside the stages (sequence and loss parallel on): TP 2 x PP 2 on 4 ranks with
+// a one-stage and a V zero-bubble schedule, and the 3-D layout with two replicas of that pipeline,
+// DP 2 x TP 2 x PP 2 on 8 ranks (mesh pp x dp_replicate x tp).
+TEST(TrainerPP, TensorParallelStagesTrainLikeTheSingleProcess) {
+  const std::string tp2 = " --parallelism.tensor_parallel_degree=2";
+  expect_layouts_match_single_process(
+      "", {
+              {"tp2_x_pp2_1F1B_m4", 4, 8, pp(2, "1F1B", 2) + tp2},
+              {"tp2_x_pp2_ZBVZeroBubble_m4", 4, 8, pp(2, "ZBVZeroBubble", 2) + tp2},
+              {"dp2_x_tp2_x_pp2_1F1B_m4", 8, 4, pp(2, "1F1B", 1) + tp2 + " --parallelism.data_parallel_replicate_degree=2"},
+          });
+}
+
 // A PP 2 checkpoint (each rank saved its stage) loads in one process, which saves it again; that
 // loads at PP 4, which saves it again. All three hold the same parameters, AdamW moments and step
 // counts, bitwise. Then PP 4 resumes from it and trains on.
