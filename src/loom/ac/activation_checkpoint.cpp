@@ -116,8 +116,9 @@ OpCache::Entry OpCache::take(const nn::Module& op) {
                op.type_name(), ") is not the one the forward recorded (",
                e.op ? e.op->type_name() : std::string("?"),
                "); the checkpointed forward must run the same ops when re-run");
-  // Handed out once: the cache lets go of it, so the saved tensor dies with the recomputed graph.
-  return std::exchange(e, Entry{e.op, {}, {}});
+  // A copy: the entries live as long as the checkpoint node, so a retained graph can be backed
+  // through again (a pipeline stage's I then W).
+  return e;
 }
 
 // ---- The checkpoint function --------------------------------------------------------------------
@@ -133,16 +134,21 @@ struct CallState : torch::CustomClassHolder {
   c10::Device device = c10::kCPU;
   std::optional<c10::ScalarType> autocast_dtype;
   bool input_requires_grad = false;
+  // The trainable parameters the forward reads (the function's inputs besides `input`), kept as
+  // plain handles: FSDP refills the buffers they alias in place between forward and backward,
+  // which a saved variable's version check would reject.
+  std::vector<torch::Tensor> params;
 };
 
+// The parameters are inputs of the function, so their gradients are its outputs and the *outer*
+// backward accumulates them (through their grad accumulators and hooks, FSDP's and DDP's
+// included). A nested backward that accumulated into them itself would be wrong whenever the outer
+// one does not accumulate, or runs this node twice: torch::autograd::grad on the input only (a
+// pipeline stage's I), or a retained graph backed through again with inputs = parameters (its W).
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
-  // `anchor`: a 0-element tensor that requires grad when `input` does not, so the output always
-  // has this function's history (the parameters inside need their gradients even when the input
-  // does not need one); absent otherwise.
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& input,
-                               const std::optional<torch::Tensor>& anchor,
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& input, torch::TensorList params,
                                c10::intrusive_ptr<CallState> state) {
-    (void)anchor;
+    (void)params;
     // Autograd is off here (a custom function's forward): nothing inside is saved. The op policy's
     // hooks keep their outputs in state->entries.
     torch::Tensor output;
@@ -171,18 +177,31 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                    "activation checkpointing: the recompute ran fewer ops than the forward recorded; "
                    "the checkpointed forward must run the same ops when re-run");
     }
-    state->entries.clear();
-    // The nested backward: parameters' gradients accumulate (through their grad accumulators and
-    // hooks, FSDP's and DDP's included) exactly as they would have in the outer backward.
-    if (output.requires_grad()) torch::autograd::backward({output}, {grad_outputs[0]});
-    return {state->input_requires_grad ? x.grad() : torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    // The nested pass computes the gradients of the input and the parameters without
+    // accumulating them anywhere; they are this function's results.
+    std::vector<torch::Tensor> wanted;
+    if (state->input_requires_grad) wanted.push_back(x);
+    for (const auto& p : state->params) wanted.push_back(p);
+    variable_list grads;
+    if (!wanted.empty() && output.requires_grad()) {
+      grads = torch::autograd::grad({output}, wanted, {grad_outputs[0]}, /*retain_graph=*/false,
+                                    /*create_graph=*/false, /*allow_unused=*/true);
+    } else {
+      grads.resize(wanted.size());
+    }
+    variable_list result;
+    size_t k = 0;
+    result.push_back(state->input_requires_grad ? grads[k++] : torch::Tensor());
+    for (size_t i = 0; i < state->params.size(); ++i) result.push_back(grads[k++]);
+    result.push_back(torch::Tensor());  // state
+    return result;
   }
 };
 
 }  // namespace
 
 torch::Tensor checkpoint(const nn::ForwardFn& forward, const torch::Tensor& input,
-                         const std::shared_ptr<OpCache>& cache) {
+                         const std::vector<torch::Tensor>& params, const std::shared_ptr<OpCache>& cache) {
   if (!torch::GradMode::is_enabled()) return forward(input);  // no backward: nothing to save
   auto state = c10::make_intrusive<CallState>();
   state->forward = forward;
@@ -191,9 +210,12 @@ torch::Tensor checkpoint(const nn::ForwardFn& forward, const torch::Tensor& inpu
   const c10::DeviceType type = input.device().type();
   if (at::autocast::is_autocast_enabled(type)) state->autocast_dtype = at::autocast::get_autocast_dtype(type);
   state->input_requires_grad = input.requires_grad();
-  std::optional<torch::Tensor> anchor;
-  if (!input.requires_grad()) anchor = torch::empty({0}, input.options().requires_grad(true));
-  return CheckpointFunction::apply(input, anchor, state);
+  for (const auto& p : params) {
+    LOOM_REQUIRE(p.is_leaf() && p.requires_grad(), "activation checkpointing: the parameters passed to "
+                 "checkpoint must be trainable leaves");
+  }
+  state->params = params;
+  return CheckpointFunction::apply(input, torch::TensorList(state->params), state);
 }
 
 // ---- Op-level replays ---------------------------------------------------------------------------
@@ -266,10 +288,11 @@ struct AttentionReplay : torch::autograd::Function<AttentionReplay> {
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto core = c10::static_intrusive_pointer_cast<SavedCore>(ctx->saved_data["core"].toCapsule());
     OpCache::Entry& e = core->entry;
+    // Retained: the checkpoint node may run twice (a retained outer graph); the core's graph is
+    // freed with the entry, when the checkpoint node goes.
     variable_list grads = torch::autograd::grad({e.output}, e.inputs, {grad_outputs[0]},
-                                                /*retain_graph=*/false, /*create_graph=*/false,
+                                                /*retain_graph=*/true, /*create_graph=*/false,
                                                 /*allow_unused=*/true);
-    e = {};
     return {grads[0], grads[1], grads[2], torch::Tensor()};
   }
 };
@@ -358,11 +381,17 @@ void checkpoint_module(nn::Module& module, bool per_op) {
   nn::ForwardOverride previous = module.forward_override();
   module.set_forward_override([previous, cache](nn::Module& m, const torch::Tensor& input,
                                                 const nn::ForwardFn& forward) {
-    if (!previous) return checkpoint(forward, input, cache);
+    // The trainable parameters as the forward reads them now (FSDP's pre-hook has pointed the
+    // slots at its unsharded leaves, the same tensors it points them at again for backward).
+    std::vector<torch::Tensor> params;
+    for (const auto& p : m.named_parameters()) {
+      if (p.tensor().requires_grad() && p.tensor().is_leaf()) params.push_back(p.tensor());
+    }
+    if (!previous) return checkpoint(forward, input, params, cache);
     // Chained: the checkpointed (and re-run) forward is the previous override around the module's.
     nn::Module* self = &m;
     return checkpoint([previous, self, forward](const torch::Tensor& x) { return previous(*self, x, forward); },
-                      input, cache);
+                      input, params, cache);
   });
 }
 

@@ -9,12 +9,14 @@
 //                                 backward recomputes only the cheap ones (norms, RoPE, SiLU * mul,
 //                                 residual adds) and replays the saved outputs.
 //
-// Mechanism (PyTorch's reentrant checkpoint, written for nn::Module): checkpoint_module() installs
-// an around-hook that calls a custom autograd function. Its forward runs the block's forward with
-// autograd off (nothing is saved but the input), its backward runs the same forward again with
-// autograd on and back-propagates the incoming gradient through that fresh graph (a nested
-// backward): the parameters' gradients accumulate as without checkpointing, the input's is
-// returned. The around-hook sits inside the module's pre- and post-hooks, so the hooks of the
+// Mechanism (PyTorch's reentrant checkpoint, written for nn::Module, with the parameters as
+// explicit inputs): checkpoint_module() installs an around-hook that calls a custom autograd
+// function of the block's input and trainable parameters. Its forward runs the block's forward
+// with autograd off (nothing is saved but the input), its backward runs the same forward again
+// with autograd on and takes the gradients of the input and the parameters through that fresh
+// graph (a nested torch::autograd::grad); they are returned, and the outer backward accumulates
+// the parameters' as without checkpointing (so torch::autograd::grad on the input alone, or a
+// second pass over a retained graph, accumulates nothing twice). The around-hook sits inside the module's pre- and post-hooks, so the hooks of the
 // block itself (FSDP's all-gather / reshard / pre-backward) run once per forward and are not re-run
 // by the recompute; hooks of modules inside the block (tensor parallel's sequence collectives,
 // context parallel's ring attention, async TP's collective matmuls) are part of the recomputed
@@ -92,8 +94,9 @@ class OpCache {
   };
 
   void record(Entry entry);
-  // The next recorded entry, which `op` must have recorded. Throws loom::Error when the recompute
-  // does not follow the forward (a different op, or more ops than were recorded).
+  // The next recorded entry (a copy: the recording lives as long as its checkpoint node), which
+  // `op` must have recorded. Throws loom::Error when the recompute does not follow the forward (a
+  // different op, or more ops than were recorded).
   Entry take(const nn::Module& op);
   // Whether every recorded entry was replayed (checked after each recompute).
   bool all_taken() const { return entries_ == nullptr || next_ == entries_->size(); }
@@ -105,10 +108,12 @@ class OpCache {
 };
 
 // Runs `forward(input)` checkpointed: returns the same values with an autograd history that
-// recomputes the forward in backward. `cache` (optional) is the op-level policy of the module.
-// Without grad mode this is just forward(input).
+// recomputes the forward in backward and gives `input` and `params` (the trainable leaves the
+// forward reads; their gradients flow through this function like any op's) their gradients.
+// `cache` (optional) is the op-level policy of the module. Without grad mode this is just
+// forward(input).
 torch::Tensor checkpoint(const nn::ForwardFn& forward, const torch::Tensor& input,
-                         const std::shared_ptr<OpCache>& cache = nullptr);
+                         const std::vector<torch::Tensor>& params, const std::shared_ptr<OpCache>& cache = nullptr);
 
 // Checkpoints every forward of `module` (see the top of this file): an around-hook chained to any
 // the module already has. With `per_op`, also hooks the module's ops: every nn::Linear below it

@@ -224,6 +224,36 @@ TEST(ActivationCheckpoint, BlockHooksRunOnceInnerHooksRunAgain) {
   }
 }
 
+// A pipeline stage's split backward through autograd: I = grad(loss, input, retain_graph), which
+// must accumulate no parameter gradient, then W = backward(loss, inputs = parameters), which must
+// accumulate each exactly once (the checkpoint node runs in both passes).
+TEST(ActivationCheckpoint, SplitBackwardAccumulatesEachGradientOnce) {
+  torch::set_num_threads(1);
+  for (const auto& [name, o] : modes()) {
+    std::map<std::string, torch::Tensor> want, got;
+    for (bool checkpointed : {false, true}) {
+      Stack stack(2);
+      if (checkpointed) stack.apply(o);
+      torch::manual_seed(4);
+      torch::Tensor x = torch::randn({1, 12, kDim}).requires_grad_(true);
+      torch::Tensor loss = stack.forward(x).square().sum();
+      const torch::Tensor gx = torch::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true)[0];
+      std::vector<torch::Tensor> params;
+      for (auto& b : stack.blocks) {
+        for (const auto& p : b->named_parameters()) {
+          EXPECT_FALSE(p.tensor().grad().defined()) << name << ": I accumulated " << p.name;
+          params.push_back(p.tensor());
+        }
+      }
+      torch::autograd::backward({loss}, {}, /*retain_graph=*/false, /*create_graph=*/false, params);
+      auto& into = checkpointed ? got : want;
+      into = stack.grads();
+      into["x"] = gx;
+    }
+    for (const auto& [k, g] : want) EXPECT_TRUE(torch::equal(g, got.at(k))) << name << ": " << k;
+  }
+}
+
 // The parameters get their gradients even when the block's input needs none (the first block of
 // a model whose embedding is frozen, a pipeline stage fed a tensor without history).
 TEST(ActivationCheckpoint, InputWithoutGradientStillTrainsTheParameters) {
