@@ -215,9 +215,7 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
       model->init_weights(seed);
     }
   }
-  // Activation checkpointing before the stages hook their layers: a checkpointed block's ops run
-  // without autograd in forward, so the split backward (kPerOp) captures none of them; their
-  // weight gradients accumulate in I, inside the block's recompute, instead of in W.
+  // Activation checkpointing, after TP as in llama3::parallelize.
   if (ac.mode != ac::Mode::kNone) {
     int64_t wrapped = 0;
     for (auto& model : models) wrapped += apply_ac(*model, ac);
@@ -226,7 +224,11 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
   // The per-op weight gradient recomputes each layer's dW from its kept input and output, which
   // under tensor parallelism are not what the layer's local weight saw (sequence-parallel
   // gathers and scatters sit between them); there the I/W split goes through autograd.
-  const auto method = tp ? pipeline::WeightGradMethod::kAutograd : pipeline::WeightGradMethod::kPerOp;
+  // With activation checkpointing too: a checkpointed block's layers run without autograd in
+  // forward, so the per-op split captures none of them and W would never compute their weight
+  // gradients (they are outputs of the checkpoint function, which only an autograd W asks for).
+  const auto method = tp || ac.mode != ac::Mode::kNone ? pipeline::WeightGradMethod::kAutograd
+                                                       : pipeline::WeightGradMethod::kPerOp;
   auto stages = make_pipeline_stages(models, stage_ids, plan.schedule.num_stages(), method, autocast, device);
   pipeline::ExecutorOptions executor;
   executor.comm = pp_comm;
