@@ -1,6 +1,11 @@
 #include "loom/core/memory.h"
 
+#include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+
+#include <algorithm>
+#include <atomic>
 
 #include <fstream>
 #include <string>
@@ -51,5 +56,35 @@ void reset_peak(const c10::Device& device) {
   }
   c10::getDeviceAllocator(device.type())->resetPeakStats(device.index() < 0 ? 0 : device.index());
 }
+
+
+// The reporter c10's allocators call on every allocation and free (with a negative size) while it
+// is the thread's PROFILER_STATE debug info.
+struct AllocationTracker::State : c10::MemoryReportingInfoBase {
+  explicit State(c10::Device d) : device(d) {}
+  void reportMemoryUsage(void*, int64_t alloc_size, size_t, size_t, c10::Device d) override {
+    if (d.type() != device.type()) return;
+    const int64_t now = current.fetch_add(alloc_size) + alloc_size;
+    int64_t seen = peak.load();
+    while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+    }
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+
+  c10::Device device;
+  std::atomic<int64_t> current{0};
+  std::atomic<int64_t> peak{0};
+  std::unique_ptr<c10::DebugInfoGuard> guard;
+};
+
+AllocationTracker::AllocationTracker(c10::Device device) : state_(std::make_shared<State>(device)) {
+  state_->guard = std::make_unique<c10::DebugInfoGuard>(c10::DebugInfoKind::PROFILER_STATE, state_);
+}
+
+AllocationTracker::~AllocationTracker() { state_->guard.reset(); }
+
+int64_t AllocationTracker::current_bytes() const { return state_->current.load(); }
+int64_t AllocationTracker::peak_bytes() const { return state_->peak.load(); }
+void AllocationTracker::reset_peak() { state_->peak.store(state_->current.load()); }
 
 }  // namespace loom::memory

@@ -76,6 +76,10 @@ struct ParallelizeOptions {
   // ("default" keeps the last block gathered) is the model's plan, so the model parses it.
   std::string fsdp_reshard_after_forward = "default";
   fsdp::MixedPrecisionPolicy fsdp_mixed_precision;  // FSDP's param and reduce dtypes
+  // activation_checkpoint.mode and .selective_ac_option as written: which modules a model
+  // checkpoints is its plan (llama3: its TransformerBlocks, see ac::ACOptions).
+  std::string activation_checkpoint_mode = "none";
+  std::string selective_ac_option = "2";
   PipelineOptions pipeline;        // read when the mesh has "pp"
   // Autocast around each forward (mixed precision without FSDP); nullopt = full precision.
   std::optional<c10::ScalarType> autocast_dtype;

@@ -44,7 +44,11 @@ torch::Tensor block_causal_mask(const torch::Tensor& document_ids) {
 
 torch::Tensor Attention::attend(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const TokenLayout& layout) const {
-  if (attend_) return attend_(q, k, v, layout);
+  return attend_ ? attend_(q, k, v, layout) : sdpa_attend(q, k, v, layout);
+}
+
+torch::Tensor Attention::sdpa_attend(const torch::Tensor& q, const torch::Tensor& k,
+                                     const torch::Tensor& v, const TokenLayout& layout) const {
   const int64_t batch = q.size(0);
   const int64_t seq = q.size(1);
   const int64_t heads = q.size(2);  // this rank's query heads (all of them without TP)

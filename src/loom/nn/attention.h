@@ -49,6 +49,11 @@ class Attention : public Module {
   using AttendFn = std::function<torch::Tensor(const torch::Tensor& q, const torch::Tensor& k,
                                                const torch::Tensor& v, const TokenLayout& layout)>;
   void set_attend(AttendFn attend) { attend_ = std::move(attend); }
+  // The installed core (null: scaled_dot_product_attention), so a wrapper can chain to it.
+  const AttendFn& attend_fn() const { return attend_; }
+  // The built-in core (what attend runs without an installed one): causal or block-causal SDPA.
+  torch::Tensor sdpa_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const TokenLayout& layout = {}) const;
 
   Linear& wq() { return *wq_; }
   Linear& wk() { return *wk_; }

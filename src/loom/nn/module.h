@@ -64,6 +64,9 @@ using ForwardPostHook =
 // and may call `forward`, the module's own, or not. What PyTorch users do by reassigning
 // `module.forward`: a parallelism that fuses a module's computation with communication (async
 // tensor parallel's collective matmuls) replaces the computation without the model knowing.
+// `forward` is only valid during the call unless the module says otherwise: a module whose
+// forward captures its per-call arguments by value (llama3's TransformerBlock) lets an around-hook
+// keep a copy and run it again later (activation checkpointing re-runs it in backward).
 using ForwardFn = std::function<torch::Tensor(const torch::Tensor&)>;
 using ForwardOverride =
     std::function<torch::Tensor(Module&, const torch::Tensor& input, const ForwardFn& forward)>;
@@ -160,6 +163,8 @@ class Module {
   HookHandle add_forward_post_hook(ForwardPostHook hook);
   // Replaces the forward (see ForwardOverride); a second call replaces the first, null removes it.
   void set_forward_override(ForwardOverride around);
+  // The installed override (null when none), so a second wrapper can chain to the first.
+  const ForwardOverride& forward_override() const { return hooks_->around; }
   bool has_forward_hooks() const {
     return !hooks_->pre.empty() || !hooks_->post.empty() || hooks_->around != nullptr;
   }

@@ -219,11 +219,16 @@ const std::vector<ConfigKey> kSchema = {
      "Empty = not set.", {}},
     // [activation_checkpoint]
     {LOOM_CONFIG_KEY(activation_checkpoint, mode),
-     "Recompute activations in backward instead of storing them. **Not available yet: only "
-     "`\"none\"` is accepted**; `full` and `selective` (TorchTitan's names) stop `loom train` "
-     "with exit code 2 and `error: activation_checkpoint.mode 'full' is not available yet; use "
-     "\"none\"`.",
+     "Recompute activations in backward instead of keeping them from forward (see "
+     "docs/activation_checkpointing.md). `none`; `full`: every transformer block keeps only its "
+     "input and is re-run in backward; `selective`: as `selective_ac_option` says. Same losses as "
+     "`none` (bitwise in deterministic mode), less memory, more compute.",
      {"none", "full", "selective"}},
+    {LOOM_CONFIG_KEY(activation_checkpoint, selective_ac_option),
+     "With `mode = \"selective\"`: a positive integer N checkpoints every N-th block (layer ids "
+     "N-1, 2N-1, ...; `1` = every block, as `full`), or `op`: every block keeps the outputs of "
+     "its matmuls and attention and recomputes only norms, RoPE, SiLU x mul and residual adds.",
+     {"op"}, /*integer_allowed=*/true},
     // [metrics]
     {LOOM_CONFIG_KEY(metrics, log_freq),
      "Log every this many steps.", {}},

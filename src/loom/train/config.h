@@ -107,6 +107,7 @@ struct ParallelismSection {
 
 struct ActivationCheckpointSection {
   std::string mode = "none";  // "none" | "full" | "selective"
+  std::string selective_ac_option = "2";  // selective: "op" or every N-th block (TorchTitan's default 2)
 
   bool operator==(const ActivationCheckpointSection&) const = default;
 };

@@ -43,13 +43,6 @@ void restore_rng_state(const nlohmann::json& rank_json, const std::string& key, 
 
 Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   validate(config_);
-  // Features whose keys exist (TorchTitan's configs set them) but which are not built yet. Checked
-  // before rendezvous and data loading, so the answer is this line on every rank, whatever the
-  // world size, not a world-size mismatch or a wait for peers.
-  const auto& p = config_.parallelism;
-  LOOM_REQUIRE_USAGE(config_.activation_checkpoint.mode == "none",
-                     "activation_checkpoint.mode '", config_.activation_checkpoint.mode,
-                     "' is not available yet; use \"none\"");
   // 1. The model's spec, and the layout checked before any process group exists (a bad
   //    combination is then the same one line on every rank, not a rendezvous): degrees against the
   //    world size, the model against the tensor-parallel degree. Then the world, device and mesh.
@@ -217,6 +210,8 @@ void Trainer::parallelize() {
       c10::ScalarType(t.mixed_precision_reduce == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
   options.seed = static_cast<uint64_t>(t.seed);
   options.device = device_;
+  options.activation_checkpoint_mode = config_.activation_checkpoint.mode;
+  options.selective_ac_option = config_.activation_checkpoint.selective_ac_option;
   options.pipeline = pipeline_options();
   if (!parallel_dims_->fsdp_enabled()) {
     // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in

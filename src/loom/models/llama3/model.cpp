@@ -23,7 +23,10 @@ TransformerBlock::TransformerBlock(int64_t layer_id, const ModelArgs& args,
 
 torch::Tensor TransformerBlock::forward(const torch::Tensor& x, const torch::Tensor& rope_cache,
                                        const nn::TokenLayout& layout) {
-  return call_with_hooks(x, [&](const torch::Tensor& in) {
+  // The lambda owns its per-call arguments (copies of a few tensor handles): an around-hook may
+  // keep it past this call and run it again in backward (activation checkpointing's recompute,
+  // ac/activation_checkpoint.h), when the caller's rope_cache and layout references are gone.
+  return call_with_hooks(x, [this, rope_cache, layout](const torch::Tensor& in) {
     torch::Tensor h = in + attention_->forward(attention_norm_->forward(in), rope_cache, layout);
     return h + feed_forward_->forward(ffn_norm_->forward(h));
   });

@@ -22,7 +22,9 @@ class TransformerBlock : public nn::Module {
  public:
   TransformerBlock(int64_t layer_id, const ModelArgs& args, const torch::TensorOptions& options);
 
-  // x: [B, T, dim] -> [B, T, dim]: x + attn(norm(x)), then + ffn(norm(.)).
+  // x: [B, T, dim] -> [B, T, dim]: x + attn(norm(x)), then + ffn(norm(.)). The forward handed to
+  // an around-hook (nn::ForwardOverride) owns copies of rope_cache and layout, so the hook may
+  // keep it and re-run it after this call returns (activation checkpointing).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cache,
                         const nn::TokenLayout& layout = {});
 

@@ -2,6 +2,7 @@
 
 #include "loom/core/autocast.h"
 #include "loom/core/error.h"
+#include "loom/core/logging.h"
 #include "loom/nn/init.h"
 
 namespace loom::llama3 {
@@ -137,6 +138,17 @@ void apply_tp(Transformer& model, tp::TensorParallel& plan, const TPOptions& opt
   }
 }
 
+int64_t apply_ac(Transformer& model, const ac::ACOptions& options) {
+  int64_t wrapped = 0;
+  for (const auto& [id, layer] : model.layers().named_children()) {
+    auto& block = static_cast<TransformerBlock&>(*layer);
+    if (!options.wraps(block.layer_id())) continue;
+    ac::checkpoint_module(block, options.per_op);
+    ++wrapped;
+  }
+  return wrapped;
+}
+
 void apply_cp(Transformer& model, tensor::CommPtr comm, cp::RotateMethod method) {
   for (const auto& [id, layer] : model.layers().named_children()) {
     static_cast<TransformerBlock&>(*layer).attention().set_attend(
@@ -171,7 +183,18 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transfo
     parts.cp = mesh.comm("cp");
     apply_cp(*model, parts.cp, options.cp_rotate_method);
   }
-  // 3. (Activation checkpointing will wrap blocks here, between TP/CP and FSDP.)
+  // 3. Activation checkpointing: the blocks' forwards become checkpointed ones. Between TP/CP and
+  //    FSDP: the TP/CP hooks inside a block are part of its recomputed forward (the sequence
+  //    collectives and ring attention run again in backward, as in Megatron-LM / TorchTitan), while
+  //    FSDP's hooks, added after this on the block itself, stay outside it: the all-gather before
+  //    the forward and the reshard after it run once, and in backward FSDP's pre-backward hook on
+  //    the block's output re-gathers the parameters before the recompute reads them, so the
+  //    recompute triggers no extra all-gather, no second reduce-scatter and no second hook.
+  if (options.ac.mode != ac::Mode::kNone) {
+    const int64_t wrapped = apply_ac(*model, options.ac);
+    log::info("activation checkpointing: ", options.ac.describe(), " (", wrapped, " of ",
+              model->layers().size(), " blocks)");
+  }
   // 4. Data parallelism over the TP-local parameters, then materialize and initialize. The cp
   //    ranks hold the same parameters and see different tokens: FSDP shards over dp_shard x cp
   //    (TorchTitan's dp_shard_cp), so its gradient average spans them.

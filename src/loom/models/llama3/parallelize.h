@@ -18,6 +18,7 @@
 #include <optional>
 #include <string>
 
+#include "loom/ac/activation_checkpoint.h"
 #include "loom/distributed/device_mesh.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/distributed/parallel_dims.h"
@@ -66,6 +67,7 @@ void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t 
 struct ParallelizeOptions {
   TPOptions tp;                           // when the mesh has "tp"
   cp::RotateMethod cp_rotate_method = cp::RotateMethod::kAllGather;  // when the mesh has "cp"
+  ac::ACOptions ac;                       // activation checkpointing of the blocks (apply_ac)
   fsdp::FSDPPolicy fsdp;                  // when FSDP is on (dp_shard or cp > 1; HSDP with dp_replicate)
   bool fsdp_reshard_last_block = false;   // see FSDPReshardSetting
   // Autocast around the forward (mixed precision without FSDP); nullopt = full precision.
@@ -78,7 +80,15 @@ struct ParallelizeOptions {
 // dim); the model then takes this rank's head-tail chunks with their positions (prepare_batch).
 void apply_cp(Transformer& model, tensor::CommPtr comm, cp::RotateMethod method);
 
-// Applies, in TorchTitan's order, tensor parallelism (tp > 1), context parallelism (cp > 1), then
+// Activation checkpointing (TorchTitan's apply_ac): every TransformerBlock that `options` wraps
+// (by layer id, so a pipeline stage, which keeps the whole model's ids, wraps the same blocks as
+// the whole model) is checkpointed through its around-hook (ac::checkpoint_module). Applied after
+// TP and CP, whose hooks inside the block are then re-run by the recompute, and before FSDP, whose
+// hooks on the block sit outside it and run once per forward. Returns the number of blocks wrapped.
+int64_t apply_ac(Transformer& model, const ac::ACOptions& options);
+
+// Applies, in TorchTitan's order, tensor parallelism (tp > 1), context parallelism (cp > 1),
+// activation checkpointing (activation_checkpoint.mode), then
 // FSDP over dp_shard (dp_shard x cp with context parallelism; HSDP with
 // dp_replicate) or, without sharding, DDP over dp_replicate; materializes the model on the device
 // and initializes every parameter from the seed, each rank only its pieces. `model` is built on

@@ -6,6 +6,7 @@
 
 #include "loom/core/autocast.h"
 #include "loom/core/error.h"
+#include "loom/core/logging.h"
 #include "loom/pipeline/executor.h"
 #include "loom/pipeline/generators.h"
 #include "loom/pipeline/simulator.h"
@@ -189,7 +190,7 @@ PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::
 std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
     const ModelArgs& args, const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
     const models::PipelineOptions& options, const models::TensorParallelOptions& tp_options,
-    std::optional<c10::ScalarType> autocast, uint64_t seed, c10::Device device) {
+    std::optional<c10::ScalarType> autocast, uint64_t seed, c10::Device device, const ac::ACOptions& ac) {
   const PipelinePlan plan = validate_pipeline_layout(args, dims, options);
   const tensor::CommPtr pp_comm = mesh.comm("pp");
   const std::vector<int> stage_ids = plan.schedule.stages_of(pp_comm->rank());
@@ -215,10 +216,20 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
       model->init_weights(seed);
     }
   }
+  // Activation checkpointing, after TP as in llama3::parallelize.
+  if (ac.mode != ac::Mode::kNone) {
+    int64_t wrapped = 0;
+    for (auto& model : models) wrapped += apply_ac(*model, ac);
+    log::info("activation checkpointing: ", ac.describe(), " (", wrapped, " blocks of this rank's stages)");
+  }
   // The per-op weight gradient recomputes each layer's dW from its kept input and output, which
   // under tensor parallelism are not what the layer's local weight saw (sequence-parallel
   // gathers and scatters sit between them); there the I/W split goes through autograd.
-  const auto method = tp ? pipeline::WeightGradMethod::kAutograd : pipeline::WeightGradMethod::kPerOp;
+  // With activation checkpointing too: a checkpointed block's layers run without autograd in
+  // forward, so the per-op split captures none of them and W would never compute their weight
+  // gradients (they are outputs of the checkpoint function, which only an autograd W asks for).
+  const auto method = tp || ac.mode != ac::Mode::kNone ? pipeline::WeightGradMethod::kAutograd
+                                                       : pipeline::WeightGradMethod::kPerOp;
   auto stages = make_pipeline_stages(models, stage_ids, plan.schedule.num_stages(), method, autocast, device);
   pipeline::ExecutorOptions executor;
   executor.comm = pp_comm;

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/ac/activation_checkpoint.h"
 #include "loom/distributed/device_mesh.h"
 #include "loom/distributed/parallel_dims.h"
 #include "loom/models/llama3/model.h"
@@ -83,10 +84,11 @@ PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::
 // do not compose with pipeline stages in this build.
 // With "tp" in the mesh each stage gets tensor parallelism (the options' `tp`) before it is
 // materialized: the activations between stages are then sequence-sharded under sequence
-// parallelism.
+// parallelism. `ac`: activation checkpointing of the stages' blocks (apply_ac, by the whole model's
+// layer ids), applied after TP, as in llama3::parallelize.
 std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
     const ModelArgs& args, const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
     const models::PipelineOptions& options, const models::TensorParallelOptions& tp,
-    std::optional<c10::ScalarType> autocast, uint64_t seed, c10::Device device);
+    std::optional<c10::ScalarType> autocast, uint64_t seed, c10::Device device, const ac::ACOptions& ac = {});
 
 }  // namespace loom::llama3

@@ -35,6 +35,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
   plan.fsdp_reshard_last_block = reshard.last_block;
   plan.fsdp.mixed_precision = options.fsdp_mixed_precision;
   plan.fsdp.device = options.device;  // FSDP's buffers on the rank's device (caching allocator on GPUs)
+  plan.ac = ac::ACOptions::parse(options.activation_checkpoint_mode, options.selective_ac_option);
   plan.seed = options.seed;
   plan.device = options.device;
   plan.autocast_dtype = options.autocast_dtype;
@@ -42,7 +43,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
   // whole meta model is not needed).
   if (dims.pp_enabled()) {
     return pipeline_llama(model->args(), dims, mesh, options.pipeline, options.tp, options.autocast_dtype,
-                          options.seed, options.device);
+                          options.seed, options.device, plan.ac);
   }
   return parallelize(std::move(model), dims, mesh, plan);
 }

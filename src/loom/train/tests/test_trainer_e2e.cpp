@@ -207,9 +207,16 @@ INSTANTIATE_TEST_SUITE_P(
                                               " --parallelism.enable_async_tensor_parallel=true"
                                               " --parallelism.disable_sequence_parallel=true",
                  2, "parallelism.enable_async_tensor_parallel needs sequence parallelism"},
-        BadInput{"activation_checkpoint", "train --config " + src("configs/llama3_debug.toml") +
-                                              " --activation_checkpoint.mode=selective",
-                 2, "activation_checkpoint.mode 'selective' is not available yet; use \"none\""}),
+        BadInput{"activation_checkpoint_mode", "train --config " + src("configs/llama3_debug.toml") +
+                                                   " --activation_checkpoint.mode=ful",
+                 2, "config key 'activation_checkpoint.mode' must be \"none\", \"full\" or \"selective\", "
+                    "got \"ful\" in command-line override '--activation_checkpoint.mode=ful' (did you mean \"full\"?)"},
+        BadInput{"activation_checkpoint_option", "train --config " + src("configs/llama3_debug.toml") +
+                                                     " --activation_checkpoint.mode=selective"
+                                                     " --activation_checkpoint.selective_ac_option=opp",
+                 2, "config key 'activation_checkpoint.selective_ac_option' must be \"op\" or a positive integer, "
+                    "got \"opp\" in command-line override '--activation_checkpoint.selective_ac_option=opp' "
+                    "(did you mean \"op\"?)"}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(TrainerE2E, MalformedTomlIsOneLineError) {
