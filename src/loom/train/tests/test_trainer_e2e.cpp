@@ -200,9 +200,10 @@ INSTANTIATE_TEST_SUITE_P(
                                                  " --parallelism.context_parallel_degree=2 --training.seq_len=66",
                  2, "training.seq_len = 66 is not divisible by 2 x parallelism.context_parallel_degree = 4 "
                     "(context parallel cuts each sequence into that many equal chunks); use a multiple of 4, e.g. 68"},
-        BadInput{"pipeline_parallel", "train --config " + src("configs/llama3_debug.toml") +
-                                          " --parallelism.pipeline_parallel_degree=2",
-                 2, "pipeline parallelism is not available in loom train yet"},
+        BadInput{"pipeline_microbatch_size", "train --config " + src("configs/llama3_debug.toml") +
+                                                 " --parallelism.pipeline_parallel_degree=2"
+                                                 " --parallelism.pipeline_parallel_microbatch_size=3",
+                 2, "parallelism.pipeline_parallel_microbatch_size = 3 does not divide training.local_batch_size = 4"},
         BadInput{"async_tensor_parallel", "train --config " + src("configs/llama3_debug.toml") +
                                               " --parallelism.enable_async_tensor_parallel=true"
                                               " --parallelism.disable_sequence_parallel=true",
