@@ -1,5 +1,6 @@
 #include "loom/core/memory.h"
 
+#include <ATen/Context.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
@@ -33,8 +34,15 @@ bool reset_peak_rss() {
   return static_cast<bool>(f);
 }
 namespace {
+// The accelerator's caching allocator has no per-device state until the device is initialised
+// (its stats calls then fail with "Invalid device argument"); PyTorch's memory functions do the
+// same lazy initialisation first.
+c10::DeviceAllocator* accelerator_allocator(const c10::Device& device) {
+  at::globalContext().lazyInitDevice(device.type());
+  return c10::getDeviceAllocator(device.type());
+}
 c10::CachingDeviceAllocator::DeviceStats accelerator_stats(const c10::Device& device) {
-  return c10::getDeviceAllocator(device.type())->getDeviceStats(device.index() < 0 ? 0 : device.index());
+  return accelerator_allocator(device)->getDeviceStats(device.index() < 0 ? 0 : device.index());
 }
 constexpr size_t kAggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
 }  // namespace
@@ -54,7 +62,7 @@ void reset_peak(const c10::Device& device) {
     reset_peak_rss();
     return;
   }
-  c10::getDeviceAllocator(device.type())->resetPeakStats(device.index() < 0 ? 0 : device.index());
+  accelerator_allocator(device)->resetPeakStats(device.index() < 0 ? 0 : device.index());
 }
 
 
