@@ -99,9 +99,13 @@ TEST(Cuda, CheckpointMovesBetweenGpuAndCpuBitwise) {
   RunResult g = run(loom_bin() + " convert --to loom --device cuda --input " + on_cpu.string() +
                     " --output " + back_on_gpu.string());
   ASSERT_EQ(g.exit_code, 0) << g.output;
-  const auto original = loom::llama3::load_model_dir(saved).model->named_parameters();
-  const auto via_cpu = loom::llama3::load_model_dir(on_cpu).model->named_parameters();
-  const auto via_gpu = loom::llama3::load_model_dir(back_on_gpu).model->named_parameters();
+  // named_parameters() points into its model: each loaded model stays alive while it is compared.
+  const auto original_model = loom::llama3::load_model_dir(saved).model;
+  const auto via_cpu_model = loom::llama3::load_model_dir(on_cpu).model;
+  const auto via_gpu_model = loom::llama3::load_model_dir(back_on_gpu).model;
+  const auto original = original_model->named_parameters();
+  const auto via_cpu = via_cpu_model->named_parameters();
+  const auto via_gpu = via_gpu_model->named_parameters();
   ASSERT_EQ(original.size(), via_cpu.size());
   ASSERT_EQ(original.size(), via_gpu.size());
   for (size_t i = 0; i < original.size(); ++i) {
