@@ -39,6 +39,15 @@ ParallelizedModel::ParallelizedModel(ParallelParts parts) : parts_(std::move(par
                "a pipelined model needs its micro-batch size");
   LOOM_REQUIRE(!(parts_.fsdp && parts_.ddp), "FSDP and DDP on the same parameters: HSDP replicates "
                "through FSDP (dp_replicate), not DDP");
+  if (parts_.pipeline && parts_.fsdp) {
+    // FSDP inside the stage: gradients accumulate unsharded over the micro-batches (and the
+    // accumulated batches) and are reduce-scattered once, by the stage's last backward of the
+    // step's last batch.
+    LOOM_REQUIRE(!parts_.pipeline->splits_backward(), "FSDP inside pipeline stages with a zero-bubble split");
+    parts_.pipeline->set_before_backward([this](pipeline::PipelineStage&, bool last) {
+      parts_.fsdp->set_requires_gradient_sync(last && pipeline_batch_is_last_);
+    });
+  }
 }
 
 std::string ParallelizedModel::describe() const {
@@ -122,8 +131,9 @@ torch::Tensor ParallelizedModel::pipeline_forward_backward(const std::vector<Mod
     if (stage->is_last()) stage->set_loss_scale(1.0 / static_cast<double>(m * k));
   }
   double loss = 0;
-  for (const ModelBatch& batch : batches) {
-    LOOM_REQUIRE(!batch.layout.positions.defined(), "pipeline stages take whole rows (no positions)");
+  for (int64_t b = 0; b < k; ++b) {
+    const ModelBatch& batch = batches[static_cast<size_t>(b)];
+    pipeline_batch_is_last_ = b == k - 1;
     LOOM_REQUIRE(batch.tokens.size(0) == rows * m, "pipeline step: a batch of ", batch.tokens.size(0),
                  " rows is not ", m, " micro-batches of ", rows);
     std::vector<torch::Tensor> inputs, labels;
@@ -131,10 +141,14 @@ torch::Tensor ParallelizedModel::pipeline_forward_backward(const std::vector<Mod
     for (int i = 0; i < m; ++i) {
       inputs.push_back(batch.tokens.narrow(0, i * rows, rows));
       labels.push_back(batch.labels.narrow(0, i * rows, rows));
-      // Every stage masks attention by document; every rank has the rows (they are loaded on all
-      // pp ranks), so the ids travel with no message.
-      if (batch.layout.document_ids.defined()) {
-        layouts.push_back({torch::Tensor(), batch.layout.document_ids.narrow(0, i * rows, rows)});
+      // Every stage masks attention by document and, under context parallelism, places its chunks
+      // by their positions; every rank has the rows (they are loaded on all pp ranks), so the ids
+      // and positions travel with no message.
+      const auto& layout = batch.layout;
+      if (layout.document_ids.defined() || layout.positions.defined()) {
+        layouts.push_back({layout.positions, layout.document_ids.defined()
+                                                 ? layout.document_ids.narrow(0, i * rows, rows)
+                                                 : torch::Tensor()});
       }
     }
     loss += executor.step(inputs, labels, layouts) / static_cast<double>(k);
@@ -205,7 +219,9 @@ torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
     LOOM_REQUIRE_USAGE(max_norm > 0, "clip_grad_norm_ needs max_norm > 0, got ", max_norm);
     // Replicas (pipeline_replicas) hold identical averaged gradients: counted once. TP-sharded
     // pieces are summed over tp, TP-replicated ones counted once; then everything over pp.
-    LOOM_REQUIRE(!parts_.fsdp && !parts_.ddp, "pipeline stages with FSDP or DDP");
+    // FSDP's shards are summed over the shard group first (HSDP replicas hold identical shards).
+    LOOM_REQUIRE(!parts_.ddp, "pipeline stages with DDP");
+    if (parts_.fsdp) parts_.fsdp->finalize_backward();
     std::vector<torch::Tensor> sharded, replicated, all;
     torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
     for (const auto& [name, g] : local_gradients()) {
@@ -214,9 +230,11 @@ torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
       (parts_.tp && parts_.tp->is_sharded(name) ? sharded : replicated).push_back(g);
       all.push_back(g);
     }
-    torch::Tensor squares = sum_of_squares(sharded, options).reshape({1});
+    torch::Tensor both = at::stack({sum_of_squares(sharded, options), sum_of_squares(replicated, options)});
+    if (parts_.fsdp) parts_.fsdp->mesh().shard->all_reduce(both, distributed::ReduceOp::kSum);
+    torch::Tensor squares = both.narrow(0, 0, 1).clone();
     if (parts_.tp) parts_.tp->comm()->all_reduce(squares, distributed::ReduceOp::kSum);
-    squares = squares + sum_of_squares(replicated, options);
+    squares = squares + both.narrow(0, 1, 1);
     parts_.pipeline->comm().all_reduce(squares, distributed::ReduceOp::kSum);
     const torch::Tensor norm = squares[0].sqrt();
     optim::clip_grads_with_norm_(all, max_norm, norm);

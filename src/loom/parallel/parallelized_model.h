@@ -123,6 +123,9 @@ class ParallelizedModel {
                  std::optional<int64_t> fsdp_offset);
 
   ParallelParts parts_;
+  // Pipeline with FSDP: the batch now in the schedule is the step's last (its last backward per
+  // stage reduce-scatters).
+  bool pipeline_batch_is_last_ = true;
 };
 
 }  // namespace loom::parallel

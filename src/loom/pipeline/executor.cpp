@@ -62,9 +62,22 @@ PipelineExecutor::PipelineExecutor(Schedule schedule,
                " but the schedule gives it ", format_ids(expected));
   LOOM_REQUIRE(options_.activation_shape.size() >= 1, "the executor needs the activation shape");
   split_.assign(static_cast<size_t>(schedule_.num_stages()), std::vector<bool>(m, false));
-  for (const Action& a : schedule_.ranks[rank_]) {
+  last_backward_.assign(static_cast<size_t>(schedule_.num_stages()), 0);
+  const std::vector<Action>& actions = schedule_.ranks[rank_];
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const Action& a = actions[i];
     if (a.kind == ActionKind::kBackwardInput) split_[a.stage][a.microbatch] = true;
+    if (a.kind == ActionKind::kBackwardInput || a.kind == ActionKind::kBackward) last_backward_[a.stage] = i;
   }
+}
+
+bool PipelineExecutor::splits_backward() const {
+  for (const auto& row : schedule_.ranks) {
+    for (const Action& a : row) {
+      if (a.kind == ActionKind::kBackwardInput) return true;
+    }
+  }
+  return false;
 }
 
 PipelineStage& PipelineExecutor::stage(int index) {
@@ -218,6 +231,7 @@ double PipelineExecutor::step(const std::vector<torch::Tensor>& inputs,
       }
       case ActionKind::kBackward:
       case ActionKind::kBackwardInput: {
+        if (before_backward_) before_backward_(st, i == last_backward_[a.stage]);
         torch::Tensor grad_output;
         if (!st.is_last()) grad_output = take_received(recv_b, local_grads, key, "output gradient");
         torch::Tensor grad_input = a.kind == ActionKind::kBackward

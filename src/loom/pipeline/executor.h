@@ -42,6 +42,11 @@ struct ExecutorOptions {
   std::function<void(PipelineStage&)> reshard;
 };
 
+// Called before each B or I of a stage; `last`: the stage's last backward of the step. FSDP inside
+// a stage accumulates unsharded gradients over the micro-batches and reduce-scatters once, in the
+// last backward (PyTorch's pipelining does the same with FSDP2's requires_gradient_sync).
+using BeforeBackward = std::function<void(PipelineStage& stage, bool last)>;
+
 // Seconds of one step on this rank: compute (F, B, I, W and the FSDP callbacks) and waiting (for
 // received data, and at the end for sends to complete). Posting communication counts in neither.
 struct StepTimes {
@@ -75,6 +80,9 @@ class PipelineExecutor {
   distributed::Comm& comm() const { return *options_.comm; }
   const std::vector<std::shared_ptr<PipelineStage>>& stages() const { return stages_; }
   const StepTimes& last_step_times() const { return times_; }
+  void set_before_backward(BeforeBackward callback) { before_backward_ = std::move(callback); }
+  // True when the schedule splits some backward into I and W (the zero-bubble schedules).
+  bool splits_backward() const;
 
  private:
   PipelineStage& stage(int index);
@@ -85,6 +93,8 @@ class PipelineExecutor {
   ExecutorOptions options_;
   int rank_ = 0;
   std::vector<std::vector<bool>> split_;  // [stage][mb]: the schedule runs I + W, not B
+  std::vector<size_t> last_backward_;      // [stage]: index in this rank's actions of its last B or I
+  BeforeBackward before_backward_;
   StepTimes times_;
 };
 

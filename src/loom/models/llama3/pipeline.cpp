@@ -179,18 +179,31 @@ PipelinePlan plan_pipeline(const ModelArgs& args, int pp, const models::Pipeline
 
 PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::ParallelDims& dims,
                                       const models::PipelineOptions& options) {
-  LOOM_REQUIRE_USAGE(dims.cp() == 1 && !dims.dp_shard_enabled(),
-                     "pipeline parallelism composes with replicated data parallelism "
-                     "(data_parallel_replicate_degree) and tensor parallelism in this build, not with FSDP "
-                     "or context parallelism (", dims.describe(), "); set parallelism.data_parallel_shard_degree = 1 "
-                     "and parallelism.context_parallel_degree = 1");
-  return plan_pipeline(args, dims.pp(), options);
+  PipelinePlan plan = plan_pipeline(args, dims.pp(), options);
+  if (dims.fsdp_enabled()) {
+    // FSDP inside a stage (over dp_shard, or dp_shard x cp with context parallelism): one FSDP root per rank (the rank's stage), gathered and reduced by the
+    // hooks of each micro-batch's forward and full backward. A zero-bubble split runs the weight
+    // gradients in a second autograd pass after FSDP has resharded and moved on, so it is refused.
+    bool splits = false;
+    for (const auto& row : plan.schedule.ranks) {
+      for (const auto& a : row) splits = splits || a.kind == pipeline::ActionKind::kBackwardInput;
+    }
+    LOOM_REQUIRE_USAGE(plan.schedule.stages_per_rank == 1 && !splits,
+                       "pipeline schedule '", plan.schedule.name, "' ",
+                       splits ? "splits the backward into input and weight passes"
+                              : c10::str("puts ", plan.schedule.stages_per_rank, " stages on each rank"),
+                       ", which FSDP inside pipeline stages does not support in this build (", dims.describe(),
+                       "); use pipeline_parallel_schedule = \"1F1B\" or \"GPipe\" with FSDP, or set "
+                       "parallelism.data_parallel_shard_degree = 1");
+  }
+  return plan;
 }
 
 std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
     const ModelArgs& args, const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
     const models::PipelineOptions& options, const models::TensorParallelOptions& tp_options,
-    std::optional<c10::ScalarType> autocast, uint64_t seed, c10::Device device, const ac::ACOptions& ac) {
+    std::optional<c10::ScalarType> autocast, uint64_t seed, c10::Device device, const ac::ACOptions& ac,
+    const fsdp::FSDPPolicy& fsdp_policy, bool fsdp_reshard_last_block, cp::RotateMethod cp_rotate_method) {
   const PipelinePlan plan = validate_pipeline_layout(args, dims, options);
   const tensor::CommPtr pp_comm = mesh.comm("pp");
   const std::vector<int> stage_ids = plan.schedule.stages_of(pp_comm->rank());
@@ -206,21 +219,38 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
       apply_tp(*model, *tp, {tp_options.sequence_parallel, tp_options.loss_parallel, tp_options.async});
     }
   }
-  // Each trimmed stage draws its parameters by global name from the seed: the values the whole
-  // model has (each TP rank its piece of them), whatever the split.
-  for (auto& model : models) {
-    model->to_empty(device);
-    if (tp) {
-      init_tp_weights(*model, *tp, seed);
-    } else {
-      model->init_weights(seed);
-    }
+  // Context parallelism: each stage's attention runs over the cp group's sequence chunks (the
+  // micro-batches carry each chunk's positions and documents to every stage).
+  tensor::CommPtr cp_comm;
+  if (dims.cp_enabled()) {
+    cp_comm = mesh.comm("cp");
+    for (auto& model : models) apply_cp(*model, cp_comm, cp_rotate_method);
   }
   // Activation checkpointing, after TP as in llama3::parallelize.
   if (ac.mode != ac::Mode::kNone) {
     int64_t wrapped = 0;
     for (auto& model : models) wrapped += apply_ac(*model, ac);
     log::info("activation checkpointing: ", ac.describe(), " (", wrapped, " blocks of this rank's stages)");
+  }
+  // Data parallelism, then materialize. Each trimmed stage draws its parameters by global name from
+  // the seed: the values the whole model has (each TP rank its piece, each FSDP rank its shard of
+  // that), whatever the split. With FSDP the rank's one stage is the FSDP root (validated above).
+  std::shared_ptr<fsdp::FSDPModule> fsdp;
+  if (dims.fsdp_enabled()) {
+    LOOM_REQUIRE(models.size() == 1, "FSDP inside pipeline stages needs one stage per rank");
+    fsdp::FSDPPolicy policy = fsdp_policy;
+    if (dims.cp_enabled()) policy.shard_dim = "dp_shard_cp";  // TorchTitan's dp_shard_cp
+    fsdp = apply_fsdp(*models[0], mesh, policy, fsdp_reshard_last_block);
+    init_sharded_weights(*models[0], *fsdp, seed, device, tp.get());
+  } else {
+    for (auto& model : models) {
+      model->to_empty(device);
+      if (tp) {
+        init_tp_weights(*model, *tp, seed);
+      } else {
+        model->init_weights(seed);
+      }
+    }
   }
   // The per-op weight gradient recomputes each layer's dW from its kept input and output, which
   // under tensor parallelism are not what the layer's local weight saw (sequence-parallel
@@ -235,7 +265,9 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
   executor.comm = pp_comm;
   // Under sequence parallelism the residual stream between blocks, and so between stages, is this
   // rank's 1/tp of the sequence.
-  const int64_t seq = tp && tp_options.sequence_parallel ? options.seq_len / dims.tp() : options.seq_len;
+  // Under context parallelism each rank holds 2 of the 2c chunks of every row.
+  const int64_t cp_seq = options.seq_len / dims.cp();
+  const int64_t seq = tp && tp_options.sequence_parallel ? cp_seq / dims.tp() : cp_seq;
   executor.activation_shape = {options.microbatch_size, seq, args.dim};
   executor.activation_dtype = c10::kFloat;
   executor.device = device;
@@ -244,7 +276,9 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
   parts.pipeline = std::make_shared<pipeline::PipelineExecutor>(plan.schedule, stages, executor);
   parts.pipeline_microbatch_size = options.microbatch_size;
   parts.tp = tp;
-  if (dims.dp_replicate_enabled()) parts.pipeline_replicas = mesh.comm("dp_replicate");
+  parts.fsdp = fsdp;  // HSDP's replicas too: FSDP all-reduces over dp_replicate
+  parts.cp = cp_comm;
+  if (dims.dp_replicate_enabled() && !fsdp) parts.pipeline_replicas = mesh.comm("dp_replicate");
   return std::make_unique<parallel::ParallelizedModel>(std::move(parts));
 }
 

@@ -21,8 +21,10 @@
 #include <vector>
 
 #include "loom/ac/activation_checkpoint.h"
+#include "loom/cp/ring_attention.h"
 #include "loom/distributed/device_mesh.h"
 #include "loom/distributed/parallel_dims.h"
+#include "loom/fsdp/fully_shard.h"
 #include "loom/models/llama3/model.h"
 #include "loom/models/spec.h"
 #include "loom/parallel/parallelized_model.h"
@@ -89,6 +91,8 @@ PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::
 std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
     const ModelArgs& args, const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
     const models::PipelineOptions& options, const models::TensorParallelOptions& tp,
-    std::optional<c10::ScalarType> autocast, uint64_t seed, c10::Device device, const ac::ACOptions& ac = {});
+    std::optional<c10::ScalarType> autocast, uint64_t seed, c10::Device device, const ac::ACOptions& ac = {},
+    const fsdp::FSDPPolicy& fsdp_policy = {}, bool fsdp_reshard_last_block = false,
+    cp::RotateMethod cp_rotate_method = cp::RotateMethod::kAllGather);
 
 }  // namespace loom::llama3

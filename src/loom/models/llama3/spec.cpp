@@ -43,7 +43,8 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
   // whole meta model is not needed).
   if (dims.pp_enabled()) {
     return pipeline_llama(model->args(), dims, mesh, options.pipeline, options.tp, options.autocast_dtype,
-                          options.seed, options.device, plan.ac);
+                          options.seed, options.device, plan.ac, plan.fsdp, plan.fsdp_reshard_last_block,
+                          plan.cp_rotate_method);
   }
   return parallelize(std::move(model), dims, mesh, plan);
 }

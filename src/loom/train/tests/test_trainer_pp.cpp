@@ -35,7 +35,8 @@ constexpr int kSteps = 30;
 const std::string kSaveLast = " --checkpoint.enable=true --checkpoint.interval=1000";
 
 // Layouts of `flags` (+ the model flags) against one single-process run of the same model.
-void expect_layouts_match_single_process(const std::string& model_flags, const std::vector<Layout>& layouts) {
+void expect_layouts_match_single_process(const std::string& model_flags, const std::vector<Layout>& layouts,
+                                         double tolerance = 1e-5) {
   TempDir reference("single");
   RunResult ref = run(loom_command(1, layout_train_args(reference, kSteps, 8,
                                                         model_flags + kSaveLast + " --parallelism.data_parallel_shard_degree=1")),
@@ -54,9 +55,9 @@ void expect_layouts_match_single_process(const std::string& model_flags, const s
     const auto got = loom::testing::logged_losses(dir.path());
     ASSERT_EQ(got.size(), want.size()) << l.name;
     const double worst = worst_relative(want, got);
-    EXPECT_LE(worst, 1e-5) << l.name;
+    EXPECT_LE(worst, tolerance) << l.name;
     const double worst_param = worst_parameter_difference(want_params, gathered_parameters(dir, kSteps));
-    EXPECT_LE(worst_param, 1e-5) << l.name;
+    EXPECT_LE(worst_param, tolerance) << l.name;
     std::printf("%-34s %d ranks: max relative per-step loss difference %.2e (final %.6f vs %.6f); "
                 "gathered parameters after step %d: relative L2 difference %.2e\n",
                 l.name, l.nproc, worst, got.back(), want.back(), kSteps, worst_param);
@@ -161,6 +162,51 @@ TEST(TrainerPP, TensorParallelStagesTrainLikeTheSingleProcess) {
               {"tp2_x_pp2_ZBVZeroBubble_m4", 4, 8, pp(2, "ZBVZeroBubble", 2) + tp2},
               {"dp2_x_tp2_x_pp2_1F1B_m4", 8, 4, pp(2, "1F1B", 1) + tp2 + " --parallelism.data_parallel_replicate_degree=2"},
           });
+}
+
+// FSDP inside the stages (issue 11's 3-D layout): the rank's stage is an FSDP root whose blocks
+// gather per micro-batch and whose gradients accumulate unsharded over the micro-batches and the
+// accumulated batches, reduce-scattered once by the stage's last backward. FSDP 2 x PP 2 with GPipe
+// and with 1F1B accumulating two loaded batches, and FSDP 2 x TP 2 x PP 2 on 8 ranks (mesh pp x
+// dp_shard x tp), within the 1e-4 the issue asks of the 3-D layout (FSDP's reduce-scatter and the
+// pipeline's micro-batch sums reorder the additions; the measured figures are printed). Schedules
+// that FSDP inside stages cannot serve are refused in one line.
+TEST(TrainerPP, FsdpStagesTrainLikeTheSingleProcess) {
+  const std::string shard2 = " --parallelism.data_parallel_shard_degree=2";
+  const std::string tp2 = " --parallelism.tensor_parallel_degree=2";
+  expect_layouts_match_single_process(
+      "", {
+              {"fsdp2_x_pp2_GPipe_m4", 4, 4, pp(2, "GPipe", 1) + shard2},
+              {"fsdp2_x_pp2_1F1B_m2_x_2_accumulated", 4, 2, pp(2, "1F1B", 1) + shard2 + " --training.global_batch_size=8"},
+              {"fsdp2_x_tp2_x_pp2_1F1B_m4", 8, 4, pp(2, "1F1B", 1) + shard2 + tp2},
+          },
+      1e-4);
+  TempDir dir("fsdp_interleaved");
+  RunResult r = run(loom_command(4, layout_train_args(dir, 2, 4, "--parallelism.data_parallel_shard_degree=1 " +
+                                                                    pp(2, "Interleaved1F1B", 1) + shard2)),
+                    120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("which FSDP inside pipeline stages does not support"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("[step "), std::string::npos) << r.output;
+}
+
+// Context parallelism inside the stages (issue 12's composition with PP): each micro-batch carries
+// its chunks' positions (and document ids) to every stage, each stage's attention runs over the cp
+// group, and FSDP shards each stage over dp_shard x cp. CP 2 x PP 2 with the ring and all-gather
+// rotations, causal and block-causal, within 1e-4 (ring attention's log-sum-exp merge and FSDP's
+// reduce-scatter reorder the additions; the measured figures are printed).
+TEST(TrainerPP, ContextParallelStagesTrainLikeTheSingleProcess) {
+  const std::string cp2 = " --parallelism.context_parallel_degree=2";
+  expect_layouts_match_single_process(
+      "", {
+              {"cp2_x_pp2_1F1B_m4_allgather", 4, 8, pp(2, "1F1B", 2) + cp2},
+              {"cp2_x_pp2_GPipe_m4_ring", 4, 8, pp(2, "GPipe", 2) + cp2 + " --parallelism.context_parallel_rotate_method=ring"},
+          },
+      1e-4);
+  expect_layouts_match_single_process(
+      " --model.attention_mask=block_causal",
+      {{"block_causal_cp2_x_pp2_1F1B_m4_ring", 4, 8, pp(2, "1F1B", 2) + cp2 + " --parallelism.context_parallel_rotate_method=ring"}},
+      1e-4);
 }
 
 // A PP 2 checkpoint (each rank saved its stage) loads in one process, which saves it again; that
