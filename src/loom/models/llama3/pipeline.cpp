@@ -193,8 +193,9 @@ PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::
                        splits ? "splits the backward into input and weight passes"
                               : c10::str("puts ", plan.schedule.stages_per_rank, " stages on each rank"),
                        ", which FSDP inside pipeline stages does not support in this build (", dims.describe(),
-                       "); use pipeline_parallel_schedule = \"1F1B\" or \"GPipe\" with FSDP, or set "
-                       "parallelism.data_parallel_shard_degree = 1");
+                       "); use pipeline_parallel_schedule = \"1F1B\" or \"GPipe\" with FSDP (and context parallelism, "
+                       "which shards over dp_shard x cp), or set parallelism.data_parallel_shard_degree and "
+                       "context_parallel_degree to 1");
   }
   return plan;
 }
@@ -265,9 +266,8 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
   executor.comm = pp_comm;
   // Under sequence parallelism the residual stream between blocks, and so between stages, is this
   // rank's 1/tp of the sequence.
-  // Under context parallelism each rank holds 2 of the 2c chunks of every row.
-  const int64_t cp_seq = options.seq_len / dims.cp();
-  const int64_t seq = tp && tp_options.sequence_parallel ? cp_seq / dims.tp() : cp_seq;
+  // options.seq_len is already this rank's length under context parallelism (2 of the 2c chunks).
+  const int64_t seq = tp && tp_options.sequence_parallel ? options.seq_len / dims.tp() : options.seq_len;
   executor.activation_shape = {options.microbatch_size, seq, args.dim};
   executor.activation_dtype = c10::kFloat;
   executor.device = device;
