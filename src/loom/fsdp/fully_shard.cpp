@@ -310,7 +310,7 @@ void FSDPModule::pre_backward() {
 
 void FSDPModule::post_backward() {
   in_backward_ = false;
-  group_->reshard();
+  if (reshard_after_backward_) group_->reshard();
   if (requires_gradient_sync_) {
     group_->reduce_grads_async();
     context().pending.push_back(group_.get());
@@ -334,7 +334,7 @@ void FSDPModule::complete_backward() {
     if (s.group_ && (s.in_backward_ || s.group_->backward_started())) s.post_backward();
   }
   for (auto& s : all) {
-    if (s->group_) s->group_->reshard();
+    if (s->group_ && s->reshard_after_backward_) s->group_->reshard();
     s->in_backward_ = false;
   }
 }
@@ -383,6 +383,10 @@ void FSDPModule::set_requires_gradient_sync(bool enabled) {
 }
 
 bool FSDPModule::requires_gradient_sync() const { return requires_gradient_sync_; }
+
+void FSDPModule::set_reshard_after_backward(bool enabled) {
+  for (auto& s : states()) s->reshard_after_backward_ = enabled;
+}
 
 // ---- Gradients ----
 

@@ -143,6 +143,11 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   // (gradient accumulation without resync; the micro-batch with sync on reduces the sum).
   void set_requires_gradient_sync(bool enabled);
   bool requires_gradient_sync() const;
+  // Off: backward leaves the parameters unsharded (no free, so no re-gather in the next forward);
+  // a pipeline stage under reshard_after_forward = never keeps them gathered across its
+  // micro-batches and reshards with its last backward of the step (FSDP2's
+  // set_reshard_after_backward). On by default.
+  void set_reshard_after_backward(bool enabled);
 
   // ---- Training step ----
   // Completes the backward of groups it did not finish (unused parameters), waits for every
@@ -219,6 +224,7 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   std::vector<std::pair<std::string, std::shared_ptr<FSDPModule>>> descendants_;
   std::unique_ptr<RootContext> context_;  // runtime state of the root's forward/backward
   bool requires_gradient_sync_ = true;
+  bool reshard_after_backward_ = true;
   bool in_backward_ = false;  // pre-backward ran, post-backward not yet
   bool post_backward_done_ = false;
   nn::HookHandle pre_hook_;

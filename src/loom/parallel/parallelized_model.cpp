@@ -44,8 +44,14 @@ ParallelizedModel::ParallelizedModel(ParallelParts parts) : parts_(std::move(par
     // accumulated batches) and are reduce-scattered once, by the stage's last backward of the
     // step's last batch.
     LOOM_REQUIRE(!parts_.pipeline->splits_backward(), "FSDP inside pipeline stages with a zero-bubble split");
-    parts_.pipeline->set_before_backward([this](pipeline::PipelineStage&, bool last) {
-      parts_.fsdp->set_requires_gradient_sync(last && pipeline_batch_is_last_);
+    // Under reshard_after_forward = never the parameters also stay gathered from the first
+    // forward to that last backward: one all-gather per group per step (ZeRO-2); otherwise each
+    // micro-batch's forward and backward gather them (ZeRO-3's memory).
+    const bool keep_gathered = parts_.fsdp->policy().reshard_after_forward == fsdp::ReshardAfterForward::never();
+    parts_.pipeline->set_before_backward([this, keep_gathered](pipeline::PipelineStage&, bool last) {
+      const bool step_ends = last && pipeline_batch_is_last_;
+      parts_.fsdp->set_requires_gradient_sync(step_ends);
+      if (keep_gathered) parts_.fsdp->set_reshard_after_backward(step_ends);
     });
   }
 }

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "loom/checkpoint/loader.h"
 #include "loom/checkpoint/metadata.h"
 #include "loom/checkpoint/state_dict.h"
@@ -179,8 +181,33 @@ TEST(TrainerPP, FsdpStagesTrainLikeTheSingleProcess) {
               {"fsdp2_x_pp2_GPipe_m4", 4, 4, pp(2, "GPipe", 1) + shard2},
               {"fsdp2_x_pp2_1F1B_m2_x_2_accumulated", 4, 2, pp(2, "1F1B", 1) + shard2 + " --training.global_batch_size=8"},
               {"fsdp2_x_tp2_x_pp2_1F1B_m4", 8, 4, pp(2, "1F1B", 1) + shard2 + tp2},
+              {"fsdp2_x_pp2_1F1B_m4_reshard_never", 4, 4,
+               pp(2, "1F1B", 1) + shard2 + " --parallelism.fsdp_reshard_after_forward=never"},
           },
       1e-4);
+  // Under reshard_after_forward = never a stage gathers each group once per step (not once per
+  // micro-batch forward and backward): its bytes on dp_shard per step fall to about a
+  // gather plus a reduce-scatter of the stage, against 4 micro-batches' gathers by default.
+  auto dp_shard_bytes = [&](const std::string& reshard) {
+    TempDir d("fsdp_bytes_" + reshard);
+    RunResult r = run(loom_command(4, layout_train_args(d, 2, 4, "--parallelism.data_parallel_shard_degree=1 " +
+                                                                    pp(2, "GPipe", 1) + shard2 +
+                                                                    " --parallelism.fsdp_reshard_after_forward=" + reshard)),
+                      300);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    double bytes = 0;
+    std::ifstream in(d.path() / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("comm_bytes/dp_shard") && j.value("step", 0) == 2) bytes = j["comm_bytes/dp_shard"].get<double>();
+    }
+    return bytes;
+  };
+  const double never = dp_shard_bytes("never"), always = dp_shard_bytes("always");
+  std::printf("FSDP 2 x PP 2, GPipe m = 4: dp_shard bytes per step %.0f (never) vs %.0f (always): %.2fx\n", never,
+              always, always / never);
+  EXPECT_GT(never, 0);
+  EXPECT_LT(3 * never, always);
   TempDir dir("fsdp_interleaved");
   RunResult r = run(loom_command(4, layout_train_args(dir, 2, 4, "--parallelism.data_parallel_shard_degree=1 " +
                                                                     pp(2, "Interleaved1F1B", 1) + shard2)),
