@@ -45,7 +45,11 @@ Validator::Validator(ValidatorOptions options, const data::Tokenizer& tokenizer,
 
 void Validator::maybe_validate(int64_t step, int64_t last_step, MetricsLogger& metrics) {
   if (step % options_.config.freq != 0 && step != last_step) return;
+  // The forward's collectives (FSDP's all-gathers, TP's) would otherwise count in the next logged
+  // step's comm_bytes.
+  const distributed::CommSnapshot comm = distributed::comm_stats().snapshot();
   const ValidationResult r = validate(step);
+  distributed::comm_stats().restore(comm);
   char line[160];
   std::snprintf(line, sizeof(line), "[validation] step %ld: loss %.4f  perplexity %.2f  (%ld tokens, %.2f s)",
                 static_cast<long>(r.step), r.loss, r.perplexity, static_cast<long>(r.tokens), r.seconds);

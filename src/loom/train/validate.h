@@ -57,7 +57,8 @@ class Validator {
 
   // When `step` is due (every freq steps, and `last_step`): evaluates, prints the result on rank 0
   // and records it in `metrics` (metrics.jsonl and TensorBoard: validation_loss,
-  // validation_perplexity, validation_tokens). Collective: every rank calls it at every step.
+  // validation_perplexity, validation_tokens). Collective: every rank calls it at every step. Its
+  // communication is left out of the comm_bytes of the training steps around it.
   void maybe_validate(int64_t step, int64_t last_step, MetricsLogger& metrics);
   // One evaluation now (collective); the same result on every rank.
   ValidationResult validate(int64_t step);

@@ -131,7 +131,8 @@ TEST(Validation, LossEqualsLoomScoreOfTheSameHeldOutRows) {
 
 // Every layout splits the held-out rows over its data-parallel ranks (one rank's share of the last
 // batch is empty), reduces the token-weighted sums and reports the single process's loss; and a
-// run that validates trains exactly as one that does not (FSDP 2: bitwise-equal training losses).
+// run that validates trains exactly as one that does not (FSDP 2: bitwise-equal training losses,
+// and the same logged communication).
 TEST(Validation, EveryLayoutReportsTheSingleProcessLoss) {
   TempDir dir("val_layouts");
   const auto held_out = write_held_out(dir);
@@ -169,6 +170,18 @@ TEST(Validation, EveryLayoutReportsTheSingleProcessLoss) {
       ASSERT_EQ(p.exit_code, 0) << p.output;
       EXPECT_EQ(loom::testing::logged_losses(plain.path()), loom::testing::logged_losses(out.path()))
           << "validating changed the training losses";
+      // Step 2's logged traffic is its own, not also step 1's validation forward.
+      const auto training_rows = [](const TempDir& d) {
+        std::vector<nlohmann::json> rows;
+        for (const auto& row : read_jsonl(d.path() / "metrics.jsonl")) {
+          if (row.contains("loss")) rows.push_back(row);
+        }
+        return rows;
+      };
+      const auto with = training_rows(out), without = training_rows(plain);
+      ASSERT_EQ(with.size(), 2u);
+      ASSERT_EQ(without.size(), 2u);
+      EXPECT_EQ(with[1]["comm_bytes"], without[1]["comm_bytes"]);
     }
   }
 }
