@@ -115,7 +115,7 @@ def run_pytorch(args, compiled):
 def run_loom(args):
     a = model_args(args.flavor, args.seq_len)
     with tempfile.TemporaryDirectory(prefix="loom_gpu_bench_") as dump:
-        cmd = [args.loom, "train", "--config", os.path.join(ROOT, "configs/llama3_debug.toml"),
+        cmd = [args.loom, "train", "--config", os.path.join(ROOT, "configs/llama3_debug.toml"), "--validation.enable=false",
                f"--model.flavor={args.flavor}", f"--model.vocab_size={a.vocab_size}",
                f"--model.tokenizer_path={os.path.join(ROOT, 'data/default/tokenizer.json')}",
                f"--training.dataset_path={os.path.join(ROOT, 'data/default/corpus.jsonl')}",

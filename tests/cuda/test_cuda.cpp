@@ -197,7 +197,7 @@ TEST(CudaCheckpoint, AsyncSaveStagesDeviceTensorsThroughPinnedMemory) {
 std::string src(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
 
 std::string train_args(const TempDir& dir, int local_batch, int steps) {
-  return " train --config " + src("configs/llama3_debug.toml") +
+  return " train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
          " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
          " --training.dataset_path=" + src("data/default/corpus.jsonl") +
          " --job.dump_folder=" + dir.str() + " --training.seq_len=64 --training.steps=" +

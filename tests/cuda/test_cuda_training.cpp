@@ -26,7 +26,7 @@ std::string src(const std::string& rel) { return std::string(loom::kSourceDir) +
 
 // The debug model, one process, seq 64, every step logged.
 std::string train_args(const TempDir& dir, const std::string& device, int steps) {
-  return " train --config " + src("configs/llama3_debug.toml") +
+  return " train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
          " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
          " --training.dataset_path=" + src("data/default/corpus.jsonl") +
          " --job.dump_folder=" + dir.str() + " --training.seq_len=64 --training.local_batch_size=8" +

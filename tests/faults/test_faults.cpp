@@ -33,7 +33,7 @@ std::string src(const std::string& rel) { return std::string(loom::kSourceDir) +
 
 // `train ...` for a small FSDP/single-process debug run in `dir` (seq 64, batch 2 per rank).
 std::string train_args(const TempDir& dir, int steps, const std::string& extra = "") {
-  return " train --config " + src("configs/llama3_debug.toml") +
+  return " train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
          " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
          " --training.dataset_path=" + src("data/default/corpus.jsonl") +
          " --job.dump_folder=" + dir.str() + " --training.seq_len=64 --training.local_batch_size=2" +

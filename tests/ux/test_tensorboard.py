@@ -28,7 +28,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         dump = os.path.join(tmp, "run")
         cmd = [loom, "launch", "--nproc", "2", "--", "train",
-               "--config", os.path.join(src, "configs/llama3_debug.toml"),
+               "--config", os.path.join(src, "configs/llama3_debug.toml"), "--validation.enable=false",
                f"--model.tokenizer_path={src}/data/default/tokenizer.json",
                f"--training.dataset_path={src}/data/default/corpus.jsonl",
                f"--job.dump_folder={dump}", "--training.steps=7", "--training.seq_len=64",

@@ -162,6 +162,23 @@ void SequencePacker::read_row(int64_t row, int64_t* tokens, int64_t* positions, 
   for (int64_t i = 0; i < row_len; ++i) document_ids[i] -= first;
 }
 
+Batch SequencePacker::read_rows(int64_t first_row, int64_t count) const {
+  const int64_t B = count, L = seq_len_;
+  const auto opts = torch::TensorOptions().dtype(torch::kInt64);
+  Batch batch{torch::empty({B, L}, opts), torch::empty({B, L}, opts), torch::empty({B, L}, opts),
+              torch::empty({B, L}, opts)};
+  std::vector<int64_t> tokens(L + 1), positions(L + 1), documents(L + 1);
+  for (int64_t b = 0; b < B; ++b) {
+    read_row(first_row + b, tokens.data(), positions.data(), documents.data());
+    const size_t bytes = static_cast<size_t>(L) * sizeof(int64_t);
+    std::memcpy(batch.inputs.data_ptr<int64_t>() + b * L, tokens.data(), bytes);
+    std::memcpy(batch.labels.data_ptr<int64_t>() + b * L, tokens.data() + 1, bytes);
+    std::memcpy(batch.positions.data_ptr<int64_t>() + b * L, positions.data(), bytes);
+    std::memcpy(batch.document_ids.data_ptr<int64_t>() + b * L, documents.data(), bytes);
+  }
+  return batch;
+}
+
 // ---- DataLoader -------------------------------------------------------------------------------
 
 DataLoader::DataLoader(std::shared_ptr<const TokenCorpus> corpus, DataLoaderOptions options)
@@ -174,20 +191,8 @@ DataLoader::DataLoader(std::shared_ptr<const TokenCorpus> corpus, DataLoaderOpti
 }
 
 Batch DataLoader::next() {
-  const int64_t B = options_.local_batch_size, L = packer_.seq_len();
-  const auto opts = torch::TensorOptions().dtype(torch::kInt64);
-  Batch batch{torch::empty({B, L}, opts), torch::empty({B, L}, opts), torch::empty({B, L}, opts),
-              torch::empty({B, L}, opts)};
-  std::vector<int64_t> tokens(L + 1), positions(L + 1), documents(L + 1);
-  const int64_t first_row = rows_consumed_ + options_.dp_rank * B;
-  for (int64_t b = 0; b < B; ++b) {
-    packer_.read_row(first_row + b, tokens.data(), positions.data(), documents.data());
-    const size_t bytes = static_cast<size_t>(L) * sizeof(int64_t);
-    std::memcpy(batch.inputs.data_ptr<int64_t>() + b * L, tokens.data(), bytes);
-    std::memcpy(batch.labels.data_ptr<int64_t>() + b * L, tokens.data() + 1, bytes);
-    std::memcpy(batch.positions.data_ptr<int64_t>() + b * L, positions.data(), bytes);
-    std::memcpy(batch.document_ids.data_ptr<int64_t>() + b * L, documents.data(), bytes);
-  }
+  Batch batch = packer_.read_rows(rows_consumed_ + options_.dp_rank * options_.local_batch_size,
+                                  options_.local_batch_size);
   // A small corpus repeats silently otherwise: say once when the global cursor enters a new epoch
   // (compared with the epoch of the last row already consumed, so a resumed run does not repeat it).
   const int64_t rows = packer_.rows_per_epoch();

@@ -103,6 +103,8 @@ class SequencePacker {
   // Global row `row` (epochs repeat: row % rows_per_epoch), seq_len + 1 entries per array;
   // document ids are row-local.
   void read_row(int64_t row, int64_t* tokens, int64_t* positions, int64_t* document_ids) const;
+  // Global rows [first_row, first_row + count) as a batch of `count` rows.
+  Batch read_rows(int64_t first_row, int64_t count) const;
 
  private:
   std::shared_ptr<const TokenCorpus> corpus_;

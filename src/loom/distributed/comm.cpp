@@ -272,6 +272,11 @@ CommSnapshot CommStats::snapshot() const {
   return current_;
 }
 
+void CommStats::restore(CommSnapshot snapshot) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  current_ = std::move(snapshot);
+}
+
 void CommStats::reset() {
   std::lock_guard<std::mutex> lock(mutex_);
   current_.counters.clear();

@@ -90,6 +90,9 @@ class CommStats {
   void record(CommOp op, const std::string& dim, int64_t payload_bytes, ByteCount wire_bytes);
   CommSnapshot snapshot() const;
   void reset();
+  // Puts back counts taken by snapshot(): traffic since then is left out (validation's forward is
+  // not a training step's communication).
+  void restore(CommSnapshot snapshot);
 
  private:
   mutable std::mutex mutex_;

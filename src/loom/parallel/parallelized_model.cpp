@@ -126,6 +126,11 @@ torch::Tensor ParallelizedModel::forward_backward(const std::vector<ModelBatch>&
   return loss_sum;
 }
 
+torch::Tensor ParallelizedModel::forward_loss(const ModelBatch& batch) {
+  LOOM_REQUIRE(!parts_.pipeline, "a forward-only loss is not available with pipeline parallelism");
+  return parts_.forward_loss(batch);
+}
+
 torch::Tensor ParallelizedModel::pipeline_forward_backward(const std::vector<ModelBatch>& batches) {
   pipeline::PipelineExecutor& executor = *parts_.pipeline;
   const int m = executor.schedule().num_microbatches;

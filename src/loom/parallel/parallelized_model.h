@@ -93,6 +93,10 @@ class ParallelizedModel {
   // (applied without a pipeline only).
   torch::Tensor forward_backward(const std::vector<ModelBatch>& batches, const LossHook& hook = nullptr);
   void zero_grad();
+  // The mean loss of one batch, forward only (validation; the caller holds a NoGradGuard): the
+  // same forward as the step's, with every parallelism's collectives. Not with a pipeline, whose
+  // schedules run forward and backward together.
+  torch::Tensor forward_loss(const ModelBatch& batch);
   // Global 2-norm over every mesh dim, each element counted once; scales the gradients by
   // min(1, max_norm / norm) and returns the norm before clipping (a device tensor, no host sync).
   torch::Tensor clip_grad_norm_(double max_norm);

@@ -76,11 +76,11 @@ inline std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path)
 }
 
 // The loss of every logged step in a run folder's metrics.jsonl, in order (resume markers and
-// other events skipped).
+// other events, and rows without a training loss such as validation's, skipped).
 inline std::vector<double> logged_losses(const std::filesystem::path& dump_folder) {
   std::vector<double> out;
   for (const auto& row : read_jsonl(dump_folder / "metrics.jsonl")) {
-    if (!row.contains("event")) out.push_back(row["loss"]);
+    if (!row.contains("event") && row.contains("loss")) out.push_back(row["loss"]);
   }
   return out;
 }

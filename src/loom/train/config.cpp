@@ -273,6 +273,26 @@ const std::vector<ConfigKey> kSchema = {
      "checkpoint (`loom convert --to loom` output, another run's `step-N`, or a checkpoint "
      "folder = its newest complete step; model tensors only, resharded to this layout) or a "
      "Hugging Face Llama directory; empty = none.", {}},
+    // [validation]
+    {LOOM_CONFIG_KEY(validation, enable),
+     "Evaluate the loss on held-out data every `freq` steps and at the last step.", {}},
+    {LOOM_CONFIG_KEY(validation, dataset_path),
+     "The held-out data: a file, directory or glob in any format `training.dataset_path` takes "
+     "(`data/default/validation.jsonl` is the default corpus's held-out set).", {}},
+    {LOOM_CONFIG_KEY(validation, dataset_format),
+     "Format of `dataset_path`; `auto` guesses it from each file.",
+     {"auto", "jsonl", "text", "tokens"}},
+    {LOOM_CONFIG_KEY(validation, freq),
+     "Evaluate every this many steps, and at the last step.", {}},
+    {LOOM_CONFIG_KEY(validation, steps),
+     "Batches per evaluation (each `local_batch_size` rows on every data-parallel rank), always "
+     "from the first held-out row, capped at one pass over the file; `-1` = the whole file once.",
+     {}},
+    {LOOM_CONFIG_KEY(validation, local_batch_size),
+     "Rows per data-parallel rank per batch; `0` = `training.local_batch_size`.", {}},
+    {LOOM_CONFIG_KEY(validation, seq_len),
+     "Tokens per row; `0` = `training.seq_len` (a larger value is refused: the model's position "
+     "tables cover `training.seq_len`).", {}},
     // [comm]
     {LOOM_CONFIG_KEY(comm, timeout_seconds),
      "Timeout for rendezvous and for each collective, in seconds: 1 to 604800 (one week; larger"
@@ -884,6 +904,35 @@ void validate(const JobConfig& c) {
   require(c.checkpoint.interval > 0, key("checkpoint.interval"), "> 0", c);
   require(c.checkpoint.keep_latest_k == 0 || c.checkpoint.keep_latest_k >= 2,
           key("checkpoint.keep_latest_k"), "0 (keep all) or >= 2", c);
+  if (c.validation.enable) {
+    const ValidationSection& v = c.validation;
+    // Whether the file can be read is checked when it is loaded (as training.dataset_path is), so
+    // a config with relative paths can be read from anywhere.
+    LOOM_REQUIRE_USAGE(!v.dataset_path.empty(), "validation.enable = true needs held-out data, but "
+                       "validation.dataset_path is empty; point it at a file (e.g. "
+                       "data/default/validation.jsonl) or set validation.enable = false");
+    require(v.freq > 0, key("validation.freq"), "> 0", c);
+    require(v.steps == -1 || v.steps > 0, key("validation.steps"), "> 0, or -1 (the whole file once)", c);
+    require(v.local_batch_size >= 0, key("validation.local_batch_size"),
+            ">= 0 (0 = training.local_batch_size)", c);
+    require(v.seq_len >= 0 && v.seq_len <= c.training.seq_len, key("validation.seq_len"),
+            c10::str("in [0, training.seq_len = ", c.training.seq_len, "] (0 = training.seq_len)"), c);
+    const int64_t seq = v.seq_len > 0 ? v.seq_len : c.training.seq_len;
+    const int64_t cp = c.parallelism.context_parallel_degree;
+    LOOM_REQUIRE_USAGE(cp == 1 || seq % (2 * cp) == 0, "validation.seq_len = ", seq,
+                       " is not divisible by 2 x parallelism.context_parallel_degree = ", 2 * cp,
+                       "; use a multiple of ", 2 * cp, " or 0 (training.seq_len)");
+    const int64_t tp = c.parallelism.tensor_parallel_degree;
+    LOOM_REQUIRE_USAGE(tp == 1 || c.parallelism.disable_sequence_parallel || (seq / cp) % tp == 0,
+                       "validation.seq_len = ", seq, " is not divisible by context x tensor parallel "
+                       "degrees = ", cp * tp, " (sequence parallel splits each row's tokens); use a "
+                       "multiple of ", cp * tp, " or 0 (training.seq_len)");
+    LOOM_REQUIRE_USAGE(c.parallelism.pipeline_parallel_degree == 1,
+                       "validation.enable = true is not supported with pipeline parallelism "
+                       "(parallelism.pipeline_parallel_degree = ", c.parallelism.pipeline_parallel_degree,
+                       "): the pipeline schedules run forward and backward together; set "
+                       "validation.enable = false or score the checkpoints with `loom score`");
+  }
   require(c.comm.timeout_seconds > 0 && c.comm.timeout_seconds <= kMaxCommTimeoutSeconds,
           key("comm.timeout_seconds"),
           c10::str("in [1, ", kMaxCommTimeoutSeconds,

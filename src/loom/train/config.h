@@ -134,6 +134,19 @@ struct CheckpointSection {
   bool operator==(const CheckpointSection&) const = default;
 };
 
+// TorchTitan's [validation]: the loss on held-out data every `freq` steps and at the last step.
+struct ValidationSection {
+  bool enable = false;
+  std::string dataset_path;              // held-out data, in any form training.dataset_path takes
+  std::string dataset_format = "auto";   // "jsonl" | "text" | "tokens" | "auto"
+  int64_t freq = 100;                    // every this many steps, and at the last step
+  int64_t steps = -1;                    // batches per evaluation; -1 = the whole file once
+  int64_t local_batch_size = 0;          // 0 = training.local_batch_size
+  int64_t seq_len = 0;                   // 0 = training.seq_len
+
+  bool operator==(const ValidationSection&) const = default;
+};
+
 struct CommSection {
   int64_t timeout_seconds = 300;  // at most kMaxCommTimeoutSeconds
 
@@ -154,6 +167,7 @@ struct JobConfig {
   ActivationCheckpointSection activation_checkpoint;
   MetricsSection metrics;
   CheckpointSection checkpoint;
+  ValidationSection validation;
   CommSection comm;
 
   // The resolved configuration as TOML, every key in schema order; parsing it gives back an equal

@@ -196,6 +196,21 @@ void MetricsLogger::log(const StepMetrics& metrics, const std::string& progress)
   write_line(json);
 }
 
+void MetricsLogger::log_scalars(int64_t step, const std::map<std::string, double>& scalars,
+                                const std::string& console) {
+  if (options_.rank != 0) return;
+  log::info(console);
+  nlohmann::json j;
+  j["step"] = step;
+  std::vector<std::pair<std::string, float>> tb;
+  for (const auto& [key, value] : scalars) {
+    j[key] = value;  // non-finite: null
+    if (std::isfinite(value)) tb.emplace_back(key, static_cast<float>(value));
+  }
+  if (tensorboard_) tensorboard_->write_scalars(step, tb);
+  if (file_ != nullptr) write_line(j.dump());
+}
+
 std::vector<std::pair<std::string, float>> MetricsLogger::tensorboard_scalars(const StepMetrics& m) {
   std::vector<std::pair<std::string, float>> scalars;
   const auto add = [&](const std::string& key, double value) {

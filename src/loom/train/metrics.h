@@ -83,6 +83,11 @@ class MetricsLogger {
   // "step: N" on the console when given.
   void log(const StepMetrics& metrics, const std::string& progress = {});
 
+  // A row of other scalars for `step` (e.g. validation_loss): `console` printed as it is, then
+  // {"step":N,<scalars>} appended to metrics.jsonl and the scalars written to TensorBoard (rank 0
+  // only). `loom plot` merges rows of the same step.
+  void log_scalars(int64_t step, const std::map<std::string, double>& scalars, const std::string& console);
+
   // "step:   10  loss:  7.2345  grad_norm:  1.0123  lr: 8.00e-04  tps: 12,345  mfu: 12.34%
   //  memory:  1.23GiB" followed by any extra keys; with `progress`, that instead of "step: N".
   static std::string console_line(const StepMetrics& metrics, const std::string& progress = {});

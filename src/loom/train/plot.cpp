@@ -114,7 +114,7 @@ RunCurves read_run_curves(const fs::path& run, const std::string& name) {
   std::ifstream in(file);
   LOOM_REQUIRE_USAGE(in.good(), "cannot read '", file.string(), "': give a run folder (job.dump_folder) "
                      "that holds metrics.jsonl, or the .jsonl file itself");
-  std::map<int64_t, nlohmann::json> rows;  // by step: a later row of the same step wins
+  std::map<int64_t, nlohmann::json> rows;  // by step: rows of one step merged, later keys win
   std::string line;
   for (int64_t number = 1; std::getline(in, line); ++number) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
@@ -133,8 +133,10 @@ RunCurves read_run_curves(const fs::path& run, const std::string& name) {
       continue;
     }
     if (!row.contains("step") || !row["step"].is_number_integer()) continue;
-    const int64_t step = row_step(row);  // before the move: `a = b` evaluates b first
-    rows[step] = std::move(row);
+    // Rows of one step merge (the training row, then e.g. validation's); a later value of the same
+    // key wins (a resumed run's row replaces the interrupted run's).
+    const int64_t step = row_step(row);
+    rows[step].update(row);
   }
   LOOM_REQUIRE_USAGE(!rows.empty(), file.string(), " holds no logged steps yet");
   RunCurves curves;

@@ -82,6 +82,7 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   metrics_options.attempt = dist_->env().restart_count;
   metrics_options.enable_tensorboard = config_.metrics.enable_tensorboard;
   metrics_ = std::make_unique<MetricsLogger>(metrics_options);
+  init_validation();   // 10. held-out data
 }
 
 Trainer::~Trainer() {
@@ -233,6 +234,19 @@ void Trainer::init_optimizer() {
   optimizer_ = parallel_model_->build_adamw(adamw_options(config_), o.weight_decay);
   lr_scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, lr_schedule_options(config_),
                                                   config_.training.steps);
+}
+
+void Trainer::init_validation() {
+  if (!config_.validation.enable) return;
+  ValidatorOptions options;
+  options.config = config_.validation;
+  if (options.config.local_batch_size == 0) options.config.local_batch_size = config_.training.local_batch_size;
+  if (options.config.seq_len == 0) options.config.seq_len = config_.training.seq_len;
+  options.dp_rank = parallel_dims_->dp_rank();
+  options.dp_degree = parallel_dims_->dp_degree();
+  if (parallel_dims_->dp_cp_enabled()) options.dp_cp = mesh_->comm("dp_cp");
+  validator_ = std::make_unique<Validator>(options, *tokenizer_, model_vocab_size(), *parallel_model_,
+                                           [this](const data::Batch& batch) { return model_batch(batch); });
 }
 
 void Trainer::init_checkpointing() {
@@ -595,6 +609,8 @@ std::vector<StepResult> Trainer::train() {
       // Between log steps, a terminal shows where the run is on one line redrawn in place.
       log::status(progress.status_line(r.loss));
     }
+    // After the step's metrics, so its time is not in the step's tokens/s.
+    if (validator_) validator_->maybe_validate(step_, t.steps, *metrics_);
     maybe_inject_fault(/*after_step=*/true);
   }
   if (checkpointer_) checkpointer_->wait();

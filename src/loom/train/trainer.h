@@ -19,6 +19,8 @@
 //      full checkpoint (or start from initial_load_path)
 //   9. metrics (console + metrics.jsonl + TensorBoard) and the resolved config saved in the run
 //      folder; after the last step, rank 0 draws loss.svg and prints the run summary
+//  10. validation (when validation.enable): the held-out data, evaluated through the parallelized
+//      model every validation.freq steps and at the last step
 #pragma once
 #include <memory>
 #include <optional>
@@ -39,6 +41,7 @@
 #include "loom/train/metrics.h"
 #include "loom/train/run_folder.h"
 #include "loom/train/summary.h"
+#include "loom/train/validate.h"
 
 namespace loom::train {
 
@@ -90,6 +93,8 @@ class Trainer {
   void parallelize();
   void init_optimizer();
   void init_checkpointing();
+  // validation.* resolved (batch size, seq_len), over this rank's data-parallel slice.
+  void init_validation();
   // Everything a checkpoint holds, as views into the live state (used for save and for load).
   checkpoint::ShardedStateDict state_dict();
   void load_initial_weights(const std::string& path);
@@ -132,6 +137,7 @@ class Trainer {
   std::unique_ptr<optim::LRScheduler> lr_scheduler_;
   std::unique_ptr<MetricsLogger> metrics_;
   std::unique_ptr<checkpoint::Checkpointer> checkpointer_;
+  std::unique_ptr<Validator> validator_;  // null: validation.enable = false
   optim::TensorDict lr_scheduler_state_;  // staging for the schedule's state in checkpoints
   int64_t grad_accum_steps_ = 1;
   double flops_per_token_ = 0.0;

@@ -62,7 +62,7 @@ TEST(LoomBinary, LinksLibstdcxxBeforeLibtorch) {
 TEST(LoomBinary, TrainingDeviceCuda) {
   const std::string src = loom::kSourceDir;
   const loom::testing::TempDir dir("cuda");
-  const auto r = run(loom_bin() + " train --config " + src + "/configs/llama3_debug.toml" +
+  const auto r = run(loom_bin() + " train --config " + src + "/configs/llama3_debug.toml --validation.enable=false" +
                      " --model.tokenizer_path=" + src + "/data/default/tokenizer.json" +
                      " --training.dataset_path=" + src + "/data/default/corpus.jsonl" +
                      " --job.dump_folder=" + dir.str() + " --training.device=cuda --training.steps=3" +

@@ -24,7 +24,7 @@ inline std::string source_path(const std::string& rel) { return std::string(loom
 // debug config's 4e-3 spikes near step 20 and amplifies any rounding difference ~100x); `flags`
 // choose the layout.
 inline std::string layout_train_args(const TempDir& dir, int steps, int local_batch, const std::string& flags) {
-  return " train --config " + source_path("configs/llama3_debug.toml") +
+  return " train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
          " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
          " --training.dataset_path=" + source_path("data/default/corpus.jsonl") + " --job.dump_folder=" +
          dir.str() + " --training.seq_len=64 --training.steps=" + std::to_string(steps) +

@@ -351,6 +351,33 @@ TEST_F(MetricsLoggerTest, TensorBoardFileHasAVersionRecordThenOnePerLoggedStep) 
   EXPECT_FALSE(fs::exists(dir_ / "off" / "tb"));
 }
 
+// Validation's rows (train/validate.h): {"step", <scalars>} in metrics.jsonl after the training row,
+// the same scalars as one TensorBoard record at that step; a non-finite value is null / no point.
+TEST_F(MetricsLoggerTest, ScalarRowsGoToJsonlAndTensorBoard) {
+  fs::path event_file;
+  {
+    MetricsLogger logger({.dump_folder = dir_, .enable_tensorboard = true});
+    event_file = logger.tensorboard_file();
+    logger.log(sample(10));
+    logger.log_scalars(10, {{"validation_loss", 4.5}, {"validation_perplexity", std::exp(4.5)},
+                            {"validation_tokens", std::numeric_limits<double>::infinity()}},
+                       "[validation] step 10");
+  }
+  const auto lines = read_lines();
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[1].size(), 4u);
+  EXPECT_EQ(lines[1]["step"].get<int64_t>(), 10);
+  EXPECT_DOUBLE_EQ(lines[1]["validation_loss"].get<double>(), 4.5);
+  EXPECT_DOUBLE_EQ(lines[1]["validation_perplexity"].get<double>(), std::exp(4.5));
+  EXPECT_TRUE(lines[1]["validation_tokens"].is_null());
+  const auto records = read_records(event_file);
+  ASSERT_EQ(records.size(), 3u);  // version, training step, validation
+  EXPECT_NE(records[2].find("validation_loss"), std::string::npos);
+  EXPECT_NE(records[2].find("validation_perplexity"), std::string::npos);
+  EXPECT_EQ(records[2].find("validation_tokens"), std::string::npos);
+  EXPECT_EQ(records[2].find("grad_norm"), std::string::npos);
+}
+
 // Issue 14: communication per mesh dim besides the total.
 TEST(Metrics, CommBytesInTotalAndPerMeshDim) {
   distributed::CommSnapshot snapshot;

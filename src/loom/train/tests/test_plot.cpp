@@ -160,6 +160,18 @@ TEST(Plot, ResumeMarkersNullsAndRunNames) {
   EXPECT_EQ(run_names({run, run}), (std::vector<std::string>{"llama3_debug", "llama3_debug (2)"}));
 }
 
+// Validation writes its own row for a step after the training row: the rows merge, so the step
+// keeps its training values and gains validation_loss.
+TEST(Plot, RowsOfOneStepMerge) {
+  const loom::testing::TempDir tmp("plot");
+  write_metrics(tmp.path(), {row(10, 6.0, 1e-3, 10), R"({"step":10,"validation_loss":6.5})",
+                             row(20, 5.0, 1e-3, 10), R"({"step":20,"validation_loss":5.5})"});
+  const RunCurves curves = read_run_curves(tmp.path(), "r");
+  EXPECT_EQ(curves.steps, (std::vector<int64_t>{10, 20}));
+  EXPECT_EQ(curves.values.at("loss"), (std::vector<double>{6.0, 5.0}));
+  EXPECT_EQ(curves.values.at("validation_loss"), (std::vector<double>{6.5, 5.5}));
+}
+
 TEST(Plot, MissingOrEmptyMetricsAreUsageErrors) {
   const loom::testing::TempDir tmp("plot");
   EXPECT_THROW(read_run_curves(tmp.path() / "nothing", "n"), loom::UsageError);
