@@ -115,8 +115,8 @@ TEST(TrainerAdamW8bit, BadSettingsAreOneLineErrors) {
   };
   const std::vector<Case> cases = {
       {" --optimizer.name=AdamW8bits", "did you mean \"AdamW8bit\""},
-      {" --optimizer.name=AdamW8bit --optimizer.block_size=100",
-       "optimizer.block_size = 100 is not a positive multiple of 4 elements"},
+      {" --optimizer.name=AdamW8bit --optimizer.block_size=130",
+       "optimizer.block_size = 130 is not a positive multiple of 4 elements"},
       {" --optimizer.name=AdamW8bit --optimizer.block_size=100 --training.mixed_precision_param=bfloat16",
        "is not a positive multiple of 8 elements, the FSDP planner's 16-byte shard alignment under bfloat16"},
       {" --optimizer.name=AdamW8bit --parallelism.tensor_parallel_degree=2", "does not support tensor parallelism"},
