@@ -81,7 +81,7 @@ struct FSDPPolicy {
   // The unit the planner must not cut across ranks (element, row, k-row block, whole).
   tensor::Granularity granularity = tensor::Granularity::element();
   // Per-parameter granularity by full shape, overriding `granularity` where set: a block-wise
-  // quantized optimizer asks for its block here (optim::adamw8bit_granularity) so that no
+  // quantized optimizer asks for its block here (fsdp::adamw8bit_granularity) so that no
   // quantization block is cut across ranks.
   ParameterGranularity parameter_granularity;
   PlannerOptions planner;
