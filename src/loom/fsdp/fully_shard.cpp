@@ -514,6 +514,7 @@ std::shared_ptr<FSDPModule> fully_shard(nn::Module& module, const FSDPMesh& mesh
 
   GroupOptions options;
   options.granularity = policy.granularity;
+  options.parameter_granularity = policy.parameter_granularity;
   options.planner = policy.planner;
   options.param_dtype = policy.mixed_precision.param_dtype;
   options.reduce_dtype = policy.mixed_precision.reduce_dtype;

@@ -66,7 +66,10 @@ GroupSpec group_spec(const std::string& name, const NamedSlots& params,
     LOOM_REQUIRE(t.scalar_type() == dtype, "FSDP group '", spec.name, "' mixes ", dtype, " and ",
                  t.scalar_type(), " parameters ('", param_name,
                  "'); fix: one flat buffer holds one dtype, cast the module first (Module::to)");
-    spec.tensors.push_back({param_name, t.sizes().vec(), bytes, options.granularity});
+    spec.tensors.push_back({param_name, t.sizes().vec(), bytes,
+                            options.parameter_granularity
+                                ? options.parameter_granularity(t.sizes())
+                                : options.granularity});
   }
   return spec;
 }

@@ -49,9 +49,14 @@ struct FSDPMesh {
   static FSDPMesh single(int world_rank = 0);
 };
 
+// A parameter's granularity from its full shape (see FSDPPolicy::parameter_granularity); unset
+// means the group's one granularity for every parameter.
+using ParameterGranularity = std::function<tensor::Granularity(c10::IntArrayRef shape)>;
+
 // Everything a group needs from the policy, resolved (see FSDPPolicy in fully_shard.h).
 struct GroupOptions {
   tensor::Granularity granularity = tensor::Granularity::element();
+  ParameterGranularity parameter_granularity;
   PlannerOptions planner;
   c10::ScalarType param_dtype = c10::ScalarType::Float;   // all-gather and compute
   c10::ScalarType reduce_dtype = c10::ScalarType::Float;  // gradient accumulation and reduction

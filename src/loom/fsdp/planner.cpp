@@ -89,7 +89,8 @@ int64_t minimal_shard(const std::vector<Item>& items, const std::vector<size_t>&
 int granularity_class(const Granularity& g) {
   switch (g.kind) {
     case Granularity::Kind::kWhole: return 0;
-    case Granularity::Kind::kRowBlock: return 1;
+    case Granularity::Kind::kRowBlock:
+    case Granularity::Kind::kElementBlock: return 1;
     case Granularity::Kind::kRow: return 2;
     case Granularity::Kind::kElement: return 3;
   }

@@ -1,6 +1,7 @@
 #include "loom/fsdp/sharded_optimizer.h"
 
 #include <algorithm>
+#include <map>
 
 #include "loom/core/error.h"
 
@@ -109,6 +110,142 @@ std::vector<optim::ElementRanges> ShardedAdamW::no_decay_ranges() const {
   std::vector<optim::ElementRanges> out;
   for (const Group& g : groups_) out.push_back(g.no_decay);
   return out;
+}
+
+ParameterGranularity adamw8bit_granularity(int64_t block_size) {
+  LOOM_REQUIRE_USAGE(block_size >= 1, "AdamW8bit block_size must be >= 1, got ", block_size);
+  return [block_size](c10::IntArrayRef shape) {
+    return optim::is_block_quantized(c10::multiply_integers(shape), block_size)
+               ? tensor::Granularity::element_block(block_size)
+               : tensor::Granularity::element();
+  };
+}
+
+ShardedAdamW8bit::ShardedAdamW8bit(std::shared_ptr<FSDPModule> fsdp, optim::AdamWOptions options,
+                                   double weight_decay, int64_t block_size)
+    : fsdp_(std::move(fsdp)), options_(options), block_size_(block_size) {
+  LOOM_REQUIRE(fsdp_ != nullptr, "ShardedAdamW8bit needs an FSDP module");
+  LOOM_REQUIRE_USAGE(weight_decay >= 0.0, "weight decay must be >= 0, got ", weight_decay);
+  LOOM_REQUIRE_USAGE(block_size_ >= 1, "AdamW8bit block_size must be >= 1, got ", block_size_);
+  for (FSDPParamGroup* g : fsdp_->param_groups()) {
+    Group group{g, torch::zeros({}, g->sharded_params().options().dtype(torch::kFloat)), {}};
+    const torch::Tensor& shard = g->sharded_params();
+    LOOM_REQUIRE_USAGE(shard.scalar_type() == torch::kFloat, "AdamW8bit updates float32 master "
+                       "weights, but FSDP group '", g->name(), "' holds ", shard.scalar_type());
+    for (size_t i = 0; i < g->params().size(); ++i) {
+      const auto& p = g->params()[i];
+      const TensorLayout& layout = g->plan().tensors[p.index];
+      Piece piece;
+      piece.fqn = fsdp_->param_fqn(*g, p);
+      piece.param = i;
+      piece.local = g->params_buffer().local_range(p.index);
+      piece.global_offset = g->params_buffer().global_range(p.index).begin;
+      piece.shape = layout.shape;
+      const bool quantized = optim::is_block_quantized(layout.numel, block_size_);
+      if (quantized) {
+        // The planner's guarantee this optimizer rests on: whole blocks from the parameter's start.
+        LOOM_REQUIRE(layout.shard.granule_elems == block_size_ &&
+                         piece.local.size() % block_size_ == 0 &&
+                         piece.global_offset % block_size_ == 0,
+                     "FSDP group '", g->name(), "' holds '", piece.fqn, "' in granules of ",
+                     layout.shard.granule_elems, " elements, not AdamW8bit's blocks of ",
+                     block_size_, "; fix: shard with FSDPPolicy::parameter_granularity = "
+                     "adamw8bit_granularity(", block_size_, ")");
+      }
+      piece.state = optim::AdamW8bitState::zeros(p.sharded.sizes(), quantized, block_size_,
+                                                 shard.options());
+      piece.weight_decay =
+          p.trainable && optim::is_weight_decayed(piece.fqn, layout.shape) ? weight_decay : 0.0;
+      group.pieces.push_back(std::move(piece));
+    }
+    groups_.push_back(std::move(group));
+  }
+  LOOM_REQUIRE(!groups_.empty(), "ShardedAdamW8bit found no FSDP parameter groups");
+}
+
+void ShardedAdamW8bit::step() {
+  fsdp_->finalize_backward();
+  std::map<double, std::vector<optim::AdamW8bitPiece>> by_step;
+  for (Group& g : groups_) {
+    if (!g.group->has_sharded_grads()) continue;
+    g.step.add_(1.0);
+    auto& list = by_step[g.step.item<double>()];
+    const torch::Tensor& params = g.group->sharded_params();
+    const torch::Tensor& grads = g.group->sharded_grads();
+    for (Piece& piece : g.pieces) {
+      if (piece.local.empty()) continue;
+      list.push_back({params.narrow(0, piece.local.begin, piece.local.size()),
+                      grads.narrow(0, piece.local.begin, piece.local.size()), &piece.state,
+                      piece.weight_decay});
+    }
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& [step, list] : by_step) optim::adamw8bit_step(list, options_, step, block_size_);
+}
+
+void ShardedAdamW8bit::zero_grad(bool /*set_to_none*/) { fsdp_->zero_grad(); }
+
+optim::TensorDict ShardedAdamW8bit::state_dict() const {
+  optim::TensorDict out;
+  for (const Group& g : groups_) {
+    for (const Piece& piece : g.pieces) {
+      out[piece.fqn + ".step"] = g.step;
+      optim::add_adamw8bit_state(out, piece.fqn, piece.state,
+                                 g.group->params()[piece.param].sharded.sizes());
+    }
+  }
+  return out;
+}
+
+void ShardedAdamW8bit::load_state_dict(const optim::TensorDict& state) {
+  const optim::TensorDict mine = state_dict();
+  for (const auto& [name, target] : mine) {
+    auto it = state.find(name);
+    LOOM_REQUIRE(it != state.end(), "ShardedAdamW8bit state dict is missing '", name,
+                 "'; fix: load a checkpoint saved with the same optimizer and block_size");
+    LOOM_REQUIRE(it->second.sizes() == target.sizes() &&
+                     it->second.scalar_type() == target.scalar_type(),
+                 "ShardedAdamW8bit state '", name, "' is ", it->second.scalar_type(),
+                 it->second.sizes(), ", this rank's shard needs ", target.scalar_type(),
+                 target.sizes(), "; fix: reshard the checkpoint to this layout");
+  }
+  for (const auto& [name, t] : state) {
+    LOOM_REQUIRE(mine.count(name) > 0, "ShardedAdamW8bit state dict has unexpected entry '", name,
+                 "'");
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, target] : mine) {
+    torch::Tensor dst = target;
+    dst.copy_(state.at(name));
+  }
+}
+
+std::vector<ShardedTensor> ShardedAdamW8bit::sharded_state_dict() const {
+  std::vector<ShardedTensor> out;
+  for (const Group& g : groups_) {
+    for (const Piece& piece : g.pieces) {
+      optim::TensorDict local;
+      optim::add_adamw8bit_state(local, piece.fqn, piece.state,
+                                 g.group->params()[piece.param].sharded.sizes());
+      for (const char* moment : {".exp_avg", ".exp_avg_sq"}) {
+        const std::string name = piece.fqn + moment;
+        out.push_back({name, local.at(name), piece.shape, piece.global_offset});
+        if (!piece.state.quantized) continue;
+        const int64_t blocks = c10::multiply_integers(piece.shape) / block_size_;
+        out.push_back({name + ".absmax", local.at(name + ".absmax"), {blocks},
+                       piece.global_offset / block_size_});
+      }
+    }
+  }
+  return out;
+}
+
+int64_t ShardedAdamW8bit::state_nbytes() const {
+  int64_t bytes = 0;
+  for (const Group& g : groups_) {
+    for (const Piece& piece : g.pieces) bytes += piece.state.nbytes();
+  }
+  return bytes;
 }
 
 }  // namespace loom::fsdp

@@ -13,6 +13,7 @@
 
 #include "loom/fsdp/fully_shard.h"
 #include "loom/optim/adamw.h"
+#include "loom/optim/adamw8bit.h"
 #include "loom/optim/optimizer.h"
 
 namespace loom::fsdp {
@@ -53,6 +54,62 @@ class ShardedAdamW : public optim::Optimizer {
   std::shared_ptr<FSDPModule> fsdp_;
   optim::AdamWOptions options_;
   double weight_decay_;
+  std::vector<Group> groups_;
+};
+
+// The planner granularity AdamW8bit needs (FSDPPolicy::parameter_granularity): blocks of
+// `block_size` elements for every parameter optim::is_block_quantized picks, elements otherwise.
+ParameterGranularity adamw8bit_granularity(int64_t block_size);
+
+// Block-wise 8-bit AdamW (optim/adamw8bit.h) on FSDP shards. The groups must have been planned with
+// adamw8bit_granularity(block_size): then this rank's piece of a quantized parameter is whole
+// blocks counted from the parameter's first element, each block is updated exactly as in one
+// process, and the per-block scales of a piece are the run [offset / block_size, ...) of the
+// parameter's scales, so checkpoints reshard codes and scales like any other tensor.
+//
+// State dict: per parameter "<fqn>.step" (the group's count, replicated), "<fqn>.exp_avg" (int8
+// codes, or float32 for unquantized parameters) and "<fqn>.exp_avg_sq" (uint8 / float32), each this
+// rank's piece shaped like the parameter's piece; quantized parameters also "<fqn>.exp_avg.absmax"
+// and "<fqn>.exp_avg_sq.absmax" (float32, global shape [numel / block_size]).
+class ShardedAdamW8bit : public optim::Optimizer {
+ public:
+  ShardedAdamW8bit(std::shared_ptr<FSDPModule> fsdp, optim::AdamWOptions options,
+                   double weight_decay, int64_t block_size);
+
+  // Finalizes the backward, then one fused pass over every block of every group with gradients.
+  void step() override;
+  void zero_grad(bool set_to_none = true) override;
+  void set_lr(double lr) override { options_.lr = lr; }
+  double lr() const override { return options_.lr; }
+
+  optim::TensorDict state_dict() const override;
+  void load_state_dict(const optim::TensorDict& state) override;
+  // Codes, float32 moments and scales with their global shapes and offsets.
+  std::vector<ShardedTensor> sharded_state_dict() const;
+
+  int64_t block_size() const { return block_size_; }
+  // Bytes of this rank's moment tensors (codes, scales, float32 moments; not the step counts).
+  int64_t state_nbytes() const;
+
+ private:
+  struct Piece {
+    std::string fqn;
+    size_t param = 0;             // in the group's params()
+    tensor::FlatRange local;      // in the group's shard
+    int64_t global_offset = 0;    // row-major index of the piece's first element in the parameter
+    std::vector<int64_t> shape;   // the parameter's full shape
+    optim::AdamW8bitState state;  // shaped like the piece
+    double weight_decay = 0.0;
+  };
+  struct Group {
+    FSDPParamGroup* group;
+    torch::Tensor step;
+    std::vector<Piece> pieces;
+  };
+
+  std::shared_ptr<FSDPModule> fsdp_;
+  optim::AdamWOptions options_;
+  int64_t block_size_;
   std::vector<Group> groups_;
 };
 

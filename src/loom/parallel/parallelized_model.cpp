@@ -288,6 +288,20 @@ std::unique_ptr<optim::Optimizer> ParallelizedModel::build_adamw(const optim::Ad
   return std::make_unique<optim::AdamW>(optim::weight_decay_param_groups(named, weight_decay), options);
 }
 
+std::unique_ptr<optim::Optimizer> ParallelizedModel::build_adamw8bit(const optim::AdamWOptions& options,
+                                                                     double weight_decay, int64_t block_size) {
+  LOOM_REQUIRE_USAGE(!parts_.tp, "optimizer.name = \"AdamW8bit\" does not support tensor parallelism yet (its "
+                     "per-block scales are not split into TP boxes); set parallelism.tensor_parallel_degree = 1 "
+                     "or optimizer.name = \"AdamW\"");
+  if (parts_.fsdp) return std::make_unique<fsdp::ShardedAdamW8bit>(parts_.fsdp, options, weight_decay, block_size);
+  optim::NamedTensors named;
+  for (const auto& p : named_parameters()) {
+    if (p.slot->requires_grad) named.emplace_back(p.name, p.slot->tensor);
+  }
+  return std::make_unique<optim::AdamW8bit>(optim::weight_decay_param_groups(named, weight_decay), options,
+                                            block_size);
+}
+
 void ParallelizedModel::add_piece(checkpoint::ShardedStateDict& state, const std::string& name,
                                   const std::string& component, const std::string& param,
                                   const torch::Tensor& local, std::vector<int64_t> fsdp_shape,
@@ -325,14 +339,18 @@ void ParallelizedModel::add_to_state_dict(checkpoint::ShardedStateDict& state, o
       add_piece(state, st.name, checkpoint::kModelComponent, st.name, st.local, st.global_shape, st.global_offset);
     }
     auto* sharded = dynamic_cast<fsdp::ShardedAdamW*>(&optimizer);
-    LOOM_REQUIRE(sharded != nullptr, "an FSDP model's optimizer must be fsdp::ShardedAdamW");
-    for (const auto& st : sharded->sharded_state_dict()) {
+    auto* sharded8bit = dynamic_cast<fsdp::ShardedAdamW8bit*>(&optimizer);
+    LOOM_REQUIRE(sharded != nullptr || sharded8bit != nullptr,
+                 "an FSDP model's optimizer must be fsdp::ShardedAdamW or fsdp::ShardedAdamW8bit");
+    // AdamW8bit's codes are shaped like their parameter and its scales are [numel / block] with
+    // the piece's block offset: both reshard as flat ranges like the parameters.
+    for (const auto& st : sharded ? sharded->sharded_state_dict() : sharded8bit->sharded_state_dict()) {
       add_piece(state, "optimizer." + st.name, checkpoint::kOptimizerComponent, moment_parameter(st.name),
                 st.local, st.global_shape, st.global_offset);
     }
     // Step counts are per group and identical on every rank: saved whole, under the same names
     // as the unsharded AdamW's, so a checkpoint moves between FSDP and non-FSDP layouts.
-    for (const auto& [name, t] : sharded->state_dict()) {
+    for (const auto& [name, t] : optimizer.state_dict()) {
       if (ends_with(name, ".step")) state.add_full("optimizer." + name, checkpoint::kOptimizerComponent, t);
     }
     return;

@@ -106,6 +106,10 @@ class ParallelizedModel {
   // ---- Optimizer and state ----
   // AdamW over this rank's pieces (FSDP: on the flat shards), matrices decayed by weight_decay.
   std::unique_ptr<optim::Optimizer> build_adamw(const optim::AdamWOptions& options, double weight_decay);
+  // Block-wise 8-bit AdamW (optim/adamw8bit.h; FSDP: fsdp::ShardedAdamW8bit, which needs the
+  // groups planned with fsdp::adamw8bit_granularity(block_size)). Not with tensor parallelism.
+  std::unique_ptr<optim::Optimizer> build_adamw8bit(const optim::AdamWOptions& options, double weight_decay,
+                                                    int64_t block_size);
   // This rank's pieces of the parameters (component "model") and of `optimizer`'s state
   // ("optimizer"), with their global shapes: what a checkpoint saves and any layout loads.
   void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer);

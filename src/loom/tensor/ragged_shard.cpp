@@ -67,7 +67,13 @@ int64_t row_elems(const std::vector<int64_t>& shape) {
 Granularity Granularity::row_block(int64_t rows) {
   LOOM_REQUIRE_USAGE(rows >= 1, "a row block needs at least 1 row, got ", rows,
                      "; fix: use a positive block height such as 32");
-  return {Kind::kRowBlock, rows};
+  return {Kind::kRowBlock, rows, 1};
+}
+
+Granularity Granularity::element_block(int64_t elems) {
+  LOOM_REQUIRE_USAGE(elems >= 1, "an element block needs at least 1 element, got ", elems,
+                     "; fix: use a positive block size such as 256");
+  return {Kind::kElementBlock, 1, elems};
 }
 
 std::string Granularity::str() const {
@@ -76,6 +82,7 @@ std::string Granularity::str() const {
     case Kind::kRow: return "row";
     case Kind::kRowBlock: return c10::str(rows_per_block, "-row");
     case Kind::kWhole: return "whole";
+    case Kind::kElementBlock: return c10::str(elems_per_block, "-element");
   }
   fail("unknown granularity kind ", static_cast<int>(kind));
 }
@@ -84,17 +91,19 @@ Granularity Granularity::parse(const std::string& text) {
   if (text == "element") return element();
   if (text == "row") return row();
   if (text == "whole") return whole();
-  constexpr std::string_view kSuffix = "-row";
-  if (text.size() > kSuffix.size() && text.ends_with(kSuffix)) {
-    int64_t rows = 0;
+  for (const std::string_view suffix : {std::string_view("-row"), std::string_view("-element")}) {
+    if (text.size() <= suffix.size() || !text.ends_with(suffix)) continue;
+    int64_t k = 0;
     const char* first = text.data();
-    const char* last = text.data() + text.size() - kSuffix.size();
-    auto [ptr, ec] = std::from_chars(first, last, rows);
-    if (ec == std::errc() && ptr == last && rows >= 1) return row_block(rows);
+    const char* last = text.data() + text.size() - suffix.size();
+    auto [ptr, ec] = std::from_chars(first, last, k);
+    if (ec == std::errc() && ptr == last && k >= 1) {
+      return suffix == "-row" ? row_block(k) : element_block(k);
+    }
   }
   fail_usage("unknown granularity '", text,
-             "'; fix: use 'element', 'row', '<k>-row' (a block of k rows, e.g. '32-row') or "
-             "'whole'");
+             "'; fix: use 'element', 'row', '<k>-row' (a block of k rows, e.g. '32-row'), "
+             "'<k>-element' (a block of k elements, e.g. '256-element') or 'whole'");
 }
 
 int64_t granule_elems(const Granularity& granularity, const std::string& name,
@@ -115,6 +124,14 @@ int64_t granule_elems(const Granularity& granularity, const std::string& name,
                    " rows; fix: pick a block height dividing ", rows,
                    " or use 'row'/'element' granularity for this tensor");
       return k * row;
+    }
+    case Granularity::Kind::kElementBlock: {
+      const int64_t k = granularity.elems_per_block;
+      LOOM_REQUIRE(k >= 1, "tensor '", name, "': an element block needs at least 1 element, got ", k);
+      LOOM_REQUIRE(n % k == 0, "tensor '", name, "' of shape ", shape_str(shape), " (", n,
+                   " elements): ", k, "-element blocks do not divide it; fix: pick a block size "
+                   "dividing ", n, " or use 'element' granularity for this tensor");
+      return k;
     }
   }
   fail("unknown granularity kind ", static_cast<int>(granularity.kind));

@@ -39,16 +39,21 @@ int64_t row_elems(const std::vector<int64_t>& shape);
 
 // The unit a layout must never cut.
 struct Granularity {
-  enum class Kind { kElement, kRow, kRowBlock, kWhole };
+  // kElementBlock: k consecutive flat elements counted from the tensor's first element (a block of
+  // block-wise quantized optimizer state, e.g. AdamW8bit's absmax blocks).
+  enum class Kind { kElement, kRow, kRowBlock, kWhole, kElementBlock };
   Kind kind = Kind::kElement;
   int64_t rows_per_block = 1;  // kRowBlock only
+  int64_t elems_per_block = 1;  // kElementBlock only
 
-  static Granularity element() { return {Kind::kElement, 1}; }
-  static Granularity row() { return {Kind::kRow, 1}; }
+  static Granularity element() { return {Kind::kElement, 1, 1}; }
+  static Granularity row() { return {Kind::kRow, 1, 1}; }
   static Granularity row_block(int64_t rows);  // throws for rows < 1
-  static Granularity whole() { return {Kind::kWhole, 1}; }
+  static Granularity whole() { return {Kind::kWhole, 1, 1}; }
+  static Granularity element_block(int64_t elems);  // throws for elems < 1
 
-  // "element", "row", "<k>-row" (k-row block) or "whole"; parse() accepts exactly these.
+  // "element", "row", "<k>-row" (k-row block), "<k>-element" (k-element block) or "whole";
+  // parse() accepts exactly these.
   std::string str() const;
   static Granularity parse(const std::string& text);
 

@@ -59,7 +59,11 @@ const std::vector<ConfigKey> kSchema = {
      "starting with BOS), TorchTitan's default for pre-training.", {"causal", "block_causal"}},
     {LOOM_CONFIG_KEY(optimizer, name),
      "Optimizer. AdamW follows `torch.optim.AdamW` exactly (bias correction, decoupled weight "
-     "decay).", {"AdamW"}},
+     "decay). AdamW8bit: the same update with both moments stored in 8 bits (bitsandbytes' "
+     "block-wise dynamic quantization, one float32 scale per `block_size` elements; parameters "
+     "under 4096 elements or not whole blocks keep float32 moments): about 2 bytes of state per "
+     "parameter instead of 8. CPU only, not with tensor parallelism.",
+     {"AdamW", "AdamW8bit"}},
     {LOOM_CONFIG_KEY(optimizer, lr),
      "Peak learning rate, reached at the end of warmup.", {}},
     {LOOM_CONFIG_KEY(optimizer, eps),
@@ -77,6 +81,12 @@ const std::vector<ConfigKey> kSchema = {
      "`foreach`: the multi-tensor `at::_foreach_*` sequence of PyTorch's `foreach=True`. Both "
      "give the same result to float rounding.",
      {"fused", "foreach"}},
+    {LOOM_CONFIG_KEY(optimizer, block_size),
+     "AdamW8bit: elements per quantization block (one float32 scale per moment per block; "
+     "bitsandbytes uses 256 for its CPU/paged and 2048 for its GPU optimizers). A multiple of the "
+     "FSDP planner's alignment: 4 elements (16 bytes of float32), 8 under bfloat16 mixed "
+     "precision. FSDP plans each quantized parameter in whole blocks, so no block is cut across "
+     "ranks.", {}},
     // [lr_scheduler]
     {LOOM_CONFIG_KEY(lr_scheduler, warmup_steps),
      "Linear warmup steps (shortened to `training.steps` if longer).", {}},
@@ -849,6 +859,21 @@ void validate(const JobConfig& c) {
   require(c.optimizer.beta2 >= 0.0 && c.optimizer.beta2 < 1.0, key("optimizer.beta2"),
           "in [0, 1)", c);
   require(c.optimizer.weight_decay >= 0.0, key("optimizer.weight_decay"), ">= 0", c);
+  if (c.optimizer.name == "AdamW8bit") {
+    // The FSDP planner sizes every rank's shard in 16-byte units of the flat buffer's smallest
+    // element (float32: 4 elements; a bfloat16 gather or reduce: 8). Blocks made of whole units
+    // start and end on that grid wherever a block-aligned tensor lands in the shard.
+    const bool half = c.training.mixed_precision_param == "bfloat16" ||
+                      c.training.mixed_precision_reduce == "bfloat16";
+    const int64_t unit = half ? 8 : 4, b = c.optimizer.block_size;
+    LOOM_REQUIRE_USAGE(b >= unit && b % unit == 0, "optimizer.block_size = ", b,
+                       " is not a positive multiple of ", unit, " elements, the FSDP planner's 16-byte shard "
+                       "alignment", half ? " under bfloat16 mixed precision" : " for float32",
+                       "; use a multiple of ", unit, " such as 256");
+    LOOM_REQUIRE_USAGE(c.parallelism.tensor_parallel_degree == 1,
+                       "optimizer.name = \"AdamW8bit\" does not support tensor parallelism yet; set "
+                       "parallelism.tensor_parallel_degree = 1 or optimizer.name = \"AdamW\"");
+  }
   require(c.lr_scheduler.warmup_steps >= 0, key("lr_scheduler.warmup_steps"), ">= 0", c);
   require(!c.lr_scheduler.decay_ratio || *c.lr_scheduler.decay_ratio <= 1.0,
           key("lr_scheduler.decay_ratio"), "in [0, 1] or unset", c);

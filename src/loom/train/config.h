@@ -48,6 +48,7 @@ struct OptimizerSection {
   double beta2 = 0.95;
   double weight_decay = 0.1;
   std::string implementation = "fused";  // "fused" | "foreach"
+  int64_t block_size = 256;  // AdamW8bit: elements per quantization block
 
   bool operator==(const OptimizerSection&) const = default;
 };

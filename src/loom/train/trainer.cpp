@@ -205,6 +205,12 @@ void Trainer::parallelize() {
   options.tp = tensor_parallel_options();
   options.cp_rotate_method = config_.parallelism.context_parallel_rotate_method;
   options.fsdp_reshard_after_forward = config_.parallelism.fsdp_reshard_after_forward;
+  if (config_.optimizer.name == "AdamW8bit") {
+    LOOM_REQUIRE_USAGE(device_.is_cpu(), "optimizer.name = \"AdamW8bit\" runs on the CPU only (its fused loop "
+                       "is a CPU kernel), but training.device is ", device_.str(),
+                       "; set training.device = \"cpu\" or optimizer.name = \"AdamW\"");
+    options.fsdp_quantization_block = config_.optimizer.block_size;
+  }
   options.fsdp_mixed_precision.param_dtype =
       c10::ScalarType(t.mixed_precision_param == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
   options.fsdp_mixed_precision.reduce_dtype =
@@ -230,8 +236,12 @@ void Trainer::parallelize() {
 
 void Trainer::init_optimizer() {
   const auto& o = config_.optimizer;
-  LOOM_REQUIRE_USAGE(o.name == "AdamW", "unknown optimizer.name '", o.name, "'; available: AdamW");
-  optimizer_ = parallel_model_->build_adamw(adamw_options(config_), o.weight_decay);
+  if (o.name == "AdamW8bit") {
+    optimizer_ = parallel_model_->build_adamw8bit(adamw_options(config_), o.weight_decay, o.block_size);
+  } else {
+    LOOM_REQUIRE_USAGE(o.name == "AdamW", "unknown optimizer.name '", o.name, "'; available: AdamW, AdamW8bit");
+    optimizer_ = parallel_model_->build_adamw(adamw_options(config_), o.weight_decay);
+  }
   lr_scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, lr_schedule_options(config_),
                                                   config_.training.steps);
 }

@@ -38,6 +38,7 @@ int64_t expected_granule(const TensorSpec& t) {
     case Granularity::Kind::kRow: return row;
     case Granularity::Kind::kRowBlock: return t.granularity.rows_per_block * row;
     case Granularity::Kind::kWhole: return n;
+    case Granularity::Kind::kElementBlock: return t.granularity.elems_per_block;
   }
   return -1;
 }
@@ -98,7 +99,8 @@ std::vector<std::vector<size_t>> candidate_orders(const GroupSpec& group) {
   auto rank_of = [&](size_t i) {
     switch (group.tensors[i].granularity.kind) {
       case Granularity::Kind::kWhole: return 0;
-      case Granularity::Kind::kRowBlock: return 1;
+      case Granularity::Kind::kRowBlock:
+      case Granularity::Kind::kElementBlock: return 1;
       case Granularity::Kind::kRow: return 2;
       case Granularity::Kind::kElement: return 3;
     }
@@ -307,6 +309,39 @@ TEST(Planner, WholeTensorsStayOnOneRank) {
               1)
         << t.name;
   }
+}
+
+// AdamW8bit's quantization blocks (element-block granularity): on any number of ranks every rank
+// holds whole 256-element blocks of each blocked tensor, counted from the tensor's first element.
+TEST(Planner, ElementBlocksStayWholeOnEveryRank) {
+  const Granularity block = Granularity::element_block(256);
+  EXPECT_EQ(block.str(), "256-element");
+  EXPECT_EQ(Granularity::parse("256-element"), block);
+  GroupSpec group{"layers.0", {{"attention_norm", {64}, 4, Granularity::element()},
+                               {"wq", {64, 64}, 4, block},
+                               {"wk", {32, 64}, 4, block},
+                               {"ffn_norm", {64}, 4, Granularity::element()},
+                               {"w1", {192, 64}, 4, block}}};
+  for (int64_t world : {1, 2, 3, 4, 7, 16}) {
+    const Plan plan = loom::fsdp::plan_group(group, world);
+    check_plan(group, plan, world);
+    int64_t cut = 0;
+    for (size_t i = 0; i < plan.tensors.size(); ++i) {
+      if (group.tensors[i].granularity != block) continue;
+      int64_t held = 0;  // elements of the tensor on ranks before r
+      for (int64_t r = 0; r < world; ++r) {
+        const auto range = plan.local_range(i, r);
+        EXPECT_EQ(range.size() % 256, 0) << plan.tensors[i].name << " on rank " << r;
+        EXPECT_EQ(held % 256, 0) << plan.tensors[i].name << " on rank " << r;
+        held += range.size();
+        cut += !range.empty() && range.size() < plan.tensors[i].numel;
+      }
+    }
+    if (world > 2) EXPECT_GT(cut, 0) << "no blocked tensor was split over " << world << " ranks";
+    EXPECT_EQ(loom::fsdp::plan_from_json(loom::fsdp::plan_to_json(plan)), plan);
+  }
+  expect_error([&] { loom::fsdp::plan_group({"g", {{"b", {100}, 4, block}}}, 2); },
+               {"'b'", "256-element blocks do not divide it"});
 }
 
 TEST(Planner, Deterministic) {
