@@ -19,6 +19,8 @@
 //      full checkpoint (or start from initial_load_path)
 //   9. metrics (console + metrics.jsonl + TensorBoard) and the resolved config saved in the run
 //      folder; after the last step, rank 0 draws loss.svg and prints the run summary
+//  10. profiling, when [profiling] asks for it: Kineto traces on TorchTitan's schedule, and memory
+//      snapshots (CUDA) or an RSS timeline (CPU); see profiling/profiler.h
 #pragma once
 #include <memory>
 #include <optional>
@@ -34,6 +36,7 @@
 #include "loom/models/spec.h"
 #include "loom/optim/adamw.h"
 #include "loom/parallel/parallelized_model.h"
+#include "loom/profiling/profiler.h"
 #include "loom/optim/lr_scheduler.h"
 #include "loom/train/config.h"
 #include "loom/train/metrics.h"
@@ -90,6 +93,7 @@ class Trainer {
   void parallelize();
   void init_optimizer();
   void init_checkpointing();
+  void init_profiling();
   // Everything a checkpoint holds, as views into the live state (used for save and for load).
   checkpoint::ShardedStateDict state_dict();
   void load_initial_weights(const std::string& path);
@@ -132,6 +136,8 @@ class Trainer {
   std::unique_ptr<optim::LRScheduler> lr_scheduler_;
   std::unique_ptr<MetricsLogger> metrics_;
   std::unique_ptr<checkpoint::Checkpointer> checkpointer_;
+  std::unique_ptr<profiling::Profiler> profiler_;              // profiling.enable_profiling
+  std::unique_ptr<profiling::MemoryProfiler> memory_profiler_;  // profiling.enable_memory_snapshot
   optim::TensorDict lr_scheduler_state_;  // staging for the schedule's state in checkpoints
   int64_t grad_accum_steps_ = 1;
   double flops_per_token_ = 0.0;
