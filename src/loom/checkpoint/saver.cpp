@@ -1,5 +1,7 @@
 #include "loom/checkpoint/saver.h"
 
+#include <ATen/record_function.h>
+
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -845,6 +847,8 @@ std::shared_ptr<ShardedSaver::Job> ShardedSaver::plan(const ShardedStateDict& st
 fs::path ShardedSaver::save(const ShardedStateDict& state, const fs::path& folder, int64_t step,
                             const SaveOptions& options) {
   wait();
+  // Profiler range (profiling/profiler.h): the whole synchronous save, as training waits for it.
+  RECORD_USER_SCOPE("loom::checkpoint::save");
   Timer timer;
   const std::shared_ptr<Job> job = plan(state, folder, step, options);
   // Two agreements: every rank wrote its file (else nobody publishes), then rank 0 published.
@@ -884,6 +888,10 @@ fs::path ShardedSaver::save(const ShardedStateDict& state, const fs::path& folde
 void ShardedSaver::begin_async_save(const ShardedStateDict& state, const fs::path& folder,
                                     int64_t step, const SaveOptions& options) {
   wait();
+  // Profiler range: the training thread's share of an async save (planning, device chunks into
+  // pinned memory, starting the threads). The stager and writer threads are not in the trace; what
+  // they cost the training thread shows as loom::checkpoint::wait_staged.
+  RECORD_USER_SCOPE("loom::checkpoint::stage");
   Timer timer;
   std::shared_ptr<Job> job = plan(state, folder, step, options);
   std::error_code ec;
@@ -930,6 +938,7 @@ void ShardedSaver::begin_async_save(const ShardedStateDict& state, const fs::pat
 
 void ShardedSaver::wait_staged() {
   if (!stager_.joinable()) return;
+  RECORD_USER_SCOPE("loom::checkpoint::wait_staged");
   Timer timer;
   stager_.join();
   stats_.blocked_seconds += timer.seconds();
@@ -943,6 +952,8 @@ void ShardedSaver::save_async(const ShardedStateDict& state, const fs::path& fol
 }
 
 void ShardedSaver::wait() {
+  if (!stager_.joinable() && !writer_.joinable()) return;
+  RECORD_USER_SCOPE("loom::checkpoint::wait");
   if (stager_.joinable()) stager_.join();
   if (!writer_.joinable()) return;
   writer_.join();

@@ -2,12 +2,18 @@
 
 #include <c10/util/StringUtil.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <ctime>
+#include <fstream>
 #include <numeric>
 
+#include <nlohmann/json.hpp>
+
 #include "loom/core/error.h"
+#include "loom/core/logging.h"
 
 namespace loom::distributed {
 namespace {
@@ -109,6 +115,16 @@ class CommWork : public c10d::Work {
       error = std::make_exception_ptr(named_failure(e.what_without_backtrace()));
     } catch (const std::exception& e) {
       error = std::make_exception_ptr(named_failure(e.what()));
+    }
+    if (error && record_.seq != 0) {
+      // A broken collective ends the run: the rank's last collectives go to its flight-recorder
+      // file (when the trainer set one) before the error unwinds.
+      flight_recorder().finish(record_.seq, false);
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        flight_recorder().dump_to_file(c10::str("collective failed: ", e.what()));
+      }
     }
     settle(error);
   }
@@ -385,6 +401,88 @@ size_t FlightRecorder::capacity() const {
 void FlightRecorder::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
   ring_.clear();
+}
+
+std::string FlightRecorder::to_json(const std::string& reason) const {
+  const auto records_copy = records();
+  const auto now_steady = std::chrono::steady_clock::now();
+  auto micros_since_epoch = [](std::chrono::system_clock::time_point t) {
+    return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
+  };
+  auto millis = [](std::chrono::steady_clock::duration d) {
+    return std::chrono::duration<double, std::milli>(d).count();
+  };
+  nlohmann::json records = nlohmann::json::array();
+  for (const FlightRecord& r : records_copy) {
+    nlohmann::json j = {{"seq", r.seq},
+                        {"group_seq", r.group_seq},
+                        {"op", to_string(r.op)},
+                        {"group", r.group},
+                        {"input_shape", r.input_shape},
+                        {"output_shape", r.output_shape},
+                        {"dtype", c10::toString(r.dtype)},
+                        {"payload_bytes", r.payload_bytes},
+                        {"peer", r.peer},
+                        {"started_at_us", micros_since_epoch(r.started_at)},
+                        {"description", describe(r)}};
+    switch (r.state) {
+      case FlightRecord::State::kCompleted:
+        j["state"] = "completed";
+        j["duration_ms"] = millis(*r.duration);
+        break;
+      case FlightRecord::State::kFailed:
+        j["state"] = "failed";
+        j["duration_ms"] = millis(*r.duration);
+        break;
+      case FlightRecord::State::kPending:
+        j["state"] = "pending";
+        j["pending_ms"] = millis(now_steady - r.started_steady);
+        break;
+    }
+    records.push_back(std::move(j));
+  }
+  const nlohmann::json doc = {{"rank", log::rank()},
+                              {"pid", static_cast<int64_t>(::getpid())},
+                              {"reason", reason},
+                              {"dumped_at_us", micros_since_epoch(std::chrono::system_clock::now())},
+                              {"capacity", capacity()},
+                              {"records", std::move(records)}};
+  return doc.dump(1) + "\n";
+}
+
+void FlightRecorder::set_dump_file(std::filesystem::path path) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  dump_file_ = std::move(path);
+}
+
+std::filesystem::path FlightRecorder::dump_file() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return dump_file_;
+}
+
+bool FlightRecorder::dump_to_file(const std::string& reason) {
+  std::filesystem::path path;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (dumped_ || dump_file_.empty()) return false;
+    dumped_ = true;
+    path = dump_file_;
+  }
+  try {
+    const std::string text = to_json(reason);
+    std::error_code ec;
+    std::filesystem::create_directories(path.parent_path(), ec);
+    const std::filesystem::path tmp = path.string() + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      out << text;
+      if (!out) return false;
+    }
+    std::filesystem::rename(tmp, path, ec);
+    return !ec;
+  } catch (const std::exception&) {
+    return false;  // the process is failing already: its error line matters more than the dump
+  }
 }
 
 FlightRecorder& flight_recorder() {

@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -147,8 +148,26 @@ class FlightRecorder {
   size_t capacity() const;
   void clear();
 
+  // The ring as JSON, oldest first, for <dump_folder>/flight_recorder/rank<r>.json:
+  //   {"rank": 0, "reason": "...", "dumped_at_us": ..., "records": [{"seq": 12, "group_seq": 3,
+  //    "op": "all_gather", "group": "dp_shard[0,1]", "input_shape": [1024], "output_shape": [2048],
+  //    "dtype": "Float", "payload_bytes": 8192, "peer": -1, "started_at_us": ..., "state":
+  //    "pending", "pending_ms": 2040.1}, ...]}   (completed/failed records have "duration_ms")
+  // `reason` says why it was dumped (the stall, the failed collective, the signal).
+  std::string to_json(const std::string& reason) const;
+  // Where dump_to_file writes; empty (the default) = nowhere. The trainer sets it for runs of more
+  // than one rank.
+  void set_dump_file(std::filesystem::path path);
+  std::filesystem::path dump_file() const;
+  // Writes to_json(reason) to dump_file(), once per process: the first reason (the root cause)
+  // wins, later calls do nothing. Returns whether this call wrote it. Never throws: it runs on the
+  // way out of a failing process.
+  bool dump_to_file(const std::string& reason);
+
  private:
   mutable std::mutex mutex_;
+  std::filesystem::path dump_file_;
+  bool dumped_ = false;
   size_t capacity_;
   uint64_t next_seq_ = 1;
   std::deque<FlightRecord> ring_;

@@ -6,6 +6,7 @@
 #include "loom/core/error.h"
 #include "loom/core/error_report.h"
 #include "loom/core/logging.h"
+#include "loom/distributed/comm.h"
 
 namespace loom::distributed {
 
@@ -85,6 +86,7 @@ void PeerAbort::run() {
     }
     if (!failure.empty() && !aborted_by_self_.load()) {
       log::error("stopping: ", failure);
+      flight_recorder().dump_to_file(c10::str("stopping: ", failure));
       std::fflush(stdout);
       std::fflush(stderr);
       std::_Exit(kExitPeerFailed);

@@ -243,6 +243,9 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
   // A peer that dies closes its sockets; writing to them must surface as an I/O error in the
   // collective (reported, attributable), not as a silent SIGPIPE death of this rank.
   std::signal(SIGPIPE, SIG_IGN);
+  // `loom launch` stops the other ranks with SIGTERM when one fails: each leaves its flight record
+  // (when the trainer set a file for it) before dying of the signal as before.
+  dump_flight_recorder_on_sigterm();
 
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(env.master_port);

@@ -1,5 +1,10 @@
 #include "loom/distributed/watchdog.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 
@@ -11,6 +16,17 @@ namespace {
 
 double seconds(std::chrono::steady_clock::duration d) {
   return std::chrono::duration<double>(d).count();
+}
+
+// The self-pipe of dump_flight_recorder_on_sigterm: the handler writes the signal number (write()
+// is async-signal-safe), the dumping thread reads it.
+int stop_signal_pipe[2] = {-1, -1};
+
+void on_stop_signal(int sig) {
+  const char byte = static_cast<char>(sig);
+  const int saved_errno = errno;
+  (void)!::write(stop_signal_pipe[1], &byte, 1);
+  errno = saved_errno;
 }
 
 }  // namespace
@@ -33,7 +49,7 @@ std::string describe(const CollectiveStall& stall) {
                   " so the launcher stops (and may restart) the job");
 }
 
-void report_stall_and_exit(const CollectiveStall& stall, const FlightRecorder& recorder) {
+void report_stall_and_exit(const CollectiveStall& stall, FlightRecorder& recorder) {
   log::error(describe(stall));
   const std::string dump = recorder.dump();
   const int rank = log::rank();
@@ -46,10 +62,35 @@ void report_stall_and_exit(const CollectiveStall& stall, const FlightRecorder& r
     text += c10::str("[rank", rank, "]   ", dump.substr(begin, stop - begin), "\n");
     begin = stop + 1;
   }
+  if (recorder.dump_to_file(describe(stall))) {
+    text += c10::str("[rank", rank, "] flight recorder written to ", recorder.dump_file().string(), "\n");
+  }
   std::fputs(text.c_str(), stderr);
   std::fflush(stderr);
   std::fflush(stdout);
   std::_Exit(kExitCollectiveTimeout);
+}
+
+void dump_flight_recorder_on_sigterm() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (::pipe2(stop_signal_pipe, O_CLOEXEC) != 0) return;  // no dump, the signal acts as before
+    std::thread([] {
+      char sig = 0;
+      while (::read(stop_signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+      }
+      flight_recorder().dump_to_file(
+          "stopped by signal SIGTERM (`loom launch` stops every rank when one fails: see the "
+          "other ranks' records for the collective that stalled)");
+      std::signal(sig, SIG_DFL);
+      std::raise(sig);
+    }).detach();
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART;
+    sigaction(SIGTERM, &action, nullptr);
+  });
 }
 
 CollectiveWatchdog::CollectiveWatchdog(std::chrono::milliseconds timeout, FlightRecorder& recorder,

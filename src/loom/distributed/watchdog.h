@@ -46,9 +46,17 @@ struct CollectiveStall {
 // The error line for a stall (without the dump).
 std::string describe(const CollectiveStall& stall);
 
-// Logs describe(stall), then `recorder`'s dump, to stderr, and exits with kExitCollectiveTimeout
+// Logs describe(stall), then `recorder`'s dump, to stderr, writes the dump as JSON to the
+// recorder's dump file when it has one (FlightRecorder::dump_to_file), and exits with kExitCollectiveTimeout
 // without running destructors (the main thread is blocked inside the backend).
-[[noreturn]] void report_stall_and_exit(const CollectiveStall& stall, const FlightRecorder& recorder);
+[[noreturn]] void report_stall_and_exit(const CollectiveStall& stall, FlightRecorder& recorder);
+
+// From now on a SIGTERM first writes the flight recorder's dump file (FlightRecorder::dump_to_file,
+// reason "stopped by signal SIGTERM ..."), on a thread of its own (a signal handler may not lock or
+// allocate), then ends the process by the signal as the default action would. Under `loom launch`
+// this is how a rank that is not itself stuck in a collective (computing, or hung elsewhere) leaves
+// its record when the launcher stops it after a peer's watchdog fired. Idempotent.
+void dump_flight_recorder_on_sigterm();
 
 class CollectiveWatchdog {
  public:

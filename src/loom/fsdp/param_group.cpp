@@ -1,5 +1,7 @@
 #include "loom/fsdp/param_group.h"
 
+#include <ATen/record_function.h>
+
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -148,6 +150,9 @@ void FSDPParamGroup::use_sharded_params() {
 
 void FSDPParamGroup::unshard_async() {
   if (unsharded_ || gather_work_) return;
+  // Profiler ranges (profiling/profiler.h) as FSDP2's "FSDP::all_gather": the issue here, the
+  // wait and copy-out in wait_for_unshard.
+  RECORD_USER_SCOPE("loom::fsdp::all_gather");
   torch::NoGradGuard no_grad;
   params_buffer_.allocate_unsharded();
   const torch::Tensor& out = params_buffer_.unsharded();
@@ -171,6 +176,7 @@ void FSDPParamGroup::unshard_async() {
 
 void FSDPParamGroup::wait_for_unshard() {
   if (gather_work_) {
+    RECORD_USER_SCOPE("loom::fsdp::all_gather_wait");
     gather_work_->wait();
     gather_work_.reset();
     if (gather_from_post_forward_) {
@@ -269,6 +275,7 @@ void FSDPParamGroup::on_grad_accumulated(size_t param_index) {
 
 void FSDPParamGroup::reduce_grads_async() {
   TORCH_CHECK(!pending_, "FSDP group '", name_, "': reduce issued twice without completing");
+  RECORD_USER_SCOPE("loom::fsdp::reduce_scatter");
   if (!grads_live_) prepare_unsharded_grads();  // no gradient arrived: reduce zeros
   torch::NoGradGuard no_grad;
   grads_buffer_.copy_in_split_tensors();
@@ -289,6 +296,7 @@ bool FSDPParamGroup::advance_reduce(Progress progress, bool may_issue_all_reduce
   PendingReduce& p = *pending_;
   if (!p.reduce_scatter_done) {
     if (progress == Progress::kPoll && !p.work->isCompleted()) return false;
+    RECORD_USER_SCOPE("loom::fsdp::reduce_scatter_wait");
     p.work->wait();  // rethrows a failure
     p.work.reset();
     p.reduce_scatter_done = true;
@@ -297,6 +305,7 @@ bool FSDPParamGroup::advance_reduce(Progress progress, bool may_issue_all_reduce
   if (mesh_.replicate_size() > 1) {
     if (!p.all_reduce_issued) {
       if (!may_issue_all_reduce) return false;
+      RECORD_USER_SCOPE("loom::fsdp::all_reduce");
       p.work = mesh_.replicate->all_reduce_async(p.output, distributed::ReduceOp::kSum);
       p.all_reduce_issued = true;
     }

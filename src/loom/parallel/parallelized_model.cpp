@@ -1,5 +1,7 @@
 #include "loom/parallel/parallelized_model.h"
 
+#include <ATen/record_function.h>
+
 #include "loom/cp/ring_attention.h"
 
 #include "loom/core/error.h"
@@ -115,11 +117,18 @@ torch::Tensor ParallelizedModel::forward_backward(const std::vector<ModelBatch>&
   torch::Tensor loss_sum;
   for (int64_t i = 0; i < k; ++i) {
     begin_micro_batch(/*last=*/i + 1 == k);
-    torch::Tensor loss = parts_.forward_loss(batches[static_cast<size_t>(i)]);
-    if (hook) loss = hook(i, loss);
+    torch::Tensor loss;
+    {
+      // Profiler ranges (profiling/profiler.h): FSDP's all-gathers nest in the forward, its
+      // reduce-scatters in the backward.
+      RECORD_USER_SCOPE("loom::forward");
+      loss = parts_.forward_loss(batches[static_cast<size_t>(i)]);
+      if (hook) loss = hook(i, loss);
+    }
     const torch::Tensor part = loss.detach().to(torch::kFloat64) / static_cast<double>(k);
     loss_sum = loss_sum.defined() ? loss_sum + part : part;
     // Mean over micro-batches: each contributes 1/k of the step's gradient.
+    RECORD_USER_SCOPE("loom::backward");
     (k > 1 ? loss / static_cast<double>(k) : loss).backward();
   }
   finish_gradient_sync();
@@ -169,6 +178,7 @@ torch::Tensor ParallelizedModel::pipeline_forward_backward(const std::vector<Mod
 }
 
 void ParallelizedModel::finish_gradient_sync() {
+  RECORD_USER_SCOPE("loom::gradient_sync");
   if (parts_.ddp) parts_.ddp->finish_gradient_sync();
   if (parts_.fsdp) parts_.fsdp->finalize_backward();
   if (parts_.tp && !parts_.tp->partial_gradient_parameters().empty()) {

@@ -1,5 +1,7 @@
 #include "loom/pipeline/stage.h"
 
+#include <ATen/record_function.h>
+
 #include <algorithm>
 #include <unordered_set>
 
@@ -64,6 +66,7 @@ torch::Tensor PipelineStage::forward(int mb, const torch::Tensor& input,
                                      const nn::TokenLayout& layout) {
   LOOM_REQUIRE(pending_.count(mb) == 0, "stage ", index_, ": second forward of micro-batch ", mb,
                " before its backward");
+  RECORD_USER_SCOPE("loom::forward");  // profiler range, as without a pipeline
   MicroBatch s;
   s.split = split_backward;
   // The stage input becomes a leaf of this stage's graph: its gradient is what goes back.
@@ -97,6 +100,7 @@ std::pair<torch::Tensor, torch::Tensor> PipelineStage::root(const MicroBatch& s,
 torch::Tensor PipelineStage::backward(int mb, const torch::Tensor& grad_output) {
   MicroBatch& s = state(mb, "B");
   LOOM_REQUIRE(!s.input_done, "stage ", index_, ": B of micro-batch ", mb, " after its I");
+  RECORD_USER_SCOPE("loom::backward");
   auto [r, g] = root(s, grad_output);
   // Accumulates into every leaf: the parameters' .grad and the stage input's.
   torch::autograd::backward({r}, {g}, /*retain_graph=*/false, /*create_graph=*/false);
@@ -110,6 +114,7 @@ torch::Tensor PipelineStage::backward(int mb, const torch::Tensor& grad_output) 
 torch::Tensor PipelineStage::backward_input(int mb, const torch::Tensor& grad_output) {
   MicroBatch& s = state(mb, "I");
   LOOM_REQUIRE(!s.input_done, "stage ", index_, ": second I of micro-batch ", mb);
+  RECORD_USER_SCOPE("loom::backward_input");
   auto [r, g] = root(s, grad_output);
   s.input_done = true;
   torch::Tensor grad_input;
@@ -187,6 +192,7 @@ void PipelineStage::accumulate(const torch::Tensor& param, const torch::Tensor& 
 void PipelineStage::backward_weight(int mb) {
   MicroBatch& s = state(mb, "W");
   LOOM_REQUIRE(s.input_done, "stage ", index_, ": W of micro-batch ", mb, " before its I");
+  RECORD_USER_SCOPE("loom::backward_weight");
   if (method_ == WeightGradMethod::kAutograd && s.grad_root.defined()) {
     const std::vector<torch::Tensor> params = trainable_parameters();
     if (!params.empty()) {

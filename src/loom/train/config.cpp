@@ -307,6 +307,30 @@ const std::vector<ConfigKey> kSchema = {
     {LOOM_CONFIG_KEY(comm, timeout_seconds),
      "Timeout for rendezvous and for each collective, in seconds: 1 to 604800 (one week; larger"
      " values would overflow the millisecond timeouts).", {}},
+    // [profiling]
+    {LOOM_CONFIG_KEY(profiling, enable_profiling),
+     "Record Kineto (PyTorch profiler) traces: in every window of `profile_freq` steps, "
+     "`profiler_warmup` steps of warm-up then `profiler_active` recorded steps, written after the "
+     "window's last step as `<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json` "
+     "(Chrome trace JSON: open in Perfetto or chrome://tracing). See docs/profiling.md.", {}},
+    {LOOM_CONFIG_KEY(profiling, save_traces_folder),
+     "Trace folder, relative to `job.dump_folder`.", {}},
+    {LOOM_CONFIG_KEY(profiling, profile_freq),
+     "Length of a profiling window in steps; the traces (and memory snapshots) are written at "
+     "every multiple of it. At least `profiler_warmup + profiler_active`.", {}},
+    {LOOM_CONFIG_KEY(profiling, profiler_active),
+     "Steps recorded at the end of each window (>= 1).", {}},
+    {LOOM_CONFIG_KEY(profiling, profiler_warmup),
+     "Steps before the recorded ones during which the profiler is set up but discards its "
+     "events, so that its start-up cost stays out of the trace (>= 0).", {}},
+    {LOOM_CONFIG_KEY(profiling, enable_memory_snapshot),
+     "Record memory. On CUDA: the caching allocator's history, dumped at every multiple of "
+     "`profile_freq` (and at the end) as `iteration_<step>/rank<r>_memory_snapshot.pickle`, the "
+     "format of `torch.cuda.memory._dump_snapshot` (open in pytorch.org/memory_viz). On the CPU: "
+     "`rank<r>_rss_timeline.json`, every step's time and current and peak resident set size, "
+     "rewritten at every multiple of `profile_freq` and at the end.", {}},
+    {LOOM_CONFIG_KEY(profiling, save_memory_snapshot_folder),
+     "Memory snapshot folder, relative to `job.dump_folder`.", {}},
 };
 
 // Prose of docs/config.md around a section's table (the keys' own text is in kSchema).
@@ -963,6 +987,18 @@ void validate(const JobConfig& c) {
           c10::str("in [1, ", kMaxCommTimeoutSeconds,
                    "] (at most one week: larger values overflow the millisecond timeouts)"),
           c);
+  const ProfilingSection& prof = c.profiling;
+  require(!prof.save_traces_folder.empty(), key("profiling.save_traces_folder"), "a non-empty path", c);
+  require(!prof.save_memory_snapshot_folder.empty(), key("profiling.save_memory_snapshot_folder"),
+          "a non-empty path", c);
+  require(prof.profiler_active >= 1, key("profiling.profiler_active"), ">= 1", c);
+  require(prof.profiler_warmup >= 0, key("profiling.profiler_warmup"), ">= 0", c);
+  require(prof.profile_freq >= 1, key("profiling.profile_freq"), ">= 1", c);
+  LOOM_REQUIRE_USAGE(prof.profile_freq >= prof.profiler_warmup + prof.profiler_active,
+                     "profiling.profile_freq = ", prof.profile_freq, " is shorter than profiling.profiler_warmup + "
+                     "profiling.profiler_active = ", prof.profiler_warmup, " + ", prof.profiler_active,
+                     " (each window of profile_freq steps holds the warm-up and the recorded steps); set "
+                     "profiling.profile_freq to at least ", prof.profiler_warmup + prof.profiler_active);
 }
 
 int64_t gradient_accumulation_steps(const JobConfig& config, int64_t data_parallel_degree) {

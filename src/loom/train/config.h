@@ -154,6 +154,21 @@ struct CommSection {
   bool operator==(const CommSection&) const = default;
 };
 
+// TorchTitan's [profiling] keys (profiling/profiler.h): Kineto traces of a few steps in every
+// window of profile_freq, and a memory record (CUDA allocator snapshots, or an RSS timeline on the
+// CPU). Both folders are relative to job.dump_folder.
+struct ProfilingSection {
+  bool enable_profiling = false;
+  std::string save_traces_folder = "profile_traces";
+  int64_t profile_freq = 10;
+  int64_t profiler_active = 1;
+  int64_t profiler_warmup = 3;
+  bool enable_memory_snapshot = false;
+  std::string save_memory_snapshot_folder = "memory_snapshot";
+
+  bool operator==(const ProfilingSection&) const = default;
+};
+
 // comm.timeout_seconds is turned into std::chrono milliseconds (and nanoseconds deeper down);
 // one week is far beyond any real rendezvous or collective and far from overflowing them.
 inline constexpr int64_t kMaxCommTimeoutSeconds = 7 * 24 * 3600;
@@ -170,6 +185,7 @@ struct JobConfig {
   CheckpointSection checkpoint;
   ValidationSection validation;
   CommSection comm;
+  ProfilingSection profiling;
 
   // The resolved configuration as TOML, every key in schema order; parsing it gives back an equal
   // config. The trainer prints it and saves it as config.toml in the run folder.

@@ -1,5 +1,7 @@
 #include "loom/train/trainer.h"
 
+#include <ATen/record_function.h>
+
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -9,6 +11,7 @@
 #include <limits>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "loom/core/autocast.h"
 #include "loom/core/device.h"
@@ -83,6 +86,7 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   metrics_options.enable_tensorboard = config_.metrics.enable_tensorboard;
   metrics_ = std::make_unique<MetricsLogger>(metrics_options);
   init_validation();   // 10. held-out data
+  init_profiling();  // 11. traces and memory records, when asked for
 }
 
 Trainer::~Trainer() {
@@ -117,7 +121,31 @@ void Trainer::init_distributed(const distributed::LaunchEnv& env) {
   dist_ = distributed::init_distributed(env, std::chrono::seconds(config_.comm.timeout_seconds), device_);
   const auto& pd = *parallel_dims_;
   mesh_ = std::make_unique<distributed::DeviceMesh>(pd.build_mesh(dist_));
+  // Where this rank's last collectives go when the job stops on a stalled or broken collective
+  // (the watchdog, a failed collective, a peer's failure, the launcher's SIGTERM).
+  if (dist_->world_size() > 1) {
+    distributed::flight_recorder().set_dump_file(fs::path(config_.job.dump_folder) / "flight_recorder" /
+                                                 c10::str("rank", dist_->rank(), ".json"));
+  }
   log::info("parallelism: ", pd.describe(), "; device: ", device_.str());
+}
+
+void Trainer::init_profiling() {
+  const ProfilingSection& p = config_.profiling;
+  const fs::path dump(config_.job.dump_folder);
+  if (p.enable_profiling) {
+    profiling::ProfilerOptions options;
+    options.traces_folder = dump / p.save_traces_folder;
+    options.rank = dist_->rank();
+    options.world_size = dist_->world_size();
+    options.schedule = {p.profile_freq, p.profiler_warmup, p.profiler_active};
+    options.device = device_;
+    profiler_ = std::make_unique<profiling::Profiler>(options);
+  }
+  if (p.enable_memory_snapshot) {
+    memory_profiler_ = std::make_unique<profiling::MemoryProfiler>(profiling::MemoryProfilerOptions{
+        dump / p.save_memory_snapshot_folder, dist_->rank(), p.profile_freq, device_});
+  }
 }
 
 void Trainer::init_data() {
@@ -370,6 +398,9 @@ namespace {
 //   LOOM_FAULT_KILL   that rank SIGKILLs itself after finishing that step
 //   LOOM_FAULT_THROW  that rank throws an error after finishing that step
 //   LOOM_FAULT_NAN    that rank's loss becomes NaN in that step (before backward)
+//   LOOM_FAULT_HANG   that rank stops making progress after finishing that step (sleeps, as a
+//                     rank stuck in a kernel or a deadlock would): its peers' collective watchdogs
+//                     fire after comm.timeout_seconds
 struct FaultSpec {
   int rank = -1;
   int64_t step = -1;
@@ -405,6 +436,10 @@ void Trainer::maybe_inject_fault(bool after_step) {
   }
   if (fault_due("LOOM_FAULT_THROW", rank, step_)) {
     fail("LOOM_FAULT_THROW: injected failure on rank ", rank, " after step ", step_);
+  }
+  if (fault_due("LOOM_FAULT_HANG", rank, step_)) {
+    log::warn("LOOM_FAULT_HANG: rank ", rank, " hangs after step ", step_);
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
   }
 }
 
@@ -456,7 +491,11 @@ StepResult Trainer::train_step() {
   }
   const torch::Tensor loss_sum = parallel_model_->forward_backward(batches, hook);
   // The norm over every mesh dim; gradients scaled on the device.
-  const torch::Tensor grad_norm_t = parallel_model_->clip_grad_norm_(config_.training.max_norm);
+  torch::Tensor grad_norm_t;
+  {
+    RECORD_USER_SCOPE("loom::clip_grad_norm");  // profiler range (profiling/profiler.h)
+    grad_norm_t = parallel_model_->clip_grad_norm_(config_.training.max_norm);
+  }
   const torch::Tensor host = torch::stack({loss_sum, grad_norm_t.detach().to(loss_sum.device(), torch::kFloat64)})
                                  .to(torch::kCPU);
   const double local_loss = host[0].item<double>();
@@ -478,8 +517,11 @@ StepResult Trainer::train_step() {
   // (it overlapped this step's forward and backward); the optimizer step is the first thing that
   // changes them.
   if (checkpointer_) checkpointer_->wait_staged();
-  optimizer_->step();
-  lr_scheduler_->step();
+  {
+    RECORD_USER_SCOPE("loom::optimizer_step");
+    optimizer_->step();
+    lr_scheduler_->step();
+  }
   result.seconds = timer.seconds();
   return result;
 }
@@ -571,14 +613,23 @@ std::vector<StepResult> Trainer::train() {
   double window_seconds = 0.0;
   int64_t window_steps = 0;
   memory::reset_peak(device_);
+  // The peak memory of the steps since the last log line: the memory profiler resets the peak
+  // after every step (its timeline has per-step peaks), so the window's is the max over its steps.
+  int64_t window_peak_bytes = 0;
   distributed::comm_stats().reset();
+  if (profiler_) profiler_->step(step_);  // the first step may already be recorded
   while (step_ < t.steps) {
     // A step's time is the whole iteration: the training step plus the checkpoint call after it,
     // so what a save costs (planning, waiting for the previous one) shows in tps and MFU.
     Timer iteration;
-    StepResult r = train_step();
-    if (checkpointer_) {
-      checkpointer_->maybe_save(step_, [this] { return state_dict(); }, step_ == t.steps);
+    StepResult r;
+    {
+      // torch.profiler's per-step range: trace viewers and HTA cut a trace into steps by it.
+      RECORD_USER_SCOPE(c10::str("ProfilerStep#", step_ + 1));
+      r = train_step();
+      if (checkpointer_) {
+        checkpointer_->maybe_save(step_, [this] { return state_dict(); }, step_ == t.steps);
+      }
     }
     const bool log_step = step_ == 1 || step_ % config_.metrics.log_freq == 0 || step_ == t.steps;
     // The host runs ahead of an accelerator: at a log step, wait for the device so the window's
@@ -586,6 +637,8 @@ std::vector<StepResult> Trainer::train() {
     // keeps the host at most one step ahead).
     if (log_step) synchronize(device_);
     r.seconds = iteration.seconds();
+    window_peak_bytes = std::max(window_peak_bytes, memory::peak_bytes(device_));
+    if (memory_profiler_) memory_profiler_->step(step_, r.seconds);
     results.push_back(r);
     progress.record_step(r.step, r.loss, r.seconds, run_timer.seconds());
     window_seconds += r.seconds;
@@ -598,7 +651,7 @@ std::vector<StepResult> Trainer::train() {
       m.lr = r.lr;
       m.tps = tokens_per_second(tokens_per_step * window_steps, window_seconds) / ranks_per_batch;
       m.mfu = std::isnan(peak_flops) ? peak_flops : mfu_percent(m.tps, flops_per_token_, peak_flops);
-      const int64_t peak_bytes = memory::peak_bytes(device_);
+      const int64_t peak_bytes = window_peak_bytes;
       m.mem_peak_gib = static_cast<double>(peak_bytes) / (1024.0 * 1024.0 * 1024.0);
       if (!device_.is_cpu()) {
         m.extra["mem_reserved_gib"] =
@@ -613,6 +666,7 @@ std::vector<StepResult> Trainer::train() {
       metrics_->log(m, progress.prefix());
       window_seconds = 0.0;
       window_steps = 0;
+      window_peak_bytes = 0;
       memory::reset_peak(device_);
       distributed::comm_stats().reset();
     } else {
@@ -621,8 +675,11 @@ std::vector<StepResult> Trainer::train() {
     }
     // After the step's metrics, so its time is not in the step's tokens/s.
     if (validator_) validator_->maybe_validate(step_, t.steps, *metrics_);
+    if (profiler_) profiler_->step(step_);  // writes the trace of a window that ended here
     maybe_inject_fault(/*after_step=*/true);
   }
+  if (profiler_) profiler_->finish(step_);
+  if (memory_profiler_) memory_profiler_->finish(step_);
   if (checkpointer_) checkpointer_->wait();
   finish_run(progress.summary());
   return results;

@@ -21,6 +21,8 @@
 //      folder; after the last step, rank 0 draws loss.svg and prints the run summary
 //  10. validation (when validation.enable): the held-out data, evaluated through the parallelized
 //      model every validation.freq steps and at the last step
+//  11. profiling, when [profiling] asks for it: Kineto traces on TorchTitan's schedule, and memory
+//      snapshots (CUDA) or an RSS timeline (CPU); see profiling/profiler.h
 #pragma once
 #include <memory>
 #include <optional>
@@ -36,6 +38,7 @@
 #include "loom/models/spec.h"
 #include "loom/optim/adamw.h"
 #include "loom/parallel/parallelized_model.h"
+#include "loom/profiling/profiler.h"
 #include "loom/optim/lr_scheduler.h"
 #include "loom/train/config.h"
 #include "loom/train/metrics.h"
@@ -95,6 +98,7 @@ class Trainer {
   void init_checkpointing();
   // validation.* resolved (batch size, seq_len), over this rank's data-parallel slice.
   void init_validation();
+  void init_profiling();
   // Everything a checkpoint holds, as views into the live state (used for save and for load).
   checkpoint::ShardedStateDict state_dict();
   void load_initial_weights(const std::string& path);
@@ -138,6 +142,8 @@ class Trainer {
   std::unique_ptr<MetricsLogger> metrics_;
   std::unique_ptr<checkpoint::Checkpointer> checkpointer_;
   std::unique_ptr<Validator> validator_;  // null: validation.enable = false
+  std::unique_ptr<profiling::Profiler> profiler_;              // profiling.enable_profiling
+  std::unique_ptr<profiling::MemoryProfiler> memory_profiler_;  // profiling.enable_memory_snapshot
   optim::TensorDict lr_scheduler_state_;  // staging for the schedule's state in checkpoints
   int64_t grad_accum_steps_ = 1;
   double flops_per_token_ = 0.0;

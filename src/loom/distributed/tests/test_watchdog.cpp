@@ -7,8 +7,13 @@
 #include <mutex>
 #include <thread>
 
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
 #include "loom/core/error.h"
 #include "loom/distributed/watchdog.h"
+#include "loom/testing/run.h"
 
 namespace {
 
@@ -136,6 +141,40 @@ TEST(FlightRecorder, FirstFinishWins) {
   recorder.finish(seq, false);
   EXPECT_EQ(recorder.records()[0].state, FlightRecord::State::kCompleted);
   EXPECT_EQ(recorder.records()[0].duration, duration);
+}
+
+TEST(FlightRecorder, DumpFileIsJsonOfTheRingWrittenOnceWithTheFirstReason) {
+  loom::testing::TempDir dir("flight");
+  FlightRecorder recorder(2);
+  EXPECT_FALSE(recorder.dump_to_file("no file set yet")) << "written with no dump file";
+  recorder.finish(recorder.start(all_reduce_record(1, Clock::now())), true);
+  recorder.finish(recorder.start(all_reduce_record(2, Clock::now())), true);
+  recorder.start(all_reduce_record(3, Clock::now() - 1500ms));  // rotates gseq 1 out
+  const auto path = dir.path() / "flight_recorder" / "rank0.json";
+  recorder.set_dump_file(path);
+  EXPECT_EQ(recorder.dump_file(), path);
+  EXPECT_TRUE(recorder.dump_to_file("collective watchdog: the first reason"));
+  EXPECT_FALSE(recorder.dump_to_file("a later echo")) << "the first reason must stand";
+  std::ifstream in(path);
+  const nlohmann::json doc = nlohmann::json::parse(in);
+  EXPECT_EQ(doc.at("reason"), "collective watchdog: the first reason");
+  EXPECT_EQ(doc.at("capacity"), 2);
+  const auto& records = doc.at("records");
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_EQ(records[0].at("group_seq"), 2);
+  EXPECT_EQ(records[0].at("state"), "completed");
+  EXPECT_GE(records[0].at("duration_ms").get<double>(), 0.0);
+  const nlohmann::json& pending = records[1];
+  EXPECT_EQ(pending.at("state"), "pending");
+  EXPECT_GE(pending.at("pending_ms").get<double>(), 1500.0);
+  EXPECT_EQ(pending.at("op"), "all_reduce");
+  EXPECT_EQ(pending.at("group"), "world[0,1]");
+  EXPECT_EQ(pending.at("group_seq"), 3);
+  EXPECT_EQ(pending.at("dtype"), "Float");
+  EXPECT_EQ(pending.at("input_shape"), nlohmann::json::array({4}));
+  EXPECT_EQ(pending.at("payload_bytes"), 16);
+  EXPECT_EQ(pending.at("description"), "all_reduce world[0,1] gseq=3 in=[4] out=[4] Float 16B");
+  EXPECT_LT(records[0].at("seq").get<int64_t>(), pending.at("seq").get<int64_t>());
 }
 
 TEST(WatchdogDeathTest, DefaultHandlerLogsTheStallAndTheDumpThenExits124) {

@@ -1,5 +1,7 @@
 #include "loom/models/llama3/model.h"
 
+#include <ATen/record_function.h>
+
 #include <cmath>
 
 #include "loom/core/error.h"
@@ -98,6 +100,8 @@ torch::Tensor Transformer::embed(const torch::Tensor& tokens) {
 torch::Tensor Transformer::run_layers(torch::Tensor hidden, const nn::TokenLayout& layout) {
   const torch::Tensor& cache = rope_cache_->tensor;
   for (const auto& [name, layer] : layers_->named_children()) {
+    // A profiler range per block (profiling/profiler.h); the name is built only while recording.
+    RECORD_USER_SCOPE(c10::str("loom::block_forward layers.", name));
     hidden = static_cast<TransformerBlock&>(*layer).forward(hidden, cache, layout);
   }
   return hidden;
