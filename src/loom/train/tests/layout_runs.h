@@ -12,11 +12,28 @@
 
 #include <map>
 
+#include "loom/checkpoint/loader.h"
+#include "loom/checkpoint/metadata.h"
 #include "loom/checkpoint/safetensors.h"
+#include "loom/checkpoint/state_dict.h"
 #include "loom/core/build_paths.h"
 #include "loom/testing/run.h"
 
 namespace loom::testing {
+
+// Every checkpoint tensor whole (parameters, optimizer state, step counts), read in one process.
+inline std::map<std::string, torch::Tensor> read_whole_checkpoint(const std::filesystem::path& dir) {
+  const auto meta = loom::checkpoint::CheckpointMetadata::read(dir);
+  loom::checkpoint::ShardedStateDict state;
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [name, t] : meta.tensors) {
+    torch::Tensor whole = torch::empty(t.shape, torch::TensorOptions().dtype(t.dtype));
+    state.add_full(name, t.component, whole);
+    out[name] = whole;
+  }
+  loom::checkpoint::load_checkpoint(dir, state, 0);
+  return out;
+}
 
 inline std::string source_path(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
 

@@ -18,25 +18,13 @@ namespace fs = std::filesystem;
 using loom::testing::bin_dir;
 using loom::testing::layout_train_args;
 using loom::testing::loom_command;
+using loom::testing::read_whole_checkpoint;
 using loom::testing::run;
 using loom::testing::RunResult;
 using loom::testing::TempDir;
 
 const std::string k8bit = " --optimizer.name=AdamW8bit --optimizer.block_size=256";
 
-// Every checkpoint tensor whole, read in one process.
-std::map<std::string, torch::Tensor> read_whole_checkpoint(const fs::path& dir) {
-  const auto meta = loom::checkpoint::CheckpointMetadata::read(dir);
-  loom::checkpoint::ShardedStateDict state;
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& [name, t] : meta.tensors) {
-    torch::Tensor whole = torch::empty(t.shape, torch::TensorOptions().dtype(t.dtype));
-    state.add_full(name, t.component, whole);
-    out[name] = whole;
-  }
-  loom::checkpoint::load_checkpoint(dir, state, 0);
-  return out;
-}
 
 }  // namespace
 

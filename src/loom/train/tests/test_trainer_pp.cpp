@@ -27,6 +27,7 @@ using loom::testing::gathered_parameters;
 using loom::testing::Layout;
 using loom::testing::layout_train_args;
 using loom::testing::loom_command;
+using loom::testing::read_whole_checkpoint;
 using loom::testing::run;
 using loom::testing::RunResult;
 using loom::testing::TempDir;
@@ -72,19 +73,6 @@ std::string pp(int degree, const std::string& schedule, int microbatch_rows) {
          " --parallelism.pipeline_parallel_microbatch_size=" + std::to_string(microbatch_rows);
 }
 
-// Every checkpoint tensor whole (parameters, AdamW moments, step counts), read in one process.
-std::map<std::string, torch::Tensor> read_whole_checkpoint(const fs::path& dir) {
-  const auto meta = loom::checkpoint::CheckpointMetadata::read(dir);
-  loom::checkpoint::ShardedStateDict state;
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& [name, t] : meta.tensors) {
-    torch::Tensor whole = torch::empty(t.shape, torch::TensorOptions().dtype(t.dtype));
-    state.add_full(name, t.component, whole);
-    out[name] = whole;
-  }
-  loom::checkpoint::load_checkpoint(dir, state, 0);
-  return out;
-}
 
 }  // namespace
 
