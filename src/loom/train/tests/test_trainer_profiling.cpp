@@ -28,7 +28,8 @@ std::string fsdp_job(const TempDir& dir, int steps, const std::string& extra) {
          " --job.dump_folder=" + dir.str() +
          " --parallelism.data_parallel_shard_degree=2 --training.seq_len=64"
          " --training.local_batch_size=2 --training.steps=" + std::to_string(steps) +
-         " --lr_scheduler.warmup_steps=2 --metrics.log_freq=1 --metrics.peak_flops=1e11" + extra;
+         " --lr_scheduler.warmup_steps=2 --metrics.log_freq=1 --metrics.peak_flops=1e11"
+         " --validation.enable=false" + extra;
 }
 
 nlohmann::json read_json(const fs::path& path) {
