@@ -9,6 +9,8 @@
 #include <atomic>
 
 #include <fstream>
+#include <mutex>
+#include <vector>
 #include <string>
 
 namespace loom::memory {
@@ -66,33 +68,86 @@ void reset_peak(const c10::Device& device) {
 }
 
 
+namespace {
+thread_local bool untracked = false;
+}  // namespace
+
+UntrackedAllocationScope::UntrackedAllocationScope() : previous_(untracked) { untracked = true; }
+UntrackedAllocationScope::~UntrackedAllocationScope() { untracked = previous_; }
+
 // The reporter c10's allocators call on every allocation and free (with a negative size) while it
-// is the thread's PROFILER_STATE debug info.
+// is the thread's PROFILER_STATE debug info. A mutex rather than lone atomics: the peak and what
+// made it up are recorded together.
 struct AllocationTracker::State : c10::MemoryReportingInfoBase {
   explicit State(c10::Device d) : device(d) {}
   void reportMemoryUsage(void*, int64_t alloc_size, size_t, size_t, c10::Device d) override {
-    if (d.type() != device.type()) return;
-    const int64_t now = current.fetch_add(alloc_size) + alloc_size;
-    int64_t seen = peak.load();
-    while (now > seen && !peak.compare_exchange_weak(seen, now)) {
-    }
+    if (untracked || d.type() != device.type()) return;
+    add(alloc_size, 0);
   }
   bool memoryProfilingEnabled() const override { return true; }
 
+  void add(int64_t tensor_delta, int64_t comm_delta) {
+    std::lock_guard<std::mutex> lock(mutex);
+    tensors += tensor_delta;
+    comm += comm_delta;
+    if (tensors + comm > peak.total) peak = {tensors + comm, comm};
+  }
+
   c10::Device device;
-  std::atomic<int64_t> current{0};
-  std::atomic<int64_t> peak{0};
+  mutable std::mutex mutex;
+  int64_t tensors = 0;
+  int64_t comm = 0;
+  Peak peak;
   std::unique_ptr<c10::DebugInfoGuard> guard;
 };
 
+namespace {
+// Every live tracker, for note_comm_buffer_bytes (buffers may be allocated on any thread).
+std::mutex registry_mutex;
+std::vector<AllocationTracker::State*>& registry() {
+  static std::vector<AllocationTracker::State*> states;
+  return states;
+}
+}  // namespace
+
 AllocationTracker::AllocationTracker(c10::Device device) : state_(std::make_shared<State>(device)) {
   state_->guard = std::make_unique<c10::DebugInfoGuard>(c10::DebugInfoKind::PROFILER_STATE, state_);
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry().push_back(state_.get());
 }
 
-AllocationTracker::~AllocationTracker() { state_->guard.reset(); }
+AllocationTracker::~AllocationTracker() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto& states = registry();
+    states.erase(std::remove(states.begin(), states.end(), state_.get()), states.end());
+  }
+  state_->guard.reset();
+}
 
-int64_t AllocationTracker::current_bytes() const { return state_->current.load(); }
-int64_t AllocationTracker::peak_bytes() const { return state_->peak.load(); }
-void AllocationTracker::reset_peak() { state_->peak.store(state_->current.load()); }
+int64_t AllocationTracker::current_bytes() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->tensors + state_->comm;
+}
+int64_t AllocationTracker::peak_bytes() const { return peak().total; }
+int64_t AllocationTracker::comm_buffer_bytes() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->comm;
+}
+AllocationTracker::Peak AllocationTracker::peak() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->peak;
+}
+void AllocationTracker::reset_peak() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->peak = {state_->tensors + state_->comm, state_->comm};
+}
+
+void note_comm_buffer_bytes(const c10::Device& device, int64_t delta) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (AllocationTracker::State* state : registry()) {
+    if (state->device.type() == device.type()) state->add(0, delta);
+  }
+}
 
 }  // namespace loom::memory

@@ -28,6 +28,11 @@ void reset_peak(const c10::Device& device);
 // is blurred by the process's other memory and by malloc's caching. Uses c10's memory-profiling
 // hook (the one torch.profiler(profile_memory=True) uses), so only one tracker (or profiler) per
 // thread at a time; allocations made before it started are not counted, nor are their frees.
+//
+// Communication buffers (FSDP's unsharded parameter and gradient buffers) are counted apart: they
+// report through note_comm_buffer_bytes() and their allocator traffic is hidden from the hook
+// (UntrackedAllocationScope), so a peak splits into "buffers in flight" and everything else.
+// peak_bytes() is the peak of the sum.
 class AllocationTracker {
  public:
   explicit AllocationTracker(c10::Device device = c10::Device(c10::kCPU));
@@ -35,8 +40,18 @@ class AllocationTracker {
   AllocationTracker(const AllocationTracker&) = delete;
   AllocationTracker& operator=(const AllocationTracker&) = delete;
 
+  // Tensors plus communication buffers, now and at the peak.
   int64_t current_bytes() const;
   int64_t peak_bytes() const;
+  // Communication buffers alive now.
+  int64_t comm_buffer_bytes() const;
+  // What was alive at the moment of the peak: the communication buffers, and the rest.
+  struct Peak {
+    int64_t total = 0;
+    int64_t comm_buffers = 0;
+    int64_t tensors() const { return total - comm_buffers; }
+  };
+  Peak peak() const;
   // Restarts the peak from the current figure.
   void reset_peak();
 
@@ -44,6 +59,24 @@ class AllocationTracker {
 
  private:
   std::shared_ptr<State> state_;
+};
+
+// A communication buffer of `delta` bytes was allocated (> 0) or released (< 0): every live
+// tracker of its device type counts it as a buffer in flight.
+void note_comm_buffer_bytes(const c10::Device& device, int64_t delta);
+
+// While alive, this thread's allocations and frees are not reported to its tracker (a buffer that
+// reports itself through note_comm_buffer_bytes allocates in this scope, so it is not counted
+// twice).
+class UntrackedAllocationScope {
+ public:
+  UntrackedAllocationScope();
+  ~UntrackedAllocationScope();
+  UntrackedAllocationScope(const UntrackedAllocationScope&) = delete;
+  UntrackedAllocationScope& operator=(const UntrackedAllocationScope&) = delete;
+
+ private:
+  bool previous_;
 };
 
 }  // namespace loom::memory

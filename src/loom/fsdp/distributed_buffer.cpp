@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "loom/core/error.h"
+#include "loom/core/memory.h"
 
 namespace loom::fsdp {
 
@@ -114,9 +115,35 @@ ReleasableBuffer::ReleasableBuffer(int64_t numel, const torch::TensorOptions& op
                          /*allocator=*/nullptr, /*resizable=*/false);
     flat_ = torch::empty({0}, opts).set_(storage, 0, {numel}, {1});
   } else {
+    memory::UntrackedAllocationScope untracked;
     flat_ = torch::empty({numel}, opts);
   }
   capacity_bytes_ = static_cast<int64_t>(flat_.nbytes());
+  if (capacity_bytes_ > 0) memory::note_comm_buffer_bytes(flat_.device(), capacity_bytes_);
+}
+
+ReleasableBuffer::ReleasableBuffer(ReleasableBuffer&& other) noexcept
+    : flat_(std::move(other.flat_)), capacity_bytes_(other.capacity_bytes_), cache_(std::move(other.cache_)) {
+  other.flat_ = torch::Tensor();
+  other.capacity_bytes_ = 0;
+}
+
+ReleasableBuffer& ReleasableBuffer::operator=(ReleasableBuffer&& other) noexcept {
+  if (this != &other) {
+    if (allocated() && capacity_bytes_ > 0) memory::note_comm_buffer_bytes(flat_.device(), -capacity_bytes_);
+    flat_ = std::move(other.flat_);
+    capacity_bytes_ = other.capacity_bytes_;
+    cache_ = std::move(other.cache_);
+    other.flat_ = torch::Tensor();
+    other.capacity_bytes_ = 0;
+  }
+  return *this;
+}
+
+ReleasableBuffer::~ReleasableBuffer() {
+  // Views (autograd's saved tensors) may outlive the buffer and keep its memory: that memory is
+  // no longer a buffer in flight, so only the account closes here.
+  if (allocated() && capacity_bytes_ > 0) memory::note_comm_buffer_bytes(flat_.device(), -capacity_bytes_);
 }
 
 bool ReleasableBuffer::allocated() const {
@@ -135,9 +162,11 @@ void ReleasableBuffer::allocate() {
     storage->set_data_ptr_noswap(BlockCache::take(cache_));
   } else {
     TORCH_INTERNAL_ASSERT(storage->allocator() != nullptr, "storage without an allocator");
+    memory::UntrackedAllocationScope untracked;  // counted below as a buffer in flight
     storage->set_data_ptr_noswap(storage->allocator()->allocate(capacity_bytes_));
   }
   storage->set_nbytes(static_cast<size_t>(capacity_bytes_));
+  memory::note_comm_buffer_bytes(storage->device(), capacity_bytes_);
 }
 
 void ReleasableBuffer::release() {
@@ -145,8 +174,12 @@ void ReleasableBuffer::release() {
   c10::StorageImpl* storage = flat_.storage().unsafeGetStorageImpl();
   // Dropping the old DataPtr frees the memory (its deleter returns it to the block cache or the
   // allocator).
-  storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+  {
+    memory::UntrackedAllocationScope untracked;
+    storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+  }
   storage->set_nbytes(0);
+  memory::note_comm_buffer_bytes(storage->device(), -capacity_bytes_);
 }
 
 torch::Tensor ReleasableBuffer::alias(int64_t offset, c10::IntArrayRef sizes) const {

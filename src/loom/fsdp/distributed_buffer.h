@@ -45,6 +45,11 @@ class ReleasableBuffer {
   ReleasableBuffer() = default;
   // Allocated, uninitialized.
   ReleasableBuffer(int64_t numel, const torch::TensorOptions& options);
+  // Its memory is a communication buffer in memory::AllocationTracker's accounts (reported by
+  // allocate / release), so moves hand the account over and destruction closes it.
+  ReleasableBuffer(ReleasableBuffer&& other) noexcept;
+  ReleasableBuffer& operator=(ReleasableBuffer&& other) noexcept;
+  ~ReleasableBuffer();
 
   const torch::Tensor& flat() const { return flat_; }
   int64_t numel() const { return flat_.defined() ? flat_.numel() : 0; }

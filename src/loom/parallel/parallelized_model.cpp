@@ -234,6 +234,23 @@ std::vector<std::pair<std::string, torch::Tensor>> ParallelizedModel::local_grad
   return out;
 }
 
+std::vector<torch::Tensor> ParallelizedModel::resident_parameters() {
+  std::vector<torch::Tensor> out;
+  if (parts_.fsdp) {
+    // The unsharded parameters are views of FSDP's releasable buffers: buffers in flight.
+    for (fsdp::FSDPParamGroup* group : parts_.fsdp->param_groups()) out.push_back(group->sharded_params());
+    return out;
+  }
+  for (const auto& p : named_parameters()) out.push_back(p.slot->tensor);
+  return out;
+}
+
+std::vector<torch::Tensor> ParallelizedModel::resident_gradients() {
+  std::vector<torch::Tensor> out;
+  for (const auto& [name, g] : local_gradients()) out.push_back(g);
+  return out;
+}
+
 torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
   if (parts_.pipeline) {
     // Each parameter lives on one pp rank: the squares of every rank's gradients, summed over pp.

@@ -102,6 +102,12 @@ class ParallelizedModel {
   torch::Tensor clip_grad_norm_(double max_norm);
   // This rank's gradient pieces by parameter name, in module order (the same names on every rank).
   std::vector<std::pair<std::string, torch::Tensor>> local_gradients();
+  // What this rank keeps between steps, for memory accounting (train/memory_accounting.h): its
+  // parameters (FSDP: the shards) and their gradients, and whether the gradients stay allocated
+  // between steps (FSDP's shards, DDP's buckets) or are set to None by zero_grad.
+  std::vector<torch::Tensor> resident_parameters();
+  std::vector<torch::Tensor> resident_gradients();
+  bool gradients_persist() const { return parts_.fsdp != nullptr || parts_.ddp != nullptr; }
 
   // ---- Optimizer and state ----
   // AdamW over this rank's pieces (FSDP: on the flat shards), matrices decayed by weight_decay.

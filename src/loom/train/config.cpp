@@ -249,6 +249,13 @@ const std::vector<ConfigKey> kSchema = {
      "`<dump_folder>/tb/<YYYYmmdd-HHMMSS>/`, one folder per fresh run (a resumed run continues the "
      "newest): the scalars of `metrics.jsonl`, same keys and steps, as float32. View with "
      "`tensorboard --logdir <dump_folder>/tb`.", {}},
+    {LOOM_CONFIG_KEY(metrics, memory_breakdown),
+     "Split each step's peak memory per rank into parameters, gradients, optimizer state, "
+     "activations, buffers in flight (FSDP's unsharded buffers) and other, by watching c10's "
+     "allocator: printed once after the first step and written with every logged step "
+     "(`mem_params_gib`, `mem_grads_gib`, `mem_optimizer_gib`, `mem_activations_gib`, "
+     "`mem_buffers_gib`, `mem_other_gib`, `mem_step_peak_gib`); see docs/memory.md. Off while "
+     "`profiling.enable_profiling` records (both use c10's one memory-reporting slot).", {}},
     {LOOM_CONFIG_KEY(metrics, peak_flops),
      "Peak FLOP/s per rank that MFU is measured against. `0` = on the CPU, measure this "
      "machine's fp32 GEMM peak at startup (best rate of 1024x1024 matmuls for ~0.3 s at the "

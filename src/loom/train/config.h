@@ -117,6 +117,7 @@ struct MetricsSection {
   int64_t log_freq = 10;
   bool enable_jsonl = true;
   bool enable_tensorboard = false;
+  bool memory_breakdown = true;  // train/memory_accounting.h
   double peak_flops = 0.0;  // FLOP/s per rank for MFU; 0 = measure this machine's fp32 GEMM peak
 
   bool operator==(const MetricsSection&) const = default;

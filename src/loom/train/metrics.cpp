@@ -177,12 +177,14 @@ std::string MetricsLogger::json_line(const StepMetrics& m) {
   j["tps"] = m.tps;
   j["mfu"] = m.mfu;
   j["mem_peak_gib"] = m.mem_peak_gib;
-  for (const auto& [key, value] : m.extra) {
-    for (const char* standard : kStandardKeys) {
-      LOOM_REQUIRE(key != standard, "extra metric '", key,
-                   "' collides with a standard metrics key; rename it");
+  for (const auto* keys : {&m.extra, &m.file_only}) {
+    for (const auto& [key, value] : *keys) {
+      for (const char* standard : kStandardKeys) {
+        LOOM_REQUIRE(key != standard, "extra metric '", key,
+                     "' collides with a standard metrics key; rename it");
+      }
+      j[key] = value;
     }
-    j[key] = value;
   }
   return j.dump();  // NaN and inf are written as null
 }
@@ -223,6 +225,7 @@ std::vector<std::pair<std::string, float>> MetricsLogger::tensorboard_scalars(co
   add("mfu", m.mfu);
   add("mem_peak_gib", m.mem_peak_gib);
   for (const auto& [key, value] : m.extra) add(key, value);
+  for (const auto& [key, value] : m.file_only) add(key, value);
   return scalars;
 }
 

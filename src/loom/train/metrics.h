@@ -46,6 +46,9 @@ struct StepMetrics {
   double mfu = 0.0;           // percent
   double mem_peak_gib = 0.0;  // peak resident memory of this rank since the last log, GiB
   std::map<std::string, double> extra;  // more JSONL keys, e.g. comm_bytes; printed after the rest
+  // More JSONL and TensorBoard keys left off the console line (the memory breakdown, which the
+  // console shows once after the first step).
+  std::map<std::string, double> file_only;
 };
 
 // The communication keys of a logged step, per step of the `steps` the snapshot covers (ring-model

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <map>
 #include <sstream>
 #include <thread>
@@ -52,6 +53,11 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   const distributed::LaunchEnv env = distributed::detect_launch_env();
   check_layout(env);
   init_distributed(env);
+  // From here on every allocation of this thread is watched, so the step's peak can be split into
+  // the parts it is made of (train/memory_accounting.h). Torch's profiler needs the same slot.
+  if (config_.metrics.memory_breakdown && !config_.profiling.enable_profiling) {
+    memory_accounts_ = std::make_unique<StepMemoryAccounts>(device_);
+  }
   // TF32 tensor cores for float32 matmuls and convolutions on CUDA (PyTorch's allow_tf32 flags);
   // the CPU ignores it.
   if (config_.training.allow_tf32) {
@@ -146,6 +152,17 @@ void Trainer::init_profiling() {
     memory_profiler_ = std::make_unique<profiling::MemoryProfiler>(profiling::MemoryProfilerOptions{
         dump / p.save_memory_snapshot_folder, dist_->rank(), p.profile_freq, device_});
   }
+}
+
+PersistentMemory Trainer::persistent_memory() {
+  PersistentMemory m;
+  m.parameters = storage_bytes(parallel_model_->resident_parameters());
+  m.gradients = storage_bytes(parallel_model_->resident_gradients());
+  std::vector<torch::Tensor> state;
+  for (const auto& [name, t] : optimizer_->state_dict()) state.push_back(t);
+  m.optimizer_state = storage_bytes(state);
+  m.gradients_persist = parallel_model_->gradients_persist();
+  return m;
 }
 
 void Trainer::init_data() {
@@ -478,6 +495,7 @@ StepResult Trainer::train_step() {
   Timer timer;
   ++step_;
   parallel_model_->zero_grad();
+  if (memory_accounts_) memory_accounts_->begin_step();  // after the gradients set to None are gone
   // The step's batches (more than one with gradient accumulation), packed on the host and copied
   // to the device; the parallelized model runs their forward and backward (a pipeline schedule,
   // or one micro-batch after another) and synchronises the gradients.
@@ -616,6 +634,8 @@ std::vector<StepResult> Trainer::train() {
   // The peak memory of the steps since the last log line: the memory profiler resets the peak
   // after every step (its timeline has per-step peaks), so the window's is the max over its steps.
   int64_t window_peak_bytes = 0;
+  // The breakdown of the window's highest step peak.
+  std::optional<MemoryBreakdown> window_memory;
   distributed::comm_stats().reset();
   if (profiler_) profiler_->step(step_);  // the first step may already be recorded
   while (step_ < t.steps) {
@@ -627,6 +647,12 @@ std::vector<StepResult> Trainer::train() {
       // torch.profiler's per-step range: trace viewers and HTA cut a trace into steps by it.
       RECORD_USER_SCOPE(c10::str("ProfilerStep#", step_ + 1));
       r = train_step();
+      // Before the checkpoint call, whose staging copies are not the step's memory.
+      if (memory_accounts_ && !r.skipped) {
+        const MemoryBreakdown b = memory_accounts_->end_step(persistent_memory());
+        if (!window_memory || b.peak > window_memory->peak) window_memory = b;
+        if (results.empty()) log::info("memory at step ", r.step, "'s peak: ", b.describe());
+      }
       if (checkpointer_) {
         checkpointer_->maybe_save(step_, [this] { return state_dict(); }, step_ == t.steps);
       }
@@ -661,12 +687,16 @@ std::vector<StepResult> Trainer::train() {
                                     static_cast<double>(info.total_memory_bytes);
         }
       }
+      if (window_memory) {
+        m.file_only = window_memory->as_metrics();
+      }
       add_comm_metrics(m, distributed::comm_stats().snapshot(), window_steps);
       progress.record_log(m);
       metrics_->log(m, progress.prefix());
       window_seconds = 0.0;
       window_steps = 0;
       window_peak_bytes = 0;
+      window_memory.reset();
       memory::reset_peak(device_);
       distributed::comm_stats().reset();
     } else {

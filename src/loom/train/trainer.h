@@ -38,6 +38,7 @@
 #include "loom/models/spec.h"
 #include "loom/optim/adamw.h"
 #include "loom/parallel/parallelized_model.h"
+#include "loom/train/memory_accounting.h"
 #include "loom/profiling/profiler.h"
 #include "loom/optim/lr_scheduler.h"
 #include "loom/train/config.h"
@@ -99,6 +100,8 @@ class Trainer {
   // validation.* resolved (batch size, seq_len), over this rank's data-parallel slice.
   void init_validation();
   void init_profiling();
+  // What the rank keeps between steps: parameters, gradients and optimizer state (their bytes).
+  PersistentMemory persistent_memory();
   // Everything a checkpoint holds, as views into the live state (used for save and for load).
   checkpoint::ShardedStateDict state_dict();
   void load_initial_weights(const std::string& path);
@@ -125,6 +128,9 @@ class Trainer {
   std::shared_ptr<distributed::Distributed> dist_;
   std::unique_ptr<RunFolderLock> run_folder_lock_;  // rank 0 only
   c10::Device device_{c10::kCPU};  // this rank's device (training.device), chosen once
+  // metrics.memory_breakdown: created before the model and optimizer it accounts for, destroyed
+  // after them.
+  std::unique_ptr<StepMemoryAccounts> memory_accounts_;
   std::unique_ptr<distributed::ParallelDims> parallel_dims_;
   std::unique_ptr<distributed::DeviceMesh> mesh_;
   std::unique_ptr<data::Tokenizer> tokenizer_;
