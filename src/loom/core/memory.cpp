@@ -69,11 +69,18 @@ void reset_peak(const c10::Device& device) {
 
 
 namespace {
-thread_local bool untracked = false;
+// Memory profiling switched off: c10's CPU allocator then does not record the allocation at all,
+// so its free is reported to nobody, whichever thread frees it (a tensor freed on a thread that
+// does not inherit the tracker would otherwise leave its bytes counted for good).
+struct NotReporting : c10::MemoryReportingInfoBase {
+  void reportMemoryUsage(void*, int64_t, size_t, size_t, c10::Device) override {}
+  bool memoryProfilingEnabled() const override { return false; }
+};
 }  // namespace
 
-UntrackedAllocationScope::UntrackedAllocationScope() : previous_(untracked) { untracked = true; }
-UntrackedAllocationScope::~UntrackedAllocationScope() { untracked = previous_; }
+UntrackedAllocationScope::UntrackedAllocationScope()
+    : guard_(c10::DebugInfoKind::PROFILER_STATE, std::make_shared<NotReporting>()) {}
+UntrackedAllocationScope::~UntrackedAllocationScope() = default;
 
 // The reporter c10's allocators call on every allocation and free (with a negative size) while it
 // is the thread's PROFILER_STATE debug info. A mutex rather than lone atomics: the peak and what
@@ -81,22 +88,24 @@ UntrackedAllocationScope::~UntrackedAllocationScope() { untracked = previous_; }
 struct AllocationTracker::State : c10::MemoryReportingInfoBase {
   explicit State(c10::Device d) : device(d) {}
   void reportMemoryUsage(void*, int64_t alloc_size, size_t, size_t, c10::Device d) override {
-    if (untracked || d.type() != device.type()) return;
+    if (d.type() != device.type()) return;
     add(alloc_size, 0);
   }
   bool memoryProfilingEnabled() const override { return true; }
 
-  void add(int64_t tensor_delta, int64_t comm_delta) {
+  void add(int64_t tensor_delta, int64_t comm_delta, int64_t gradient_delta = 0) {
     std::lock_guard<std::mutex> lock(mutex);
     tensors += tensor_delta;
     comm += comm_delta;
-    if (tensors + comm > peak.total) peak = {tensors + comm, comm};
+    gradients += gradient_delta;
+    if (tensors + comm > peak.total) peak = {tensors + comm, comm, gradients};
   }
 
   c10::Device device;
   mutable std::mutex mutex;
   int64_t tensors = 0;
   int64_t comm = 0;
+  int64_t gradients = 0;
   Peak peak;
   std::unique_ptr<c10::DebugInfoGuard> guard;
 };
@@ -138,9 +147,20 @@ AllocationTracker::Peak AllocationTracker::peak() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   return state_->peak;
 }
+void AllocationTracker::reset_gradient_bytes() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->gradients = 0;
+}
 void AllocationTracker::reset_peak() {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  state_->peak = {state_->tensors + state_->comm, state_->comm};
+  state_->peak = {state_->tensors + state_->comm, state_->comm, state_->gradients};
+}
+
+void note_gradient_bytes(const c10::Device& device, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (AllocationTracker::State* state : registry()) {
+    if (state->device.type() == device.type()) state->add(0, 0, bytes);
+  }
 }
 
 void note_comm_buffer_bytes(const c10::Device& device, int64_t delta) {

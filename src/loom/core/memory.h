@@ -3,6 +3,7 @@
 // a rank's accelerator from its caching allocator.
 #pragma once
 #include <c10/core/Device.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 
 #include <cstdint>
 #include <memory>
@@ -45,10 +46,15 @@ class AllocationTracker {
   int64_t peak_bytes() const;
   // Communication buffers alive now.
   int64_t comm_buffer_bytes() const;
-  // What was alive at the moment of the peak: the communication buffers, and the rest.
+  // Gradients among the tensors, as note_gradient_bytes reports them (the allocator hook cannot
+  // tell them from other tensors); the count restarts from zero here.
+  void reset_gradient_bytes();
+  // What was alive at the moment of the peak: the communication buffers, and the tensors, of which
+  // `gradients` were noted as gradients.
   struct Peak {
     int64_t total = 0;
     int64_t comm_buffers = 0;
+    int64_t gradients = 0;
     int64_t tensors() const { return total - comm_buffers; }
   };
   Peak peak() const;
@@ -65,9 +71,17 @@ class AllocationTracker {
 // tracker of its device type counts it as a buffer in flight.
 void note_comm_buffer_bytes(const c10::Device& device, int64_t delta);
 
+// A gradient of `bytes` was created (its tensor already counted by the allocator hook): every
+// live tracker of its device type counts it among its gradients until reset_gradient_bytes.
+// Called where a step's first gradient of a parameter appears, for layouts whose gradients are set
+// to None between steps.
+void note_gradient_bytes(const c10::Device& device, int64_t bytes);
+
 // While alive, this thread's allocations and frees are not reported to its tracker (a buffer that
 // reports itself through note_comm_buffer_bytes allocates in this scope, so it is not counted
-// twice).
+// twice). On the CPU an allocation made here is never reported, nor is its free, on any thread;
+// an accelerator's caching allocator reports every free, so such memory must be freed in this
+// scope too.
 class UntrackedAllocationScope {
  public:
   UntrackedAllocationScope();
@@ -76,7 +90,7 @@ class UntrackedAllocationScope {
   UntrackedAllocationScope& operator=(const UntrackedAllocationScope&) = delete;
 
  private:
-  bool previous_;
+  c10::DebugInfoGuard guard_;
 };
 
 }  // namespace loom::memory

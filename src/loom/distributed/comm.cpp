@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
+#include "loom/core/memory.h"
 #include "loom/core/logging.h"
 
 namespace loom::distributed {
@@ -686,7 +687,15 @@ WorkHandle Comm::reduce_scatter_tensor_async(const at::Tensor& output, const at:
   // Gloo has no native reduce-scatter: its _reduce_scatter_base all-reduces a clone of the input
   // and returns a work whose isCompleted() stays false even after wait() (torch 2.13), which breaks
   // polling. Do the same all-reduce here under our own work so completion is observable.
-  at::Tensor scratch = flat_in.clone();
+  // The scratch is a communication buffer in memory accounting (core/memory.h): counted from here
+  // to the completion, and invisible to the allocator hook, since Gloo's threads free it.
+  at::Tensor scratch;
+  {
+    memory::UntrackedAllocationScope untracked;
+    scratch = flat_in.clone();
+  }
+  const int64_t scratch_bytes = static_cast<int64_t>(scratch.nbytes());
+  memory::note_comm_buffer_bytes(scratch.device(), scratch_bytes);
   const int64_t chunk = flat_out.numel();
   const int64_t offset = chunk * rank_;
   return launch(std::move(issue), backend, [&](c10d::Backend& b) {
@@ -694,7 +703,10 @@ WorkHandle Comm::reduce_scatter_tensor_async(const at::Tensor& output, const at:
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
     return b.allreduce(tensors, opts);
-  }, [flat_out, scratch, offset, chunk] { flat_out.copy_(scratch.narrow(0, offset, chunk)); });
+  }, [flat_out, scratch, offset, chunk, scratch_bytes] {
+    flat_out.copy_(scratch.narrow(0, offset, chunk));
+    memory::note_comm_buffer_bytes(scratch.device(), -scratch_bytes);
+  });
 }
 
 WorkHandle Comm::broadcast_async(const at::Tensor& tensor, int root) {

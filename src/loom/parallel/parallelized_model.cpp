@@ -5,9 +5,26 @@
 #include "loom/cp/ring_attention.h"
 
 #include "loom/core/error.h"
+#include "loom/core/memory.h"
 #include "loom/optim/clip_grad.h"
 
 namespace loom::parallel {
+namespace {
+// Runs `fn` after a parameter's AccumulateGrad node has stored this backward's gradient.
+class AfterGradientAccumulated : public torch::autograd::FunctionPostHook {
+ public:
+  explicit AfterGradientAccumulated(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+}  // namespace
+
 namespace {
 
 bool ends_with(const std::string& s, const std::string& suffix) {
@@ -55,6 +72,26 @@ ParallelizedModel::ParallelizedModel(ParallelParts parts) : parts_(std::move(par
       parts_.fsdp->set_requires_gradient_sync(step_ends);
       if (keep_gathered) parts_.fsdp->set_reshard_after_backward(step_ends);
     });
+  }
+  if (!gradients_persist()) {
+    // Memory accounting (core/memory.h): gradients set to None between steps are created again by
+    // each step's backward; the first one of each parameter in a step is counted as a gradient
+    // rather than an activation. A hook after the parameter's AccumulateGrad node, which runs once
+    // per backward that reaches it (a tensor hook would also run for autograd::grad captures,
+    // which activation checkpointing makes).
+    for (const auto& p : named_parameters()) {
+      if (!p.slot->requires_grad || !p.slot->tensor.requires_grad()) continue;
+      const size_t i = gradient_accumulators_.size();
+      nn::ParameterSlot* slot = p.slot;
+      auto accumulator = torch::autograd::impl::grad_accumulator(slot->tensor);
+      accumulator->add_post_hook(std::make_unique<AfterGradientAccumulated>([this, i, slot] {
+        if (gradient_counted_[i] || !slot->tensor.grad().defined()) return;
+        gradient_counted_[i] = 1;
+        memory::note_gradient_bytes(slot->tensor.device(), static_cast<int64_t>(slot->tensor.grad().nbytes()));
+      }));
+      gradient_accumulators_.push_back(std::move(accumulator));
+    }
+    gradient_counted_.assign(gradient_accumulators_.size(), 0);
   }
 }
 
@@ -217,6 +254,7 @@ void ParallelizedModel::zero_grad() {
     parts_.fsdp->zero_grad();
   } else {
     for (const auto& m : parts_.modules) m->zero_grad(/*set_to_none=*/true);
+    std::fill(gradient_counted_.begin(), gradient_counted_.end(), 0);
   }
 }
 

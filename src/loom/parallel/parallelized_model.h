@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "loom/checkpoint/state_dict.h"
+#include "loom/core/torch_compat.h"
 #include "loom/ddp/ddp.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/fsdp/sharded_optimizer.h"
@@ -140,6 +141,10 @@ class ParallelizedModel {
   // Pipeline with FSDP: the batch now in the schedule is the step's last (its last backward per
   // stage reduce-scatters).
   bool pipeline_batch_is_last_ = true;
+  // Memory accounting where gradients are set to None between steps: the parameters'
+  // AccumulateGrad nodes (kept alive for their hooks) and whether each has been counted this step.
+  std::vector<compat::GradAccumulatorPtr> gradient_accumulators_;
+  std::vector<char> gradient_counted_;
 };
 
 }  // namespace loom::parallel

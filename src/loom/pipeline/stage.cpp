@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "loom/core/error.h"
+#include "loom/core/memory.h"
 #include "loom/nn/layers.h"
 
 namespace loom::pipeline {
@@ -184,6 +185,7 @@ void PipelineStage::accumulate(const torch::Tensor& param, const torch::Tensor& 
   torch::Tensor value = grad.to(param.scalar_type());
   if (!slot.defined()) {
     slot = (owned && value.is_contiguous()) ? value.detach() : value.detach().clone();
+    memory::note_gradient_bytes(slot.device(), static_cast<int64_t>(slot.nbytes()));  // accounting
   } else {
     slot.add_(value);
   }

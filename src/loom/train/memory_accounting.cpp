@@ -33,6 +33,7 @@ std::map<std::string, double> MemoryBreakdown::as_metrics() const {
 StepMemoryAccounts::StepMemoryAccounts(c10::Device device) : tracker_(device) {}
 
 void StepMemoryAccounts::begin_step() {
+  tracker_.reset_gradient_bytes();  // zero_grad has set them to None (where they do not persist)
   tracker_.reset_peak();
   tensors_at_start_ = tracker_.current_bytes() - tracker_.comm_buffer_bytes();
 }
@@ -46,12 +47,14 @@ MemoryBreakdown StepMemoryAccounts::end_step(const PersistentMemory& persistent)
   b.buffers_in_flight = peak.comm_buffers;
   // Allocated in the step and alive at its peak (tensors only: the buffers are counted above).
   int64_t in_step = peak.tensors() - tensors_at_start_;
-  // What was alive at the start: the persistent parts (gradients only where they persist).
+  // What was alive at the start: the persistent parts (gradients only where they persist; else
+  // those the step had created by its peak are gradients, not activations).
   int64_t at_start = b.parameters + b.optimizer_state;
   if (persistent.gradients_persist) {
     at_start += b.gradients;
   } else {
-    in_step -= b.gradients;
+    b.gradients = peak.gradients;
+    in_step -= peak.gradients;
   }
   // The tracker starts after the process did (and a lazily created optimizer state appears in the
   // first step), so the remainders can dip below zero: they are clamped, and the peak is the sum

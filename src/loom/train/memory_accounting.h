@@ -5,14 +5,16 @@
 //
 // How each part is measured (exact byte counts, not estimates):
 //   parameters, gradients, optimizer state  the bytes of the tensors the rank keeps between steps
-//                          (FSDP: its shards), each storage counted once;
+//                          (FSDP: its shards), each storage counted once; gradients set to None
+//                          between steps count as far as the backward had created them by the peak;
 //   buffers in flight      FSDP's unsharded parameter and gradient buffers alive at the peak
 //                          (they report themselves to memory::AllocationTracker);
 //   activations            everything else the step had allocated at its peak on top of what was
 //                          alive when it began: the tensors saved for backward and the kernels'
-//                          temporaries. Where gradients are allocated inside the step (no FSDP or
-//                          DDP: they are set to None between steps), their full size is taken out
-//                          of it, which the peak may come before: there the figure is a lower bound;
+//                          temporaries. Where gradients are set to None between steps (no FSDP or
+//                          DDP), those the backward had created by the peak are taken out of it
+//                          (noted by ParallelizedModel's gradient hooks and the pipeline stages)
+//                          and reported as the gradients;
 //   other                  what was alive at the step's start besides the three persistent parts
 //                          (the batch, DDP's buckets, caches).
 // The parts sum to `peak`: the peak of what c10's allocator and the buffers held, which is what

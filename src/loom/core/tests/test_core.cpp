@@ -87,6 +87,41 @@ TEST(Memory, PeakBytesPerDevice) {
   }
 }
 
+// The tracker's peak records what it was made of: tensors counted through c10's allocator hook,
+// communication buffers through note_comm_buffer_bytes, and an UntrackedAllocationScope hides a
+// buffer's own allocator traffic so nothing is counted twice.
+TEST(Memory, TrackerSplitsItsPeakIntoBuffersAndTensors) {
+  loom::memory::AllocationTracker tracker;
+  const c10::Device cpu(c10::kCPU);
+  const int64_t mib = 1 << 20;
+  auto a = torch::empty({mib}, torch::kUInt8);  // 1 MiB of tensors
+  EXPECT_EQ(tracker.current_bytes(), mib);
+  loom::memory::note_comm_buffer_bytes(cpu, 2 * mib);  // a 2 MiB buffer in flight
+  EXPECT_EQ(tracker.comm_buffer_bytes(), 2 * mib);
+  at::Tensor escaped;
+  {
+    loom::memory::UntrackedAllocationScope untracked;
+    auto hidden = torch::empty({4 * mib}, torch::kUInt8);  // the buffer's own allocation
+    escaped = torch::empty({mib}, torch::kUInt8);
+  }
+  EXPECT_EQ(tracker.current_bytes(), 3 * mib);
+  escaped.reset();  // freed outside the scope: still not reported (the allocator never recorded it)
+  EXPECT_EQ(tracker.current_bytes(), 3 * mib);
+  loom::memory::note_comm_buffer_bytes(cpu, -2 * mib);  // released
+  auto b = torch::empty({mib / 2}, torch::kUInt8);
+  const auto peak = tracker.peak();
+  EXPECT_EQ(peak.total, 3 * mib);
+  EXPECT_EQ(peak.comm_buffers, 2 * mib);
+  EXPECT_EQ(peak.tensors(), mib);
+  EXPECT_EQ(tracker.current_bytes(), mib + mib / 2);
+  tracker.reset_peak();
+  EXPECT_EQ(tracker.peak().total, mib + mib / 2);
+  EXPECT_EQ(tracker.peak().comm_buffers, 0);
+  // Buffers of another device type are not this tracker's.
+  loom::memory::note_comm_buffer_bytes(c10::Device(c10::kCUDA, 0), mib);
+  EXPECT_EQ(tracker.comm_buffer_bytes(), 0);
+}
+
 // MFU's denominator on accelerators: dense bf16 peaks from the data sheets, by the name the driver
 // reports; the specific names before the general ones they contain.
 TEST(Device, PeakFlopsTableByName) {

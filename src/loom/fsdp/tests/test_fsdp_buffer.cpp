@@ -175,6 +175,31 @@ TEST(ReleasableBuffer, ReleasedMemoryServesTheNextBufferOfItsSizeAndLeavesWithTh
   EXPECT_LT(memory::current_rss_bytes() - before, 16 * kMiB);
 }
 
+// FSDP's unsharded buffers are what memory accounting calls buffers in flight: each reports its
+// bytes while allocated, a move hands the account over, destruction closes it, and its memory
+// never shows up as tensors.
+TEST(ReleasableBuffer, ReportsItsBytesAsABufferInFlight) {
+  memory::AllocationTracker tracker;
+  const int64_t n = 1 << 18, bytes = n * 4;
+  {
+    ReleasableBuffer buffer(n, torch::kFloat32);
+    EXPECT_EQ(tracker.comm_buffer_bytes(), bytes);
+    buffer.release();
+    EXPECT_EQ(tracker.comm_buffer_bytes(), 0);
+    buffer.allocate();
+    EXPECT_EQ(tracker.comm_buffer_bytes(), bytes);
+    ReleasableBuffer moved(std::move(buffer));
+    EXPECT_EQ(tracker.comm_buffer_bytes(), bytes);
+    ReleasableBuffer other(n / 2, torch::kFloat32);
+    EXPECT_EQ(tracker.comm_buffer_bytes(), bytes + bytes / 2);
+    other = std::move(moved);  // `other`'s own buffer is dropped
+    EXPECT_EQ(tracker.comm_buffer_bytes(), bytes);
+    EXPECT_EQ(tracker.current_bytes(), tracker.comm_buffer_bytes());  // no tensor bytes
+  }
+  EXPECT_EQ(tracker.comm_buffer_bytes(), 0);
+  EXPECT_EQ(tracker.peak().comm_buffers, bytes + bytes / 2);
+}
+
 TEST(ReleasableBuffer, SavedTensorsSurviveReleaseAndRegather) {
   // Autograd saves the weight leaf for backward; releasing its storage frees the memory anyway
   // (the next buffer of its size gets it), and after re-gathering the same values backward gives
