@@ -68,19 +68,6 @@ void reset_peak(const c10::Device& device) {
 }
 
 
-namespace {
-// Memory profiling switched off: c10's CPU allocator then does not record the allocation at all,
-// so its free is reported to nobody, whichever thread frees it (a tensor freed on a thread that
-// does not inherit the tracker would otherwise leave its bytes counted for good).
-struct NotReporting : c10::MemoryReportingInfoBase {
-  void reportMemoryUsage(void*, int64_t, size_t, size_t, c10::Device) override {}
-  bool memoryProfilingEnabled() const override { return false; }
-};
-}  // namespace
-
-UntrackedAllocationScope::UntrackedAllocationScope()
-    : guard_(c10::DebugInfoKind::PROFILER_STATE, std::make_shared<NotReporting>()) {}
-UntrackedAllocationScope::~UntrackedAllocationScope() = default;
 
 // The reporter c10's allocators call on every allocation and free (with a negative size) while it
 // is the thread's PROFILER_STATE debug info. A mutex rather than lone atomics: the peak and what
@@ -109,6 +96,25 @@ struct AllocationTracker::State : c10::MemoryReportingInfoBase {
   Peak peak;
   std::unique_ptr<c10::DebugInfoGuard> guard;
 };
+
+namespace {
+// Memory profiling switched off: c10's CPU allocator then does not record the allocation at all,
+// so its free is reported to nobody, whichever thread frees it (a tensor freed on a thread that
+// does not inherit the tracker would otherwise leave its bytes counted for good).
+struct NotReporting : c10::MemoryReportingInfoBase {
+  void reportMemoryUsage(void*, int64_t, size_t, size_t, c10::Device) override {}
+  bool memoryProfilingEnabled() const override { return false; }
+};
+}  // namespace
+
+UntrackedAllocationScope::UntrackedAllocationScope() {
+  // Only over a tracker: the slot otherwise belongs to torch's profiler (or nobody), whose
+  // callbacks read whatever sits there as their own state.
+  if (dynamic_cast<AllocationTracker::State*>(c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE))) {
+    guard_.emplace(c10::DebugInfoKind::PROFILER_STATE, std::make_shared<NotReporting>());
+  }
+}
+UntrackedAllocationScope::~UntrackedAllocationScope() = default;
 
 namespace {
 // Every live tracker, for note_comm_buffer_bytes (buffers may be allocated on any thread).

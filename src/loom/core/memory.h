@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 namespace loom::memory {
 int64_t current_rss_bytes();
@@ -77,11 +78,11 @@ void note_comm_buffer_bytes(const c10::Device& device, int64_t delta);
 // to None between steps.
 void note_gradient_bytes(const c10::Device& device, int64_t bytes);
 
-// While alive, this thread's allocations and frees are not reported to its tracker (a buffer that
-// reports itself through note_comm_buffer_bytes allocates in this scope, so it is not counted
-// twice). On the CPU an allocation made here is never reported, nor is its free, on any thread;
+// While alive, this thread's allocations and frees are not reported to its tracker: a buffer
+// that reports itself through note_comm_buffer_bytes allocates in this scope, so it is not counted
+// twice. On the CPU an allocation made here is never reported, nor is its free, on any thread;
 // an accelerator's caching allocator reports every free, so such memory must be freed in this
-// scope too.
+// scope too. A no-op where no tracker is installed (e.g. while torch's profiler records).
 class UntrackedAllocationScope {
  public:
   UntrackedAllocationScope();
@@ -90,7 +91,7 @@ class UntrackedAllocationScope {
   UntrackedAllocationScope& operator=(const UntrackedAllocationScope&) = delete;
 
  private:
-  c10::DebugInfoGuard guard_;
+  std::optional<c10::DebugInfoGuard> guard_;  // set only over a tracker
 };
 
 }  // namespace loom::memory
