@@ -6,7 +6,8 @@
 //     so a single 8-row batch would quantize differently, by design of the recipe;
 //   - activation checkpointing recomputes the Float8 linears bitwise (full AC, one process and
 //     FSDP 2);
-//   - the layouts Float8 does not support and a misspelt recipe are one-line errors with exit 2.
+//   - the layouts Float8 does not support, a layer whose dims the float8 GEMMs cannot take and a
+//     misspelt recipe are one-line errors with exit 2.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -82,8 +83,12 @@ TEST(TrainerFloat8, UnsupportedLayoutsAndRecipesAreOneLineUsageErrors) {
        "float8.enable = true does not support tensor parallelism yet (tensor_parallel_degree = 2)"},
       {"pp2", 2, " --parallelism.pipeline_parallel_degree=2 --parallelism.data_parallel_shard_degree=1" + kFloat8,
        "float8.enable = true does not support pipeline parallelism yet"},
+      // A vocabulary padded to 2050 rows and no filter: the head (256 -> 2050) cannot be float8.
+      {"dims", 1, " --parallelism.data_parallel_shard_degree=1 --model.vocab_size=2050 --float8.filter_fqns=" + kFloat8,
+       "float8: linear 'output' is 256 -> 2050 features, but float8 GEMMs need both to be multiples of 16; "
+       "add it to float8.filter_fqns"},
       {"recipe", 1, " --parallelism.data_parallel_shard_degree=1 --float8.recipe=rowwize" + kFloat8,
-       "did you mean 'rowwise'"},
+       "did you mean \"rowwise\"?"},
   };
   for (const Case& c : cases) {
     TempDir dir(c.name);
