@@ -83,6 +83,11 @@ struct ParallelizeOptions {
   // checkpoints is its plan (llama3: its TransformerBlocks, see ac::ACOptions).
   std::string activation_checkpoint_mode = "none";
   std::string selective_ac_option = "2";
+  // float8.enable, .recipe and .filter_fqns as written: which linears a model converts is its plan
+  // (llama3: all but the filtered ones, before any parallelism; see float8::convert_to_float8).
+  bool float8 = false;
+  std::string float8_recipe = "rowwise";
+  std::string float8_filter_fqns = "output";
   PipelineOptions pipeline;        // read when the mesh has "pp"
   // Autocast around each forward (mixed precision without FSDP); nullopt = full precision.
   std::optional<c10::ScalarType> autocast_dtype;

@@ -239,6 +239,23 @@ const std::vector<ConfigKey> kSchema = {
      "N-1, 2N-1, ...; `1` = every block, as `full`), or `op`: every block keeps the outputs of "
      "its matmuls and attention and recomputes only norms, RoPE, SiLU x mul and residual adds.",
      {"op"}, /*integer_allowed=*/true},
+    // [float8]
+    {LOOM_CONFIG_KEY(float8, enable),
+     "Train the linear layers in Float8 (see docs/float8.md): every linear whose name matches none "
+     "of `filter_fqns` runs its forward and backward GEMMs on float8 operands with dynamic "
+     "scaling, its weights staying in high precision. On the CPU the float8 GEMMs are emulated "
+     "exactly (quantize, dequantize, float32 matmul); on CUDA they are `_scaled_mm`. Needs the "
+     "converted layers' dims to be multiples of 16; not with tensor parallelism or pipeline "
+     "parallelism.", {}},
+    {LOOM_CONFIG_KEY(float8, recipe),
+     "torchao's recipes. `rowwise`: inputs, weights and output gradients in float8_e4m3fn, one "
+     "scale per row along each GEMM's contracted dim, scales rounded down to powers of 2. "
+     "`tensorwise`: one scale per tensor, inputs and weights in e4m3fn, output gradients in e5m2.",
+     {"rowwise", "tensorwise"}},
+    {LOOM_CONFIG_KEY(float8, filter_fqns),
+     "Comma-separated substrings: a linear whose fully qualified name (`layers.0.attention.wq`, "
+     "`output`) contains one stays in high precision. The default keeps the output head, as "
+     "TorchTitan does.", {}},
     // [metrics]
     {LOOM_CONFIG_KEY(metrics, log_freq),
      "Log every this many steps.", {}},

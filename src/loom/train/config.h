@@ -113,6 +113,16 @@ struct ActivationCheckpointSection {
   bool operator==(const ActivationCheckpointSection&) const = default;
 };
 
+// Float8 linears (loom/float8/, docs/float8.md): every nn::Linear not matched by filter_fqns runs
+// its GEMMs on float8 operands with dynamic scaling.
+struct Float8Section {
+  bool enable = false;
+  std::string recipe = "rowwise";     // "rowwise" | "tensorwise" (torchao's recipe names)
+  std::string filter_fqns = "output";  // comma-separated FQN substrings kept in high precision
+
+  bool operator==(const Float8Section&) const = default;
+};
+
 struct MetricsSection {
   int64_t log_freq = 10;
   bool enable_jsonl = true;
@@ -182,6 +192,7 @@ struct JobConfig {
   TrainingSection training;
   ParallelismSection parallelism;
   ActivationCheckpointSection activation_checkpoint;
+  Float8Section float8;
   MetricsSection metrics;
   CheckpointSection checkpoint;
   ValidationSection validation;

@@ -264,6 +264,9 @@ void Trainer::parallelize() {
   options.device = device_;
   options.activation_checkpoint_mode = config_.activation_checkpoint.mode;
   options.selective_ac_option = config_.activation_checkpoint.selective_ac_option;
+  options.float8 = config_.float8.enable;
+  options.float8_recipe = config_.float8.recipe;
+  options.float8_filter_fqns = config_.float8.filter_fqns;
   options.pipeline = pipeline_options();
   if (!parallel_dims_->fsdp_enabled()) {
     // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in

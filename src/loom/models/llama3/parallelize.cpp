@@ -176,6 +176,14 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transfo
     AutocastScope scope(device, autocast);
     return raw->forward_loss(batch.tokens, batch.labels, batch.layout);
   };
+  // 0. Float8: the linears' GEMMs become float8 ones (an around-hook on each converted linear; the
+  //    parameters stay high precision), before any parallelism as TorchTitan's model converters.
+  //    So FSDP below gathers high-precision weights the hooks quantize, and AC recomputes them.
+  if (options.float8) {
+    LOOM_REQUIRE(!dims.tp_enabled(), "float8 with tensor parallelism is refused by the model's spec");
+    const auto report = float8::convert_to_float8(*model, *options.float8);
+    log::info("float8: ", report.describe(options.float8->recipe));
+  }
   // 1. Tensor parallelism: parameters become this rank's shards (still on the meta device).
   if (dims.tp_enabled()) parts.tp = apply_tp(*model, mesh.comm("tp"), options.tp);
   // 2. Context parallelism: attention over the sequence chunks of the cp group.

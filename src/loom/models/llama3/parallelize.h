@@ -20,6 +20,7 @@
 
 #include "loom/ac/activation_checkpoint.h"
 #include "loom/distributed/device_mesh.h"
+#include "loom/float8/convert.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/distributed/parallel_dims.h"
 #include "loom/models/llama3/model.h"
@@ -65,6 +66,8 @@ void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t 
 // ---- The whole plan (TorchTitan's parallelize_llama) --------------------------------------------
 
 struct ParallelizeOptions {
+  // Float8 linears (convert_to_float8), applied before everything else; nullopt = off.
+  std::optional<float8::Float8Options> float8;
   TPOptions tp;                           // when the mesh has "tp"
   cp::RotateMethod cp_rotate_method = cp::RotateMethod::kAllGather;  // when the mesh has "cp"
   ac::ACOptions ac;                       // activation checkpointing of the blocks (apply_ac)
@@ -87,7 +90,8 @@ void apply_cp(Transformer& model, tensor::CommPtr comm, cp::RotateMethod method)
 // hooks on the block sit outside it and run once per forward. Returns the number of blocks wrapped.
 int64_t apply_ac(Transformer& model, const ac::ACOptions& options);
 
-// Applies, in TorchTitan's order, tensor parallelism (tp > 1), context parallelism (cp > 1),
+// Applies, in TorchTitan's order, the Float8 conversion of the linears (float8 set; the model
+// converters run first), tensor parallelism (tp > 1), context parallelism (cp > 1),
 // activation checkpointing (activation_checkpoint.mode), then
 // FSDP over dp_shard (dp_shard x cp with context parallelism; HSDP with
 // dp_replicate) or, without sharding, DDP over dp_replicate; materializes the model on the device

@@ -39,6 +39,17 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
   }
   plan.fsdp.device = options.device;  // FSDP's buffers on the rank's device (caching allocator on GPUs)
   plan.ac = ac::ACOptions::parse(options.activation_checkpoint_mode, options.selective_ac_option);
+  if (options.float8) {
+    // Row-wise scales of a rowwise-parallel weight (sharded along in_features) would be taken on
+    // a slice of each row, and async TP replaces the linears' around-hooks: refused, not emulated.
+    LOOM_REQUIRE_USAGE(!dims.tp_enabled(), "float8.enable = true does not support tensor parallelism yet "
+                       "(tensor_parallel_degree = ", dims.tp(), "); set parallelism.tensor_parallel_degree = 1 "
+                       "(FSDP and DDP work with float8) or float8.enable = false");
+    LOOM_REQUIRE_USAGE(!dims.pp_enabled(), "float8.enable = true does not support pipeline parallelism yet "
+                       "(pipeline_parallel_degree = ", dims.pp(), "); set parallelism.pipeline_parallel_degree = 1 "
+                       "or float8.enable = false");
+    plan.float8 = float8::Float8Options::parse(options.float8_recipe, options.float8_filter_fqns);
+  }
   plan.seed = options.seed;
   plan.device = options.device;
   plan.autocast_dtype = options.autocast_dtype;

@@ -1,0 +1,48 @@
+// Converting a model's linear layers to Float8 (torchao's convert_to_float8_training, TorchTitan's
+// Float8 model converter), from outside the model: every nn::Linear whose FQN matches none of
+// `filter_fqns` gets an around-hook (nn::Module::set_forward_override) computing
+// float8_linear(x, W) from the weight its slot holds at each call. The model code knows nothing
+// of Float8, and the parameters stay what they were (high precision), so:
+//   - FSDP gathers the high-precision weight and the hook quantizes it in forward (and again in
+//     backward, from the weight FSDP re-gathered), checkpoints hold high-precision weights;
+//   - activation checkpointing re-runs the hook in its recompute (per-op AC leaves linears with an
+//     around-hook to the recompute: their outputs are not cached);
+//   - tensor parallelism is refused (Float8 with tensor_parallel_degree > 1 is a one-line error in
+//     the Trainer): a rowwise-parallel weight's row-wise scales would be taken on a slice of each
+//     row, and async TP replaces linears' around-hooks with its collective matmuls.
+// Applied first, before any parallelism (TorchTitan's model converters run before parallelize).
+#pragma once
+#include <string>
+#include <vector>
+
+#include "loom/float8/float8.h"
+#include "loom/nn/module.h"
+
+namespace loom::float8 {
+
+// The [float8] config section, parsed.
+struct Float8Options {
+  Recipe recipe = Recipe::kRowwise;
+  // A linear whose FQN contains any of these substrings stays in high precision.
+  std::vector<std::string> filter_fqns = {"output"};
+
+  // recipe: "rowwise" | "tensorwise" (else a loom::UsageError with the nearest); filter_fqns:
+  // comma-separated substrings, blanks around each ignored, empty entries dropped.
+  static Float8Options parse(const std::string& recipe, const std::string& filter_fqns);
+};
+
+// What convert_to_float8 did, by FQN, in module order.
+struct ConversionReport {
+  std::vector<std::string> converted;
+  std::vector<std::string> kept;  // matched filter_fqns: high precision
+  // "12 linears to float8 (rowwise), 1 kept in high precision: output"
+  std::string describe(Recipe recipe) const;
+};
+
+// Installs the Float8 around-hook on every nn::Linear of `model` not filtered out. A converted
+// linear whose in or out features are not multiples of 16 (what the float8 GEMMs need) is a
+// loom::UsageError naming it, its dims and the fixes; one that already has an around-hook is an
+// internal error (convert before any parallelism).
+ConversionReport convert_to_float8(nn::Module& model, const Float8Options& options);
+
+}  // namespace loom::float8

@@ -1,0 +1,131 @@
+// Float8 linears through `loom train` (docs/float8.md) on the debug model, CPU emulation:
+//   - the Float8 run's losses track the float32 run's (the quantization error is small);
+//   - FSDP 2 with Float8 gives one process's losses with Float8, the one process accumulating the
+//     same two 4-row micro-batches the two ranks train on: the weight gradient's row-wise scales
+//     are taken over the tokens of one micro-batch (one rank's), so a single 8-row batch would
+//     quantize differently, by design of the recipe;
+//   - activation checkpointing recomputes the Float8 linears bitwise (full AC, one process and
+//     FSDP 2);
+//   - the layouts Float8 does not support, a layer whose dims the float8 GEMMs cannot take and a
+//     misspelt recipe are one-line errors with exit 2.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+
+#include "loom/train/tests/layout_runs.h"
+
+namespace {
+using loom::testing::layout_train_args;
+using loom::testing::loom_command;
+using loom::testing::run;
+using loom::testing::RunResult;
+using loom::testing::TempDir;
+using loom::testing::worst_relative;
+
+std::vector<double> losses(const TempDir& dir) { return loom::testing::logged_losses(dir.path()); }
+
+constexpr int kSteps = 30;
+const std::string kFloat8 = " --float8.enable=true";
+
+std::vector<double> train(const std::string& name, int nproc, int local_batch, const std::string& flags) {
+  TempDir dir(name);
+  RunResult r = run(loom_command(nproc, layout_train_args(dir, kSteps, local_batch, flags)), 600);
+  EXPECT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+  // The one log line of the conversion: the debug model's 6 blocks x 7 projections; the head kept.
+  if (r.exit_code == 0 && flags.find("float8") != std::string::npos) {
+    EXPECT_NE(r.output.find("float8: 42 linears to float8 (rowwise), 1 kept in high precision: output"),
+              std::string::npos)
+        << name << "\n" << r.output;
+  }
+  return losses(dir);
+}
+
+TEST(TrainerFloat8, TracksFloat32) {
+  const std::string single = " --parallelism.data_parallel_shard_degree=1";
+  const auto fp32 = train("fp32", 1, 8, single);
+  const auto one = train("float8", 1, 8, single + kFloat8);
+  ASSERT_EQ(fp32.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(one.size(), static_cast<size_t>(kSteps));
+  EXPECT_LT(one.back(), one.front() * 0.85) << "Float8 training learns";
+  const double worst = worst_relative(fp32, one);
+  const double last = std::abs(one.back() - fp32.back()) / fp32.back();
+  std::printf("float8 vs float32 over %d steps: worst per-step %.3g, last step %.3g (%.4f vs %.4f)\n", kSteps,
+              worst, last, one.back(), fp32.back());
+  EXPECT_LE(worst, 0.01);
+  EXPECT_LE(last, 0.005);
+}
+
+// FSDP 2 (4 rows per rank) against one process accumulating the same two 4-row micro-batches.
+// Without gradient clipping the two are bitwise equal: same rows per micro-batch, so the same
+// scales; the halved loss of accumulation scales dy by exactly 1/2, which power-of-2 scales absorb
+// exactly; (g0 + g1) / 2 == g0 / 2 + g1 / 2 in floating point. With clipping (max_norm = 1, active
+// from step 8 here) FSDP's gradient norm sums its shards' squares in another order than one
+// process does, so from then on the float32 runs differ by ~1e-7 relative, and float8 rounding,
+// a step function of the weights, amplifies such differences ~100-1000x (measured up to ~6e-5
+// over 30 steps): there the check is that float8 equals one process exactly as long as float32
+// does, and stays within 3e-4 after.
+TEST(TrainerFloat8, Fsdp2EqualsOneProcess) {
+  const std::string single = " --parallelism.data_parallel_shard_degree=1 --training.global_batch_size=8";
+  const std::string fsdp2 = " --parallelism.data_parallel_shard_degree=2";
+  const std::string no_clip = " --training.max_norm=1e6";
+  const auto one = train("one_noclip", 1, 4, single + kFloat8 + no_clip);
+  const auto two = train("fsdp2_noclip", 2, 4, fsdp2 + kFloat8 + no_clip);
+  ASSERT_EQ(one.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(two.size(), static_cast<size_t>(kSteps));
+  const double worst = worst_relative(one, two);
+  std::printf("float8, no clipping: FSDP 2 vs one process, worst per-step relative difference %.3g\n", worst);
+  EXPECT_LE(worst, 1e-6);
+
+  const auto fp32_one = train("fp32_one", 1, 4, single);
+  const auto fp32_two = train("fp32_fsdp2", 2, 4, fsdp2);
+  const auto f8_one = train("float8_one", 1, 4, single + kFloat8);
+  const auto f8_two = train("float8_fsdp2", 2, 4, fsdp2 + kFloat8);
+  ASSERT_EQ(fp32_two.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(f8_two.size(), static_cast<size_t>(kSteps));
+  size_t same = 0;  // leading steps on which the float32 layouts agree bitwise
+  while (same < fp32_one.size() && fp32_one[same] == fp32_two[same]) ++same;
+  EXPECT_GE(same, 5u) << "the float32 layouts should agree bitwise before clipping starts";
+  for (size_t i = 0; i < same; ++i) EXPECT_EQ(f8_one[i], f8_two[i]) << "step " << i + 1;
+  const double clipped = worst_relative(f8_one, f8_two);
+  std::printf("with clipping: float32 layouts bitwise for %zu steps, then within %.3g; float8 layouts "
+              "within %.3g\n", same, worst_relative(fp32_one, fp32_two), clipped);
+  EXPECT_LE(clipped, 3e-4);
+}
+
+TEST(TrainerFloat8, ActivationCheckpointingRecomputesFloat8LinearsBitwise) {
+  const std::string single = " --parallelism.data_parallel_shard_degree=1";
+  const std::string fsdp2 = " --parallelism.data_parallel_shard_degree=2";
+  const std::string full = " --activation_checkpoint.mode=full";
+  const std::string per_op = " --activation_checkpoint.mode=selective --activation_checkpoint.selective_ac_option=op";
+  EXPECT_EQ(train("single", 1, 8, single + kFloat8), train("single_full", 1, 8, single + kFloat8 + full));
+  EXPECT_EQ(train("fsdp2", 2, 4, fsdp2 + kFloat8), train("fsdp2_op", 2, 4, fsdp2 + kFloat8 + per_op));
+}
+
+TEST(TrainerFloat8, UnsupportedLayoutsAndRecipesAreOneLineUsageErrors) {
+  struct Case {
+    const char* name;
+    int nproc;
+    std::string flags;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"tp2", 2, " --parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1" + kFloat8,
+       "float8.enable = true does not support tensor parallelism yet (tensor_parallel_degree = 2)"},
+      {"pp2", 2, " --parallelism.pipeline_parallel_degree=2 --parallelism.data_parallel_shard_degree=1" + kFloat8,
+       "float8.enable = true does not support pipeline parallelism yet"},
+      // A vocabulary padded to 2050 rows and no filter: the head (256 -> 2050) cannot be float8.
+      {"dims", 1, " --parallelism.data_parallel_shard_degree=1 --model.vocab_size=2050 --float8.filter_fqns=" + kFloat8,
+       "float8: linear 'output' is 256 -> 2050 features, but float8 GEMMs need both to be multiples of 16; "
+       "add it to float8.filter_fqns"},
+      {"recipe", 1, " --parallelism.data_parallel_shard_degree=1 --float8.recipe=rowwize" + kFloat8,
+       "did you mean \"rowwise\"?"},
+  };
+  for (const Case& c : cases) {
+    TempDir dir(c.name);
+    RunResult r = run(loom_command(c.nproc, layout_train_args(dir, 2, 8, c.flags)), 300);
+    EXPECT_EQ(r.exit_code, 2) << c.name << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.message), std::string::npos) << c.name << "\n" << r.output;
+  }
+}
+
+}  // namespace
