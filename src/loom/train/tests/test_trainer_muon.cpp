@@ -1,5 +1,5 @@
 // optimizer.name = "Muon" through `loom train`: FSDP 2 and FSDP 4 (each Muon matrix whole on one
-// rank) and DDP 2 train like the single process step by step, a checkpoint saved at FSDP 4 loads at
+// rank), DDP 2 and two pipeline stages (1F1B, 4 micro-batches of 2 rows) train like the single process step by step, a checkpoint saved at FSDP 4 loads at
 // FSDP 2 and in one process with its momentum buffers bitwise, and bad settings are one-line
 // errors (exit 2).
 //
@@ -33,9 +33,9 @@ const std::string kMuon = " --optimizer.name=Muon";
 
 }  // namespace
 
-// Acceptance: 30 steps at FSDP 2, FSDP 4 and DDP 2 against the single process with the same global
+// Acceptance: 30 steps at FSDP 2, FSDP 4, DDP 2 and PP 2 against the single process with the same global
 // batch of 8 rows: per-step losses and the final parameters within 1e-6 (relative).
-TEST(TrainerMuon, FsdpAndDdpTrainLikeTheSingleProcess) {
+TEST(TrainerMuon, EveryLayoutTrainsLikeTheSingleProcess) {
   constexpr int kSteps = 30;
   const std::string save_last = " --checkpoint.enable=true --checkpoint.interval=30";
   TempDir reference("single");
@@ -52,6 +52,8 @@ TEST(TrainerMuon, FsdpAndDdpTrainLikeTheSingleProcess) {
       {"fsdp2", 2, 4, "--parallelism.data_parallel_shard_degree=2"},
       {"fsdp4", 4, 2, "--parallelism.data_parallel_shard_degree=4"},
       {"ddp2", 2, 4, "--parallelism.data_parallel_shard_degree=1 --parallelism.data_parallel_replicate_degree=2"},
+      {"pp2", 2, 8, "--parallelism.data_parallel_shard_degree=1 --parallelism.pipeline_parallel_degree=2"
+                    " --parallelism.pipeline_parallel_schedule=1F1B --parallelism.pipeline_parallel_microbatch_size=2"},
   };
   for (const Layout& l : layouts) {
     TempDir dir(l.name);
