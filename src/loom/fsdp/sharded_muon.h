@@ -62,7 +62,7 @@ class ShardedMuon : public optim::Optimizer {
     torch::Tensor step;
     double weight_decay = 0.0;
   };
-  // Where an AdamW piece's gradient lives: groups_[g]'s param i.
+  // One AdamW piece: parameter `param` of FSDP group `group` (its gradient is read from there).
   struct AdamWSlot {
     FSDPParamGroup* group = nullptr;
     size_t param = 0;

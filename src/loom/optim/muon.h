@@ -25,7 +25,6 @@
 #include <memory>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
 #include "loom/optim/adamw.h"

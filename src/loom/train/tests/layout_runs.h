@@ -1,4 +1,4 @@
-// Shared by the Trainer's parallel-layout tests (test_trainer_tp/cp/pp.cpp): the
+// Shared by the Trainer's parallel-layout tests (test_trainer_tp/cp/pp/adamw8bit/muon.cpp): the
 // `loom train` command of one run of the debug model in some parallel layout, and the comparison
 // of its logged losses with the single process's.
 #pragma once
