@@ -80,9 +80,9 @@ struct FSDPPolicy {
   std::string replicate_dim = "dp_replicate";
   // The unit the planner must not cut across ranks (element, row, k-row block, whole).
   tensor::Granularity granularity = tensor::Granularity::element();
-  // Per-parameter granularity by full shape, overriding `granularity` where set: a block-wise
-  // quantized optimizer asks for its block here (fsdp::adamw8bit_granularity) so that no
-  // quantization block is cut across ranks.
+  // Per-parameter granularity by name and full shape, overriding `granularity` where set: a
+  // block-wise quantized optimizer asks for its block here (fsdp::adamw8bit_granularity) so that no
+  // quantization block is cut across ranks, Muon for whole matrices (fsdp::muon_granularity).
   ParameterGranularity parameter_granularity;
   PlannerOptions planner;
   ReshardAfterForward reshard_after_forward = ReshardAfterForward::always();

@@ -70,7 +70,7 @@ GroupSpec group_spec(const std::string& name, const NamedSlots& params,
                  "'); fix: one flat buffer holds one dtype, cast the module first (Module::to)");
     spec.tensors.push_back({param_name, t.sizes().vec(), bytes,
                             options.parameter_granularity
-                                ? options.parameter_granularity(t.sizes())
+                                ? options.parameter_granularity(param_name, t.sizes())
                                 : options.granularity});
   }
   return spec;

@@ -49,9 +49,11 @@ struct FSDPMesh {
   static FSDPMesh single(int world_rank = 0);
 };
 
-// A parameter's granularity from its full shape (see FSDPPolicy::parameter_granularity); unset
-// means the group's one granularity for every parameter.
-using ParameterGranularity = std::function<tensor::Granularity(c10::IntArrayRef shape)>;
+// A parameter's granularity from its name (relative to the group's module, e.g.
+// "attention.wq.weight") and full shape (see FSDPPolicy::parameter_granularity); unset means the
+// group's one granularity for every parameter.
+using ParameterGranularity =
+    std::function<tensor::Granularity(std::string_view name, c10::IntArrayRef shape)>;
 
 // Everything a group needs from the policy, resolved (see FSDPPolicy in fully_shard.h).
 struct GroupOptions {

@@ -114,7 +114,7 @@ std::vector<optim::ElementRanges> ShardedAdamW::no_decay_ranges() const {
 
 ParameterGranularity adamw8bit_granularity(int64_t block_size) {
   LOOM_REQUIRE_USAGE(block_size >= 1, "AdamW8bit block_size must be >= 1, got ", block_size);
-  return [block_size](c10::IntArrayRef shape) {
+  return [block_size](std::string_view /*name*/, c10::IntArrayRef shape) {
     return optim::is_block_quantized(c10::multiply_integers(shape), block_size)
                ? tensor::Granularity::element_block(block_size)
                : tensor::Granularity::element();

@@ -76,9 +76,10 @@ struct ParallelizeOptions {
   // ("default" keeps the last block gathered) is the model's plan, so the model parses it.
   std::string fsdp_reshard_after_forward = "default";
   fsdp::MixedPrecisionPolicy fsdp_mixed_precision;  // FSDP's param and reduce dtypes
-  // optimizer.block_size when optimizer.name = "AdamW8bit" (else 0): FSDP plans every quantized
-  // parameter in whole blocks of this many elements (fsdp::adamw8bit_granularity).
-  int64_t fsdp_quantization_block = 0;
+  // What the optimizer needs FSDP's planner never to cut (FSDPPolicy::parameter_granularity):
+  // AdamW8bit's quantization blocks (fsdp::adamw8bit_granularity), Muon's whole matrices
+  // (fsdp::muon_granularity); unset = element granularity.
+  fsdp::ParameterGranularity fsdp_parameter_granularity;
   // activation_checkpoint.mode and .selective_ac_option as written: which modules a model
   // checkpoints is its plan (llama3: its TransformerBlocks, see ac::ACOptions).
   std::string activation_checkpoint_mode = "none";

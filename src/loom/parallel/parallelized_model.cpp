@@ -34,7 +34,7 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 // The parameter an AdamW state entry belongs to ("<param>.exp_avg" -> "<param>"); empty for state
 // that is not shaped like its parameter (the step counts).
 std::string moment_parameter(const std::string& key) {
-  for (const char* suffix : {".exp_avg_sq", ".exp_avg"}) {
+  for (const char* suffix : {".exp_avg_sq", ".exp_avg", ".momentum_buffer"}) {
     if (ends_with(key, suffix)) return key.substr(0, key.size() - std::string(suffix).size());
   }
   return "";
@@ -367,6 +367,23 @@ std::unique_ptr<optim::Optimizer> ParallelizedModel::build_adamw8bit(const optim
                                             block_size);
 }
 
+std::unique_ptr<optim::Optimizer> ParallelizedModel::build_muon(const optim::AdamWOptions& adamw_options,
+                                                                const optim::MuonOptions& muon_options,
+                                                                double weight_decay) {
+  LOOM_REQUIRE_USAGE(!parts_.tp, "optimizer.name = \"Muon\" does not support tensor parallelism yet (its "
+                     "Newton-Schulz step needs whole matrices); set parallelism.tensor_parallel_degree = 1 "
+                     "or optimizer.name = \"AdamW\"");
+  if (parts_.fsdp) {
+    return std::make_unique<fsdp::ShardedMuon>(parts_.fsdp, adamw_options, muon_options, weight_decay);
+  }
+  optim::NamedTensors named;
+  for (const auto& p : named_parameters()) {
+    if (p.slot->requires_grad) named.emplace_back(p.name, p.slot->tensor);
+  }
+  return std::make_unique<optim::Muon>(optim::weight_decay_param_groups(named, weight_decay), adamw_options,
+                                       muon_options);
+}
+
 void ParallelizedModel::add_piece(checkpoint::ShardedStateDict& state, const std::string& name,
                                   const std::string& component, const std::string& param,
                                   const torch::Tensor& local, std::vector<int64_t> fsdp_shape,
@@ -403,13 +420,20 @@ void ParallelizedModel::add_to_state_dict(checkpoint::ShardedStateDict& state, o
     for (const auto& st : parts_.fsdp->sharded_state_dict()) {
       add_piece(state, st.name, checkpoint::kModelComponent, st.name, st.local, st.global_shape, st.global_offset);
     }
-    auto* sharded = dynamic_cast<fsdp::ShardedAdamW*>(&optimizer);
-    auto* sharded8bit = dynamic_cast<fsdp::ShardedAdamW8bit*>(&optimizer);
-    LOOM_REQUIRE(sharded != nullptr || sharded8bit != nullptr,
-                 "an FSDP model's optimizer must be fsdp::ShardedAdamW or fsdp::ShardedAdamW8bit");
+    std::vector<fsdp::ShardedTensor> optimizer_pieces;
+    if (auto* adamw = dynamic_cast<fsdp::ShardedAdamW*>(&optimizer)) {
+      optimizer_pieces = adamw->sharded_state_dict();
+    } else if (auto* adamw8bit = dynamic_cast<fsdp::ShardedAdamW8bit*>(&optimizer)) {
+      optimizer_pieces = adamw8bit->sharded_state_dict();
+    } else if (auto* muon = dynamic_cast<fsdp::ShardedMuon*>(&optimizer)) {
+      optimizer_pieces = muon->sharded_state_dict();
+    } else {
+      fail("an FSDP model's optimizer must be fsdp::ShardedAdamW, fsdp::ShardedAdamW8bit or fsdp::ShardedMuon");
+    }
     // AdamW8bit's codes are shaped like their parameter and its scales are [numel / block] with
-    // the piece's block offset: both reshard as flat ranges like the parameters.
-    for (const auto& st : sharded ? sharded->sharded_state_dict() : sharded8bit->sharded_state_dict()) {
+    // the piece's block offset; Muon's momentum buffers are whole matrices on their owner and empty
+    // elsewhere: all reshard as flat ranges like the parameters.
+    for (const auto& st : optimizer_pieces) {
       add_piece(state, "optimizer." + st.name, checkpoint::kOptimizerComponent, moment_parameter(st.name),
                 st.local, st.global_shape, st.global_offset);
     }

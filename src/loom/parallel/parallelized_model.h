@@ -28,10 +28,12 @@
 #include "loom/core/torch_compat.h"
 #include "loom/ddp/ddp.h"
 #include "loom/fsdp/fully_shard.h"
+#include "loom/fsdp/sharded_muon.h"
 #include "loom/fsdp/sharded_optimizer.h"
 #include "loom/nn/attention.h"
 #include "loom/nn/module.h"
 #include "loom/optim/adamw.h"
+#include "loom/optim/muon.h"
 #include "loom/pipeline/executor.h"
 #include "loom/tp/tensor_parallel.h"
 
@@ -117,6 +119,11 @@ class ParallelizedModel {
   // groups planned with fsdp::adamw8bit_granularity(block_size)). Not with tensor parallelism.
   std::unique_ptr<optim::Optimizer> build_adamw8bit(const optim::AdamWOptions& options, double weight_decay,
                                                     int64_t block_size);
+  // Muon (optim/muon.h) for the 2-D weight matrices, AdamW for the rest; under FSDP
+  // fsdp::ShardedMuon, which needs the groups planned with fsdp::muon_granularity() (each matrix
+  // whole on one rank). Not with tensor parallelism.
+  std::unique_ptr<optim::Optimizer> build_muon(const optim::AdamWOptions& adamw_options,
+                                               const optim::MuonOptions& muon_options, double weight_decay);
   // This rank's pieces of the parameters (component "model") and of `optimizer`'s state
   // ("optimizer"), with their global shapes: what a checkpoint saves and any layout loads.
   void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer);

@@ -62,8 +62,12 @@ const std::vector<ConfigKey> kSchema = {
      "decay). AdamW8bit: the same update with both moments stored in 8 bits (bitsandbytes' "
      "block-wise dynamic quantization, one float32 scale per `block_size` elements; parameters "
      "under 4096 elements or not whole blocks keep float32 moments): about 2 bytes of state per "
-     "parameter instead of 8. CPU only, not with tensor parallelism.",
-     {"AdamW", "AdamW8bit"}},
+     "parameter instead of 8. CPU only, not with tensor parallelism. Muon: every 2-D weight "
+     "matrix except the token embedding and output head is updated with momentum orthogonalised "
+     "by Newton-Schulz iterations (Moonlight's RMS-matched scaling, so it shares AdamW's `lr` and "
+     "`weight_decay`); every other parameter with AdamW. Under FSDP each matrix lives whole on "
+     "one rank. Not with tensor parallelism (docs/muon.md).",
+     {"AdamW", "AdamW8bit", "Muon"}},
     {LOOM_CONFIG_KEY(optimizer, lr),
      "Peak learning rate, reached at the end of warmup.", {}},
     {LOOM_CONFIG_KEY(optimizer, eps),
@@ -87,6 +91,18 @@ const std::vector<ConfigKey> kSchema = {
      "FSDP planner's alignment: 4 elements (16 bytes of float32), 8 under bfloat16 mixed "
      "precision. FSDP plans each quantized parameter in whole blocks, so no block is cut across "
      "ranks.", {}},
+    {LOOM_CONFIG_KEY(optimizer, muon_momentum),
+     "Muon: momentum `mu` of the buffer `B = mu B + G`, in [0, 1).", {}},
+    {LOOM_CONFIG_KEY(optimizer, muon_nesterov),
+     "Muon: orthogonalise the Nesterov direction `G + mu B` (true) or the buffer `B` (false).", {}},
+    {LOOM_CONFIG_KEY(optimizer, muon_ns_steps),
+     "Muon: Newton-Schulz iterations (quintic coefficients 3.4445, -4.7750, 2.0315), >= 1.", {}},
+    {LOOM_CONFIG_KEY(optimizer, muon_adjust_lr),
+     "Muon: the factor on the orthogonalised update of a rows x cols matrix. `match_rms_adamw`: "
+     "`0.2 sqrt(max(rows, cols))` (Moonlight; the update's RMS matches AdamW's, so AdamW's lr "
+     "and weight decay carry over). `original`: `sqrt(max(1, rows / cols))` (Keller Jordan's; "
+     "needs a larger lr).",
+     {"match_rms_adamw", "original"}},
     // [lr_scheduler]
     {LOOM_CONFIG_KEY(lr_scheduler, warmup_steps),
      "Linear warmup steps (shortened to `training.steps` if longer).", {}},
@@ -922,6 +938,17 @@ void validate(const JobConfig& c) {
                        "optimizer.name = \"AdamW8bit\" does not support tensor parallelism yet; set "
                        "parallelism.tensor_parallel_degree = 1 or optimizer.name = \"AdamW\"");
   }
+  require(c.optimizer.muon_momentum >= 0.0 && c.optimizer.muon_momentum < 1.0,
+          key("optimizer.muon_momentum"), "in [0, 1)", c);
+  require(c.optimizer.muon_ns_steps >= 1, key("optimizer.muon_ns_steps"), ">= 1", c);
+  if (c.optimizer.name == "Muon") {
+    // Under TP a matrix is split over the TP ranks, and Newton-Schulz needs it whole; the gather
+    // of the update over the TP group is not built.
+    LOOM_REQUIRE_USAGE(c.parallelism.tensor_parallel_degree == 1,
+                       "optimizer.name = \"Muon\" does not support tensor parallelism yet (its "
+                       "Newton-Schulz step needs whole matrices); set "
+                       "parallelism.tensor_parallel_degree = 1 or optimizer.name = \"AdamW\"");
+  }
   require(c.lr_scheduler.warmup_steps >= 0, key("lr_scheduler.warmup_steps"), ">= 0", c);
   require(!c.lr_scheduler.decay_ratio || *c.lr_scheduler.decay_ratio <= 1.0,
           key("lr_scheduler.decay_ratio"), "in [0, 1] or unset", c);
@@ -1045,6 +1072,14 @@ optim::AdamWOptions adamw_options(const JobConfig& config) {
                              .beta2 = o.beta2,
                              .eps = o.eps,
                              .implementation = optim::parse_adamw_implementation(o.implementation)};
+}
+
+optim::MuonOptions muon_options(const JobConfig& config) {
+  const OptimizerSection& o = config.optimizer;
+  return optim::MuonOptions{.momentum = o.muon_momentum,
+                            .nesterov = o.muon_nesterov,
+                            .ns_steps = o.muon_ns_steps,
+                            .adjust_lr = optim::parse_muon_lr_adjust(o.muon_adjust_lr)};
 }
 
 optim::LRScheduleOptions lr_schedule_options(const JobConfig& config) {

@@ -18,6 +18,7 @@
 
 #include "loom/optim/adamw.h"
 #include "loom/optim/lr_scheduler.h"
+#include "loom/optim/muon.h"
 
 namespace loom::train {
 
@@ -49,6 +50,10 @@ struct OptimizerSection {
   double weight_decay = 0.1;
   std::string implementation = "fused";  // "fused" | "foreach"
   int64_t block_size = 256;  // AdamW8bit: elements per quantization block
+  double muon_momentum = 0.95;                   // Muon: momentum buffer decay mu
+  bool muon_nesterov = true;                     // Muon: orthogonalise G + mu * B instead of B
+  int64_t muon_ns_steps = 5;                     // Muon: Newton-Schulz iterations
+  std::string muon_adjust_lr = "match_rms_adamw";  // Muon: "match_rms_adamw" | "original"
 
   bool operator==(const OptimizerSection&) const = default;
 };
@@ -266,6 +271,8 @@ int64_t gradient_accumulation_steps(const JobConfig& config, int64_t data_parall
 // The optimizer and LR-schedule options a config asks for. Weight decay is per parameter group:
 // pass optimizer.weight_decay to optim::weight_decay_param_groups.
 optim::AdamWOptions adamw_options(const JobConfig& config);
+// optimizer.muon_* (Muon's matrices; its other parameters use adamw_options).
+optim::MuonOptions muon_options(const JobConfig& config);
 optim::LRScheduleOptions lr_schedule_options(const JobConfig& config);
 
 using loom::edit_distance;  // (core/strings.h) the nearest-name suggestions use it

@@ -21,6 +21,8 @@
 #include "loom/core/memory.h"
 #include "loom/core/timer.h"
 #include "loom/distributed/launch_env.h"
+#include "loom/fsdp/sharded_muon.h"
+#include "loom/fsdp/sharded_optimizer.h"
 #include "loom/optim/clip_grad.h"
 #include "loom/checkpoint/metadata.h"
 #include "loom/optim/optimizer.h"
@@ -254,8 +256,10 @@ void Trainer::parallelize() {
     LOOM_REQUIRE_USAGE(device_.is_cpu(), "optimizer.name = \"AdamW8bit\" runs on the CPU only (its fused loop "
                        "is a CPU kernel), but training.device is ", device_.str(),
                        "; set training.device = \"cpu\" or optimizer.name = \"AdamW\"");
-    options.fsdp_quantization_block = config_.optimizer.block_size;
+    options.fsdp_parameter_granularity = fsdp::adamw8bit_granularity(config_.optimizer.block_size);
   }
+  // Muon orthogonalises whole matrices: FSDP places each on one rank, so its step needs no gather.
+  if (config_.optimizer.name == "Muon") options.fsdp_parameter_granularity = fsdp::muon_granularity();
   options.fsdp_mixed_precision.param_dtype =
       c10::ScalarType(t.mixed_precision_param == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
   options.fsdp_mixed_precision.reduce_dtype =
@@ -286,8 +290,11 @@ void Trainer::init_optimizer() {
   const auto& o = config_.optimizer;
   if (o.name == "AdamW8bit") {
     optimizer_ = parallel_model_->build_adamw8bit(adamw_options(config_), o.weight_decay, o.block_size);
+  } else if (o.name == "Muon") {
+    optimizer_ = parallel_model_->build_muon(adamw_options(config_), muon_options(config_), o.weight_decay);
   } else {
-    LOOM_REQUIRE_USAGE(o.name == "AdamW", "unknown optimizer.name '", o.name, "'; available: AdamW, AdamW8bit");
+    LOOM_REQUIRE_USAGE(o.name == "AdamW", "unknown optimizer.name '", o.name,
+                       "'; available: AdamW, AdamW8bit, Muon");
     optimizer_ = parallel_model_->build_adamw(adamw_options(config_), o.weight_decay);
   }
   lr_scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, lr_schedule_options(config_),

@@ -34,9 +34,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
   plan.fsdp.reshard_after_forward = reshard.blocks;
   plan.fsdp_reshard_last_block = reshard.last_block;
   plan.fsdp.mixed_precision = options.fsdp_mixed_precision;
-  if (options.fsdp_quantization_block > 0) {
-    plan.fsdp.parameter_granularity = fsdp::adamw8bit_granularity(options.fsdp_quantization_block);
-  }
+  plan.fsdp.parameter_granularity = options.fsdp_parameter_granularity;
   plan.fsdp.device = options.device;  // FSDP's buffers on the rank's device (caching allocator on GPUs)
   plan.ac = ac::ACOptions::parse(options.activation_checkpoint_mode, options.selective_ac_option);
   if (options.float8) {

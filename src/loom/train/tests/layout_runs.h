@@ -1,4 +1,4 @@
-// Shared by the Trainer's parallel-layout tests (test_trainer_tp/cp/pp.cpp): the
+// Shared by the Trainer's parallel-layout tests (test_trainer_tp/cp/pp/adamw8bit/muon.cpp): the
 // `loom train` command of one run of the debug model in some parallel layout, and the comparison
 // of its logged losses with the single process's.
 #pragma once
@@ -61,6 +61,25 @@ inline double worst_relative(const std::vector<double>& a, const std::vector<dou
   double worst = 0;
   for (size_t i = from; i < std::min(a.size(), b.size()); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(a[i]));
   return worst;
+}
+
+// Copies checkpoint folder `from` into `run_dir`'s checkpoint folder as step-<step>, has a
+// `loom_resave_worker` job on `nproc` ranks load it in the layout `flags` choose (FSDP over all
+// ranks unless they say otherwise; local batch 8 / nproc) and save it again without training;
+// returns the re-saved folder. The checkpoint round trips between layouts use it.
+inline std::filesystem::path resave_checkpoint(const TempDir& run_dir, const std::filesystem::path& from, int step,
+                                               int nproc, const std::string& flags) {
+  const std::string name = "step-" + std::to_string(step);
+  std::filesystem::create_directories(run_dir.path() / "checkpoint");
+  std::filesystem::copy(from, run_dir.path() / "checkpoint" / name, std::filesystem::copy_options::recursive);
+  const std::string args = layout_train_args(run_dir, 2 * step, 8 / nproc,
+                                             flags + " --parallelism.data_parallel_shard_degree=" + std::to_string(nproc));
+  const std::string worker_args = args.substr(args.find("--config"));
+  RunResult r = run(bin_dir() + "/loom launch --nproc " + std::to_string(nproc) + " --exec -- " + bin_dir() +
+                        "/loom_resave_worker " + (run_dir.path() / "resaved").string() + " " + worker_args,
+                    300);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return run_dir.path() / "resaved" / name;
 }
 
 // One parallel layout of a parity test.

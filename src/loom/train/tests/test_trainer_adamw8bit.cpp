@@ -19,6 +19,7 @@ using loom::testing::bin_dir;
 using loom::testing::layout_train_args;
 using loom::testing::loom_command;
 using loom::testing::read_whole_checkpoint;
+using loom::testing::resave_checkpoint;
 using loom::testing::run;
 using loom::testing::RunResult;
 using loom::testing::TempDir;
@@ -57,19 +58,8 @@ TEST(TrainerAdamW8bit, CheckpointMovesFromFsdp4ToFsdp2ToOneProcessBitwise) {
   const fs::path step2 = source.path() / "checkpoint" / "step-2";
   ASSERT_TRUE(fs::exists(step2 / "metadata.json")) << a.output;
 
-  auto resave = [&](const TempDir& run_dir, const fs::path& from, int nproc) {
-    fs::create_directories(run_dir.path() / "checkpoint");
-    fs::copy(from, run_dir.path() / "checkpoint" / "step-2", fs::copy_options::recursive);
-    const std::string args = layout_train_args(run_dir, 4, 8 / nproc, ckpt + k8bit + " --parallelism.data_parallel_shard_degree=" + std::to_string(nproc));
-    const std::string worker_args = args.substr(args.find("--config"));
-    RunResult r = run(bin_dir() + "/loom launch --nproc " + std::to_string(nproc) + " --exec -- " + bin_dir() +
-                          "/loom_resave_worker " + (run_dir.path() / "resaved").string() + " " + worker_args,
-                      300);
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    return run_dir.path() / "resaved" / "step-2";
-  };
-  const fs::path from_fsdp2 = resave(fsdp2, step2, 2);
-  const fs::path from_single = resave(single, from_fsdp2, 1);
+  const fs::path from_fsdp2 = resave_checkpoint(fsdp2, step2, 2, 2, ckpt + k8bit);
+  const fs::path from_single = resave_checkpoint(single, from_fsdp2, 2, 1, ckpt + k8bit);
 
   const auto original = read_whole_checkpoint(step2);
   size_t codes = 0, scales = 0;
