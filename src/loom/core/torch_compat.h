@@ -2,8 +2,10 @@
 // 2.11 + CUDA on the GPU machine), kept in this one header instead of #ifs across files.
 #pragma once
 #include <torch/csrc/Export.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -22,5 +24,21 @@ namespace loom::compat {
 // registered on it) alive.
 using GradAccumulatorPtr =
     decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+// Runs `fn` after a leaf's AccumulateGrad node has stored this backward's gradient in .grad; add it
+// with compat::grad_accumulator-held nodes: grad_accumulator(t)->add_post_hook(make_unique<...>).
+// It runs once per backward that reaches the node (not for autograd::grad captures of the leaf).
+class AfterAccumulateGrad : public torch::autograd::FunctionPostHook {
+ public:
+  explicit AfterAccumulateGrad(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
 
 }  // namespace loom::compat

@@ -13,20 +13,6 @@
 namespace loom::fsdp {
 namespace {
 
-// Runs after AccumulateGrad has added this backward's gradient into the leaf's .grad.
-class PostAccumulateGradHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit PostAccumulateGradHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    fn_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> fn_;
-};
-
 int64_t element_size(c10::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
 
 }  // namespace
@@ -125,7 +111,7 @@ FSDPParamGroup::FSDPParamGroup(std::string name, const NamedSlots& params, FSDPM
     if (!params_[i].trainable) continue;
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i].unsharded);
     accumulator->add_post_hook(
-        std::make_unique<PostAccumulateGradHook>([this, i] { on_grad_accumulated(i); }));
+        std::make_unique<compat::AfterAccumulateGrad>([this, i] { on_grad_accumulated(i); }));
     grad_accumulators_.push_back(std::move(accumulator));
   }
   reset_backward_state();

@@ -75,19 +75,7 @@ optim::TensorDict ShardedAdamW::state_dict() const {
 }
 
 void ShardedAdamW::load_state_dict(const optim::TensorDict& state) {
-  const optim::TensorDict mine = state_dict();
-  for (const auto& [name, target] : mine) {
-    auto it = state.find(name);
-    LOOM_REQUIRE(it != state.end(), "ShardedAdamW state dict is missing '", name, "'");
-    LOOM_REQUIRE(it->second.sizes() == target.sizes(), "ShardedAdamW state '", name,
-                 "' has shape ", it->second.sizes(), ", this rank's shard needs ", target.sizes(),
-                 "; fix: reshard the checkpoint to this layout");
-  }
-  for (const auto& [name, t] : state) {
-    LOOM_REQUIRE(mine.count(name) > 0, "ShardedAdamW state dict has unexpected entry '", name, "'");
-  }
-  torch::NoGradGuard no_grad;
-  for (const auto& [name, target] : mine) target.copy_(state.at(name));
+  optim::load_state_in_place(state_dict(), state, "ShardedAdamW");
 }
 
 std::vector<ShardedTensor> ShardedAdamW::sharded_state_dict() const {
@@ -198,26 +186,7 @@ optim::TensorDict ShardedAdamW8bit::state_dict() const {
 }
 
 void ShardedAdamW8bit::load_state_dict(const optim::TensorDict& state) {
-  const optim::TensorDict mine = state_dict();
-  for (const auto& [name, target] : mine) {
-    auto it = state.find(name);
-    LOOM_REQUIRE(it != state.end(), "ShardedAdamW8bit state dict is missing '", name,
-                 "'; fix: load a checkpoint saved with the same optimizer and block_size");
-    LOOM_REQUIRE(it->second.sizes() == target.sizes() &&
-                     it->second.scalar_type() == target.scalar_type(),
-                 "ShardedAdamW8bit state '", name, "' is ", it->second.scalar_type(),
-                 it->second.sizes(), ", this rank's shard needs ", target.scalar_type(),
-                 target.sizes(), "; fix: reshard the checkpoint to this layout");
-  }
-  for (const auto& [name, t] : state) {
-    LOOM_REQUIRE(mine.count(name) > 0, "ShardedAdamW8bit state dict has unexpected entry '", name,
-                 "'");
-  }
-  torch::NoGradGuard no_grad;
-  for (const auto& [name, target] : mine) {
-    torch::Tensor dst = target;
-    dst.copy_(state.at(name));
-  }
+  optim::load_state_in_place(state_dict(), state, "ShardedAdamW8bit");
 }
 
 std::vector<ShardedTensor> ShardedAdamW8bit::sharded_state_dict() const {

@@ -177,16 +177,7 @@ void AdamW::step(const std::vector<std::vector<at::Tensor>>& grads) {
 
 void AdamW::zero_grad(bool set_to_none) {
   for (ParamGroup& group : groups_) {
-    for (at::Tensor& p : group.params) {
-      at::Tensor& grad = p.mutable_grad();
-      if (!grad.defined()) continue;
-      if (set_to_none) {
-        grad.reset();
-      } else {
-        grad.detach_();
-        grad.zero_();
-      }
-    }
+    for (at::Tensor& p : group.params) zero_gradient(p, set_to_none);
   }
 }
 
@@ -204,28 +195,7 @@ TensorDict AdamW::state_dict() const {
   return out;
 }
 
-void AdamW::load_state_dict(const TensorDict& state) {
-  // Validate everything first so a bad checkpoint leaves the optimizer untouched.
-  const TensorDict current = state_dict();
-  for (const auto& [key, tensor] : state) {
-    LOOM_REQUIRE(current.count(key), "optimizer checkpoint has unexpected entry '", key,
-                 "'; it was saved for a different model or parameter set");
-  }
-  for (const auto& [key, dst] : current) {
-    auto it = state.find(key);
-    LOOM_REQUIRE(it != state.end(), "optimizer checkpoint is missing entry '", key,
-                 "'; it was saved for a different model or parameter set");
-    LOOM_REQUIRE(it->second.defined() && it->second.sizes() == dst.sizes(),
-                 "optimizer checkpoint entry '", key, "' has shape ",
-                 it->second.defined() ? c10::str(it->second.sizes()) : std::string("<undefined>"),
-                 " but the optimizer expects ", dst.sizes());
-  }
-  at::NoGradGuard no_grad;
-  for (const auto& [key, dst] : current) {
-    at::Tensor target = dst;  // shares storage with the state
-    target.copy_(state.at(key));
-  }
-}
+void AdamW::load_state_dict(const TensorDict& state) { load_state_in_place(state_dict(), state, "AdamW"); }
 
 const AdamWParamState& AdamW::state(const std::string& param_name) const {
   auto it = index_.find(param_name);

@@ -283,16 +283,7 @@ void AdamW8bit::step() {
 }
 
 void AdamW8bit::zero_grad(bool set_to_none) {
-  for (Slot& s : slots_) {
-    at::Tensor& grad = s.param.mutable_grad();
-    if (!grad.defined()) continue;
-    if (set_to_none) {
-      grad.reset();
-    } else {
-      grad.detach_();
-      grad.zero_();
-    }
-  }
+  for (Slot& s : slots_) zero_gradient(s.param, set_to_none);
 }
 
 void add_adamw8bit_state(TensorDict& out, const std::string& prefix, const AdamW8bitState& state,
@@ -315,25 +306,7 @@ TensorDict AdamW8bit::state_dict() const {
 }
 
 void AdamW8bit::load_state_dict(const TensorDict& state) {
-  const TensorDict current = state_dict();
-  for (const auto& [key, tensor] : state) {
-    LOOM_REQUIRE(current.count(key), "optimizer checkpoint has unexpected entry '", key,
-                 "'; it was saved for a different model, optimizer or optimizer.block_size");
-  }
-  for (const auto& [key, dst] : current) {
-    auto it = state.find(key);
-    LOOM_REQUIRE(it != state.end(), "optimizer checkpoint is missing entry '", key,
-                 "'; it was saved for a different model, optimizer or optimizer.block_size");
-    LOOM_REQUIRE(it->second.defined() && it->second.sizes() == dst.sizes() &&
-                     it->second.scalar_type() == dst.scalar_type(),
-                 "optimizer checkpoint entry '", key, "' does not match the AdamW8bit state ",
-                 dst.scalar_type(), dst.sizes());
-  }
-  at::NoGradGuard no_grad;
-  for (const auto& [key, dst] : current) {
-    at::Tensor target = dst;
-    target.copy_(state.at(key));
-  }
+  load_state_in_place(state_dict(), state, "AdamW8bit");
 }
 
 int64_t AdamW8bit::state_nbytes() const {

@@ -89,31 +89,6 @@ std::string muon_momentum_key(const std::string& param_name) {
   return param_name + ".momentum_buffer";
 }
 
-void load_state_in_place(const TensorDict& expected, const TensorDict& state, const char* who) {
-  // Validate everything first so a bad checkpoint leaves the optimizer untouched.
-  for (const auto& [key, tensor] : state) {
-    LOOM_REQUIRE(expected.count(key), who, " checkpoint has unexpected entry '", key,
-                 "'; it was saved for a different optimizer, model or parameter set");
-  }
-  for (const auto& [key, dst] : expected) {
-    auto it = state.find(key);
-    LOOM_REQUIRE(it != state.end(), who, " checkpoint is missing entry '", key,
-                 "'; it was saved for a different optimizer, model or parameter set");
-    LOOM_REQUIRE(it->second.defined() && it->second.sizes() == dst.sizes() &&
-                     it->second.scalar_type() == dst.scalar_type(),
-                 who, " checkpoint entry '", key, "' is ",
-                 it->second.defined() ? c10::str(it->second.scalar_type(), it->second.sizes())
-                                      : std::string("<undefined>"),
-                 " but this rank's state needs ", dst.scalar_type(), dst.sizes(),
-                 "; fix: reshard the checkpoint to this layout");
-  }
-  at::NoGradGuard no_grad;
-  for (const auto& [key, dst] : expected) {
-    at::Tensor target = dst;  // shares storage with the state
-    target.copy_(state.at(key));
-  }
-}
-
 Muon::Muon(std::vector<ParamGroup> groups, AdamWOptions adamw_options, MuonOptions muon_options)
     : adamw_options_(adamw_options), muon_options_(muon_options) {
   check_muon_options(muon_options_);
@@ -162,16 +137,7 @@ void Muon::step() {
 
 void Muon::zero_grad(bool set_to_none) {
   adamw_->zero_grad(set_to_none);
-  for (Slot& s : slots_) {
-    at::Tensor& grad = s.param.mutable_grad();
-    if (!grad.defined()) continue;
-    if (set_to_none) {
-      grad.reset();
-    } else {
-      grad.detach_();
-      grad.zero_();
-    }
-  }
+  for (Slot& s : slots_) zero_gradient(s.param, set_to_none);
 }
 
 TensorDict Muon::state_dict() const {

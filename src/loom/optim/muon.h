@@ -112,8 +112,4 @@ class Muon : public Optimizer {
 // FSDP rank's piece of it), shared by Muon and fsdp::ShardedMuon so checkpoints move between them.
 std::string muon_momentum_key(const std::string& param_name);
 
-// Validates `state` against `expected` (every key present with its shape and dtype, nothing
-// unexpected), then copies it in place. `who` names the optimizer in the errors.
-void load_state_in_place(const TensorDict& expected, const TensorDict& state, const char* who);
-
 }  // namespace loom::optim

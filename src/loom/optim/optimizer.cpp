@@ -36,4 +36,40 @@ ParamGroup single_param_group(const NamedTensors& named_params, double weight_de
   return group;
 }
 
+void load_state_in_place(const TensorDict& expected, const TensorDict& state, const char* who) {
+  // Validate everything first so a bad checkpoint leaves the optimizer untouched.
+  for (const auto& [key, tensor] : state) {
+    LOOM_REQUIRE(expected.count(key), who, " checkpoint has unexpected entry '", key,
+                 "'; it was saved for a different optimizer, model or parameter set");
+  }
+  for (const auto& [key, dst] : expected) {
+    auto it = state.find(key);
+    LOOM_REQUIRE(it != state.end(), who, " checkpoint is missing entry '", key,
+                 "'; it was saved for a different optimizer, model or parameter set");
+    LOOM_REQUIRE(it->second.defined() && it->second.sizes() == dst.sizes() &&
+                     it->second.scalar_type() == dst.scalar_type(),
+                 who, " checkpoint entry '", key, "' is ",
+                 it->second.defined() ? c10::str(it->second.scalar_type(), it->second.sizes())
+                                      : std::string("<undefined>"),
+                 " but this rank's state needs ", dst.scalar_type(), dst.sizes(),
+                 "; fix: reshard the checkpoint to this layout");
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& [key, dst] : expected) {
+    at::Tensor target = dst;  // shares storage with the state
+    target.copy_(state.at(key));
+  }
+}
+
+void zero_gradient(at::Tensor& param, bool set_to_none) {
+  at::Tensor& grad = param.mutable_grad();
+  if (!grad.defined()) return;
+  if (set_to_none) {
+    grad.reset();
+  } else {
+    grad.detach_();
+    grad.zero_();
+  }
+}
+
 }  // namespace loom::optim

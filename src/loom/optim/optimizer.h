@@ -42,6 +42,14 @@ std::vector<ParamGroup> weight_decay_param_groups(const NamedTensors& named_para
 ParamGroup single_param_group(const NamedTensors& named_params, double weight_decay,
                               std::string name = "all");
 
+// Validates `state` against `expected` (every key present with its shape and dtype, nothing
+// unexpected), then copies it in place. `who` names the optimizer in the errors.
+void load_state_in_place(const TensorDict& expected, const TensorDict& state, const char* who);
+
+// torch.optim's zero_grad for one parameter: drop its gradient (set_to_none) or zero it in place
+// (detached from any graph first). A parameter without a gradient is left alone.
+void zero_gradient(at::Tensor& param, bool set_to_none);
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;

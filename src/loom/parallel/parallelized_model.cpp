@@ -10,22 +10,6 @@
 
 namespace loom::parallel {
 namespace {
-// Runs `fn` after a parameter's AccumulateGrad node has stored this backward's gradient.
-class AfterGradientAccumulated : public torch::autograd::FunctionPostHook {
- public:
-  explicit AfterGradientAccumulated(std::function<void()> fn) : fn_(std::move(fn)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    fn_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> fn_;
-};
-}  // namespace
-
-namespace {
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -84,7 +68,7 @@ ParallelizedModel::ParallelizedModel(ParallelParts parts) : parts_(std::move(par
       const size_t i = gradient_accumulators_.size();
       nn::ParameterSlot* slot = p.slot;
       auto accumulator = torch::autograd::impl::grad_accumulator(slot->tensor);
-      accumulator->add_post_hook(std::make_unique<AfterGradientAccumulated>([this, i, slot] {
+      accumulator->add_post_hook(std::make_unique<compat::AfterAccumulateGrad>([this, i, slot] {
         if (gradient_counted_[i] || !slot->tensor.grad().defined()) return;
         gradient_counted_[i] = 1;
         memory::note_gradient_bytes(slot->tensor.device(), static_cast<int64_t>(slot->tensor.grad().nbytes()));

@@ -249,8 +249,8 @@ TEST(AdamW, LoadStateDictRejectsMismatchedCheckpoints) {
     FAIL() << "missing entry accepted";
   } catch (const loom::Error& e) {
     EXPECT_EQ(std::string(e.what()),
-              "optimizer checkpoint is missing entry 'output.weight.exp_avg'; it was saved for a "
-              "different model or parameter set");
+              "AdamW checkpoint is missing entry 'output.weight.exp_avg'; it was saved for a "
+              "different optimizer, model or parameter set");
   }
   TensorDict extra = state;
   extra.emplace("ghost.weight.exp_avg", torch::zeros({1}));
@@ -261,7 +261,7 @@ TEST(AdamW, LoadStateDictRejectsMismatchedCheckpoints) {
     opt.load_state_dict(reshaped);
     FAIL() << "mis-shaped entry accepted";
   } catch (const loom::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("has shape [16, 64] but the optimizer expects [64, 16]"),
+    EXPECT_NE(std::string(e.what()).find("is Float[16, 64] but this rank's state needs Float[64, 16]"),
               std::string::npos)
         << e.what();
   }

@@ -35,6 +35,19 @@ inline std::map<std::string, torch::Tensor> read_whole_checkpoint(const std::fil
   return out;
 }
 
+// Expects `other` to hold exactly `original`'s tensors, under the same names, each of the same
+// dtype and bitwise equal (a checkpoint that went through other layouts and came back).
+inline void expect_bitwise_equal_checkpoints(const std::map<std::string, torch::Tensor>& original,
+                                             const std::map<std::string, torch::Tensor>& other) {
+  ASSERT_EQ(other.size(), original.size());
+  for (const auto& [name, t] : original) {
+    auto it = other.find(name);
+    ASSERT_NE(it, other.end()) << name;
+    EXPECT_EQ(it->second.scalar_type(), t.scalar_type()) << name;
+    EXPECT_TRUE(torch::equal(it->second, t)) << name;
+  }
+}
+
 inline std::string source_path(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
 
 // The debug model on the default corpus, seq 64, deterministic, every step logged, lr 1e-3 (the

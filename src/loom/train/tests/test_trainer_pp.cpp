@@ -23,6 +23,7 @@
 namespace {
 namespace fs = std::filesystem;
 using loom::testing::bin_dir;
+using loom::testing::expect_bitwise_equal_checkpoints;
 using loom::testing::gathered_parameters;
 using loom::testing::Layout;
 using loom::testing::layout_train_args;
@@ -266,15 +267,9 @@ TEST(TrainerPP, CheckpointMovesFromPp2ToOneProcessToPp4Bitwise) {
 
   const auto original = read_whole_checkpoint(step6);
   size_t moments = 0;
-  for (const auto& other : {read_whole_checkpoint(from_single), read_whole_checkpoint(from_pp4)}) {
-    ASSERT_EQ(other.size(), original.size());
-    for (const auto& [name, t] : original) {
-      auto it = other.find(name);
-      ASSERT_NE(it, other.end()) << name;
-      EXPECT_TRUE(torch::equal(it->second, t)) << name;
-      moments += name.find("exp_avg") != std::string::npos;
-    }
-  }
+  expect_bitwise_equal_checkpoints(original, read_whole_checkpoint(from_single));
+  expect_bitwise_equal_checkpoints(original, read_whole_checkpoint(from_pp4));
+  for (const auto& [name, t] : original) moments += name.find("exp_avg") != std::string::npos;
   EXPECT_GT(moments, 0u);  // optimizer state was compared, not only parameters
   std::printf("PP 2 -> one process -> PP 4: %zu tensors (parameters, AdamW moments, step counts) bitwise equal\n",
               original.size());
