@@ -2,6 +2,8 @@
 // cross_entropy on the materialised logits: same loss and same gradient for every parameter.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include <ATen/autocast_mode.h>
 
 #include "loom/core/error.h"
@@ -117,6 +119,9 @@ TEST(ForwardLoss, MismatchedLabelsAreOneLineError) {
 TEST(ForwardLoss, BlockCausalKeepsDocumentsApart) {
   auto model = small_model();
   torch::NoGradGuard no_grad;
+  // A fixed draw: how far plain causal attention moves B's mean loss depends on the tokens (from
+  // ~1e-5 to ~1e-3 with these small initial weights), and the check below needs a clear margin.
+  torch::manual_seed(11);
   const torch::Tensor a = torch::randint(1, 131, {1, 10}), b = torch::randint(1, 131, {1, 14});
   const torch::Tensor row = torch::cat({a, b}, 1);
   const torch::Tensor docs = torch::cat({torch::zeros({1, 10}, torch::kInt64), torch::ones({1, 14}, torch::kInt64)}, 1);
@@ -131,6 +136,8 @@ TEST(ForwardLoss, BlockCausalKeepsDocumentsApart) {
   // Another document A': B's loss does not move; with plain causal attention it does.
   const torch::Tensor other = torch::cat({torch::randint(1, 131, {1, 10}), b}, 1);
   EXPECT_NEAR(model->forward_loss(other, labels, {torch::Tensor(), docs}).item<double>(), packed, 1e-6 * packed);
-  EXPECT_GT(std::abs(model->forward_loss(other, labels).item<double>() - model->forward_loss(row, labels).item<double>()),
-            1e-4);
+  const double causal_shift =
+      std::abs(model->forward_loss(other, labels).item<double>() - model->forward_loss(row, labels).item<double>());
+  std::printf("plain causal attention: B's loss moves by %.3e when A changes\n", causal_shift);
+  EXPECT_GT(causal_shift, 1e-4);
 }
