@@ -1,21 +1,37 @@
 # Helpers so each concept folder declares itself in two lines:
 #   loom_library(data DEPS loom_core)      -> static lib loom_data from *.cpp in the folder
 #   loom_tests(data DEPS loom_data)        -> gtest binary loom_data_tests from tests/*.cpp
-# All targets reuse one precompiled header (torch + std) so a TU costs seconds, not tens of them.
+#   loom_tests(train DEPS loom_train MULTIRANK "Trainer*:..." SERIAL "Watchdog.*")
+#                                          -> the tests matching MULTIRANK launch ranks as processes
+#                                          (label "multirank"); those matching SERIAL are unit tests
+#                                          that time themselves or use several threads
+# All targets reuse one precompiled header (torch + std). With LOOM_UNITY_BUILD (the default) each
+# target's sources compile in unity batches: the 700 MB header is loaded once per batch instead of
+# once per file, which is most of what a Loom source file costs to compile (see docs/building.md).
+
+# Every ctest test of a gtest binary: its folder's label plus `kind` (unit or multirank). Multi-rank
+# tests and serial unit tests take both cores (PROCESSORS 2), so `ctest -j 2` runs two
+# single-threaded unit tests at a time but any of those alone.
+function(loom_discover_tests target folder kind filter processors)
+  set(props LABELS "${folder};${kind}" ENVIRONMENT "OMP_NUM_THREADS=1" PROCESSORS ${processors})
+  # Discovery runs the binary at test time, so ctest sees every TEST() as its own test.
+  gtest_discover_tests(${target} DISCOVERY_MODE PRE_TEST TEST_FILTER "${filter}" PROPERTIES ${props})
+endfunction()
 
 function(loom_library name)
   cmake_parse_arguments(A "" "" "DEPS" ${ARGN})
   file(GLOB srcs CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/*.cpp)
+  list(FILTER srcs EXCLUDE REGEX "/pch\\.cpp$")  # loom_pch's own source, compiled there once
   add_library(loom_${name} STATIC ${srcs})
   target_include_directories(loom_${name} PUBLIC ${CMAKE_SOURCE_DIR}/src)
   target_link_libraries(loom_${name} PUBLIC ${A_DEPS})
-  if(NOT name STREQUAL "core")
-    target_precompile_headers(loom_${name} REUSE_FROM loom_pch)
-  endif()
+  target_precompile_headers(loom_${name} REUSE_FROM loom_pch)
 endfunction()
 
+# MULTIRANK and SERIAL: gtest filters (patterns joined by ':'); the tests that match neither are
+# single-threaded unit tests.
 function(loom_tests name)
-  cmake_parse_arguments(A "" "" "DEPS" ${ARGN})
+  cmake_parse_arguments(A "" "MULTIRANK;SERIAL" "DEPS" ${ARGN})
   file(GLOB srcs CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/tests/*.cpp)
   if(NOT srcs)
     return()
@@ -23,7 +39,22 @@ function(loom_tests name)
   add_executable(loom_${name}_tests ${srcs})
   target_link_libraries(loom_${name}_tests PRIVATE ${A_DEPS} GTest::gtest GTest::gtest_main)
   target_precompile_headers(loom_${name}_tests REUSE_FROM loom_pch)
-  # Discovery runs the binary at test time, so ctest sees every TEST() as its own test.
-  gtest_discover_tests(loom_${name}_tests DISCOVERY_MODE PRE_TEST
-    PROPERTIES LABELS ${name} ENVIRONMENT "OMP_NUM_THREADS=1")
+  set(others "")
+  if(A_MULTIRANK)
+    loom_discover_tests(loom_${name}_tests ${name} multirank "${A_MULTIRANK}" 2)
+    set(others "${A_MULTIRANK}")
+  endif()
+  if(A_SERIAL)
+    loom_discover_tests(loom_${name}_tests ${name} unit "${A_SERIAL}" 2)
+    if(others)
+      set(others "${others}:${A_SERIAL}")
+    else()
+      set(others "${A_SERIAL}")
+    endif()
+  endif()
+  if(others)
+    loom_discover_tests(loom_${name}_tests ${name} unit "-${others}" 1)
+  else()
+    loom_discover_tests(loom_${name}_tests ${name} unit "*" 1)
+  endif()
 endfunction()

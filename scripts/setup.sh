@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 # chromium: only the test that renders `loom plot`'s SVG in a real browser (tests/ux) uses it.
 APT_PACKAGES=(cmake ninja-build g++ ccache libtomlplusplus-dev nlohmann-json3-dev libcli11-dev
-  libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev fortunes chromium)
+  libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev clang-14 fortunes chromium)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -194,24 +194,18 @@ TEST(CudaCheckpoint, AsyncSaveStagesDeviceTensorsThroughPinnedMemory) {
 // ---------------------------------------------------------------------------------------------
 // Multi-rank training on CUDA through the binary
 
-std::string src(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
+using loom::testing::source_path;
 
 std::string train_args(const TempDir& dir, int local_batch, int steps) {
-  return " train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
-         " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
-         " --training.dataset_path=" + src("data/default/corpus.jsonl") +
+  return " train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
+         " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
+         " --training.dataset_path=" + source_path("data/default/corpus.jsonl") +
          " --job.dump_folder=" + dir.str() + " --training.seq_len=64 --training.steps=" +
          std::to_string(steps) + " --training.local_batch_size=" + std::to_string(local_batch) +
          " --lr_scheduler.warmup_steps=2 --metrics.log_freq=1 --training.device=cuda";
 }
 
-std::vector<double> losses(const TempDir& dir) {
-  std::vector<double> out;
-  for (const auto& row : read_jsonl(dir.path() / "metrics.jsonl")) {
-    if (!row.contains("event")) out.push_back(row["loss"]);
-  }
-  return out;
-}
+using loom::testing::losses;
 
 // FSDP over 2 GPUs (NCCL all-gathers and reduce-scatters on device buffers, async checkpoints
 // staged through pinned memory) follows the one-GPU run with the same global batch, and resuming

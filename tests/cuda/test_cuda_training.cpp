@@ -22,20 +22,20 @@ using loom::testing::TempDir;
 #define LOOM_REQUIRE_CUDA_DEVICE()                                                 \
   if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device"
 
-std::string src(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
+using loom::testing::source_path;
 
 // The debug model, one process, seq 64, every step logged.
 std::string train_args(const TempDir& dir, const std::string& device, int steps) {
-  return " train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
-         " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
-         " --training.dataset_path=" + src("data/default/corpus.jsonl") +
+  return " train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
+         " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
+         " --training.dataset_path=" + source_path("data/default/corpus.jsonl") +
          " --job.dump_folder=" + dir.str() + " --training.seq_len=64 --training.local_batch_size=8" +
          " --training.steps=" + std::to_string(steps) + " --training.device=" + device +
          " --lr_scheduler.warmup_steps=2 --metrics.log_freq=1 --metrics.peak_flops=1e11" +
          " --parallelism.data_parallel_shard_degree=1";
 }
 
-std::vector<double> losses(const TempDir& dir) { return loom::testing::logged_losses(dir.path()); }
+using loom::testing::losses;
 
 }  // namespace
 

@@ -1,4 +1,5 @@
 #include "loom/checkpoint/loader.h"
+#include "loom/core/strings.h"
 
 #include <algorithm>
 #include <exception>
@@ -14,12 +15,6 @@ namespace fs = std::filesystem;
 using Json = nlohmann::json;
 
 namespace {
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
 
 // Saved chunks opened and checksummed on first use; each is verified once however many
 // destination chunks it feeds.
@@ -198,7 +193,8 @@ std::optional<LoadResult> load_latest(const fs::path& folder, const ShardedState
     fail_usage("checkpoint folder '", folder.string(), "' holds only model-only checkpoints (newest: '",
                model_only.front().string(), "'), which cannot resume training; to continue from "
                "those weights set checkpoint.initial_load_path to it and checkpoint.folder (or "
-               "job.dump_folder) to a new folder");
+               "job.dump_folder) to a new folder; to train again from scratch, move '",
+               folder.parent_path().string(), "' away (a finished `make train` leaves such a folder)");
   }
   LOOM_REQUIRE(steps.empty(), "none of the ", steps.size(), " complete checkpoints in '",
                folder.string(), "' could be loaded (see the warnings above); move them away to "

@@ -1,4 +1,5 @@
 #include "loom/checkpoint/safetensors.h"
+#include "loom/core/strings.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -39,7 +40,6 @@ const std::vector<std::pair<std::string, c10::ScalarType>>& dtype_table() {
   return table;
 }
 
-std::string errno_text() { return std::strerror(errno); }
 }  // namespace
 
 c10::ScalarType safetensors_dtype(const std::string& name) {

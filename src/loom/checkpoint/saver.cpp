@@ -1,4 +1,5 @@
 #include "loom/checkpoint/saver.h"
+#include "loom/core/strings.h"
 
 #include <ATen/record_function.h>
 
@@ -52,14 +53,6 @@ int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / mult
 // on whichever of its threads is preempted, so even a little stolen time costs a lot.
 void lower_this_thread_priority() {
   ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
-}
-
-std::string errno_text() { return std::strerror(errno); }
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
 }
 
 void fsync_dir(const fs::path& dir) {

@@ -1,4 +1,5 @@
 #include "loom/checkpoint/state_dict.h"
+#include "loom/core/strings.h"
 
 #include <algorithm>
 
@@ -6,12 +7,6 @@
 
 namespace loom::checkpoint {
 namespace {
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
 
 int64_t numel_of(const std::string& name, const std::vector<int64_t>& shape) {
   int64_t n = 1;

@@ -3,6 +3,7 @@
 #include <ATen/Context.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/util/Logging.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 
 #include <algorithm>
@@ -123,12 +124,28 @@ std::vector<AllocationTracker::State*>& registry() {
   static std::vector<AllocationTracker::State*> states;
   return states;
 }
+
+// c10's CPU allocator logs "Memory block of unknown size was allocated before the profiling
+// started, profiler results will not include the deallocation event" (c10 LOG(WARNING)) the first
+// time a thread with memory reporting on frees a block it never saw allocated. A tracker meets such
+// frees by design: blocks allocated before it started, and communication buffers allocated in an
+// UntrackedAllocationScope (never recorded, so never counted). So while a CPU tracker lives, c10's
+// log threshold is raised from WARNING to ERROR (TORCH_WARN, which Loom's own warnings and
+// libtorch's user-facing ones use, goes through another channel and still prints); the last
+// tracker to go restores it. Counted under registry_mutex.
+int quiet_cpu_trackers = 0;
+int saved_c10_log_level = 0;
+constexpr int kC10LogError = 2;  // c10's GLOG_ERROR
 }  // namespace
 
 AllocationTracker::AllocationTracker(c10::Device device) : state_(std::make_shared<State>(device)) {
   state_->guard = std::make_unique<c10::DebugInfoGuard>(c10::DebugInfoKind::PROFILER_STATE, state_);
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry().push_back(state_.get());
+  if (device.is_cpu() && quiet_cpu_trackers++ == 0) {
+    saved_c10_log_level = FLAGS_caffe2_log_level;
+    FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, kC10LogError);
+  }
 }
 
 AllocationTracker::~AllocationTracker() {
@@ -136,6 +153,7 @@ AllocationTracker::~AllocationTracker() {
     std::lock_guard<std::mutex> lock(registry_mutex);
     auto& states = registry();
     states.erase(std::remove(states.begin(), states.end(), state_.get()), states.end());
+    if (state_->device.is_cpu() && --quiet_cpu_trackers == 0) FLAGS_caffe2_log_level = saved_c10_log_level;
   }
   state_->guard.reset();
 }

@@ -1,6 +1,8 @@
 #include "loom/core/strings.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <vector>
 
 namespace loom {
@@ -20,5 +22,13 @@ size_t edit_distance(std::string_view a, std::string_view b) {
   }
   return row[b.size()];
 }
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string errno_text() { return std::strerror(errno); }
 
 }  // namespace loom

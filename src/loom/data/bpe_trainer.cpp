@@ -17,9 +17,6 @@ namespace loom::data {
 
 namespace {
 
-uint64_t pair_key(int32_t left, int32_t right) {
-  return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
-}
 int32_t left_of(uint64_t key) { return static_cast<int32_t>(key >> 32); }
 int32_t right_of(uint64_t key) { return static_cast<int32_t>(key & 0xFFFFFFFFu); }
 

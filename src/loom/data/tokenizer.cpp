@@ -29,10 +29,6 @@ namespace {
 // Word pieces up to this many bytes use the quadratic scan; longer ones a heap.
 constexpr size_t kShortWordSymbols = 48;
 
-uint64_t pair_key(int32_t left, int32_t right) {
-  return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
-}
-
 // nlohmann's messages start with "[json.exception.parse_error.101] "; the tag helps nobody.
 std::string json_message(const json::exception& e) {
   std::string m = e.what();

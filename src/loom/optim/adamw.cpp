@@ -27,13 +27,6 @@ struct UpdateLists {
   bool empty() const { return params.empty(); }
 };
 
-void check_options(const AdamWOptions& o) {
-  LOOM_REQUIRE(o.lr >= 0.0, "AdamW lr must be >= 0, got ", o.lr);
-  LOOM_REQUIRE(o.beta1 >= 0.0 && o.beta1 < 1.0, "AdamW beta1 must be in [0, 1), got ", o.beta1);
-  LOOM_REQUIRE(o.beta2 >= 0.0 && o.beta2 < 1.0, "AdamW beta2 must be in [0, 1), got ", o.beta2);
-  LOOM_REQUIRE(o.eps >= 0.0, "AdamW eps must be >= 0, got ", o.eps);
-}
-
 // The same at::_foreach_* sequence as torch.optim.AdamW(foreach=True) without capturable.
 void foreach_update(const UpdateLists& l, const AdamWOptions& o, double weight_decay) {
   if (weight_decay != 0.0) at::_foreach_mul_(l.params, 1.0 - o.lr * weight_decay);
@@ -93,6 +86,13 @@ void check_grad(const std::string& name, const at::Tensor& param, const at::Tens
 
 }  // namespace
 
+void check_adamw_options(const AdamWOptions& o, const char* optimizer) {
+  LOOM_REQUIRE(o.lr >= 0.0, optimizer, " lr must be >= 0, got ", o.lr);
+  LOOM_REQUIRE(o.beta1 >= 0.0 && o.beta1 < 1.0, optimizer, " beta1 must be in [0, 1), got ", o.beta1);
+  LOOM_REQUIRE(o.beta2 >= 0.0 && o.beta2 < 1.0, optimizer, " beta2 must be in [0, 1), got ", o.beta2);
+  LOOM_REQUIRE(o.eps >= 0.0, optimizer, " eps must be >= 0, got ", o.eps);
+}
+
 AdamWImplementation parse_adamw_implementation(std::string_view name) {
   if (name == "fused") return AdamWImplementation::kFused;
   if (name == "foreach") return AdamWImplementation::kForeach;
@@ -116,7 +116,7 @@ FlatAdamWState FlatAdamWState::zeros_like(const at::Tensor& flat_param) {
 
 AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions options)
     : groups_(std::move(groups)), options_(options) {
-  check_options(options_);
+  check_adamw_options(options_, "AdamW");
   std::unordered_set<const c10::TensorImpl*> seen;
   state_.reserve(groups_.size());
   for (const auto g : c10::irange(groups_.size())) {
@@ -206,7 +206,7 @@ const AdamWParamState& AdamW::state(const std::string& param_name) const {
 void adamw_step_flat(const at::Tensor& param, const at::Tensor& grad, FlatAdamWState& state,
                      const AdamWOptions& options, double weight_decay,
                      const ElementRanges& no_decay_ranges) {
-  check_options(options);
+  check_adamw_options(options, "AdamW");
   LOOM_REQUIRE(param.dim() == 1 && param.is_contiguous(),
                "adamw_step_flat needs a 1-D contiguous parameter, got shape ", param.sizes());
   check_grad("flat parameter", param, grad);

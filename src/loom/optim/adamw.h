@@ -32,6 +32,10 @@ struct AdamWOptions {
   AdamWImplementation implementation = AdamWImplementation::kFused;
 };
 
+// Throws unless lr, eps >= 0 and both betas lie in [0, 1); `optimizer` names it in the message
+// (AdamW and AdamW8bit share these options).
+void check_adamw_options(const AdamWOptions& o, const char* optimizer);
+
 // Per-parameter AdamW state, as in torch.optim.AdamW: `step` is a 0-dim float32 tensor.
 struct AdamWParamState {
   at::Tensor step;

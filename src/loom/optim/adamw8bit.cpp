@@ -88,13 +88,6 @@ inline void update(float* p, const float* g, float* m, float* v, int64_t n, cons
   }
 }
 
-void check_options(const AdamWOptions& o) {
-  LOOM_REQUIRE(o.lr >= 0.0, "AdamW8bit lr must be >= 0, got ", o.lr);
-  LOOM_REQUIRE(o.beta1 >= 0.0 && o.beta1 < 1.0, "AdamW8bit beta1 must be in [0, 1), got ", o.beta1);
-  LOOM_REQUIRE(o.beta2 >= 0.0 && o.beta2 < 1.0, "AdamW8bit beta2 must be in [0, 1), got ", o.beta2);
-  LOOM_REQUIRE(o.eps >= 0.0, "AdamW8bit eps must be >= 0, got ", o.eps);
-}
-
 }  // namespace
 
 const std::array<float, 256>& signed_dynamic_map() {
@@ -170,7 +163,7 @@ int64_t AdamW8bitState::nbytes() const {
 
 void adamw8bit_step(const std::vector<AdamW8bitPiece>& pieces, const AdamWOptions& options,
                     double step, int64_t block_size) {
-  check_options(options);
+  check_adamw_options(options, "AdamW8bit");
   LOOM_REQUIRE(block_size >= 1, "AdamW8bit block_size must be >= 1, got ", block_size);
   struct Work {
     float* p;
@@ -239,7 +232,7 @@ void adamw8bit_step(const std::vector<AdamW8bitPiece>& pieces, const AdamWOption
 
 AdamW8bit::AdamW8bit(std::vector<ParamGroup> groups, AdamWOptions options, int64_t block_size)
     : options_(options), block_size_(block_size) {
-  check_options(options_);
+  check_adamw_options(options_, "AdamW8bit");
   LOOM_REQUIRE_USAGE(block_size_ >= 1, "AdamW8bit block_size must be >= 1, got ", block_size_);
   std::unordered_set<const c10::TensorImpl*> seen;
   for (const ParamGroup& group : groups) {

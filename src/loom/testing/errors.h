@@ -2,6 +2,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <typeinfo>
 #include <vector>
@@ -24,6 +25,16 @@ void expect_error(Fn&& fn, const std::vector<std::string>& parts) {
       EXPECT_NE(message.find(p), std::string::npos) << message << " lacks " << p;
     }
   }
+}
+
+// The message of the loom::UsageError that `fn` throws, or "<no UsageError>".
+inline std::string usage_error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const loom::UsageError& e) {
+    return e.what();
+  }
+  return "<no UsageError>";
 }
 
 }  // namespace loom::testing

@@ -14,6 +14,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/core/build_paths.h"
+
 namespace loom::testing {
 
 struct RunResult {
@@ -21,6 +23,9 @@ struct RunResult {
   std::string output;  // stdout and stderr interleaved
   double seconds = 0;
 };
+
+// A file of the source tree (e.g. configs/llama3_debug.toml), as an absolute path.
+inline std::string source_path(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
 
 // <build>/bin: every Loom executable (loom, loom_*_tests, loom_*_worker) lands there.
 inline std::string bin_dir() {
@@ -84,6 +89,9 @@ inline std::vector<double> logged_losses(const std::filesystem::path& dump_folde
   }
   return out;
 }
+
+// The logged losses of a run in `dir` (see logged_losses).
+inline std::vector<double> losses(const TempDir& dir) { return logged_losses(dir.path()); }
 
 // A file's whole content (empty when it cannot be read): e.g. to compare checkpoints bitwise.
 inline std::string file_bytes(const std::filesystem::path& path) {

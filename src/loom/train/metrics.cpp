@@ -29,6 +29,15 @@ std::string printf_string(const char* format, double value) {
 
 }  // namespace
 
+std::string human_bytes(double bytes) {
+  if (!std::isfinite(bytes)) return c10::str(bytes);
+  constexpr const char* kUnits[] = {"B", "kB", "MB", "GB", "TB"};
+  int unit = 0;
+  double v = bytes;
+  while (std::abs(v) >= 1000.0 && unit < 4) v /= 1000.0, ++unit;
+  return unit == 0 ? printf_string("%.0f B", v) : printf_string("%.1f ", v) + kUnits[unit];
+}
+
 std::string with_thousands(double value) {
   if (!std::isfinite(value)) return c10::str(value);
   std::string digits = std::to_string(static_cast<int64_t>(std::llround(value)));
@@ -164,7 +173,29 @@ std::string MetricsLogger::console_line(const StepMetrics& m, const std::string&
                               // nan: the device's peak is unknown (metrics.peak_flops unset)
                               "  mfu: ", std::isfinite(m.mfu) ? printf_string("%.2f", m.mfu) + "%" : std::string("n/a"),
                               "  memory: ", printf_string("%.2f", m.mem_peak_gib), "GiB");
-  for (const auto& [key, value] : m.extra) line += c10::str("  ", key, ": ", value);
+  // Bytes sent per step, human-readably: the total, then each mesh dimension that carries at least
+  // 1 % of it when more than one does (a lone dimension repeats the total; a scalar all-reduce of
+  // a few bytes is not traffic worth a column). metrics.jsonl keeps every exact figure.
+  const std::string kComm = "comm_bytes";
+  const auto total = m.extra.find(kComm);
+  std::vector<std::pair<std::string, double>> dims;
+  for (const auto& [key, value] : m.extra) {
+    if (key.rfind(kComm + "/", 0) == 0 && total != m.extra.end() && value >= 0.01 * total->second && value > 0) {
+      dims.emplace_back(key.substr(kComm.size() + 1), value);
+    }
+  }
+  for (const auto& [key, value] : m.extra) {
+    if (key == kComm) {
+      line += "  comm: " + human_bytes(value);
+      if (dims.size() > 1) {
+        std::string parts;
+        for (const auto& [dim, bytes] : dims) parts += (parts.empty() ? "" : ", ") + dim + " " + human_bytes(bytes);
+        line += " (" + parts + ")";
+      }
+    } else if (key.rfind(kComm + "/", 0) != 0) {
+      line += c10::str("  ", key, ": ", value);
+    }
+  }
   return line;
 }
 

@@ -22,6 +22,9 @@ namespace loom::train {
 // count, so only the first call per count pays. Uses no random numbers (RNG streams untouched).
 double measure_peak_fp32_flops();
 
+// A byte count with a decimal unit for the console: 4096 -> "4.1 kB", 33179652 -> "33.2 MB".
+std::string human_bytes(double bytes);
+
 // 12345678 -> "12,345,678" (rounded to an integer).
 std::string with_thousands(double value);
 

@@ -16,13 +16,6 @@ using namespace loom::checkpoint;
 using namespace loom::checkpoint::testing;
 using loom::testing::TempDir;
 
-std::string read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 void fill_chunks(const ShardedStateDict& state, double value) {
   for (const auto& [name, t] : state.tensors()) {
     for (const LocalChunk& c : t.chunks) c.data.fill_(value);
@@ -57,8 +50,8 @@ TEST(AsyncSave, WritesTheSameBytesAsSyncAndIgnoresLaterTrainingUpdates) {
     for (const auto& e : errors) ASSERT_EQ(e, "");
     for (const char* file : {"rank-0.safetensors", "rank-1.safetensors", "metadata.json",
                              "COMPLETE"}) {
-      EXPECT_EQ(read_bytes(sync_dir.path() / "step-1" / file),
-                read_bytes(async_dir.path() / "step-1" / file))
+      EXPECT_EQ(loom::testing::file_bytes(sync_dir.path() / "step-1" / file),
+                loom::testing::file_bytes(async_dir.path() / "step-1" / file))
           << file;
     }
     verify_checkpoint(async_dir.path() / "step-1", Verification::kChecksums);
@@ -81,8 +74,8 @@ TEST(AsyncSave, ExportDtypeMatchesTheSynchronousSave) {
   saver.save_async(state, async_dir.path(), 3, export_bf16);
   saver.wait();
   for (const char* file : {"rank-0.safetensors", "metadata.json", "COMPLETE"}) {
-    EXPECT_EQ(read_bytes(sync_dir.path() / "step-3" / file),
-              read_bytes(async_dir.path() / "step-3" / file))
+    EXPECT_EQ(loom::testing::file_bytes(sync_dir.path() / "step-3" / file),
+              loom::testing::file_bytes(async_dir.path() / "step-3" / file))
         << file;
   }
   verify_checkpoint(async_dir.path() / "step-3", Verification::kChecksums);

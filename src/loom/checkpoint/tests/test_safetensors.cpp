@@ -8,6 +8,7 @@
 
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
+#include "loom/testing/run.h"
 
 namespace {
 namespace fs = std::filesystem;
@@ -43,11 +44,6 @@ class SafetensorsTest : public ::testing::Test {
   }
   fs::path dir_;
 };
-
-std::string read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 
 void write_bytes(const fs::path& p, const std::string& bytes) {
   std::ofstream(p, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
@@ -113,7 +109,7 @@ TEST_F(SafetensorsTest, ReadsFilesWrittenByTheReferenceLayout) {
 TEST_F(SafetensorsTest, TruncatedAndMalformedFilesGiveOneLineErrorsNamingTheFile) {
   const fs::path good = dir_ / "good.safetensors";
   loom::checkpoint::save_safetensors(good, {{"w", torch::randn({64})}});
-  const std::string bytes = read_bytes(good);
+  const std::string bytes = loom::testing::file_bytes(good);
   auto expect_error = [&](const std::string& content, const std::string& fragment) {
     const fs::path bad = dir_ / "bad.safetensors";
     write_bytes(bad, content);
@@ -153,7 +149,7 @@ TEST_F(SafetensorsTest, ShardedSaveAndIndexRead) {
   ASSERT_EQ(ckpt.names().size(), 5u);
   for (const auto& [name, value] : tensors) EXPECT_TRUE(torch::equal(ckpt.tensor(name), value));
   EXPECT_EQ(ckpt.entry("layer.4").nbytes(), 1024);
-  const auto index = nlohmann::json::parse(read_bytes(files[3]));
+  const auto index = nlohmann::json::parse(loom::testing::file_bytes(files[3]));
   EXPECT_EQ(index["metadata"]["total_size"], 5 * 1024);
 
   // One shard only: a plain model.safetensors as transformers writes it.

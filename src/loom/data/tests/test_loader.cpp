@@ -7,6 +7,7 @@
 #include <random>
 
 #include "loom/testing/errors.h"
+#include "loom/testing/files.h"
 #include "loom/testing/run.h"
 #include "loom/core/error.h"
 #include "loom/data/bpe_trainer.h"
@@ -18,17 +19,8 @@ namespace fs = std::filesystem;
 using namespace loom::data;
 
 namespace {
-
-fs::path temp_dir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  fs::path dir = fs::temp_directory_path() /
-                 c10::str("loom_data_", ::getpid(), "_", info->test_suite_name(), "_", info->name());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-void write(const fs::path& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
+using loom::testing::temp_dir;
+using loom::testing::write;
 
 using loom::testing::expect_error;
 

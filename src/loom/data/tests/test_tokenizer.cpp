@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "loom/testing/errors.h"
+#include "loom/testing/files.h"
 #include "loom/testing/run.h"
 #include "loom/core/build_paths.h"
 #include "loom/core/error.h"
@@ -25,18 +26,8 @@ using loom::data::Tokenizer;
 using nlohmann::json;
 
 namespace {
-
-fs::path temp_dir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  fs::path dir = fs::temp_directory_path() /
-                 c10::str("loom_data_", ::getpid(), "_", info->test_suite_name(), "_", info->name());
-  fs::create_directories(dir);
-  return dir;
-}
-
-void write(const fs::path& path, const std::string& text) {
-  std::ofstream(path, std::ios::binary) << text;
-}
+using loom::testing::temp_dir;
+using loom::testing::write;
 
 // Expects `fn` to throw loom::Error whose message contains every one of `parts`.
 using loom::testing::expect_error;

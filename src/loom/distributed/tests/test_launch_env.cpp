@@ -9,6 +9,7 @@
 #include "loom/core/error.h"
 #include "loom/distributed/launch_env.h"
 #include "loom/distributed/process_group.h"
+#include "loom/testing/errors.h"
 
 namespace loom::distributed {
 namespace {
@@ -50,14 +51,7 @@ class ScopedEnv {
   std::map<std::string, std::optional<std::string>> saved_;
 };
 
-std::string usage_error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "<no UsageError>";
-}
+using loom::testing::usage_error_of;
 
 TEST(LaunchEnv, NoVariablesIsSingleProcess) {
   ScopedEnv env(Vars{});

@@ -14,18 +14,12 @@
 #include "loom/distributed/device_mesh.h"
 #include "loom/distributed/parallel_dims.h"
 #include "loom/distributed/process_group.h"
+#include "loom/testing/errors.h"
 
 namespace loom::distributed {
 namespace {
 
-std::string usage_error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "<no UsageError>";
-}
+using loom::testing::usage_error_of;
 
 // ---------------------------------------------------------------------------------------------
 // ParallelDims

@@ -18,7 +18,8 @@ using loom::testing::bin_dir;
 using loom::testing::count_occurrences;
 using loom::testing::RunResult;
 
-RunResult run(const std::string& command) { return loom::testing::run(command, 60); }
+// Every launch here ends within a minute.
+RunResult run_briefly(const std::string& command) { return loom::testing::run(command, 60); }
 
 std::string launch(int nproc, const std::string& flags) {
   return c10::str(bin_dir(), "/loom launch --nproc ", nproc, " ", flags);
@@ -36,7 +37,7 @@ TEST(Restart, RankKilledOnTheFirstAttemptIsRestartedOnTheSamePort) {
   // A fixed --master-port: the second attempt's rank 0 hosts its store on the port the first
   // attempt's store (killed with its rank) had.
   const int port = loom::distributed::pick_free_port();
-  const RunResult r = run(launch(2, c10::str("--max-restarts 2 --master-port ", port, " ",
+  const RunResult r = run_briefly(launch(2, c10::str("--max-restarts 2 --master-port ", port, " ",
                                              worker("die_once"))));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_occurrences(r.output, "rank 1 attempt 0: killing itself"), 1) << r.output;
@@ -53,7 +54,7 @@ TEST(Restart, RankKilledOnTheFirstAttemptIsRestartedOnTheSamePort) {
 }
 
 TEST(Restart, WithoutRestartsTheKilledRankFailsTheLaunch) {
-  const RunResult r = run(launch(2, worker("die_once")));
+  const RunResult r = run_briefly(launch(2, worker("die_once")));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "was killed by signal 9 (SIGKILL)")) << r.output;
   EXPECT_FALSE(contains(r.output, "loom launch: restart")) << r.output;
@@ -62,7 +63,7 @@ TEST(Restart, WithoutRestartsTheKilledRankFailsTheLaunch) {
 
 TEST(Restart, EachAttemptSeesItsRestartCountAndAFreshRendezvous) {
   // Rank 1 fails on attempts 0 and 1; attempt 2 succeeds.
-  const RunResult r = run(launch(
+  const RunResult r = run_briefly(launch(
       2, "--max-restarts 3 --exec -- sh -c 'echo \"rank=$RANK attempt=$LOOM_RESTART_COUNT "
          "te=$TORCHELASTIC_RESTART_COUNT max=$LOOM_MAX_RESTARTS temax=$TORCHELASTIC_MAX_RESTARTS "
          "port=$MASTER_PORT\"; if [ \"$RANK\" = 1 ] && [ \"$LOOM_RESTART_COUNT\" -lt 2 ]; then "
@@ -100,7 +101,7 @@ TEST(Restart, GivesUpAfterMaxRestartsNamingTheLastFailure) {
   // Rank 1 always fails; rank 0 would sleep for 30 s unless stopped. The restart lines note the
   // checkpoint folder the ranks resume from.
   loom::testing::TempDir dir("loom-restart");
-  const RunResult r = run(launch(
+  const RunResult r = run_briefly(launch(
       2, c10::str("--max-restarts 2 --checkpoint-folder ", dir.str(),
                   " --exec -- sh -c 'if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 30'")));
   EXPECT_EQ(r.exit_code, 1) << r.output;
@@ -118,7 +119,7 @@ TEST(Restart, StalledCollectiveEndsTheRankThroughTheWatchdog) {
   // Rank 1 never joins rank 0's all_reduce; after the 2 s timeout rank 0's watchdog names the
   // all_reduce (group and sequence: the barrier was the world's first collective) and exits with
   // code 124; the launcher stops rank 1, which would otherwise sleep for an hour.
-  const RunResult r = run(launch(2, worker("stall_once")));
+  const RunResult r = run_briefly(launch(2, worker("stall_once")));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "[rank0] error: collective watchdog: all_reduce world[0,1] gseq=2 "
                                  "in=[4] out=[4] Float 16B has been pending for "))
@@ -141,7 +142,7 @@ TEST(Restart, StalledCollectiveEndsTheRankThroughTheWatchdog) {
 }
 
 TEST(Restart, StalledCollectiveOnTheFirstAttemptIsRestarted) {
-  const RunResult r = run(launch(2, c10::str("--max-restarts 1 ", worker("stall_once"))));
+  const RunResult r = run_briefly(launch(2, c10::str("--max-restarts 1 ", worker("stall_once"))));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_occurrences(r.output, "collective watchdog: all_reduce world[0,1] gseq=2"), 1) << r.output;
   EXPECT_TRUE(contains(r.output, "loom launch: restart 1 of 1 (attempt 2 of 2) after attempt 1 "
@@ -153,7 +154,7 @@ TEST(Restart, StalledCollectiveOnTheFirstAttemptIsRestarted) {
 }
 
 TEST(Restart, BackendErrorsNameTheCollective) {
-  const RunResult r = run(launch(2, worker("peer_exit")));
+  const RunResult r = run_briefly(launch(2, worker("peer_exit")));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_occurrences(r.output, "peer_exit: ok"), 2) << r.output;
   EXPECT_TRUE(contains(r.output, "rank 0 peer_exit error: all_reduce world[0,1] gseq=2 in=[4] "
@@ -162,21 +163,21 @@ TEST(Restart, BackendErrorsNameTheCollective) {
 }
 
 TEST(Restart, WatchdogIgnoresFinishedButUnwaitedAsyncCollectives) {
-  const RunResult r = run(launch(2, worker("unwaited_async")));
+  const RunResult r = run_briefly(launch(2, worker("unwaited_async")));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_occurrences(r.output, "unwaited_async: ok"), 2) << r.output;
   EXPECT_FALSE(contains(r.output, "collective watchdog")) << r.output;
 }
 
 TEST(Restart, UsageErrorsAreOneLine) {
-  RunResult r = run(launch(1, "--max-restarts -1 --exec -- true"));
+  RunResult r = run_briefly(launch(1, "--max-restarts -1 --exec -- true"));
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "error: --max-restarts -1 must be >= 0")) << r.output;
-  r = run(bin_dir() + "/loom launch --nproc 1 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 "
+  r = run_briefly(bin_dir() + "/loom launch --nproc 1 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 "
           "--master-port 29500 --max-restarts 1 --exec -- true");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "error: --max-restarts 1 needs --nnodes 1")) << r.output;
-  r = run(launch(1, "--checkpoint-folder /tmp --exec -- true"));
+  r = run_briefly(launch(1, "--checkpoint-folder /tmp --exec -- true"));
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "--checkpoint-folder only matters with --max-restarts")) << r.output;
 }

@@ -51,7 +51,7 @@ std::string ModelArgs::summary() const {
 }
 
 std::vector<std::string> flavor_names() {
-  return {"debugmodel", "124M", "1B", "3B", "8B", "70B", "405B"};
+  return {"debugmodel", "tiny", "124M", "1B", "3B", "8B", "70B", "405B"};
 }
 
 ModelArgs flavor(const std::string& name, std::optional<int64_t> vocab_size) {
@@ -64,6 +64,11 @@ ModelArgs flavor(const std::string& name, std::optional<int64_t> vocab_size) {
   a.max_seq_len = 8192;
   if (name == "debugmodel") {  // TorchTitan's: full attention heads, tokenizer-sized vocab
     a.dim = 256, a.n_layers = 6, a.n_heads = 16, a.n_kv_heads = 16;
+    a.vocab_size = 2048;
+    a.max_seq_len = 2048;
+  } else if (name == "tiny") {  // the layout-parity tests' model: the smallest shape every layout
+                                // splits (TP 4, CP 4, 4 pipeline stages, float8's multiples of 16)
+    a.dim = 64, a.n_layers = 4, a.n_heads = 4, a.n_kv_heads = 4;
     a.vocab_size = 2048;
     a.max_seq_len = 2048;
   } else if (name == "124M") {  // GPT-2-small-sized Llama 3 for the throughput benchmark (bench/)

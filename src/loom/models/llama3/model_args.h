@@ -44,7 +44,7 @@ struct ModelArgs : models::ModelArgs {
   std::string summary() const override;  // "dim 4096, 32 layers, 32 heads (8 kv), ffn 14336, vocab 128256"
 };
 
-// Named flavors, as listed by flavor_names(): debugmodel, 124M, 1B, 3B, 8B, 70B, 405B.
+// Named flavors, as listed by flavor_names(): debugmodel, tiny, 124M, 1B, 3B, 8B, 70B, 405B.
 // `vocab_size` overrides the flavor's (the debug model's vocabulary comes from the tokenizer;
 // default 2048). Unknown names throw a loom::UsageError listing the valid ones.
 //

@@ -7,7 +7,7 @@
 namespace {
 using namespace loom;
 
-llama3::ModelArgs tiny() {
+llama3::ModelArgs generate_test_args() {
   llama3::ModelArgs a;
   a.dim = 64, a.n_layers = 2, a.n_heads = 8, a.n_kv_heads = 2, a.vocab_size = 97;
   a.multiple_of = 32, a.max_seq_len = 32, a.rope_theta = 10000.0;
@@ -19,7 +19,7 @@ llama3::ModelArgs tiny() {
 // Prefill of 5 tokens, a second chunk of 3 (a masked prefix), then single tokens: every step's
 // logits equal the uncached model's logits at that position.
 TEST(Generate, CachedLogitsEqualTheFullForward) {
-  llama3::Transformer model(tiny());
+  llama3::Transformer model(generate_test_args());
   model.init_weights(3);
   model.eval();
   const std::vector<int64_t> tokens = {1, 9, 33, 4, 70, 12, 5, 60, 8, 2, 41};
@@ -38,7 +38,7 @@ TEST(Generate, CachedLogitsEqualTheFullForward) {
 
 // The generator leaves the model as it found it: plain forward works again afterwards.
 TEST(Generate, RemovesTheCacheAfterwards) {
-  llama3::Transformer model(tiny());
+  llama3::Transformer model(generate_test_args());
   model.init_weights(3);
   torch::InferenceMode inference;
   const torch::Tensor tokens = torch::tensor({1, 2, 3, 4}, torch::kInt64).unsqueeze(0);

@@ -15,7 +15,7 @@
 namespace {
 using namespace loom;
 
-llama3::ModelArgs tiny_args() {
+llama3::ModelArgs ac_test_args() {
   llama3::ModelArgs a = llama3::flavor("debugmodel", 128);
   a.dim = 64;
   a.n_layers = 4;
@@ -34,7 +34,7 @@ struct Outcome {
 
 Outcome train_step(const ac::ACOptions& options, int64_t expect_wrapped) {
   torch::set_num_threads(1);
-  auto model = std::make_shared<llama3::Transformer>(tiny_args(), torch::TensorOptions().device(torch::kMeta));
+  auto model = std::make_shared<llama3::Transformer>(ac_test_args(), torch::TensorOptions().device(torch::kMeta));
   EXPECT_EQ(llama3::apply_ac(*model, options), expect_wrapped);
   fsdp::FSDPPolicy policy;  // reshard after forward: backward all-gathers every block again
   auto fsdp = llama3::apply_fsdp(*model, fsdp::FSDPMesh::single(), policy, /*reshard_last_block=*/true);
@@ -74,7 +74,7 @@ TEST(Llama3AC, UnderFSDPTheRecomputeUsesTheBackwardGatherAndGradientBuffer) {
 }
 
 TEST(Llama3AC, SelectiveEveryNthBlockCountsLayerIds) {
-  auto model = std::make_shared<llama3::Transformer>(tiny_args(), torch::TensorOptions().device(torch::kMeta));
+  auto model = std::make_shared<llama3::Transformer>(ac_test_args(), torch::TensorOptions().device(torch::kMeta));
   // A pipeline stage keeps the whole model's layer ids: without layers 0 and 1, "every 2nd block"
   // still means layer 3 (of the remaining 2 and 3), as in the whole model.
   model->layers().remove_module("0");

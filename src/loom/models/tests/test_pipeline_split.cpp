@@ -21,7 +21,7 @@ using llama3::ModelArgs;
 using llama3::PipelineSplit;
 using llama3::Transformer;
 
-ModelArgs tiny(int64_t layers = 8) {
+ModelArgs split_test_args(int64_t layers = 8) {
   ModelArgs a;
   a.dim = 64, a.n_layers = layers, a.n_heads = 8, a.n_kv_heads = 4, a.vocab_size = 96;
   a.multiple_of = 32, a.max_seq_len = 16, a.rope_theta = 10000.0;
@@ -49,34 +49,34 @@ void expect_usage(const std::function<void()>& fn, const std::vector<std::string
 
 TEST(PipelineSplit, LayerBounds) {
   using V = std::vector<int64_t>;
-  EXPECT_EQ(llama3::stage_layer_bounds(tiny(), {2, 2}), (V{0, 2, 4, 6, 8}));
-  EXPECT_EQ(llama3::stage_layer_bounds(tiny(10), {4, 1}), (V{0, 3, 6, 8, 10}));  // extras first
-  EXPECT_EQ(llama3::stage_layer_bounds(tiny(), {2, 1, 4}), (V{0, 4, 8}));
-  EXPECT_EQ(llama3::stage_layer_bounds(tiny(), {2, 2, 0, {"layers.1", "2", "layers.6"}}),
+  EXPECT_EQ(llama3::stage_layer_bounds(split_test_args(), {2, 2}), (V{0, 2, 4, 6, 8}));
+  EXPECT_EQ(llama3::stage_layer_bounds(split_test_args(10), {4, 1}), (V{0, 3, 6, 8, 10}));  // extras first
+  EXPECT_EQ(llama3::stage_layer_bounds(split_test_args(), {2, 1, 4}), (V{0, 4, 8}));
+  EXPECT_EQ(llama3::stage_layer_bounds(split_test_args(), {2, 2, 0, {"layers.1", "2", "layers.6"}}),
             (V{0, 1, 2, 6, 8}));
 }
 
 TEST(PipelineSplit, SplitsThatCannotBeMadeAreOneLineUsageErrors) {
-  expect_usage([] { llama3::stage_layer_bounds(tiny(), {2, 2, 3}); },
+  expect_usage([] { llama3::stage_layer_bounds(split_test_args(), {2, 2, 3}); },
                {"parallelism.pipeline_parallel_layers_per_stage = 3 does not split the model's 8 "
                 "layers into 4 stages (pipeline_parallel_degree 2 x 2 stages per rank); valid: 2"});
-  expect_usage([] { llama3::stage_layer_bounds(tiny(), {2, 1, 2}); },
+  expect_usage([] { llama3::stage_layer_bounds(split_test_args(), {2, 1, 2}); },
                {"valid: 4 (2 layers per stage needs 2 stages per rank)"});
-  expect_usage([] { llama3::stage_layer_bounds(tiny(10), {4, 1, 2}); },
+  expect_usage([] { llama3::stage_layer_bounds(split_test_args(10), {4, 1, 2}); },
                {"no value splits it: the layer count must be a multiple of 4"});
-  expect_usage([] { llama3::stage_layer_bounds(tiny(4), {4, 2}); },
+  expect_usage([] { llama3::stage_layer_bounds(split_test_args(4), {4, 2}); },
                {"cannot split the model's 4 layers into 8 stages", "use at most 4 stages"});
-  expect_usage([] { llama3::stage_layer_bounds(tiny(), {2, 1, 0, {"layers.2", "layers.4"}}); },
+  expect_usage([] { llama3::stage_layer_bounds(split_test_args(), {2, 1, 0, {"layers.2", "layers.4"}}); },
                {"pipeline_parallel_split_points has 2 points; 2 stages", "need 1"});
-  expect_usage([] { llama3::stage_layer_bounds(tiny(), {2, 2, 0, {"layers.4", "layers.2", "layers.6"}}); },
+  expect_usage([] { llama3::stage_layer_bounds(split_test_args(), {2, 2, 0, {"layers.4", "layers.2", "layers.6"}}); },
                {"'layers.2' must come after the previous point (layer 4)"});
-  expect_usage([] { llama3::stage_layer_bounds(tiny(), {2, 1, 0, {"layer4"}}); },
+  expect_usage([] { llama3::stage_layer_bounds(split_test_args(), {2, 1, 0, {"layer4"}}); },
                {"'layer4' is not a layer"});
-  expect_usage([] { llama3::stage_layer_bounds(tiny(), {2, 1, 4, {"layers.4"}}); }, {"not both"});
+  expect_usage([] { llama3::stage_layer_bounds(split_test_args(), {2, 1, 4, {"layers.4"}}); }, {"not both"});
 }
 
 TEST(PipelineSplit, StagesKeepTheirPartsUnderGlobalNames) {
-  const ModelArgs args = tiny();
+  const ModelArgs args = split_test_args();
   const auto bounds = llama3::stage_layer_bounds(args, {2, 2});
   auto models = llama3::split_into_stages(
       [&] { return std::make_shared<Transformer>(args, torch::TensorOptions().device(torch::kMeta)); },
@@ -102,7 +102,7 @@ TEST(PipelineSplit, StagesKeepTheirPartsUnderGlobalNames) {
 }
 
 TEST(PipelineSplit, ChainOfPartsIsTheWholeModel) {
-  const ModelArgs args = tiny();
+  const ModelArgs args = split_test_args();
   Transformer whole(args);
   whole.init_weights(7);
   auto models = stage_models(args, llama3::stage_layer_bounds(args, {3, 1}), {0, 1, 2});
@@ -115,7 +115,7 @@ TEST(PipelineSplit, ChainOfPartsIsTheWholeModel) {
 
 // One rank holding every stage: the executor hands activations and gradients over locally.
 TEST(PipelineSplit, ExecutorOnOneRankMatchesTheWholeModel) {
-  const ModelArgs args = tiny();
+  const ModelArgs args = split_test_args();
   Transformer whole(args);
   whole.init_weights(7);
   const torch::Tensor tokens = torch::randint(0, args.vocab_size, {4, 16});
@@ -149,7 +149,7 @@ TEST(PipelineSplit, ExecutorOnOneRankMatchesTheWholeModel) {
 }
 
 TEST(PipelineSplit, ExecutorRefusesStagesTheScheduleDoesNotGiveTheRank) {
-  const ModelArgs args = tiny();
+  const ModelArgs args = split_test_args();
   const pipeline::Schedule schedule = pipeline::build_schedule({"Interleaved1F1B", 1, 2, 2});
   auto models = stage_models(args, llama3::stage_layer_bounds(args, {1, 2}), {0});
   auto stages = llama3::make_pipeline_stages(models, {0}, 2);
@@ -165,7 +165,7 @@ TEST(PipelineSplit, ExecutorRefusesStagesTheScheduleDoesNotGiveTheRank) {
 // GEMM per Linear, so I + W should cost about B; kAutograd's W walks the graph again. Printed, not
 // asserted: timings on a shared machine are not a test.
 TEST(PipelineSplit, CostOfTheBackwardSplit) {
-  ModelArgs args = tiny(4);
+  ModelArgs args = split_test_args(4);
   args.dim = 256, args.n_heads = 8, args.n_kv_heads = 4, args.max_seq_len = 64;
   auto models = stage_models(args, llama3::stage_layer_bounds(args, {2, 1}), {1});
   // A middle stage: the last stage's head and loss would dominate a model this small.
@@ -210,7 +210,7 @@ TEST(PipelineSplit, CostOfTheBackwardSplit) {
 // The FSDP seam: a schedule lowered with UNSHARD/RESHARD calls the callbacks once per stage per
 // step, the unshard before the stage's first compute and the reshard after its last.
 TEST(PipelineSplit, UnshardAndReshardActionsCallTheCallbacks) {
-  const ModelArgs args = tiny(4);
+  const ModelArgs args = split_test_args(4);
   const pipeline::Schedule schedule = pipeline::build_schedule({"LoopedBFS", 1, 2, 2}, /*fsdp=*/true);
   auto models = stage_models(args, llama3::stage_layer_bounds(args, {1, 2}), schedule.stages_of(0));
   auto stages = llama3::make_pipeline_stages(models, schedule.stages_of(0), 2);

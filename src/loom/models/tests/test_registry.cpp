@@ -13,7 +13,7 @@
 namespace {
 using namespace loom;
 
-const auto kMeta = torch::TensorOptions().dtype(torch::kFloat32).device(torch::kMeta);
+const auto kOnMeta = torch::TensorOptions().dtype(torch::kFloat32).device(torch::kMeta);
 
 TEST(ModelRegistry, LooksUpRegisteredModelsByName) {
   EXPECT_EQ(models::spec_names(), std::vector<std::string_view>{"llama3"});
@@ -41,7 +41,7 @@ TEST(Llama3Spec, BuildsTheDebugFlavorWithLlama3sCounts) {
   EXPECT_EQ(a.dim, llama3::flavor("debugmodel").dim);
   EXPECT_EQ(args->summary(), a.summary());
 
-  const std::shared_ptr<nn::Module> model = spec.build_model(*args, kMeta);
+  const std::shared_ptr<nn::Module> model = spec.build_model(*args, kOnMeta);
   auto* transformer = dynamic_cast<llama3::Transformer*>(model.get());
   ASSERT_NE(transformer, nullptr);
   for (const auto& p : model->named_parameters()) ASSERT_TRUE(p.tensor().is_meta()) << p.name;

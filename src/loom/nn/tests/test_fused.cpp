@@ -5,18 +5,14 @@
 #include "loom/core/error.h"
 #include "loom/nn/fused.h"
 #include "loom/nn/rope.h"
+#include "loom/nn/tests/fused_test_support.h"
 
 namespace {
+using loom::nn::test_support::CEResult;
+using loom::nn::test_support::expect_close;
+using loom::nn::test_support::run_ce;
 using namespace loom::nn;
 
-// |a - b| <= atol + rtol * |b| elementwise, with the worst offender in the failure message.
-void expect_close(const torch::Tensor& a, const torch::Tensor& b, double rtol, double atol,
-                  const std::string& what) {
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  const torch::Tensor excess = (a - b).abs() - (atol + rtol * b.abs());
-  EXPECT_LE(excess.max().item<double>(), 0.0)
-      << what << ": max |diff| " << (a - b).abs().max().item<double>();
-}
 
 // Runs `f` on fresh leaf copies of `inputs`, backpropagates `upstream`, returns output and grads.
 template <typename F>
@@ -100,18 +96,7 @@ TEST(FusedSwiGLU, MatchesSiluTimesUpForwardAndBackward) {
   expect_close(g[1], g_ref[1], 1e-5, 1e-6, "d_up");
 }
 
-struct CEResult {
-  torch::Tensor loss, d_hidden, d_weight;
-};
 
-template <typename F>
-CEResult run_ce(F f, const torch::Tensor& hidden, const torch::Tensor& weight, double loss_scale) {
-  torch::Tensor h = hidden.detach().clone().requires_grad_(true);
-  torch::Tensor w = weight.detach().clone().requires_grad_(true);
-  torch::Tensor loss = f(h, w);
-  (loss * loss_scale).backward();
-  return {loss.detach(), h.grad(), w.grad()};
-}
 
 TEST(FusedLinearCrossEntropy, MatchesLinearPlusCrossEntropyWithIgnoredTokensAndRaggedChunks) {
   // fp32: loss rtol 1e-5; gradients rtol 1e-4 / atol 1e-7 (they are O(1/N)). 37 tokens in chunks

@@ -16,34 +16,16 @@
 #include "loom/core/error.h"
 #include "loom/nn/fused.h"
 #include "loom/nn/rope.h"
+#include "loom/nn/tests/fused_test_support.h"
 
 namespace {
+using loom::nn::test_support::CEResult;
+using loom::nn::test_support::expect_close;
+using loom::nn::test_support::run_ce;
 using namespace loom::nn;
 
-// |a - b| <= atol + rtol * |b| elementwise (compared in fp64), worst offender in the message.
-void expect_close(const torch::Tensor& a, const torch::Tensor& b, double rtol, double atol,
-                  const std::string& what) {
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  const torch::Tensor ad = a.to(torch::kFloat64), bd = b.to(torch::kFloat64);
-  const torch::Tensor excess = (ad - bd).abs() - (atol + rtol * bd.abs());
-  EXPECT_LE(excess.max().item<double>(), 0.0)
-      << what << ": max |diff| " << (ad - bd).abs().max().item<double>() << ", max |ref| "
-      << bd.abs().max().item<double>();
-}
 
-struct CEResult {
-  torch::Tensor loss, d_hidden, d_weight;
-};
 
-// Loss and both gradients of `f` on fresh leaf copies of hidden and weight (their dtypes kept).
-template <typename F>
-CEResult run_ce(F f, const torch::Tensor& hidden, const torch::Tensor& weight) {
-  torch::Tensor h = hidden.detach().clone().requires_grad_(true);
-  torch::Tensor w = weight.detach().clone().requires_grad_(true);
-  torch::Tensor loss = f(h, w);
-  loss.backward();
-  return {loss.detach(), h.grad(), w.grad()};
-}
 
 // The composition the fused head replaces: full logits, fp32 cross-entropy (as model.cpp's
 // unfused branch does).

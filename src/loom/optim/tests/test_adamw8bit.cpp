@@ -115,7 +115,7 @@ struct Params {
   torch::Tensor w, b;
   NamedTensors named() const { return {{"w", w}, {"b", b}}; }
 };
-Params make_params() {
+Params make_quantizable_params() {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
   return {torch::randn({64, 128}, gen), torch::randn({64}, gen)};
 }
@@ -126,7 +126,7 @@ torch::Tensor grad_of(const torch::Tensor& p, int step) {
 
 TEST(AdamW8bit, TracksAdamW) {
   const AdamWOptions options{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8};
-  Params a = make_params(), q = make_params();
+  Params a = make_quantizable_params(), q = make_quantizable_params();
   AdamW fp32(weight_decay_param_groups(a.named(), 0.1), options);
   AdamW8bit eight(weight_decay_param_groups(q.named(), 0.1), options, 256);
   EXPECT_TRUE(eight.state("w").quantized);
@@ -153,7 +153,7 @@ TEST(AdamW8bit, TracksAdamW) {
   EXPECT_LE(diff, 0.05 * change);
   EXPECT_GT(change, 1e-3);
   // The state round-trips through its state dict (codes, scales, step counts).
-  AdamW8bit other(weight_decay_param_groups(make_params().named(), 0.1), options, 256);
+  AdamW8bit other(weight_decay_param_groups(make_quantizable_params().named(), 0.1), options, 256);
   other.load_state_dict(eight.state_dict());
   for (const auto& [key, t] : eight.state_dict()) EXPECT_TRUE(torch::equal(other.state_dict().at(key), t)) << key;
   EXPECT_EQ(eight.state_dict().at("w.exp_avg").scalar_type(), torch::kChar);

@@ -9,7 +9,7 @@
 namespace loom::optim {
 namespace {
 
-std::vector<torch::Tensor> random_grads(uint64_t seed, double scale) {
+std::vector<torch::Tensor> random_gradients(uint64_t seed, double scale) {
   torch::manual_seed(seed);
   return {torch::randn({32, 16}) * scale, torch::randn({16}) * scale, torch::randn({7, 3}) * scale};
 }
@@ -21,7 +21,7 @@ double manual_norm(const std::vector<torch::Tensor>& grads) {
 }
 
 TEST(ClipGrad, ScalesDownLargeGradientsToMaxNorm) {
-  std::vector<torch::Tensor> grads = random_grads(1, 3.0);
+  std::vector<torch::Tensor> grads = random_gradients(1, 3.0);
   std::vector<torch::Tensor> original;
   for (const auto& g : grads) original.push_back(g.clone());
   const double expected = manual_norm(grads);
@@ -36,7 +36,7 @@ TEST(ClipGrad, ScalesDownLargeGradientsToMaxNorm) {
 }
 
 TEST(ClipGrad, LeavesSmallGradientsUnchanged) {
-  std::vector<torch::Tensor> grads = random_grads(2, 1e-3);
+  std::vector<torch::Tensor> grads = random_gradients(2, 1e-3);
   std::vector<torch::Tensor> original;
   for (const auto& g : grads) original.push_back(g.clone());
   const torch::Tensor norm = clip_grad_norm_(grads, 1.0);
@@ -46,7 +46,7 @@ TEST(ClipGrad, LeavesSmallGradientsUnchanged) {
 
 TEST(ClipGrad, ReduceHookCombinesShardedGradients) {
   // Two "ranks" each hold half of every gradient; the hook sums their squared partial norms.
-  const std::vector<torch::Tensor> full = random_grads(3, 2.0);
+  const std::vector<torch::Tensor> full = random_gradients(3, 2.0);
   std::vector<torch::Tensor> rank0, rank1;
   for (const auto& g : full) {
     const torch::Tensor flat = g.flatten();

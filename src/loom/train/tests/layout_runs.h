@@ -1,16 +1,21 @@
-// Shared by the Trainer's parallel-layout tests (test_trainer_tp/cp/pp/adamw8bit/muon.cpp): the
-// `loom train` command of one run of the debug model in some parallel layout, and the comparison
-// of its logged losses with the single process's.
+// Shared by the Trainer's parallel-layout tests (test_trainer_*.cpp): the `loom train` command of
+// one run of the tiny model in some parallel layout, the single-process reference runs cached in the
+// build folder, and the comparison of a run's logged losses and final parameters with them.
 #pragma once
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-
-#include <map>
 
 #include "loom/checkpoint/loader.h"
 #include "loom/checkpoint/metadata.h"
@@ -48,19 +53,26 @@ inline void expect_bitwise_equal_checkpoints(const std::map<std::string, torch::
   }
 }
 
-inline std::string source_path(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
+// What the layout-parity tests train: the Llama 3 "tiny" flavor (dim 64, 4 layers, 4 heads, ffn 256,
+// the tokenizer's 2048-token vocabulary), the smallest shape that TP 4, CP 4, four pipeline stages
+// and float8's multiples of 16 all split. It exercises every code path the debug model does (the
+// layouts split the same modules), at a twentieth of the compute, so a run costs its start-up.
+inline const std::string kTinyModel = " --model.flavor=tiny";
 
-// The debug model on the default corpus, seq 64, deterministic, every step logged, lr 1e-3 (the
-// debug config's 4e-3 spikes near step 20 and amplifies any rounding difference ~100x); `flags`
-// choose the layout.
-inline std::string layout_train_args(const TempDir& dir, int steps, int local_batch, const std::string& flags) {
-  return " train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
+// The tiny model on the default corpus, seq 64, deterministic, every step logged, lr 1e-3 (at the
+// debug config's 4e-3 the loss spikes and amplifies any rounding difference ~100x); `flags` choose
+// the layout (a later --model.flavor overrides the tiny one).
+inline std::string layout_train_args(const std::string& dump_folder, int steps, int local_batch, const std::string& flags) {
+  return " train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" + kTinyModel +
          " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
          " --training.dataset_path=" + source_path("data/default/corpus.jsonl") + " --job.dump_folder=" +
-         dir.str() + " --training.seq_len=64 --training.steps=" + std::to_string(steps) +
+         dump_folder + " --training.seq_len=64 --training.steps=" + std::to_string(steps) +
          " --training.local_batch_size=" + std::to_string(local_batch) +
          " --training.deterministic=true --optimizer.lr=1e-3 --lr_scheduler.warmup_steps=2"
          " --metrics.log_freq=1 --metrics.peak_flops=1e11 " + flags;
+}
+inline std::string layout_train_args(const TempDir& dir, int steps, int local_batch, const std::string& flags) {
+  return layout_train_args(dir.str(), steps, local_batch, flags);
 }
 
 // `loom <args>` in one process, or under `loom launch` on `nproc` ranks.
@@ -103,19 +115,68 @@ struct Layout {
   std::string flags;
 };
 
-// The run's parameters after its last step, gathered whole: its final checkpoint converted to
-// Hugging Face's format by `loom convert` (which reassembles every TP box and FSDP range).
-inline std::map<std::string, torch::Tensor> gathered_parameters(const TempDir& dir, int step) {
-  const auto hf = dir.path() / "hf";
-  RunResult r = run(bin_dir() + "/loom convert --to hf --input " +
-                    (dir.path() / "checkpoint" / ("step-" + std::to_string(step))).string() + " --output " +
-                    hf.string());
-  EXPECT_EQ(r.exit_code, 0) << r.output;
+// The parameters of a run folder's checkpoint step-<step>, gathered whole: converted to Hugging
+// Face's format by `loom convert` (which reassembles every TP box and FSDP range) into <dir>/hf, or
+// read from there when an earlier call converted it.
+inline std::map<std::string, torch::Tensor> gathered_parameters(const std::filesystem::path& dir, int step) {
+  const auto hf = dir / "hf";
   std::map<std::string, torch::Tensor> out;
-  if (r.exit_code != 0) return out;
+  if (!std::filesystem::exists(hf / "model.safetensors")) {
+    RunResult r = run(bin_dir() + "/loom convert --to hf --input " +
+                      (dir / "checkpoint" / ("step-" + std::to_string(step))).string() + " --output " + hf.string());
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    if (r.exit_code != 0) return out;
+  }
   loom::checkpoint::SafetensorsFile file(hf / "model.safetensors");
   for (const auto& name : file.names()) out[name] = file.tensor(name).clone();
   return out;
+}
+inline std::map<std::string, torch::Tensor> gathered_parameters(const TempDir& dir, int step) {
+  return gathered_parameters(dir.path(), step);
+}
+
+// A run kept in <build>/test-cache, keyed by its command line and by the size and time of every
+// file it reads (the loom binary, the config, the tokenizer, the corpus): the single-process
+// reference of a parity table runs once per build however many tests, test binaries and re-runs
+// compare against it. A lock file serialises tests that want the same run at once (ctest -j); a
+// folder without its DONE marker (a run that failed or was killed) is run again. With
+// `gather_step` > 0 the run's checkpoint of that step is also converted, once, for
+// gathered_parameters. Returns the run folder, or an empty path after reporting a failed run.
+inline std::filesystem::path cached_run(int nproc, int steps, int local_batch, const std::string& flags,
+                                        int gather_step = 0, int limit_seconds = 600) {
+  namespace fs = std::filesystem;
+  const std::string marker = "@DUMP_FOLDER@";
+  const std::string command = loom_command(nproc, layout_train_args(marker, steps, local_batch, flags));
+  std::ostringstream key;
+  key << command << " gather " << gather_step;
+  for (const fs::path& file : {fs::path(bin_dir()) / "loom", fs::path(source_path("configs/llama3_debug.toml")),
+                               fs::path(source_path("data/default/tokenizer.json")),
+                               fs::path(source_path("data/default/corpus.jsonl"))}) {
+    std::error_code ec;
+    key << " " << file.string() << ":" << fs::file_size(file, ec) << ":"
+        << fs::last_write_time(file, ec).time_since_epoch().count();
+  }
+  char name[32];
+  std::snprintf(name, sizeof(name), "%016zx", std::hash<std::string>{}(key.str()));
+  const fs::path cache = fs::path(bin_dir()).parent_path() / "test-cache";
+  fs::create_directories(cache);
+  const fs::path dir = cache / name;
+  const int lock = ::open((cache / (std::string(name) + ".lock")).c_str(), O_CREAT | O_RDWR, 0644);
+  EXPECT_GE(lock, 0) << "cannot open the test cache's lock file in " << cache;
+  if (lock >= 0) ::flock(lock, LOCK_EX);
+  if (!fs::exists(dir / "DONE")) {
+    fs::remove_all(dir);
+    std::string to_run = command;
+    to_run.replace(to_run.find(marker), marker.size(), dir.string());
+    RunResult r = run(to_run, limit_seconds);
+    bool ok = r.exit_code == 0;
+    EXPECT_TRUE(ok) << "the cached reference run failed:\n" << to_run << "\n" << r.output;
+    if (ok && gather_step > 0) ok = !gathered_parameters(dir, gather_step).empty();
+    if (ok) std::ofstream(dir / "DONE") << key.str() << "\n";
+  }
+  const bool done = fs::exists(dir / "DONE");
+  if (lock >= 0) ::close(lock);  // releases the lock
+  return done ? dir : fs::path();
 }
 
 // Largest difference over all tensors, each as ||got - want|| / ||want|| (Frobenius). Elementwise
@@ -134,6 +195,72 @@ inline double worst_parameter_difference(const std::map<std::string, torch::Tens
     worst = std::max(worst, (it->second - w).norm().item<double>() / scale);
   }
   return worst;
+}
+
+// Every run of a parity table saves its final state (a run always saves its last step when
+// checkpoints are on), whose parameters are compared gathered.
+inline const std::string kSaveLast = " --checkpoint.enable=true --checkpoint.interval=1000";
+
+// Flags the harness appends to every layout run (never to the reference): empty in the suite. A
+// mutation check sets it to break what a parity test checks, e.g.
+//   LOOM_TEST_BREAK_LAYOUTS="--optimizer.lr=1.01e-3" build/bin/loom_train_tests --gtest_filter='TrainerTP.*'
+// and every layout of the table must then fail: the smaller model and the fewer steps still see
+// a 1 % change of one layout's update.
+inline std::string layout_breakage() {
+  const char* flags = std::getenv("LOOM_TEST_BREAK_LAYOUTS");
+  return flags == nullptr ? std::string() : std::string(" ") + flags;
+}
+
+// What a parity table holds each layout to: per-step losses within `loss` and, when `params` >= 0,
+// the gathered final parameters within `params` (relative, as worst_relative and
+// worst_parameter_difference measure); a tolerance of 0 means bitwise.
+struct Tolerance {
+  double loss;
+  double params = -1;
+};
+
+// The single process with the table's global batch (8 rows per step unless `flags` say
+// otherwise), cached: the reference every layout of a parity table is compared with.
+inline std::filesystem::path single_process_reference(const std::string& flags, int steps, bool gather) {
+  return cached_run(1, steps, 8, flags + " --parallelism.data_parallel_shard_degree=1" + (gather ? kSaveLast : ""),
+                    gather ? steps : 0);
+}
+
+// One layout against the single-process reference with the same `model_flags` (e.g. a mask, an
+// optimizer, --model.n_layers): it runs `steps` steps in the layout and must match within `tol`.
+// The reference trains (its last loss below its first), so a table cannot pass on a model that
+// does not learn. Prints the measured differences.
+inline void expect_layout_matches_single_process(const Layout& l, const std::string& model_flags, int steps,
+                                                 Tolerance tol) {
+  const bool gather = tol.params >= 0;
+  const auto reference = single_process_reference(model_flags, steps, gather);
+  ASSERT_FALSE(reference.empty());
+  const auto want = logged_losses(reference);
+  ASSERT_EQ(want.size(), static_cast<size_t>(steps));
+  EXPECT_LT(want.back(), want.front());
+  TempDir dir(l.name);
+  RunResult r = run(loom_command(l.nproc, layout_train_args(dir, steps, l.local_batch,
+                                                            model_flags + " " + l.flags + (gather ? kSaveLast : "") +
+                                                                layout_breakage())),
+                    600);
+  ASSERT_EQ(r.exit_code, 0) << l.name << "\n" << r.output;
+  const auto got = logged_losses(dir.path());
+  ASSERT_EQ(got.size(), want.size()) << l.name;
+  const double worst = worst_relative(want, got);
+  if (tol.loss == 0) {
+    EXPECT_EQ(got, want) << l.name << ": per-step losses must be bitwise the single process's";
+  } else {
+    EXPECT_LE(worst, tol.loss) << l.name;
+  }
+  double worst_param = 0;
+  if (gather) {
+    worst_param = worst_parameter_difference(gathered_parameters(reference, steps), gathered_parameters(dir, steps));
+    EXPECT_LE(worst_param, tol.params) << l.name;
+  }
+  std::printf("%-36s %2d ranks, %2d steps: max relative loss difference from the single process %.2e (final %.6f vs "
+              "%.6f)%s\n",
+              l.name, l.nproc, steps, worst, got.back(), want.back(),
+              gather ? c10::str("; gathered parameters: relative L2 difference ", worst_param).c_str() : "");
 }
 
 }  // namespace loom::testing

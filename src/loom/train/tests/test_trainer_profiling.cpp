@@ -18,13 +18,13 @@ using loom::testing::run;
 using loom::testing::RunResult;
 using loom::testing::TempDir;
 
-std::string src(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
+using loom::testing::source_path;
 
 // `loom launch --nproc 2 -- train ...`: the debug model under FSDP over 2 ranks, seq 64.
 std::string fsdp_job(const TempDir& dir, int steps, const std::string& extra) {
-  return bin_dir() + "/loom launch --nproc 2 -- train --config " + src("configs/llama3_debug.toml") +
-         " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
-         " --training.dataset_path=" + src("data/default/corpus.jsonl") +
+  return bin_dir() + "/loom launch --nproc 2 -- train --config " + source_path("configs/llama3_debug.toml") +
+         " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
+         " --training.dataset_path=" + source_path("data/default/corpus.jsonl") +
          " --job.dump_folder=" + dir.str() +
          " --parallelism.data_parallel_shard_degree=2 --training.seq_len=64"
          " --training.local_batch_size=2 --training.steps=" + std::to_string(steps) +

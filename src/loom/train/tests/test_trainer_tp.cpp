@@ -1,11 +1,11 @@
 // Tensor parallelism through `loom train` (issue 10's acceptance): every TP layout trains the same
 // model as the single process with the same global batch, step by step, and checkpoints move
-// between TP, FSDP x TP and single-process layouts. Runs the debug model on the default corpus.
+// between TP, FSDP x TP and single-process layouts. Runs the tiny model on the default corpus.
 //
 // Tolerances: TP splits the rowwise matmuls' inner sums and the loss's softmax sums across ranks
 // (and its loss uses ATen's exp where the single-process CPU kernel uses a 1-ulp polynomial), so
 // the reduction order differs from the single process and per-step losses agree to float32
-// rounding, not bitwise: within 1e-5 relative over 30 steps (measured ~4e-7, printed below). The
+// rounding, not bitwise: within 1e-5 relative (measured figures printed below). The
 // runs use lr 1e-3: at the debug config's 4e-3 the loss spikes near step 20 and any rounding
 // difference (TP's or another thread count's) grows ~100x there, which would measure the spike,
 // not TP. A layout compared with itself (resume at the same layout) is bitwise.
@@ -28,61 +28,41 @@ using loom::testing::worst_relative;
 
 using loom::testing::layout_train_args;
 using loom::testing::loom_command;
-using loom::testing::gathered_parameters;
-using loom::testing::worst_parameter_difference;
 
-std::vector<double> losses(const TempDir& dir) { return loom::testing::logged_losses(dir.path()); }
-
+using loom::testing::losses;
 
 }  // namespace
 
 // The single process with 8 rows per step against: TP 2 and 4 (sequence parallel and loss
 // parallel on), TP 2 with each of them off, FSDP 2 x TP 2 and DDP 2 x TP 2 (HSDP with one shard)
 // on 4 ranks, FSDP 2 x TP 2 accumulating two micro-batches of 2 rows, async TP alone and under
-// FSDP, and HSDP 2 x 2 x TP 2 on 8 ranks (the 3-D mesh dp_replicate x dp_shard x tp).
-TEST(TrainerTP, EveryLayoutTrainsLikeTheSingleProcess) {
-  constexpr int kSteps = 30;
-  // Every run saves its final state, whose parameters are compared gathered.
-  const std::string save_last = " --checkpoint.enable=true --checkpoint.interval=30";
-  TempDir reference("single");
-  RunResult ref = run(loom_command(1, layout_train_args(reference, kSteps, 8, "--parallelism.data_parallel_shard_degree=1" + save_last)), 600);
-  ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  const auto want = losses(reference);
-  const auto want_params = gathered_parameters(reference, kSteps);
-  ASSERT_FALSE(want_params.empty());
-  ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
-  EXPECT_LT(want.back(), want.front());
-  const std::vector<Layout> layouts = {
-      {"tp2", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"},
-      {"tp4", 4, 8, "--parallelism.tensor_parallel_degree=4 --parallelism.data_parallel_shard_degree=1"},
-      {"tp2_no_sp", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"
-                          " --parallelism.disable_sequence_parallel=true"},
-      {"tp2_no_loss_parallel", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"
-                                     " --parallelism.disable_loss_parallel=true"},
-      {"fsdp2_tp2", 4, 4, "--parallelism.tensor_parallel_degree=2"},
-      {"ddp2_tp2", 4, 4, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_replicate_degree=2"
-                         " --parallelism.data_parallel_shard_degree=1"},
-      {"fsdp2_tp2_accum2", 4, 2, "--parallelism.tensor_parallel_degree=2 --training.global_batch_size=8"},
-      {"tp2_async", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"
-                          " --parallelism.enable_async_tensor_parallel=true"},
-      {"fsdp2_tp2_async", 4, 4, "--parallelism.tensor_parallel_degree=2 --parallelism.enable_async_tensor_parallel=true"},
-      {"hsdp2x2_tp2", 8, 2, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_replicate_degree=2"},
-  };
-  for (const Layout& l : layouts) {
-    TempDir dir(l.name);
-    RunResult r = run(loom_command(l.nproc, layout_train_args(dir, kSteps, l.local_batch, l.flags + save_last)), 600);
-    ASSERT_EQ(r.exit_code, 0) << l.name << "\n" << r.output;
-    const auto got = losses(dir);
-    ASSERT_EQ(got.size(), want.size()) << l.name;
-    const double worst = worst_relative(want, got);
-    EXPECT_LE(worst, 1e-5) << l.name;
-    const double worst_param = worst_parameter_difference(want_params, gathered_parameters(dir, kSteps));
-    EXPECT_LE(worst_param, 1e-5) << l.name;
-    std::printf("%-22s %d ranks, %2d steps: max relative loss difference from the single process %.2e "
-                "(final %.6f vs %.6f); gathered parameters after step %d: relative L2 difference %.2e\n", l.name, l.nproc, kSteps, worst,
-                got.back(), want.back(), kSteps, worst_param);
-  }
+// FSDP, and HSDP 2 x 2 x TP 2 on 8 ranks (the 3-D mesh dp_replicate x dp_shard x tp). One test
+// per layout against one cached single-process run; 10 steps (the loss-spike note above: more
+// steps at lr 1e-3 prove no more).
+class TrainerTPLayout : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(TrainerTPLayout, TrainsLikeTheSingleProcess) {
+  loom::testing::expect_layout_matches_single_process(GetParam(), "", 10, {1e-5, 1e-5});
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    EveryLayout, TrainerTPLayout,
+    ::testing::Values(
+        Layout{"tp2", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"},
+        Layout{"tp4", 4, 8, "--parallelism.tensor_parallel_degree=4 --parallelism.data_parallel_shard_degree=1"},
+        Layout{"tp2_no_sp", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"
+                                  " --parallelism.disable_sequence_parallel=true"},
+        Layout{"tp2_no_loss_parallel", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"
+                                             " --parallelism.disable_loss_parallel=true"},
+        Layout{"fsdp2_tp2", 4, 4, "--parallelism.tensor_parallel_degree=2"},
+        Layout{"ddp2_tp2", 4, 4, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_replicate_degree=2"
+                                 " --parallelism.data_parallel_shard_degree=1"},
+        Layout{"fsdp2_tp2_accum2", 4, 2, "--parallelism.tensor_parallel_degree=2 --training.global_batch_size=8"},
+        Layout{"tp2_async", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"
+                                  " --parallelism.enable_async_tensor_parallel=true"},
+        Layout{"fsdp2_tp2_async", 4, 4, "--parallelism.tensor_parallel_degree=2 --parallelism.enable_async_tensor_parallel=true"},
+        Layout{"hsdp2x2_tp2", 8, 2, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_replicate_degree=2"}),
+    [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
 
 // Checkpoints across TP layouts: an FSDP 2 x TP 2 run saves at step 6 (and goes on to 12);
 // resuming from that checkpoint at the same layout continues bitwise, and at TP 4, FSDP 4 and in
