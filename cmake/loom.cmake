@@ -9,11 +9,14 @@
 # target's sources compile in unity batches: the 700 MB header is loaded once per batch instead of
 # once per file, which is most of what a Loom source file costs to compile (see docs/building.md).
 
-# Every ctest test of a gtest binary: its folder's label plus `kind` (unit or multirank). Multi-rank
+# Every ctest test of a gtest binary: labelled with its `kind` (unit or multirank) and its folder. Multi-rank
 # tests and serial unit tests take both cores (PROCESSORS 2), so `ctest -j 2` runs two
 # single-threaded unit tests at a time but any of those alone.
 function(loom_discover_tests target folder kind filter processors)
-  set(props LABELS "${folder};${kind}" ENVIRONMENT "OMP_NUM_THREADS=1" PROCESSORS ${processors})
+  # One label "<kind>.<folder>" (e.g. unit.fsdp, multirank.train): gtest_discover_tests cannot pass a
+  # list of labels through its generated scripts, and ctest -L takes a regular expression, so
+  # `ctest -L unit` and `ctest -L fsdp` both select by it.
+  set(props LABELS "${kind}.${folder}" ENVIRONMENT "OMP_NUM_THREADS=1" PROCESSORS ${processors})
   # Discovery runs the binary at test time, so ctest sees every TEST() as its own test.
   gtest_discover_tests(${target} DISCOVERY_MODE PRE_TEST TEST_FILTER "${filter}" PROPERTIES ${props})
 endfunction()
