@@ -18,7 +18,9 @@ function(loom_discover_tests target folder kind filter processors)
   # `ctest -L unit` and `ctest -L fsdp` both select by it.
   set(props LABELS "${kind}.${folder}" ENVIRONMENT "OMP_NUM_THREADS=1" PROCESSORS ${processors})
   # Discovery runs the binary at test time, so ctest sees every TEST() as its own test.
-  gtest_discover_tests(${target} DISCOVERY_MODE PRE_TEST TEST_FILTER "${filter}" PROPERTIES ${props})
+  # NO_PRETTY_VALUES: a parameterised test is named by its parameter's name alone (…/tp2).
+  gtest_discover_tests(${target} DISCOVERY_MODE PRE_TEST TEST_FILTER "${filter}" NO_PRETTY_VALUES
+                       PROPERTIES ${props})
 endfunction()
 
 function(loom_library name)

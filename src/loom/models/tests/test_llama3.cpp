@@ -85,7 +85,7 @@ TEST(Flavor, UnknownNameIsAUsageErrorListingValidOnes) {
     FAIL();
   } catch (const loom::UsageError& e) {
     EXPECT_EQ(std::string(e.what()),
-              "unknown Llama 3 flavor '7B'; valid flavors: debugmodel, 124M, 1B, 3B, 8B, 70B, 405B");
+              "unknown Llama 3 flavor '7B'; valid flavors: debugmodel, tiny, 124M, 1B, 3B, 8B, 70B, 405B");
   }
 }
 

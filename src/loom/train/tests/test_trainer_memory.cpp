@@ -93,8 +93,8 @@ TEST(TrainerMemory, FsdpBreakdownHoldsShardsAndBuffersInFlight) {
   EXPECT_EQ(b.gradients, b.parameters);
   EXPECT_GE(b.optimizer, 2 * b.parameters);
   EXPECT_LE(b.optimizer, 2 * b.parameters + 64 * 8);
-  // The debug model's block: 4 x 256 x 256 attention + 3 x 256 x 768 feed-forward + 2 norms.
-  const double block = 4.0 * (4 * 256 * 256 + 3 * 256 * 768 + 2 * 256);
+  // The tiny model's block: 4 x 64 x 64 attention + 3 x 64 x 256 feed-forward + 2 norms.
+  const double block = 4.0 * (4 * 64 * 64 + 3 * 64 * 256 + 2 * 64);
   EXPECT_GE(b.buffers, block);
   EXPECT_GT(b.activations, 0.0);
   expect_adds_up(b);
