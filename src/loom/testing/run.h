@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <array>
+#include <cstdlib>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -92,6 +93,16 @@ inline std::vector<double> logged_losses(const std::filesystem::path& dump_folde
 
 // The logged losses of a run in `dir` (see logged_losses).
 inline std::vector<double> losses(const TempDir& dir) { return logged_losses(dir.path()); }
+
+// Flags a parity test appends to every run it checks (never to its reference): empty in the suite.
+// A mutation check sets them to break what the test checks, e.g.
+//   LOOM_TEST_BREAK_LAYOUTS="--optimizer.lr=1.01e-3" build/bin/loom_train_tests --gtest_filter='TrainerTP.*'
+// and every layout of the table must then fail: the smaller model and the fewer steps still see
+// a 1 % change of one layout's update.
+inline std::string layout_breakage() {
+  const char* flags = std::getenv("LOOM_TEST_BREAK_LAYOUTS");
+  return flags == nullptr ? std::string() : std::string(" ") + flags;
+}
 
 // A file's whole content (empty when it cannot be read): e.g. to compare checkpoints bitwise.
 inline std::string file_bytes(const std::filesystem::path& path) {

@@ -201,15 +201,6 @@ inline double worst_parameter_difference(const std::map<std::string, torch::Tens
 // checkpoints are on), whose parameters are compared gathered.
 inline const std::string kSaveLast = " --checkpoint.enable=true --checkpoint.interval=1000";
 
-// Flags the harness appends to every layout run (never to the reference): empty in the suite. A
-// mutation check sets it to break what a parity test checks, e.g.
-//   LOOM_TEST_BREAK_LAYOUTS="--optimizer.lr=1.01e-3" build/bin/loom_train_tests --gtest_filter='TrainerTP.*'
-// and every layout of the table must then fail: the smaller model and the fewer steps still see
-// a 1 % change of one layout's update.
-inline std::string layout_breakage() {
-  const char* flags = std::getenv("LOOM_TEST_BREAK_LAYOUTS");
-  return flags == nullptr ? std::string() : std::string(" ") + flags;
-}
 
 // What a parity table holds each layout to: per-step losses within `loss` and, when `params` >= 0,
 // the gathered final parameters within `params` (relative, as worst_relative and

@@ -42,7 +42,7 @@ TEST(TrainerE2E, DdpTwoRanksEqualsSingleProcessDoubleBatch) {
   RunResult a = run(bin_dir() + "/loom" + train_args(single, 8), 300);
   ASSERT_EQ(a.exit_code, 0) << a.output;
   RunResult b = run(bin_dir() + "/loom launch --nproc 2 -- " + train_args(ddp, 4) +
-                        " --parallelism.data_parallel_replicate_degree=2",
+                        " --parallelism.data_parallel_replicate_degree=2" + loom::testing::layout_breakage(),
                     300);
   ASSERT_EQ(b.exit_code, 0) << b.output;
   const auto la = losses(single), lb = losses(ddp);
@@ -69,7 +69,7 @@ TEST(TrainerE2E, Bf16AutocastTracksFloat32OnOneProcessAndUnderDdp) {
   ASSERT_EQ(a.exit_code, 0) << a.output;
   RunResult b = run(bin_dir() + "/loom" + train_args(bf16, 8) + amp, 300);
   ASSERT_EQ(b.exit_code, 0) << b.output;
-  RunResult c = run(bin_dir() + "/loom launch --nproc 2 -- " + train_args(ddp, 4) + amp +
+  RunResult c = run(bin_dir() + "/loom launch --nproc 2 -- " + train_args(ddp, 4) + amp + loom::testing::layout_breakage() +
                         " --parallelism.data_parallel_replicate_degree=2",
                     300);
   ASSERT_EQ(c.exit_code, 0) << c.output;
@@ -103,7 +103,9 @@ TEST(TrainerE2E, DeterministicModeIsBitwiseRepeatable) {
 TEST(TrainerE2E, GradientAccumulationEqualsLargerBatch) {
   TempDir big("big"), accum("accum");
   ASSERT_EQ(run(bin_dir() + "/loom" + train_args(big, 8, 6), 300).exit_code, 0);
-  RunResult r = run(bin_dir() + "/loom" + train_args(accum, 4, 6) + " --training.global_batch_size=8", 300);
+  RunResult r = run(bin_dir() + "/loom" + train_args(accum, 4, 6) + " --training.global_batch_size=8" +
+                        loom::testing::layout_breakage(),
+                    300);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto a = losses(big), b = losses(accum);
   ASSERT_EQ(a.size(), b.size());

@@ -32,6 +32,9 @@ Breakdown train_and_read(const std::string& name, int nproc, const std::string& 
   RunResult r = run(loom_command(nproc, layout_train_args(dir, 3, 4, flags)), 300);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("memory at step 1's peak: parameters "), std::string::npos) << r.output;
+  // c10's CPU allocator warns about frees of blocks the tracker never saw allocated (issue 21):
+  // those are by design, and the tracker keeps c10's log quiet while it counts.
+  EXPECT_EQ(r.output.find("Memory block of unknown size"), std::string::npos) << r.output;
   const auto rows = read_jsonl(dir.path() / "metrics.jsonl");
   EXPECT_FALSE(rows.empty());
   const auto& last = rows.back();

@@ -151,7 +151,9 @@ TEST(Validation, EveryLayoutReportsTheSingleProcessLoss) {
   };
   for (const auto& layout : layouts) {
     TempDir out(std::string("val_") + layout.name);
-    RunResult r = run(loom_command(layout.nproc, layout_train_args(out, 2, layout.local_batch, layout.flags + val)), 300);
+    RunResult r = run(loom_command(layout.nproc, layout_train_args(out, 2, layout.local_batch,
+                                                                   layout.flags + val + loom::testing::layout_breakage())),
+                      300);
     ASSERT_EQ(r.exit_code, 0) << layout.name << "\n" << r.output;
     const auto got = validation_rows(out);
     ASSERT_EQ(got.size(), want.size()) << layout.name;
