@@ -4,13 +4,16 @@
 Reads ctest's JUnit report, prints the slowest tests and the suite's wall time, and exits 1 when
 the whole run took longer than its budget or any one test longer than the per-test budget, so a
 new feature cannot push CI (90 minutes for set-up, build and suite) past its limit unnoticed. The
-budgets are the README's: 15 minutes for the suite on the 2-core CI machine, 60 s for one test.
+budgets are the README's, for the 2-core CI machine: the suite targets 15 minutes (it takes 13 to
+15 here) and fails at 20, so that a slow machine does not fail CI while real growth does; no test
+may take more than 60 s.
 """
 import argparse
 import sys
 import xml.etree.ElementTree as ET
 
-SUITE_BUDGET_S = 15 * 60
+SUITE_BUDGET_S = 20 * 60
+SUITE_TARGET_S = 15 * 60
 TEST_BUDGET_S = 60.0
 
 
@@ -45,6 +48,9 @@ def main() -> int:
               + ", ".join(f"{n} ({t:.0f} s)" for t, n in over)
               + "; make them smaller (model, steps, layouts per test) or split them", file=sys.stderr)
         ok = False
+    if SUITE_TARGET_S < args.wall <= args.suite_budget:
+        print(f"test budget: warning: the suite took {args.wall:.0f} s, over its {SUITE_TARGET_S:.0f} s target "
+              f"(the budget, {args.suite_budget:.0f} s, fails the run); trim the slowest tests above")
     if args.wall > args.suite_budget:
         print(f"test budget: the suite took {args.wall:.0f} s, over its budget of {args.suite_budget:.0f} s; "
               "see the slowest tests above", file=sys.stderr)

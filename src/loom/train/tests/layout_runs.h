@@ -115,20 +115,22 @@ struct Layout {
   std::string flags;
 };
 
-// The parameters of a run folder's checkpoint step-<step>, gathered whole: converted to Hugging
-// Face's format by `loom convert` (which reassembles every TP box and FSDP range) into <dir>/hf, or
-// read from there when an earlier call converted it.
+// The parameters of a run folder's checkpoint step-<step>, gathered whole in this process (the
+// loader reassembles every TP box and FSDP range, as `loom convert` does, without a process of
+// its own per layout).
 inline std::map<std::string, torch::Tensor> gathered_parameters(const std::filesystem::path& dir, int step) {
-  const auto hf = dir / "hf";
+  const auto checkpoint = dir / "checkpoint" / ("step-" + std::to_string(step));
   std::map<std::string, torch::Tensor> out;
-  if (!std::filesystem::exists(hf / "model.safetensors")) {
-    RunResult r = run(bin_dir() + "/loom convert --to hf --input " +
-                      (dir / "checkpoint" / ("step-" + std::to_string(step))).string() + " --output " + hf.string());
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    if (r.exit_code != 0) return out;
+  const auto meta = loom::checkpoint::CheckpointMetadata::read(checkpoint);
+  loom::checkpoint::ShardedStateDict state;
+  for (const auto& [name, t] : meta.tensors) {
+    if (t.component != "model") continue;  // optimizer moments and schedules are not compared here
+    torch::Tensor whole = torch::empty(t.shape, torch::TensorOptions().dtype(t.dtype));
+    state.add_full(name, t.component, whole);
+    out[name] = whole;
   }
-  loom::checkpoint::SafetensorsFile file(hf / "model.safetensors");
-  for (const auto& name : file.names()) out[name] = file.tensor(name).clone();
+  EXPECT_FALSE(out.empty()) << checkpoint;
+  loom::checkpoint::load_checkpoint(checkpoint, state, 0);
   return out;
 }
 inline std::map<std::string, torch::Tensor> gathered_parameters(const TempDir& dir, int step) {
@@ -140,8 +142,8 @@ inline std::map<std::string, torch::Tensor> gathered_parameters(const TempDir& d
 // reference of a parity table runs once per build however many tests, test binaries and re-runs
 // compare against it. A lock file serialises tests that want the same run at once (ctest -j); a
 // folder without its DONE marker (a run that failed or was killed) is run again. With
-// `gather_step` > 0 the run's checkpoint of that step is also converted, once, for
-// gathered_parameters. Returns the run folder, or an empty path after reporting a failed run.
+// `gather_step` > 0 the run must have saved that step's checkpoint, for gathered_parameters.
+// Returns the run folder, or an empty path after reporting a failed run.
 inline std::filesystem::path cached_run(int nproc, int steps, int local_batch, const std::string& flags,
                                         int gather_step = 0, int limit_seconds = 600) {
   namespace fs = std::filesystem;
@@ -171,7 +173,10 @@ inline std::filesystem::path cached_run(int nproc, int steps, int local_batch, c
     RunResult r = run(to_run, limit_seconds);
     bool ok = r.exit_code == 0;
     EXPECT_TRUE(ok) << "the cached reference run failed:\n" << to_run << "\n" << r.output;
-    if (ok && gather_step > 0) ok = !gathered_parameters(dir, gather_step).empty();
+    if (ok && gather_step > 0) {
+      ok = std::filesystem::exists(dir / "checkpoint" / ("step-" + std::to_string(gather_step)) / "metadata.json");
+      EXPECT_TRUE(ok) << "the cached reference run saved no step-" << gather_step << " checkpoint:\n" << r.output;
+    }
     if (ok) std::ofstream(dir / "DONE") << key.str() << "\n";
   }
   const bool done = fs::exists(dir / "DONE");
