@@ -115,6 +115,12 @@ struct Layout {
   std::string flags;
 };
 
+// How gtest prints a layout parameter (found by argument-dependent lookup).
+inline void PrintTo(const Layout& l, std::ostream* os) { *os << l.name << " on " << l.nproc << " ranks: " << l.flags; }
+
+// A parameterised layout test's name: the layout's (EveryLayout/TrainerTPLayout.…/tp4).
+inline std::string layout_test_name(const ::testing::TestParamInfo<Layout>& info) { return info.param.name; }
+
 // The parameters of a run folder's checkpoint step-<step>, gathered whole in this process (the
 // loader reassembles every TP box and FSDP range, as `loom convert` does, without a process of
 // its own per layout).

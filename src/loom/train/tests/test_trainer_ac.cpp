@@ -109,6 +109,6 @@ INSTANTIATE_TEST_SUITE_P(
         Layout{"pp2_tp2_ZBV", 4, 8, "--parallelism.pipeline_parallel_degree=2 --parallelism.tensor_parallel_degree=2"
                                     " --parallelism.pipeline_parallel_schedule=ZBVZeroBubble"
                                     " --parallelism.pipeline_parallel_microbatch_size=2 --parallelism.data_parallel_shard_degree=1"}),
-    [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
+    loom::testing::layout_test_name);
 
 }  // namespace

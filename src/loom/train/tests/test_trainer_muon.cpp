@@ -50,7 +50,7 @@ INSTANTIATE_TEST_SUITE_P(
         Layout{"ddp2", 2, 4, "--parallelism.data_parallel_shard_degree=1 --parallelism.data_parallel_replicate_degree=2"},
         Layout{"pp2", 2, 8, "--parallelism.data_parallel_shard_degree=1 --parallelism.pipeline_parallel_degree=2"
                             " --parallelism.pipeline_parallel_schedule=1F1B --parallelism.pipeline_parallel_microbatch_size=2"}),
-    [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
+    loom::testing::layout_test_name);
 
 // FSDP 4 saves after 2 steps (momentum buffers whole on their owners, empty pieces elsewhere);
 // FSDP 2 loads and saves it again, one process loads that and saves again: every tensor bitwise.

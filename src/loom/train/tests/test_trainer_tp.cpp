@@ -62,7 +62,7 @@ INSTANTIATE_TEST_SUITE_P(
                                   " --parallelism.enable_async_tensor_parallel=true"},
         Layout{"fsdp2_tp2_async", 4, 4, "--parallelism.tensor_parallel_degree=2 --parallelism.enable_async_tensor_parallel=true"},
         Layout{"hsdp2x2_tp2", 8, 2, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_replicate_degree=2"}),
-    [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
+    loom::testing::layout_test_name);
 
 // Checkpoints across TP layouts: an FSDP 2 x TP 2 run saves at step 6 (and goes on to 12);
 // resuming from that checkpoint at the same layout continues bitwise, and at TP 4, FSDP 4 and in
