@@ -20,7 +20,7 @@ setup:
 # absent. The choice is made when the build folder is first configured.
 CXX_COMPILER ?= $(shell command -v clang++-14 || command -v clang++ || command -v c++)
 
-$(BUILD)/build.ninja: CMakeLists.txt
+$(BUILD)/build.ninja: CMakeLists.txt | setup
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=$(CXX_COMPILER)
 
 configure: setup $(BUILD)/build.ninja
