@@ -17,8 +17,14 @@ FLOPs/token = 6N + 12 L H d T (TorchTitan's formula, N = non-embedding parameter
 device memory (torch.cuda.max_memory_allocated; Loom's mem_peak_gib, which reads the same
 allocator statistic). Then the ratios Loom / eager and Loom / compile.
 
+Levers (issue 24): Loom's CUDA kernels are switched by `training.cuda_kernels` (swiglu, rms_norm,
+rope, cross_entropy; `none` = the ATen compositions). `--ablation` adds, in the same invocation,
+Loom with no kernel, each kernel alone, all of them, and all minus each, and prints one table of
+tokens/s, MFU, peak memory and each lever's gain. `--extra-loom-args` passes further flags to every
+Loom run (e.g. Float8: `--extra-loom-args=--float8.enable=true`).
+
 Usage (on the GPU machine, with the CUDA torch that Loom was built against):
-    python3 bench/gpu_vs_pytorch.py --loom build-cuda/bin/loom [--steps 20 --warmup 5]
+    python3 bench/gpu_vs_pytorch.py --loom build-cuda/bin/loom [--steps 20 --warmup 5] [--ablation]
 A CPU smoke run of the script itself (no speed meaning): --device cpu --flavor debugmodel --seq-len 64
 --batch 2 --no-compile.
 """
@@ -112,7 +118,9 @@ def run_pytorch(args, compiled):
             "mem_gib": peak / 2**30, "loss": loss.item()}
 
 
-def run_loom(args):
+def run_loom(args, kernels="all", steps=None, warmup=None, extra=()):
+    steps = args.steps if steps is None else steps
+    warmup = args.warmup if warmup is None else warmup
     a = model_args(args.flavor, args.seq_len)
     with tempfile.TemporaryDirectory(prefix="loom_gpu_bench_") as dump:
         cmd = [args.loom, "train", "--config", os.path.join(ROOT, "configs/llama3_debug.toml"), "--validation.enable=false",
@@ -123,16 +131,23 @@ def run_loom(args):
                "--training.mixed_precision_param=bfloat16",
                "--parallelism.data_parallel_shard_degree=1",
                f"--training.seq_len={a.seq_len}", f"--training.local_batch_size={args.batch}",
-               f"--training.steps={args.warmup + args.steps}", "--metrics.log_freq=1",
+               f"--training.steps={warmup + steps}", "--metrics.log_freq=1",
                "--lr_scheduler.warmup_steps=2", "--optimizer.lr=3e-4",
-               "--checkpoint.enable=false"]
-        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+               "--checkpoint.enable=false", f"--training.cuda_kernels={kernels}", *args.extra_loom_args,
+               *extra]
+        name = f"loom [{kernels}]" + (" " + " ".join(extra) if extra else "")
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-3:]
+            print(f"{name}: FAILED (exit {proc.returncode}): {' | '.join(tail)}", flush=True)
+            return {"impl": name, "tps": float("nan"), "step_s": float("nan"),
+                    "mem_gib": float("nan"), "loss": float("nan")}
         rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
     rows = [r for r in rows if "event" not in r]
-    timed = rows[args.warmup:]
+    timed = rows[warmup:]
     tokens = args.batch * a.seq_len
     step_s = sum(tokens / r["tps"] for r in timed) / len(timed)
-    return {"impl": "loom", "tps": tokens / step_s, "step_s": step_s,
+    return {"impl": name, "tps": tokens / step_s, "step_s": step_s,
             "mem_gib": max(r["mem_peak_gib"] for r in timed), "loss": timed[-1]["loss"]}
 
 
@@ -147,6 +162,14 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--peak", type=float, default=0.0, help="peak FLOP/s for MFU (default: by device)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile run")
+    p.add_argument("--no-pytorch", action="store_true", help="Loom only (no eager, no compile)")
+    p.add_argument("--ablation", action="store_true",
+                   help="also run Loom with no kernel, each alone, and all minus each")
+    p.add_argument("--ablation-steps", type=int, default=10)
+    p.add_argument("--ablation-warmup", type=int, default=3)
+    p.add_argument("--extra-loom-args", action="append", default=[],
+                   help="a flag passed to every loom run (repeatable)")
+    p.add_argument("--json", default="", help="also write every row to this JSON file")
     args = p.parse_args()
 
     device = torch.device(args.device)
@@ -157,18 +180,51 @@ def main():
     print(f"device: {name}; flavor {args.flavor}, seq {args.seq_len}, local batch {args.batch}, "
           f"bf16; {fpt / 1e9:.2f} GFLOP/token; peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s")
 
-    results = [run_loom(args), run_pytorch(args, compiled=False)]
-    if not args.no_compile:
-        results.append(run_pytorch(args, compiled=True))
-    for r in results:
+    def show(r):
         mfu = 100.0 * r["tps"] * fpt / peak if peak else float("nan")
-        print(f"{r['impl']:>14}: {r['tps']:10,.0f} tokens/s  {r['step_s'] * 1e3:8.1f} ms/step  "
-              f"MFU {mfu:5.1f} %  peak memory {r['mem_gib']:6.2f} GiB  last loss {r['loss']:.3f}")
+        r["mfu"] = mfu
+        print(f"{r['impl']:>44}: {r['tps']:10,.0f} tokens/s  {r['step_s'] * 1e3:8.1f} ms/step  "
+              f"MFU {mfu:5.1f} %  peak memory {r['mem_gib']:6.2f} GiB  last loss {r['loss']:.3f}",
+              flush=True)
+
+    results = [run_loom(args)] if args.no_pytorch else [run_loom(args), run_pytorch(args, compiled=False)]
+    for r in results:
+        show(r)
+    if not args.no_compile and not args.no_pytorch:
+        results.append(run_pytorch(args, compiled=True))
+        show(results[-1])
     loom = results[0]
     for peer in results[1:]:
         mem = loom["mem_gib"] / peer["mem_gib"] if peer["mem_gib"] else float("nan")
         print(f"loom / {peer['impl']}: tokens/s {loom['tps'] / peer['tps']:.3f}x, "
-              f"peak memory {mem:.3f}x")
+              f"peak memory {mem:.3f}x", flush=True)
+    if args.ablation:
+        kernels = ["swiglu", "rms_norm", "rope", "cross_entropy"]
+        configs = ["none"] + kernels + ["all"] + [
+            ",".join(k for k in kernels if k != drop) for drop in kernels]
+        print(f"\nablation: {args.ablation_steps} steps after {args.ablation_warmup} warm-up each",
+              flush=True)
+        rows = []
+        for c in configs:
+            rows.append(run_loom(args, kernels=c, steps=args.ablation_steps,
+                                 warmup=args.ablation_warmup))
+            show(rows[-1])
+        base = rows[0]["tps"]
+        top = rows[len(kernels) + 1]["tps"]
+        peers = {r["impl"]: r for r in results[1:]}
+        print("\n| Loom kernels | tokens/s | MFU % | peak GiB | vs none | vs all | vs eager | vs compile |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for c, r in zip(configs, rows):
+            eager = peers.get("pytorch eager", {}).get("tps", float("nan"))
+            comp = peers.get("torch.compile", {}).get("tps", float("nan"))
+            print(f"| {c} | {r['tps']:,.0f} | {r['mfu']:.1f} | {r['mem_gib']:.2f} | "
+                  f"{r['tps'] / base:.3f}x | {r['tps'] / top:.3f}x | {r['tps'] / eager:.3f}x | "
+                  f"{r['tps'] / comp:.3f}x |")
+        results += rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "flavor": args.flavor, "seq_len": args.seq_len,
+                       "batch": args.batch, "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,15 +5,25 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstdint>
 #include <cmath>
 #include <limits>
 
 #include "loom/core/error.h"
+#include "loom/core/strings.h"
+
+#ifdef LOOM_WITH_CUDA_KERNELS
+#include "loom/nn/cuda/kernels.h"
+#endif
 
 namespace loom::nn {
 namespace {
+
+// Process-wide switch of the CUDA kernels (set_cuda_kernels); read at every call, written once at
+// start-up before any forward.
+std::atomic<unsigned> g_cuda_kernels{CudaKernelSet::all().bits};
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -28,10 +38,37 @@ bool cpu_fp32(const torch::Tensor& t) {
 // degrades to kGeneric and a forced kCpuFp32 is an error.
 FusedImpl resolve(std::optional<FusedImpl> forced, FusedImpl chosen, bool cpu_ok, const char* op) {
   const FusedImpl impl = forced.value_or(chosen);
-  if (impl == FusedImpl::kGeneric || cpu_ok) return impl;
-  LOOM_REQUIRE(!forced.has_value(), op, ": the CPU fp32 kernel cannot take these inputs (it needs "
+  if (impl == FusedImpl::kGeneric || (impl == FusedImpl::kCpuFp32 && cpu_ok)) return impl;
+  LOOM_REQUIRE(!forced.has_value() || impl != FusedImpl::kCpuFp32, op,
+               ": the CPU fp32 kernel cannot take these inputs (it needs "
                "non-empty fp32 CPU tensors of matching shapes); use FusedImpl::kGeneric");
   return FusedImpl::kGeneric;
+}
+
+// The same for an op that has a CUDA kernel: `cuda_ok` says whether it can take these inputs (CUDA
+// tensors of a dtype it handles, and the kernel not switched off).
+FusedImpl resolve(std::optional<FusedImpl> forced, FusedImpl chosen, bool cpu_ok, bool cuda_ok,
+                  const char* op) {
+  const FusedImpl impl = forced.value_or(chosen);
+  if (impl != FusedImpl::kCuda) return resolve(forced, chosen, cpu_ok, op);
+  if (cuda_ok) return impl;
+  LOOM_REQUIRE(!forced.has_value(), op, ": the CUDA kernel cannot take these inputs (it needs "
+               "a CUDA build and fp32/bf16/fp16 CUDA tensors, and the kernel enabled in "
+               "training.cuda_kernels); use FusedImpl::kGeneric");
+  return FusedImpl::kGeneric;
+}
+
+// Whether `kernel` is built and enabled and every tensor is a CUDA tensor of a dtype it handles.
+bool cuda_kernel_ok(CudaKernel kernel, std::initializer_list<const torch::Tensor*> tensors) {
+  if (!cuda_kernels_built() || !enabled_cuda_kernels().has(kernel)) return false;
+  for (const torch::Tensor* t : tensors) {
+    const auto dt = t->scalar_type();
+    if (!t->is_cuda() || t->numel() == 0 ||
+        (dt != torch::kFloat32 && dt != torch::kBFloat16 && dt != torch::kHalf)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 [[noreturn]] void fail_label(int64_t label, int64_t position, int64_t vocab) {
@@ -422,22 +459,24 @@ struct GenericLinearCrossEntropyFunction
     const int64_t vocab = w.size(0);
     const c10::ScalarType math_dtype = c10::promoteTypes(compute_dtype, torch::kFloat32);
 
-    // One host sync for the two numbers the chunks need up front: the count of valid tokens
-    // (every gradient row is scaled by its inverse, and the loss divided by it, as the CPU path
-    // does) and whether any label is out of range (gather would read out of bounds on the host
-    // and trip a device-side assert on CUDA, which poisons the context).
+    // Nothing below reads a device value on the host: the count of valid tokens (every gradient
+    // row is scaled by its inverse, the loss divided by it) stays a device tensor. Out-of-range
+    // labels would make gather read out of bounds (a device-side assert on CUDA, which poisons the
+    // context): on the CPU, where the check costs nothing, they are an error naming the position;
+    // elsewhere they gather column 0 and make the loss nan (the trainer has checked the token ids
+    // on the host already).
     const torch::Tensor valid = lab.ne(ignore_index);
     const torch::Tensor bad = valid.logical_and(lab.lt(0).logical_or(lab.ge(vocab)));
-    const torch::Tensor counts = at::stack({valid.sum(), bad.sum()}).cpu();
-    const int64_t n_valid = counts[0].item<int64_t>();
-    if (counts[1].item<int64_t>() > 0) {
+    if (lab.device().is_cpu() && bad.any().item<bool>()) {
       const int64_t pos = at::nonzero(bad).select(1, 0)[0].item<int64_t>();
       fail_label(lab[pos].item<int64_t>(), pos, vocab);
     }
+    const torch::Tensor usable = valid.logical_and(bad.logical_not());
     // mean over valid tokens: the loss is nan when none is valid (0 * inf, as PyTorch), the
     // gradients are then all zero (row_scale 0, not 0 * inf).
-    const double scale = 1.0 / static_cast<double>(n_valid);
-    const double row_scale = n_valid > 0 ? scale : 0.0;
+    const torch::Tensor n_valid = valid.sum().to(math_dtype);
+    const torch::Tensor scale = n_valid.reciprocal();
+    const torch::Tensor row_scale = at::where(n_valid.gt(0), scale, at::zeros_like(scale));
 
     const bool need_grad = need_hidden_grad || need_weight_grad;
     torch::Tensor grad_hidden = need_hidden_grad ? torch::empty_like(h) : torch::Tensor();
@@ -448,7 +487,7 @@ struct GenericLinearCrossEntropyFunction
       const int64_t c = std::min(chunk, tokens - c0);
       const torch::Tensor hc = h.narrow(0, c0, c).to(compute_dtype);
       const torch::Tensor lab_c = lab.narrow(0, c0, c);
-      const torch::Tensor valid_c = valid.narrow(0, c0, c);
+      const torch::Tensor valid_c = usable.narrow(0, c0, c);
       // Ignored rows gather column 0 and are masked out below.
       const torch::Tensor target = lab_c.masked_fill(valid_c.logical_not(), 0).unsqueeze(1);
       // In the compute dtype (the GEMM), then the math dtype; the compute-dtype logits die here.
@@ -489,7 +528,11 @@ struct GenericLinearCrossEntropyFunction
     }
     ctx->saved_data["grad_hidden"] = grad_hidden;
     ctx->saved_data["grad_weight"] = grad_weight;
-    return loss_sum.mul(scale).to(torch::kFloat32);
+    torch::Tensor loss = loss_sum.mul(scale).to(torch::kFloat32);
+    if (!lab.device().is_cpu()) {
+      loss = at::where(bad.any(), at::full_like(loss, std::numeric_limits<float>::quiet_NaN()), loss);
+    }
+    return loss;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -507,12 +550,213 @@ struct GenericLinearCrossEntropyFunction
   }
 };
 
+#ifdef LOOM_WITH_CUDA_KERNELS
+// Autograd wrappers of the CUDA kernels (cuda/kernels.h). Each saves what its backward kernel reads.
+struct CudaSwiGLUFunction : public torch::autograd::Function<CudaSwiGLUFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
+                               const torch::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    return cuda::swiglu_forward(gate, up);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    auto [grad_gate, grad_up] = cuda::swiglu_backward(grad_outputs[0], saved[0], saved[1]);
+    return {grad_gate, grad_up};
+  }
+};
+
+struct CudaRMSNormFunction : public torch::autograd::Function<CudaRMSNormFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, double eps, c10::ScalarType out_dtype) {
+    const torch::Tensor xc = x.contiguous();
+    auto [y, rstd] = cuda::rms_norm_forward(xc, weight, eps, out_dtype);
+    ctx->save_for_backward({xc, weight, rstd});
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    auto [grad_x, grad_weight] =
+        cuda::rms_norm_backward(grad_outputs[0].contiguous(), saved[0], saved[1], saved[2]);
+    return {grad_x, grad_weight, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct CudaRotaryFunction : public torch::autograd::Function<CudaRotaryFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& cache) {
+    ctx->saved_data["cache"] = cache;
+    return cuda::rope_forward(x, cache, /*inverse=*/false);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const torch::Tensor cache = ctx->saved_data["cache"].toTensor();
+    return {cuda::rope_forward(grad_outputs[0], cache, /*inverse=*/true), torch::Tensor()};
+  }
+};
+
+// Rows per chunk of the CUDA loss: at least `requested`, as many as fit in min(1 GiB, 1/8 of what
+// the allocator can still hand out) of compute-dtype logits, at most 4096 (past that the GEMMs are
+// as efficient and the memory is better spent elsewhere), in multiples of 256 rows.
+int64_t cuda_chunk_rows(const torch::Tensor& on, int64_t tokens, int64_t vocab,
+                        c10::ScalarType dtype, int64_t requested) {
+  const int64_t budget =
+      std::min<int64_t>(int64_t{1} << 30, cuda::allocatable_bytes(on.get_device()) / 8);
+  const int64_t row_bytes = vocab * static_cast<int64_t>(c10::elementSize(dtype));
+  int64_t rows = std::min<int64_t>(4096, budget / std::max<int64_t>(1, row_bytes)) / 256 * 256;
+  rows = std::max(rows, requested);
+  return std::max<int64_t>(1, std::min(rows, tokens));
+}
+
+// grad_weight (fp32) += a^T-shaped product in the compute dtype, written by the GEMM in fp32 (no
+// compute-dtype product to add). Falls back to a product plus an add if this libtorch's
+// addmm(out_dtype) refuses these dtypes.
+void accumulate_fp32(torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b) {
+  static std::atomic<bool> out_dtype_ok{true};
+  if (out_dtype_ok.load(std::memory_order_relaxed)) {
+    try {
+      at::addmm_out(acc, acc, a, b, at::kFloat);
+      return;
+    } catch (const c10::Error&) {
+      out_dtype_ok.store(false, std::memory_order_relaxed);
+    }
+  }
+  acc.add_(at::mm(a, b));
+}
+
+// The CUDA twin of GenericLinearCrossEntropyFunction: the same chunked scheme (gradients of hidden
+// and weight computed in the forward, the backward only scales them), with the per-chunk softmax,
+// loss and dlogits done by one kernel in place on the compute-dtype logits, chunks sized from the
+// free memory, and no host synchronisation anywhere.
+struct CudaLinearCrossEntropyFunction
+    : public torch::autograd::Function<CudaLinearCrossEntropyFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
+                               const torch::Tensor& weight, const torch::Tensor& labels,
+                               int64_t ignore_index, int64_t chunk_tokens,
+                               c10::ScalarType compute_dtype, bool need_hidden_grad,
+                               bool need_weight_grad) {
+    std::optional<c10::impl::ExcludeDispatchKeyGuard> no_autocast;
+    if (at::autocast::is_autocast_available(c10::DeviceType::CUDA)) {
+      no_autocast.emplace(at::autocast::get_autocast_dispatch_key_from_device_type(c10::DeviceType::CUDA));
+    }
+    const torch::Tensor h = hidden.to(compute_dtype).contiguous();
+    const torch::Tensor w = weight.to(compute_dtype).contiguous();
+    const torch::Tensor lab = labels.contiguous();
+    const int64_t tokens = h.size(0);
+    const int64_t vocab = w.size(0);
+    const bool need_grad = need_hidden_grad || need_weight_grad;
+
+    const torch::Tensor n_valid = lab.ne(ignore_index).sum().to(torch::kFloat32);
+    const torch::Tensor scale = n_valid.reciprocal();  // inf when no token is valid
+    const torch::Tensor row_scale = at::where(n_valid.gt(0), scale, at::zeros_like(scale));
+    torch::Tensor bad = torch::zeros({}, lab.options().dtype(torch::kInt32));
+    torch::Tensor row_loss = torch::empty({tokens}, h.options().dtype(torch::kFloat32));
+    torch::Tensor grad_hidden =
+        need_hidden_grad ? torch::empty(hidden.sizes(), hidden.options()) : torch::Tensor();
+    torch::Tensor grad_weight =
+        need_weight_grad ? torch::zeros(weight.sizes(), w.options().dtype(torch::kFloat32))
+                         : torch::Tensor();
+
+    const int64_t chunk = cuda_chunk_rows(h, tokens, vocab, compute_dtype, chunk_tokens);
+    // One logits buffer for every chunk: the stream orders each chunk's GEMMs after the previous
+    // chunk's readers.
+    torch::Tensor buffer = torch::empty({chunk, vocab}, w.options());
+    for (int64_t c0 = 0; c0 < tokens; c0 += chunk) {
+      const int64_t c = std::min(chunk, tokens - c0);
+      const torch::Tensor hc = h.narrow(0, c0, c);
+      torch::Tensor logits = buffer.narrow(0, 0, c);
+      at::mm_out(logits, hc, w.t());
+      torch::Tensor loss_c = row_loss.narrow(0, c0, c);
+      cuda::cross_entropy_chunk_(logits, lab.narrow(0, c0, c), ignore_index, row_scale, loss_c,
+                                 bad, need_grad);
+      if (need_hidden_grad) {
+        torch::Tensor out = grad_hidden.narrow(0, c0, c);
+        if (out.scalar_type() == compute_dtype) {
+          at::mm_out(out, logits, w);
+        } else {
+          out.copy_(at::mm(logits, w));
+        }
+      }
+      if (need_weight_grad) {
+        if (compute_dtype == torch::kFloat32) {
+          grad_weight.addmm_(logits.t(), hc);
+        } else {
+          accumulate_fp32(grad_weight, logits.t(), hc);
+        }
+      }
+    }
+    if (need_weight_grad && grad_weight.scalar_type() != weight.scalar_type()) {
+      grad_weight = grad_weight.to(weight.scalar_type());
+    }
+    ctx->saved_data["grad_hidden"] = grad_hidden;
+    ctx->saved_data["grad_weight"] = grad_weight;
+    const torch::Tensor loss = row_loss.sum().mul(scale);
+    return at::where(bad.gt(0), at::full_like(loss, std::numeric_limits<float>::quiet_NaN()), loss);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    torch::Tensor grad_hidden = ctx->saved_data["grad_hidden"].toTensor();
+    torch::Tensor grad_weight = ctx->saved_data["grad_weight"].toTensor();
+    ctx->saved_data.erase("grad_hidden");
+    ctx->saved_data.erase("grad_weight");
+    const torch::Tensor& g = grad_outputs[0];
+    if (grad_hidden.defined()) grad_hidden.mul_(g);
+    if (grad_weight.defined()) grad_weight.mul_(g);
+    return {grad_hidden, grad_weight, torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+#endif  // LOOM_WITH_CUDA_KERNELS
+
 }  // namespace
 
 FusedImpl fused_impl_for(c10::Device device, c10::ScalarType compute_dtype) {
   if (device.is_cpu() && compute_dtype == torch::kFloat32) return FusedImpl::kCpuFp32;
+  if (device.is_cuda() && cuda_kernels_built() &&
+      (compute_dtype == torch::kFloat32 || compute_dtype == torch::kBFloat16 ||
+       compute_dtype == torch::kHalf)) {
+    return FusedImpl::kCuda;
+  }
   return FusedImpl::kGeneric;
 }
+
+bool cuda_kernels_built() {
+#ifdef LOOM_WITH_CUDA_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
+
+CudaKernelSet parse_cuda_kernels(const std::string& spec) {
+  static const std::pair<const char*, CudaKernel> kNames[] = {
+      {"swiglu", CudaKernel::kSwiGLU},
+      {"rms_norm", CudaKernel::kRmsNorm},
+      {"rope", CudaKernel::kRope},
+      {"cross_entropy", CudaKernel::kCrossEntropy}};
+  if (spec == "all") return CudaKernelSet::all();
+  CudaKernelSet set;
+  if (spec == "none") return set;
+  size_t begin = 0;
+  while (begin <= spec.size()) {
+    const size_t end = std::min(spec.find(',', begin), spec.size());
+    const std::string name = spec.substr(begin, end - begin);
+    bool known = false;
+    for (const auto& [n, k] : kNames) {
+      if (name == n) {
+        set.bits |= static_cast<unsigned>(k);
+        known = true;
+      }
+    }
+    LOOM_REQUIRE_USAGE(known, "training.cuda_kernels: unknown kernel '", name, "' in '", spec,
+                       "'; use all, none, or a comma-separated list of swiglu, rms_norm, rope, "
+                       "cross_entropy");
+    begin = end + 1;
+  }
+  return set;
+}
+
+void set_cuda_kernels(CudaKernelSet kernels) { g_cuda_kernels.store(kernels.bits); }
+
+CudaKernelSet enabled_cuda_kernels() { return {g_cuda_kernels.load()}; }
 
 c10::ScalarType linear_compute_dtype(const torch::Tensor& hidden, const torch::Tensor& weight) {
   const c10::DeviceType device_type = hidden.device().type();
@@ -529,10 +773,19 @@ torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight
                              std::optional<FusedImpl> impl) {
   const bool cpu_ok = cpu_fp32(x) && cpu_fp32(weight) && x.dim() > 0 && weight.dim() == 1 &&
                       weight.size(0) == x.size(-1) && x.numel() > 0;
-  if (resolve(impl, fused_impl_for(x.device(), x.scalar_type()), cpu_ok, "fused_rms_norm") ==
-      FusedImpl::kGeneric) {
-    return at::rms_norm(x, {weight.size(-1)}, weight, eps);
+  const bool cuda_ok = cuda_kernel_ok(CudaKernel::kRmsNorm, {&x, &weight}) && x.dim() > 0 &&
+                       weight.dim() == 1 && weight.size(0) == x.size(-1);
+  const FusedImpl chosen =
+      resolve(impl, fused_impl_for(x.device(), x.scalar_type()), cpu_ok, cuda_ok, "fused_rms_norm");
+  if (chosen == FusedImpl::kGeneric) return at::rms_norm(x, {weight.size(-1)}, weight, eps);
+#ifdef LOOM_WITH_CUDA_KERNELS
+  if (chosen == FusedImpl::kCuda) {
+    const bool autocast = at::autocast::is_autocast_enabled(c10::DeviceType::CUDA);
+    const c10::ScalarType out_dtype =
+        autocast ? at::autocast::get_autocast_dtype(c10::DeviceType::CUDA) : x.scalar_type();
+    return CudaRMSNormFunction::apply(x, weight, eps, out_dtype);
   }
+#endif
   return RMSNormFunction::apply(x, weight, eps);
 }
 
@@ -544,20 +797,28 @@ torch::Tensor fused_rotary_embedding(const torch::Tensor& x, const torch::Tensor
                   cache.size(1) >= x.size(1),
               "RoPE cache of shape ", cache.sizes(), " does not fit x of shape ", x.sizes());
   const bool cpu_ok = cpu_fp32(x) && cpu_fp32(cache) && cache.is_contiguous() && x.numel() > 0;
-  if (resolve(impl, fused_impl_for(x.device(), x.scalar_type()), cpu_ok,
-              "fused_rotary_embedding") == FusedImpl::kGeneric) {
-    return rotary_composite(x, cache);
-  }
+  const bool cuda_ok = cuda_kernel_ok(CudaKernel::kRope, {&x}) && cache.is_cuda() &&
+                       cache.scalar_type() == torch::kFloat32 && cache.is_contiguous();
+  const FusedImpl chosen = resolve(impl, fused_impl_for(x.device(), x.scalar_type()), cpu_ok,
+                                   cuda_ok, "fused_rotary_embedding");
+  if (chosen == FusedImpl::kGeneric) return rotary_composite(x, cache);
+#ifdef LOOM_WITH_CUDA_KERNELS
+  if (chosen == FusedImpl::kCuda) return CudaRotaryFunction::apply(x, cache);
+#endif
   return RotaryFunction::apply(x, cache);
 }
 
 torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up,
                            std::optional<FusedImpl> impl) {
   const bool cpu_ok = cpu_fp32(gate) && cpu_fp32(up) && gate.sizes() == up.sizes();
-  if (resolve(impl, fused_impl_for(gate.device(), gate.scalar_type()), cpu_ok, "fused_swiglu") ==
-      FusedImpl::kGeneric) {
-    return at::silu(gate) * up;
-  }
+  const bool cuda_ok = cuda_kernel_ok(CudaKernel::kSwiGLU, {&gate, &up}) &&
+                       gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type();
+  const FusedImpl chosen = resolve(impl, fused_impl_for(gate.device(), gate.scalar_type()), cpu_ok,
+                                   cuda_ok, "fused_swiglu");
+  if (chosen == FusedImpl::kGeneric) return at::silu(gate) * up;
+#ifdef LOOM_WITH_CUDA_KERNELS
+  if (chosen == FusedImpl::kCuda) return CudaSwiGLUFunction::apply(gate, up);
+#endif
   return SwiGLUFunction::apply(gate, up);
 }
 
@@ -581,11 +842,22 @@ torch::Tensor fused_linear_cross_entropy(const torch::Tensor& hidden, const torc
   // autocast compute_dtype is bf16 and the choice is kGeneric).
   const bool cpu_ok = cpu_fp32(hidden) && cpu_fp32(weight) && compute_dtype == torch::kFloat32 &&
                       hidden.size(0) > 0;
+  const bool cuda_ok = cuda_kernel_ok(CudaKernel::kCrossEntropy, {&hidden, &weight}) &&
+                       labels.is_cuda() && hidden.size(0) > 0 &&
+                       (compute_dtype == torch::kFloat32 || compute_dtype == torch::kBFloat16 ||
+                        compute_dtype == torch::kHalf);
   const FusedImpl chosen = resolve(impl, fused_impl_for(hidden.device(), compute_dtype), cpu_ok,
-                                   "fused_linear_cross_entropy");
+                                   cuda_ok, "fused_linear_cross_entropy");
   const bool grad = torch::GradMode::is_enabled();
   const bool need_hidden_grad = grad && hidden.requires_grad();
   const bool need_weight_grad = grad && weight.requires_grad();
+#ifdef LOOM_WITH_CUDA_KERNELS
+  if (chosen == FusedImpl::kCuda) {
+    return CudaLinearCrossEntropyFunction::apply(hidden, weight, labels, ignore_index,
+                                                 chunk_tokens, compute_dtype, need_hidden_grad,
+                                                 need_weight_grad);
+  }
+#endif
   if (chosen == FusedImpl::kGeneric) {
     return GenericLinearCrossEntropyFunction::apply(hidden, weight, labels, ignore_index,
                                                     chunk_tokens, compute_dtype, need_hidden_grad,

@@ -21,17 +21,43 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 namespace loom::nn {
 
 enum class FusedImpl {
   kCpuFp32,  // hand-written CPU kernels; fp32 only
   kGeneric,  // ATen ops; any device, any floating dtype
+  kCuda,     // Loom's CUDA kernels (nn/cuda/kernels.h); CUDA builds, fp32/bf16/fp16
 };
 
+// Loom's CUDA kernels, each of which can be switched off (falling back to its ATen composition):
+// to measure what each one brings (bench/gpu_vs_pytorch.py --ablation), or to rule one out when
+// chasing a numerical difference. Set once per process from `training.cuda_kernels`.
+enum class CudaKernel : unsigned {
+  kSwiGLU = 1u << 0,
+  kRmsNorm = 1u << 1,
+  kRope = 1u << 2,
+  kCrossEntropy = 1u << 3,
+};
+struct CudaKernelSet {
+  unsigned bits = 0;
+  bool has(CudaKernel k) const { return (bits & static_cast<unsigned>(k)) != 0; }
+  static CudaKernelSet all() { return {0xFu}; }
+  bool operator==(const CudaKernelSet&) const = default;
+};
+// "all", "none", or a comma-separated list of swiglu, rms_norm, rope, cross_entropy. Throws
+// loom::UsageError naming the unknown entry and the accepted ones.
+CudaKernelSet parse_cuda_kernels(const std::string& spec);
+void set_cuda_kernels(CudaKernelSet kernels);
+CudaKernelSet enabled_cuda_kernels();
+// Whether this build has the kernels at all (libtorch with CUDA: LOOM_WITH_CUDA_KERNELS).
+bool cuda_kernels_built();
+
 // The one place that maps a device and the dtype an op computes in to an implementation: CPU +
-// fp32 -> kCpuFp32, everything else (CUDA and other accelerators, bf16/fp16/fp64, CPU autocast)
-// -> kGeneric. Every entry point below asks it unless the caller forces `impl`; an entry point
+// fp32 -> kCpuFp32; CUDA + fp32/bf16/fp16 in a build with the CUDA kernels -> kCuda (an op whose
+// kernel `training.cuda_kernels` switched off runs kGeneric); everything else (other accelerators,
+// fp64, CPU autocast) -> kGeneric. Every entry point below asks it unless the caller forces `impl`; an entry point
 // whose inputs the CPU kernel cannot take (mixed dtypes, empty tensors, strided caches) runs
 // kGeneric instead, or throws loom::Error when kCpuFp32 was forced.
 //
@@ -47,7 +73,9 @@ FusedImpl fused_impl_for(c10::Device device, c10::ScalarType compute_dtype);
 c10::ScalarType linear_compute_dtype(const torch::Tensor& hidden, const torch::Tensor& weight);
 
 // x / sqrt(mean(x^2, -1) + eps) * weight over the last dimension. Saves x and one fp32 rstd per row.
-// kGeneric: at::rms_norm (CUDA: the fused _fused_rms_norm kernel and its backward).
+// kGeneric: at::rms_norm (CUDA: the fused _fused_rms_norm kernel and its backward). kCuda: one
+// kernel each way; under CUDA autocast it writes the autocast dtype directly (every consumer of a
+// norm is a linear that would cast it there anyway), saving a pass.
 torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                              std::optional<FusedImpl> impl = std::nullopt);
 
@@ -70,7 +98,15 @@ torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up,
 // is O(chunk_tokens * vocab) on every device and dtype.
 // hidden: [N, dim], weight: [vocab, dim], labels: [N] int64 on hidden's device (ignore_index marks
 // padding). Returns a 0-dim fp32 loss (nan when every label is ignored, as PyTorch). Throws
-// loom::Error for out-of-range labels.
+// loom::Error for out-of-range labels on the CPU; on an accelerator, where that check would be a
+// host sync in the middle of the forward, an out-of-range label makes the loss nan instead (the
+// trainer checks token ids on the host when it loads the data). Nothing here reads a device value
+// on the host: the valid-token count stays on the device.
+//
+// kCuda: chunks of at least `chunk_tokens`, as large as fit in min(1 GiB, 1/8 of the allocatable
+// device memory) of logits (at most 4096 rows); per chunk one GEMM writes the logits, one kernel
+// turns them in place into the loss and scale * (softmax - onehot) (cuda/kernels.h), and the
+// weight gradient is accumulated by a GEMM that writes fp32 directly.
 //
 // The GEMMs run in linear_compute_dtype(hidden, weight) -- under autocast that is the autocast
 // dtype, exactly what autocast does for the at::linear this replaces (bf16 hidden and an fp32

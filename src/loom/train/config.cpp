@@ -1,5 +1,7 @@
 #include "loom/train/config.h"
 
+#include "loom/nn/fused.h"
+
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -176,6 +178,12 @@ const std::vector<ConfigKey> kSchema = {
      "Let float32 matmuls and convolutions on CUDA use TF32 tensor cores (PyTorch's "
      "`allow_tf32`): several times faster float32 GEMMs whose inputs are rounded to a 10-bit "
      "mantissa. No effect on the CPU or in bfloat16.",
+     {}},
+    {LOOM_CONFIG_KEY(training, cuda_kernels),
+     "Loom's own CUDA kernels used on a CUDA device: `all`, `none`, or a comma-separated list of "
+     "`swiglu`, `rms_norm`, `rope`, `cross_entropy` (the fused classifier: softmax, loss and "
+     "logit gradient in one pass per chunk). A kernel left out runs its ATen composition "
+     "instead; bench/gpu_vs_pytorch.py --ablation measures each. No effect on the CPU.",
      {}},
     // [parallelism]
     {LOOM_CONFIG_KEY(parallelism, data_parallel_replicate_degree),
@@ -914,6 +922,7 @@ void validate(const JobConfig& c) {
         k.field(const_cast<JobConfig&>(c)));  // only read
   }
   require(!c.job.dump_folder.empty(), key("job.dump_folder"), "a non-empty path", c);
+  nn::parse_cuda_kernels(c.training.cuda_kernels);  // a usage error naming an unknown kernel
   require(c.model.vocab_size >= 0, key("model.vocab_size"), ">= 0", c);
   require(c.model.n_layers >= 0, key("model.n_layers"), ">= 0 (0 = the flavor's)", c);
   require(c.optimizer.lr >= 0.0, key("optimizer.lr"), ">= 0", c);

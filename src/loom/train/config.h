@@ -87,6 +87,7 @@ struct TrainingSection {
   // behaves the same on a machine that has a GPU.
   std::string device = "cpu";
   bool allow_tf32 = false;  // TF32 tensor cores for float32 matmuls/convolutions on CUDA
+  std::string cuda_kernels = "all";  // Loom's CUDA kernels in use: "all" | "none" | a list
 
   bool operator==(const TrainingSection&) const = default;
 };

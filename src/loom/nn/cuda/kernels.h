@@ -48,3 +48,12 @@ void cross_entropy_chunk_(at::Tensor& logits, const at::Tensor& labels, int64_t 
                           bool write_grad);
 
 }  // namespace loom::nn::cuda
+
+namespace loom::nn::cuda {
+
+// Bytes the caching allocator could hand out on `device` without asking the driver for more than
+// it has: the driver's free memory plus what the allocator holds reserved but unused. Sizes the
+// cross-entropy chunks; no host-device synchronisation.
+int64_t allocatable_bytes(int device_index);
+
+}  // namespace loom::nn::cuda

@@ -15,6 +15,7 @@
 
 #include "loom/core/error.h"
 #include "loom/nn/fused.h"
+#include "loom/testing/errors.h"
 #include "loom/nn/rope.h"
 #include "loom/nn/tests/fused_test_support.h"
 
@@ -65,8 +66,11 @@ TEST(FusedDispatch, CpuKernelsOnlyForCpuFp32AndAutocastPicksTheHeadDtype) {
     EXPECT_EQ(fused_impl_for(torch::kCPU, dtype), FusedImpl::kGeneric) << dtype;
   }
   // Only a Device value: no CUDA runtime is needed to ask.
-  EXPECT_EQ(fused_impl_for(c10::Device("cuda:0"), torch::kFloat32), FusedImpl::kGeneric);
-  EXPECT_EQ(fused_impl_for(c10::Device("cuda:0"), torch::kBFloat16), FusedImpl::kGeneric);
+  // CUDA: Loom's kernels where this build has them, else the ATen compositions.
+  const FusedImpl cuda = cuda_kernels_built() ? FusedImpl::kCuda : FusedImpl::kGeneric;
+  EXPECT_EQ(fused_impl_for(c10::Device("cuda:0"), torch::kFloat32), cuda);
+  EXPECT_EQ(fused_impl_for(c10::Device("cuda:0"), torch::kBFloat16), cuda);
+  EXPECT_EQ(fused_impl_for(c10::Device("cuda:0"), torch::kFloat64), FusedImpl::kGeneric);
 
   const torch::Tensor h32 = torch::randn({4, 8}), w32 = torch::randn({5, 8});
   const torch::Tensor h64 = h32.to(torch::kFloat64), w64 = w32.to(torch::kFloat64);
@@ -79,6 +83,29 @@ TEST(FusedDispatch, CpuKernelsOnlyForCpuFp32AndAutocastPicksTheHeadDtype) {
     EXPECT_EQ(linear_compute_dtype(h64, w64), torch::kFloat64);  // autocast leaves fp64 alone
   }
   EXPECT_EQ(linear_compute_dtype(h32, w32), torch::kFloat32);
+}
+
+TEST(FusedDispatch, CudaKernelSwitchNamesEachKernelAndRejectsUnknownOnes) {
+  using loom::nn::CudaKernel;
+  using loom::nn::CudaKernelSet;
+  using loom::nn::parse_cuda_kernels;
+  EXPECT_EQ(parse_cuda_kernels("all"), CudaKernelSet::all());
+  EXPECT_EQ(parse_cuda_kernels("none").bits, 0u);
+  const CudaKernelSet some = parse_cuda_kernels("rope,cross_entropy");
+  EXPECT_TRUE(some.has(CudaKernel::kRope));
+  EXPECT_TRUE(some.has(CudaKernel::kCrossEntropy));
+  EXPECT_FALSE(some.has(CudaKernel::kSwiGLU));
+  EXPECT_FALSE(some.has(CudaKernel::kRmsNorm));
+  EXPECT_EQ(parse_cuda_kernels("swiglu,rms_norm,rope,cross_entropy"), CudaKernelSet::all());
+  loom::testing::expect_error<loom::UsageError>([] { parse_cuda_kernels("swiglu,flash"); },
+                                                {"training.cuda_kernels", "unknown kernel 'flash'",
+                                                 "swiglu, rms_norm, rope, cross_entropy"});
+  loom::testing::expect_error<loom::UsageError>([] { parse_cuda_kernels(""); },
+                                                {"unknown kernel ''"});
+  // Switching kernels off never changes the CPU choice.
+  loom::nn::set_cuda_kernels(parse_cuda_kernels("none"));
+  EXPECT_EQ(fused_impl_for(torch::kCPU, torch::kFloat32), FusedImpl::kCpuFp32);
+  loom::nn::set_cuda_kernels(CudaKernelSet::all());
 }
 
 TEST(FusedDispatch, ForcingTheCpuKernelOnInputsItCannotTakeIsAnError) {

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Everything a GPU machine should tell us, in one command from a clean checkout, within a time
+# budget: build, the CUDA kernel tests and micro-benchmarks, Loom vs PyTorch eager and
+# torch.compile with the per-kernel ablation, a 3-step Kineto trace, Float8 row-wise on and off,
+# then (with the time left) the whole suite. Every log lands in the output folder; summary.txt
+# gathers the lines that matter (ctest summaries, the tables).
+#
+#   scripts/gpu_check.sh [out-folder, default $OUT or gpu-check]
+#   GPU_CHECK_SECONDS=540   the budget for everything (default 1500: a whole 30-minute lease less
+#                           the machine's start); steps that no longer fit are skipped, and said so
+#   GPU_CHECK_SUITE=0       skip the whole suite even if time is left
+#
+# On the lent machine (../shared/gpu/README.md): carry .device and the script sources
+# .device/setup.sh itself (the Debian packages and data that machine cannot download).
+set -uo pipefail
+out=${1:-${OUT:-gpu-check}}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+start=$(date +%s)
+deadline=$((start + ${GPU_CHECK_SECONDS:-1500}))
+left() { echo $((deadline - $(date +%s))); }
+say() { echo "[$(date +%T) +$(($(date +%s) - start))s] $*" | tee -a "$out/summary.txt"; }
+# run_step NAME SECONDS_NEEDED LOG COMMAND...: runs COMMAND under the time left (less 10 s), or
+# skips it when less than SECONDS_NEEDED is left.
+run_step() {
+  local name=$1 need=$2 log=$3; shift 3
+  local budget=$(($(left) - 10))
+  if [ "$budget" -lt "$need" ]; then
+    say "$name: skipped ($budget s left, needs about $need s)"
+    return 0
+  fi
+  say "$name: start (limit $budget s)"
+  timeout --kill-after=5 "$budget" "$@" >>"$log" 2>&1
+  local rc=$?
+  say "$name: exit $rc"
+  return 0
+}
+
+if [ -f .device/setup.sh ]; then
+  # shellcheck disable=SC1091
+  source .device/setup.sh >"$out/build.log" 2>&1
+fi
+PY=${LOOM_PYTHON:-$(command -v python3)}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$out/summary.txt"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tee -a "$out/summary.txt"
+git log --oneline -1 2>/dev/null | tee -a "$out/summary.txt"
+
+# 1. Build what the checks need first (the CLI, the kernel tests, the micro-benchmarks).
+B=build-cuda
+say "configure"
+cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_PYTHON="$PY" >>"$out/build.log" 2>&1 \
+  || { say "configure FAILED (build.log)"; tail -20 "$out/build.log" | tee -a "$out/summary.txt"; exit 1; }
+say "build: loom, kernel tests, micro-benchmarks"
+if ! cmake --build "$B" -j "$(nproc)" --target loom loom_cuda_kernel_tests loom_nn_tests \
+    loom_bench_cuda_kernels >>"$out/build.log" 2>&1; then
+  say "build FAILED (build.log)"
+  grep -E "error|Error" "$out/build.log" | head -20 | tee -a "$out/summary.txt"
+  exit 1
+fi
+say "build: done"
+
+# 2. The kernels against the ATen compositions, then their micro-benchmarks.
+run_step "kernel tests" 30 "$out/kernels.log" "$B/bin/loom_cuda_kernel_tests" --gtest_brief=0
+grep -E "^\[  (PASSED|FAILED) |tests ran|FAILED" "$out/kernels.log" | tee -a "$out/summary.txt"
+run_step "nn tests on this build" 30 "$out/kernels.log" "$B/bin/loom_nn_tests" --gtest_brief=1
+run_step "kernel micro-benchmarks" 40 "$out/kernels.log" "$B/bin/loom_bench_cuda_kernels" \
+  --benchmark_min_time=0.2s
+grep -E "^BM_" "$out/kernels.log" | tee -a "$out/summary.txt" >/dev/null
+
+# 3. Loom vs PyTorch eager and torch.compile on the 1B shape, and the per-kernel ablation.
+export PYTHONUNBUFFERED=1
+run_step "benchmark + ablation" 200 "$out/bench.log" "$PY" bench/gpu_vs_pytorch.py --loom "$B/bin/loom" \
+  --ablation --json "$out/bench.json"
+grep -E "tokens/s|^\||FAILED|loom / " "$out/bench.log" | tee -a "$out/summary.txt" >/dev/null
+
+# 4. A Kineto trace of 3 steps of the 1B shape with every kernel on.
+trace_dir=$(mktemp -d)
+run_step "trace" 60 "$out/trace.log" "$B/bin/loom" train --config configs/llama3_debug.toml \
+  --validation.enable=false --model.flavor=1B --model.vocab_size=128256 \
+  --training.device=cuda --training.mixed_precision_param=bfloat16 \
+  --parallelism.data_parallel_shard_degree=1 --training.seq_len=2048 --training.local_batch_size=4 \
+  --training.steps=6 --checkpoint.enable=false --metrics.log_freq=1 \
+  --profiling.enable_profiling=true --profiling.profile_freq=6 --profiling.profiler_warmup=2 \
+  --profiling.profiler_active=3 --job.dump_folder="$trace_dir"
+trace=$(find "$trace_dir" -name "*trace.json" | head -1)
+if [ -n "$trace" ]; then
+  gzip -c "$trace" >"$out/trace.json.gz"
+  say "trace: $(du -h "$out/trace.json.gz" | cut -f1) compressed"
+  # The kernels that take the most device time, from the trace itself.
+  "$PY" - "$trace" <<'EOF' 2>&1 | tee -a "$out/summary.txt"
+import json, sys, collections
+events = json.load(open(sys.argv[1])).get("traceEvents", [])
+total = collections.Counter()
+count = collections.Counter()
+for e in events:
+    if e.get("cat") == "kernel" and "dur" in e:
+        total[e["name"][:90]] += e["dur"]
+        count[e["name"][:90]] += 1
+all_us = sum(total.values())
+print(f"trace: {all_us / 1e3:.1f} ms of kernels over the recorded steps; the top 25:")
+for name, us in total.most_common(25):
+    print(f"  {us / 1e3:8.2f} ms {100 * us / max(all_us, 1):5.1f} %  x{count[name]:<5} {name}")
+EOF
+fi
+
+# 5. Float8 row-wise on and off: tokens/s and the loss after 50 steps.
+for f8 in false true; do
+  run_step "float8=$f8 50 steps" 60 "$out/float8.log" "$PY" bench/gpu_vs_pytorch.py --loom "$B/bin/loom" \
+    --no-compile --no-pytorch --steps 45 --warmup 5 --extra-loom-args=--float8.enable=$f8 \
+    --extra-loom-args=--float8.recipe=rowwise
+done
+grep -E "tokens/s|FAILED" "$out/float8.log" | tee -a "$out/summary.txt" >/dev/null
+
+# 6. The whole suite with what is left (CPU tests, ctest -L cuda and the slow trainer tests).
+if [ "${GPU_CHECK_SUITE:-1}" != 0 ]; then
+  run_step "build everything" 120 "$out/suite.log" cmake --build "$B" -j "$(nproc)"
+  run_step "whole suite" 240 "$out/suite.log" ctest --test-dir "$B" -j "$(nproc)" --timeout 600 \
+    --output-on-failure
+  grep -E "tests passed|tests failed|^\s+[0-9]+ - .*\(Failed|Timeout\)" "$out/suite.log" | tee -a "$out/summary.txt"
+fi
+say "done"
