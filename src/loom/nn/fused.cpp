@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <atomic>
@@ -610,6 +611,7 @@ int64_t cuda_chunk_rows(const torch::Tensor& on, int64_t tokens, int64_t vocab,
 // compute-dtype product to add). Falls back to a product plus an add if this libtorch's
 // addmm(out_dtype) refuses these dtypes.
 void accumulate_fp32(torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
   static std::atomic<bool> out_dtype_ok{true};
   if (out_dtype_ok.load(std::memory_order_relaxed)) {
     try {
@@ -619,6 +621,7 @@ void accumulate_fp32(torch::Tensor& acc, const torch::Tensor& a, const torch::Te
       out_dtype_ok.store(false, std::memory_order_relaxed);
     }
   }
+#endif  // addmm(out_dtype) came with torch 2.8
   acc.add_(at::mm(a, b));
 }
 
