@@ -86,7 +86,8 @@ struct RMSNormInputs {
 void BM_RMSNorm_Kernel(benchmark::State& state) {
   RMSNormInputs in;
   time_passes(state, in.bytes(), [&] {
-    const auto [y, rstd] = loom::nn::cuda::rms_norm_forward(in.x, in.weight, kEps, torch::kBFloat16);
+    const auto [y, rstd] =
+        loom::nn::cuda::rms_norm_forward(in.x, in.weight, kEps, torch::kBFloat16);
     const auto [dx, dw] = loom::nn::cuda::rms_norm_backward(in.grad, in.x, in.weight, rstd);
     benchmark::DoNotOptimize(y.data_ptr());
     benchmark::DoNotOptimize(dx.data_ptr());
@@ -112,7 +113,7 @@ struct RoPEInputs {
   torch::Tensor q = randn_cuda({kBatch, kSeq, kHeads, kHeadDim}, torch::kBFloat16);
   torch::Tensor grad = randn_cuda({kBatch, kSeq, kHeads, kHeadDim}, torch::kBFloat16);
   torch::Tensor cache =
-      loom::nn::rope_cache(loom::nn::rope_inverse_frequencies(kHeadDim, 500000.0, std::nullopt), kSeq)
+      loom::nn::rope_cache(loom::nn::rope_inverse_frequencies(kHeadDim, 5e5, std::nullopt), kSeq)
           .to(torch::kCUDA);
   int64_t bytes() const { return 4 * q.numel() * 2; }
 };
@@ -133,8 +134,8 @@ void BM_RoPE_ATen(benchmark::State& state) {
   const torch::Tensor q = in.q.clone().requires_grad_(true);
   const int64_t half = kHeadDim / 2;
   time_passes(state, in.bytes(), [&] {
-    const torch::Tensor cos = in.cache.select(0, 0).narrow(0, 0, kSeq).unsqueeze(1).to(q.scalar_type());
-    const torch::Tensor sin = in.cache.select(0, 1).narrow(0, 0, kSeq).unsqueeze(1).to(q.scalar_type());
+    const torch::Tensor cos = in.cache.select(0, 0).narrow(0, 0, kSeq).unsqueeze(1).to(q.dtype());
+    const torch::Tensor sin = in.cache.select(0, 1).narrow(0, 0, kSeq).unsqueeze(1).to(q.dtype());
     const torch::Tensor swapped = torch::cat({q.narrow(-1, half, half), q.narrow(-1, 0, half)}, -1);
     const torch::Tensor y = (q * cos).addcmul_(swapped, sin);
     const auto grads = torch::autograd::grad({y}, {q}, {in.grad});

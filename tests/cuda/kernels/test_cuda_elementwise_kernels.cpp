@@ -136,8 +136,8 @@ void check_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, c10::Sc
   EXPECT_EQ(dx.scalar_type(), x.scalar_type()) << what;
   EXPECT_EQ(dw.scalar_type(), weight.scalar_type()) << what;
   expect_close(dx, x32.grad(), tol_for(x.scalar_type()), what + " d x");
-  const bool all_fp32 = x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
-                        out_dtype == torch::kFloat32;
+  const bool all_fp32 = x.scalar_type() == torch::kFloat32 &&
+                        weight.scalar_type() == torch::kFloat32 && out_dtype == torch::kFloat32;
   expect_rel_norm(dw, w32.grad(), all_fp32 ? 1e-5 : 1e-2, what + " d weight");
   if (weight.scalar_type() == torch::kFloat32) {
     // fp32 d weight from the same (rounded) inputs: per-element too, scaled to the sums' size.
@@ -223,7 +223,8 @@ TEST(CudaElementwiseKernels, RoPEInverseIsTheRotationByMinusTheAngle) {
   torch::manual_seed(2);
   const int64_t seq = 16, dim = 64, half = dim / 2;
   const torch::Tensor inv_freq = loom::nn::rope_inverse_frequencies(dim, 500000.0, std::nullopt);
-  const torch::Tensor angles = torch::outer(torch::arange(seq, torch::kFloat32), inv_freq).to(torch::kCUDA);
+  const torch::Tensor angles =
+      torch::outer(torch::arange(seq, torch::kFloat32), inv_freq).to(torch::kCUDA);
   const torch::Tensor cos = torch::cat({angles.cos(), angles.cos()}, -1).unsqueeze(1);
   const torch::Tensor sin = torch::cat({angles.sin(), angles.sin()}, -1).unsqueeze(1);
   const torch::Tensor x = randn_cuda({2, seq, 4, dim}, torch::kFloat32);
@@ -259,26 +260,29 @@ TEST(CudaElementwiseKernels, RMSNormMatchesComposition) {
   struct Case {
     c10::ScalarType x, weight, out;
   };
-  // fp32 throughout; the Llama layout (fp32 x and weight, bf16 output for the GEMM); bf16 x; all bf16.
+  // fp32 throughout; the Llama layout (fp32 x and weight, bf16 output for the GEMM); bf16 x;
+  // all bf16.
   const std::vector<Case> cases = {{torch::kFloat32, torch::kFloat32, torch::kFloat32},
                                    {torch::kFloat32, torch::kFloat32, torch::kBFloat16},
                                    {torch::kBFloat16, torch::kFloat32, torch::kBFloat16},
                                    {torch::kBFloat16, torch::kBFloat16, torch::kBFloat16}};
   for (const Case& c : cases) {
-    const std::string name = std::string(c10::toString(c.x)) + "/" + c10::toString(c.weight) + "->" +
-                             c10::toString(c.out);
+    const std::string name = std::string(c10::toString(c.x)) + "/" + c10::toString(c.weight) +
+                             "->" + c10::toString(c.out);
     // [rows, D]: a real one, D = 100 (scalar path), 3 rows, D = 64, a 3-d x, D = 2 and one row
     // wider than the shared-memory accumulator (12288 fp32) so d weight accumulates in global.
     for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
              {1000, 2048}, {5, 100}, {3, 2048}, {37, 64}, {2, 3, 100}, {9, 2}, {4, 16384}}) {
       const torch::Tensor x = randn_cuda(shape, c.x, 2.0);
-      const torch::Tensor weight = (1.0 + 0.1 * torch::randn({shape.back()}, torch::kCUDA)).to(c.weight);
+      const torch::Tensor weight =
+          (1.0 + 0.1 * torch::randn({shape.back()}, torch::kCUDA)).to(c.weight);
       check_rms_norm(x, weight, c.out, name + " " + c10::str(at::IntArrayRef(shape)));
     }
     // Misaligned x (scalar path with D a multiple of the vector width).
     const torch::Tensor flat = randn_cuda({17 * 256 + 1}, c.x);
     const torch::Tensor weight = (1.0 + 0.1 * torch::randn({256}, torch::kCUDA)).to(c.weight);
-    check_rms_norm(flat.narrow(0, 1, 17 * 256).view({17, 256}), weight, c.out, name + " misaligned");
+    check_rms_norm(flat.narrow(0, 1, 17 * 256).view({17, 256}), weight, c.out,
+                   name + " misaligned");
   }
 #endif
 }
@@ -290,8 +294,9 @@ TEST(CudaElementwiseKernels, RMSNormRejectsBadInputs) {
 #else
   const torch::Tensor x = randn_cuda({4, 64}, torch::kFloat32);
   const torch::Tensor w = torch::ones({64}, torch::kCUDA);
-  EXPECT_THROW(loom::nn::cuda::rms_norm_forward(x, torch::ones({63}, torch::kCUDA), 1e-5, torch::kFloat32),
-               c10::Error);
+  EXPECT_THROW(
+      loom::nn::cuda::rms_norm_forward(x, torch::ones({63}, torch::kCUDA), 1e-5, torch::kFloat32),
+      c10::Error);
   EXPECT_THROW(loom::nn::cuda::rms_norm_forward(x, w.cpu(), 1e-5, torch::kFloat32), c10::Error);
   const auto [y, rstd] = loom::nn::cuda::rms_norm_forward(x, w, 1e-5, torch::kFloat32);
   EXPECT_THROW(loom::nn::cuda::rms_norm_backward(y, x, w, rstd.narrow(0, 0, 3)), c10::Error);

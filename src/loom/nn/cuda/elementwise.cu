@@ -137,9 +137,10 @@ __global__ void rope_kernel(const scalar_t* __restrict__ x, const float* __restr
   const index_t half = dim / 2;
   const float* cos_base = cache;
   const float* sin_base = cache + cache_len * dim;
-  const index_t stride = static_cast<index_t>(gridDim.x) * blockDim.x;
-  for (index_t item = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < items;
-       item += stride) {
+  const index_t block = static_cast<index_t>(blockDim.x);
+  const index_t stride = static_cast<index_t>(gridDim.x) * block;
+  for (index_t item = static_cast<index_t>(blockIdx.x) * block + static_cast<index_t>(threadIdx.x);
+       item < items; item += stride) {
     const index_t row = item / per_row;
     const index_t i = (item - row * per_row) * N;
     const index_t h = row % heads;
@@ -225,8 +226,8 @@ at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_out, const at::Tensor& gate,
-                                                   const at::Tensor& up) {
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_out,
+                                                   const at::Tensor& gate, const at::Tensor& up) {
   check_floating_cuda(grad_out, "swiglu_backward", "grad_out");
   check_floating_cuda(gate, "swiglu_backward", "gate");
   check_floating_cuda(up, "swiglu_backward", "up");
@@ -246,7 +247,8 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_out, c
   at::Tensor grad_up = at::empty_like(g, at::MemoryFormat::Contiguous);
   const int64_t n = g.numel();
   if (n == 0) return {grad_gate, grad_up};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "swiglu_backward", [&] {
+  const at::ScalarType dtype = g.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "swiglu_backward", [&] {
     constexpr int kVec = vec_width<scalar_t>();
     const bool vec = aligned(g.const_data_ptr(), 16) && aligned(u.const_data_ptr(), 16) &&
                      aligned(dy.const_data_ptr(), 16) && aligned(grad_gate.const_data_ptr(), 16) &&
@@ -296,8 +298,8 @@ at::Tensor rope_forward(const at::Tensor& x_in, const at::Tensor& cache_in, bool
     // Every row start of x and out, and half, must sit on a whole vector; the fp32 cache needs
     // kVec * 4 bytes, which half % kVec == 0 and dim = 2 * half give for its rows.
     const bool vec = half % kVec == 0 && aligned(x.const_data_ptr(), kVec * es) &&
-                     (x.stride(0) * es) % (kVec * es) == 0 && (x.stride(1) * es) % (kVec * es) == 0 &&
-                     (x.stride(2) * es) % (kVec * es) == 0 && aligned(out.const_data_ptr(), kVec * es) &&
+                     x.stride(0) % kVec == 0 && x.stride(1) % kVec == 0 &&
+                     x.stride(2) % kVec == 0 && aligned(out.const_data_ptr(), kVec * es) &&
                      aligned(cache.const_data_ptr(), kVec * 4);
     // 32-bit index math when every offset fits (the common case): the per-item divisions are
     // several times cheaper.

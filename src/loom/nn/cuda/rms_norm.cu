@@ -195,8 +195,9 @@ void check_floating(const at::Tensor& t, const char* fn, const char* name) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x_in, const at::Tensor& weight_in,
-                                                    double eps, at::ScalarType out_dtype) {
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x_in,
+                                                    const at::Tensor& weight_in, double eps,
+                                                    at::ScalarType out_dtype) {
   check_floating(x_in, "rms_norm_forward", "x");
   check_floating(weight_in, "rms_norm_forward", "weight");
   TORCH_CHECK(at::isFloatingType(out_dtype), "rms_norm_forward: out_dtype must be floating, got ",
@@ -204,8 +205,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x_in, cons
   TORCH_CHECK(x_in.dim() >= 1, "rms_norm_forward: x must have a last dimension");
   const int64_t dim = x_in.size(-1);
   TORCH_CHECK(dim > 0, "rms_norm_forward: the normalised dimension is empty");
-  TORCH_CHECK(weight_in.dim() == 1 && weight_in.size(0) == dim, "rms_norm_forward: weight must be [",
-              dim, "], got ", weight_in.sizes());
+  TORCH_CHECK(weight_in.dim() == 1 && weight_in.size(0) == dim,
+              "rms_norm_forward: weight must be [", dim, "], got ", weight_in.sizes());
   TORCH_CHECK(weight_in.device() == x_in.device(), "rms_norm_forward: x (", x_in.device(),
               ") and weight (", weight_in.device(), ") must be on one device");
   const c10::cuda::CUDAGuard guard(x_in.device());
@@ -216,9 +217,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x_in, cons
   at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
   if (rows == 0) return {y, rstd};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_forward", [&] {
+  const at::ScalarType x_dtype = x.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x_dtype, "rms_norm_forward", [&] {
     using x_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_dtype, "rms_norm_forward_out", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_dtype, "rms_norm_forward_y", [&] {
       using y_t = scalar_t;
       constexpr int kVec = static_cast<int>(16 / sizeof(x_t));
       const bool vec = dim % kVec == 0 && aligned(x.const_data_ptr(), 16) &&
@@ -242,7 +244,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x_in, cons
   return {y, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y_in, const at::Tensor& x_in,
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y_in,
+                                                     const at::Tensor& x_in,
                                                      const at::Tensor& weight_in,
                                                      const at::Tensor& rstd_in) {
   check_floating(grad_y_in, "rms_norm_backward", "grad_y");
@@ -271,9 +274,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y_in
   if (rows == 0) return {grad_x, at::zeros_like(weight_in, at::MemoryFormat::Contiguous)};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor partial;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_backward", [&] {
+  const at::ScalarType x_dtype = x.scalar_type();
+  const at::ScalarType gy_dtype = grad_y.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x_dtype, "rms_norm_backward", [&] {
     using x_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_y.scalar_type(), "rms_norm_backward_dy", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gy_dtype, "rms_norm_backward_g", [&] {
       using gy_t = scalar_t;
       constexpr int kVec = static_cast<int>(16 / sizeof(x_t));
       const bool vec = dim % kVec == 0 && aligned(x.const_data_ptr(), 16) &&
