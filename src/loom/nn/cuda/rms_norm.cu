@@ -289,8 +289,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y_in
       const int threads = threads_for(n_vec);
       const int64_t blocks = blocks_for(rows, threads);
       partial = at::empty({blocks, dim}, x.options().dtype(at::kFloat));
-      // 48 KiB is what every kernel may take without opting in; wider rows accumulate in `partial`.
-      const bool acc_in_smem = dim * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
+      // 48 KiB is what every kernel may take without opting in (less the 128-byte static scratch);
+      // wider rows accumulate in `partial`.
+      const bool acc_in_smem = dim * static_cast<int64_t>(sizeof(float)) <= 48 * 1024 - 128;
       const size_t smem = acc_in_smem ? static_cast<size_t>(dim) * sizeof(float) : 0;
       if (vec) {
         rms_norm_backward_kernel<gy_t, x_t, kVec>
