@@ -3,7 +3,9 @@
 # budget: build, the CUDA kernel tests and micro-benchmarks, Loom vs PyTorch eager and
 # torch.compile with the per-kernel ablation, a 3-step Kineto trace, Float8 row-wise on and off,
 # then (with the time left) the whole suite. Every log lands in the output folder; summary.txt
-# gathers the lines that matter (ctest summaries, the tables).
+# gathers the lines that matter (ctest summaries, the tables). Eight files at most (summary.txt,
+# build.log, kernels.log, bench.log, bench.json, runs.log, trace.json.gz, suite.log), so a device
+# tool that brings back eight files brings back all of them.
 #
 #   scripts/gpu_check.sh [out-folder, default $OUT or gpu-check]
 #   GPU_CHECK_SECONDS=540   the budget for everything (default 1500: a whole 30-minute lease less
@@ -64,7 +66,7 @@ run_step "kernel tests" 30 "$out/kernels.log" "$B/bin/loom_cuda_kernel_tests" --
 grep -E "^\[  (PASSED|FAILED) |tests ran|FAILED" "$out/kernels.log" | tee -a "$out/summary.txt"
 run_step "nn tests on this build" 30 "$out/kernels.log" "$B/bin/loom_nn_tests" --gtest_brief=1
 run_step "kernel micro-benchmarks" 40 "$out/kernels.log" "$B/bin/loom_bench_cuda_kernels" \
-  --benchmark_min_time=0.2s
+  --benchmark_min_time=0.2
 grep -E "^BM_" "$out/kernels.log" | tee -a "$out/summary.txt" >/dev/null
 
 # 3. Loom vs PyTorch eager and torch.compile on the 1B shape, and the per-kernel ablation.
@@ -75,7 +77,7 @@ grep -E "tokens/s|^\||FAILED|loom / " "$out/bench.log" | tee -a "$out/summary.tx
 
 # 4. A Kineto trace of 3 steps of the 1B shape with every kernel on.
 trace_dir=$(mktemp -d)
-run_step "trace" 60 "$out/trace.log" "$B/bin/loom" train --config configs/llama3_debug.toml \
+run_step "trace" 60 "$out/runs.log" "$B/bin/loom" train --config configs/llama3_debug.toml \
   --validation.enable=false --model.flavor=1B --model.vocab_size=128256 \
   --training.device=cuda --training.mixed_precision_param=bfloat16 \
   --parallelism.data_parallel_shard_degree=1 --training.seq_len=2048 --training.local_batch_size=4 \
@@ -105,11 +107,11 @@ fi
 
 # 5. Float8 row-wise on and off: tokens/s and the loss after 50 steps.
 for f8 in false true; do
-  run_step "float8=$f8 50 steps" 60 "$out/float8.log" "$PY" bench/gpu_vs_pytorch.py --loom "$B/bin/loom" \
+  run_step "float8=$f8 50 steps" 60 "$out/runs.log" "$PY" bench/gpu_vs_pytorch.py --loom "$B/bin/loom" \
     --no-compile --no-pytorch --steps 45 --warmup 5 --extra-loom-args=--float8.enable=$f8 \
     --extra-loom-args=--float8.recipe=rowwise
 done
-grep -E "tokens/s|FAILED" "$out/float8.log" | tee -a "$out/summary.txt" >/dev/null
+grep -E "tokens/s|FAILED" "$out/runs.log" | tee -a "$out/summary.txt" >/dev/null
 
 # 6. The whole suite with what is left (CPU tests, ctest -L cuda and the slow trainer tests).
 if [ "${GPU_CHECK_SUITE:-1}" != 0 ]; then

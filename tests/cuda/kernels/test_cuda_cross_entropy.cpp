@@ -6,6 +6,7 @@
 // difference (bf16 dlogits and bf16 GEMM products, like the composition's own bf16 rounding) and
 // 5e-3 absolute on the loss (fp32 softmax math on both sides; bf16 logits).
 #include <gtest/gtest.h>
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -135,7 +136,8 @@ TEST(CudaCrossEntropy, SwitchedOffKernelFallsBackToTheComposition) {
   const torch::Tensor weight = torch::randn({50, 16}, on);
   const torch::Tensor labels = torch::randint(0, 50, {64}, on.dtype(torch::kLong));
   loom::nn::set_cuda_kernels(loom::nn::parse_cuda_kernels("swiglu,rope"));
-  // Automatic choice: the generic path runs (a forced kCuda is an error).
+  // The composition as reference; the automatic choice below runs the generic path, and a forced
+  // kCuda is an error.
   const Result automatic = run(hidden, weight, labels, std::nullopt, false);
   EXPECT_THROW(fused_linear_cross_entropy(hidden, weight, labels, -100, 512, FusedImpl::kCuda),
                loom::Error);
