@@ -218,18 +218,20 @@ TEST(CudaElementwiseKernels, RoPEInverseIsTheRotationByMinusTheAngle) {
 #ifndef LOOM_WITH_CUDA_KERNELS
   GTEST_SKIP() << "skipped: no CUDA device (CPU build of libtorch)";
 #else
-  // inverse = x * cos - swap_halves(x) * sin, written out from cos and sin (not the cache's folded
-  // signs) so that the sign convention itself is under test.
+  // The forward rotates each pair (x1, x2) by +angle: (x1 cos - x2 sin, x2 cos + x1 sin). The
+  // inverse rotates by -angle: (x1 cos + x2 sin, x2 cos - x1 sin) = x * cos + swap_halves(x) *
+  // [sin, -sin], written out from cos and sin (not the cache's folded signs) so that the sign
+  // convention itself is under test.
   torch::manual_seed(2);
   const int64_t seq = 16, dim = 64, half = dim / 2;
   const torch::Tensor inv_freq = loom::nn::rope_inverse_frequencies(dim, 500000.0, std::nullopt);
   const torch::Tensor angles =
       torch::outer(torch::arange(seq, torch::kFloat32), inv_freq).to(torch::kCUDA);
   const torch::Tensor cos = torch::cat({angles.cos(), angles.cos()}, -1).unsqueeze(1);
-  const torch::Tensor sin = torch::cat({angles.sin(), angles.sin()}, -1).unsqueeze(1);
+  const torch::Tensor sin = torch::cat({angles.sin(), -angles.sin()}, -1).unsqueeze(1);
   const torch::Tensor x = randn_cuda({2, seq, 4, dim}, torch::kFloat32);
   const torch::Tensor swapped = torch::cat({x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-  const torch::Tensor expected = x * cos - swapped * sin;
+  const torch::Tensor expected = x * cos + swapped * sin;
   const torch::Tensor cache = loom::nn::rope_cache(inv_freq, seq).to(torch::kCUDA);
   expect_close(loom::nn::cuda::rope_forward(x, cache, /*inverse=*/true), expected,
                tol_for(torch::kFloat32), "inverse rotation");
