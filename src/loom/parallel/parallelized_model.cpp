@@ -131,7 +131,7 @@ std::vector<nn::NamedParameter> ParallelizedModel::named_parameters() {
 
 torch::Tensor ParallelizedModel::forward_backward(const std::vector<ModelBatch>& batches, const LossHook& hook) {
   LOOM_REQUIRE(!batches.empty(), "forward_backward needs at least one batch");
-  if (parts_.pipeline) return pipeline_forward_backward(batches);
+  if (parts_.pipeline) return pipeline_forward_backward(batches, hook);
   const auto k = static_cast<int64_t>(batches.size());
   // The step's loss is summed on the device and read back by the caller once, with the gradient
   // norm: no host-device sync per micro-batch.
@@ -161,7 +161,8 @@ torch::Tensor ParallelizedModel::forward_loss(const ModelBatch& batch) {
   return parts_.forward_loss(batch);
 }
 
-torch::Tensor ParallelizedModel::pipeline_forward_backward(const std::vector<ModelBatch>& batches) {
+torch::Tensor ParallelizedModel::pipeline_forward_backward(const std::vector<ModelBatch>& batches,
+                                                           const LossHook& hook) {
   pipeline::PipelineExecutor& executor = *parts_.pipeline;
   const int m = executor.schedule().num_microbatches;
   const int64_t rows = parts_.pipeline_microbatch_size;
@@ -192,6 +193,21 @@ torch::Tensor ParallelizedModel::pipeline_forward_backward(const std::vector<Mod
                                                  : torch::Tensor()});
       }
     }
+    // The hook sees micro-batch b * m + i, as without a pipeline it sees batch b (one per step):
+    // it acts on this rank's stage outputs, so a NaN injected on any pipeline rank reaches the
+    // loss that every pp rank reads.
+    for (const auto& stage : executor.stages()) {
+      if (!hook) break;
+      stage->set_output_hook([&hook, b, m](int mb, const torch::Tensor& out) {
+        return hook(b * m + mb, out);
+      });
+    }
+    struct ClearHooks {
+      pipeline::PipelineExecutor& executor;
+      ~ClearHooks() {
+        for (const auto& stage : executor.stages()) stage->set_output_hook(nullptr);
+      }
+    } clear_hooks{executor};
     loss += executor.step(inputs, labels, layouts) / static_cast<double>(k);
   }
   finish_gradient_sync();

@@ -49,7 +49,8 @@ struct ModelBatch {
 };
 
 using ForwardLoss = std::function<torch::Tensor(const ModelBatch& batch)>;
-// Applied to micro-batch `index`'s loss before its backward (fault injection: a NaN loss).
+// Applied to micro-batch `index`'s loss before its backward (fault injection: a NaN loss); under
+// pipeline parallelism to each of this rank's stage outputs instead (activations or the loss).
 using LossHook = std::function<torch::Tensor(int64_t index, const torch::Tensor& loss)>;
 
 struct ParallelParts {
@@ -92,8 +93,8 @@ class ParallelizedModel {
   // pipeline each batch is one micro-batch; with one, each batch is cut into micro-batches of
   // pipeline_microbatch_size rows and runs through the schedule. Returns this rank's loss for the
   // step (mean over the batches) as a float64 scalar (on the device, no host sync, without a
-  // pipeline; with one, the last stage's loss, the same on every pp rank). `hook`: see LossHook
-  // (applied without a pipeline only).
+  // pipeline; with one, the last stage's loss, the same on every pp rank). `hook`: see LossHook;
+  // with a pipeline it is applied to this rank's stage outputs (the loss on a last stage).
   torch::Tensor forward_backward(const std::vector<ModelBatch>& batches, const LossHook& hook = nullptr);
   void zero_grad();
   // The mean loss of one batch, forward only (validation; the caller holds a NoGradGuard): the
@@ -137,7 +138,7 @@ class ParallelizedModel {
   void begin_micro_batch(bool last);
   // After the step's last backward: every gradient reduction done.
   void finish_gradient_sync();
-  torch::Tensor pipeline_forward_backward(const std::vector<ModelBatch>& batches);
+  torch::Tensor pipeline_forward_backward(const std::vector<ModelBatch>& batches, const LossHook& hook);
   // Every part's parameters, in part order.
   std::vector<nn::NamedParameter> named_parameters();
   void add_piece(checkpoint::ShardedStateDict& state, const std::string& name, const std::string& component,

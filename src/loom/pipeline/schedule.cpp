@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -185,6 +186,10 @@ std::string to_csv(const Schedule& schedule) {
   return out;
 }
 
+// Far above any real pipeline (TorchTitan's largest runs use a few hundred stages and micro-batches).
+constexpr int kMaxCsvStages = 4096;
+constexpr int kMaxCsvMicrobatches = 1 << 16;
+
 Schedule schedule_from_csv_text(std::string_view text, const std::string& name) {
   Schedule s;
   s.name = name;
@@ -208,6 +213,14 @@ Schedule schedule_from_csv_text(std::string_view text, const std::string& name) 
       } catch (const UsageError& e) {
         fail_usage(name, " line ", line_no, " (rank ", rank, "): ", e.what());
       }
+      // Indices size the schedule's tables (stages, and every micro-batch's state): a typo such as
+      // 0F1000000 is an error here, not gigabytes allocated or std::bad_alloc.
+      LOOM_REQUIRE_USAGE(a.stage >= 0 && a.stage < kMaxCsvStages, name, " line ", line_no, " (rank ",
+                         rank, "): ", a.str(), " names stage ", a.stage, "; stages are numbered 0 to ",
+                         kMaxCsvStages - 1, " at most");
+      LOOM_REQUIRE_USAGE(a.microbatch < kMaxCsvMicrobatches, name, " line ", line_no, " (rank ",
+                         rank, "): ", a.str(), " names micro-batch ", a.microbatch,
+                         "; micro-batches are numbered 0 to ", kMaxCsvMicrobatches - 1, " at most");
       const auto [it, inserted] = owner.emplace(a.stage, rank);
       LOOM_REQUIRE_USAGE(inserted || it->second == rank, name, " line ", line_no, " (rank ", rank, "): ",
                          a.str(), " is on stage ", a.stage, ", which rank ", it->second,
@@ -247,6 +260,20 @@ Schedule schedule_from_csv_text(std::string_view text, const std::string& name) 
 }
 
 Schedule load_csv(const std::string& path) {
+  // A directory opens "fine" and reads as empty, a FIFO blocks the open forever: only a regular
+  // file of a sensible size is read.
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  LOOM_REQUIRE_USAGE(!ec && std::filesystem::exists(status), "cannot read the pipeline schedule CSV '",
+                     path, "': ", ec ? ec.message() : std::string("no such file"),
+                     "; set parallelism.pipeline_parallel_schedule_csv to an existing file");
+  LOOM_REQUIRE_USAGE(std::filesystem::is_regular_file(status), "the pipeline schedule CSV '", path,
+                     "' is ", std::filesystem::is_directory(status) ? "a directory" : "not a regular file",
+                     "; set parallelism.pipeline_parallel_schedule_csv to a CSV file");
+  constexpr std::uintmax_t kMaxBytes = 64ull << 20;
+  const std::uintmax_t bytes = std::filesystem::file_size(path, ec);
+  LOOM_REQUIRE_USAGE(!ec && bytes <= kMaxBytes, "the pipeline schedule CSV '", path, "' is ", bytes,
+                     " bytes, over the ", kMaxBytes, " a schedule can need");
   std::ifstream in(path, std::ios::binary);
   LOOM_REQUIRE_USAGE(in.good(), "cannot read the pipeline schedule CSV '", path, "'");
   std::stringstream buf;

@@ -81,6 +81,7 @@ torch::Tensor PipelineStage::forward(int mb, const torch::Tensor& input,
     throw;
   }
   capture_ = nullptr;
+  if (output_hook_) s.output = output_hook_(mb, s.output);
   LOOM_REQUIRE(!is_last() || s.output.numel() == 1, "stage ", index_,
                ": the last stage must return the loss, got shape ", s.output.sizes());
   torch::Tensor result = s.output.detach();

@@ -79,6 +79,13 @@ class PipelineStage {
   void set_loss_scale(double scale) { loss_scale_ = scale; }
   double loss_scale() const { return loss_scale_; }
 
+  // Applied to micro-batch `mb`'s output (the activations passed on, or the last stage's loss)
+  // inside the graph, before it is sent or its backward runs: fault injection (LOOM_FAULT_NAN
+  // turns a rank's stage output into NaN, which reaches the pipeline's loss as a real divergence
+  // would). Empty: none.
+  using OutputHook = std::function<torch::Tensor(int mb, const torch::Tensor& output)>;
+  void set_output_hook(OutputHook hook) { output_hook_ = std::move(hook); }
+
   // F: runs micro-batch `mb` and keeps what its backward needs. `split_backward`: the schedule runs
   // I + W for this micro-batch (kPerOp keeps the layers' inputs and outputs). Returns the output,
   // detached (activations to pass on, or the loss).
@@ -129,6 +136,7 @@ class PipelineStage {
   StageForward forward_;
   WeightGradMethod method_;
   double loss_scale_ = 1.0;
+  OutputHook output_hook_;
   std::map<int, MicroBatch> pending_;
   std::vector<nn::HookHandle> hooks_;
   std::vector<OpCall>* capture_ = nullptr;  // where the hooks record, during a split forward

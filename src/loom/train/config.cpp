@@ -1047,6 +1047,13 @@ void validate(const JobConfig& c) {
           c10::str("in [1, ", kMaxCommTimeoutSeconds,
                    "] (at most one week: larger values overflow the millisecond timeouts)"),
           c);
+  // A schedule CSV is read only by a pipeline: with one pipeline rank it would be silently ignored.
+  LOOM_REQUIRE_USAGE(c.parallelism.pipeline_parallel_schedule_csv.empty() ||
+                         c.parallelism.pipeline_parallel_degree > 1,
+                     "parallelism.pipeline_parallel_schedule_csv = '",
+                     c.parallelism.pipeline_parallel_schedule_csv, "' needs pipeline parallelism, but "
+                     "parallelism.pipeline_parallel_degree = ", c.parallelism.pipeline_parallel_degree,
+                     "; set the degree to the CSV's number of rows, or leave the CSV unset");
   const ProfilingSection& prof = c.profiling;
   require(!prof.save_traces_folder.empty(), key("profiling.save_traces_folder"), "a non-empty path", c);
   require(!prof.save_memory_snapshot_folder.empty(), key("profiling.save_memory_snapshot_folder"),
@@ -1054,7 +1061,9 @@ void validate(const JobConfig& c) {
   require(prof.profiler_active >= 1, key("profiling.profiler_active"), ">= 1", c);
   require(prof.profiler_warmup >= 0, key("profiling.profiler_warmup"), ">= 0", c);
   require(prof.profile_freq >= 1, key("profiling.profile_freq"), ">= 1", c);
-  LOOM_REQUIRE_USAGE(prof.profile_freq >= prof.profiler_warmup + prof.profiler_active,
+  // The window's warm-up and recorded steps exist only when the profiler runs: a memory snapshot
+  // alone (enable_memory_snapshot) uses profile_freq as its period and nothing else.
+  LOOM_REQUIRE_USAGE(!prof.enable_profiling || prof.profile_freq >= prof.profiler_warmup + prof.profiler_active,
                      "profiling.profile_freq = ", prof.profile_freq, " is shorter than profiling.profiler_warmup + "
                      "profiling.profiler_active = ", prof.profiler_warmup, " + ", prof.profiler_active,
                      " (each window of profile_freq steps holds the warm-up and the recorded steps); set "

@@ -37,26 +37,27 @@ std::string holder_description() {
 
 }  // namespace
 
-RunFolderLock::RunFolderLock(const fs::path& folder) : path_(folder / ".loom.lock") {
+RunFolderLock::RunFolderLock(const fs::path& folder, const char* setting)
+    : path_(folder / ".loom.lock") {
   std::error_code ec;
   fs::create_directories(folder, ec);
-  LOOM_REQUIRE_USAGE(!ec, "cannot create job.dump_folder '", folder.string(), "': ", ec.message(),
-                     "; set job.dump_folder to a writable path");
+  LOOM_REQUIRE_USAGE(!ec, "cannot create ", setting, " '", folder.string(), "': ", ec.message(),
+                     "; set ", setting, " to a writable path");
   fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   LOOM_REQUIRE_USAGE(fd_ >= 0, "cannot create '", path_.string(), "': ", std::strerror(errno),
-                     "; set job.dump_folder to a writable path");
+                     "; set ", setting, " to a writable path");
   if (flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     std::string holder = err == EWOULDBLOCK ? read_all(fd_) : "";
     ::close(fd_);
     fd_ = -1;
     if (err != EWOULDBLOCK) {
-      fail_usage("cannot lock '", path_.string(), "': ", std::strerror(err),
-                 "; set job.dump_folder to a folder on a file system that supports locks");
+      fail_usage("cannot lock '", path_.string(), "': ", std::strerror(err), "; set ", setting,
+                 " to a folder on a file system that supports locks");
     }
-    fail_usage("job.dump_folder '", folder.string(), "' is in use by another Loom run (",
+    fail_usage(setting, " '", folder.string(), "' is in use by another Loom run (",
                holder.empty() ? std::string("holder unknown") : holder,
-               "); wait for it to finish or set job.dump_folder to another folder");
+               "); wait for it to finish or set ", setting, " to another folder");
   }
   const std::string me = holder_description() + "\n";
   if (ftruncate(fd_, 0) == 0) {

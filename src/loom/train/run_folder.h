@@ -11,11 +11,15 @@
 
 namespace loom::train {
 
+//
+// The checkpoint folder gets the same lock (checkpoint.folder may point outside the dump folder,
+// e.g. an absolute path shared by mistake between two runs, which would then resume from and prune
+// each other's checkpoints). `setting` names the config key that chose the folder, for the error.
 class RunFolderLock {
  public:
   // Creates the folder and takes the lock; loom::UsageError (exit 2, never restarted) when another
   // process holds it or the folder cannot be created.
-  explicit RunFolderLock(const std::filesystem::path& folder);
+  explicit RunFolderLock(const std::filesystem::path& folder, const char* setting = "job.dump_folder");
   ~RunFolderLock();  // releases the lock (the file stays)
   RunFolderLock(const RunFolderLock&) = delete;
   RunFolderLock& operator=(const RunFolderLock&) = delete;

@@ -34,6 +34,22 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// Whether two paths name one folder (after resolving `.`, `..` and symbolic links of the parts
+// that exist), so one process never takes a second flock on a file it already holds.
+bool same_folder(const fs::path& a, const fs::path& b) {
+  const auto resolved = [](const fs::path& p, std::error_code& ec) {
+    fs::path r = fs::weakly_canonical(fs::absolute(p), ec).lexically_normal();
+    return r.has_filename() ? r : r.parent_path();  // "out/" and "out" are one folder
+  };
+  std::error_code ec1, ec2;
+  const fs::path ra = resolved(a, ec1), rb = resolved(b, ec2);
+  return !ec1 && !ec2 && ra == rb;
+}
+
+}  // namespace
+
+namespace {
+
 std::vector<uint8_t> rng_state_bytes(const at::Generator& generator) {
   const torch::Tensor state = generator.get_state();
   return std::vector<uint8_t>(state.data_ptr<uint8_t>(), state.data_ptr<uint8_t>() + state.numel());
@@ -121,7 +137,7 @@ void Trainer::check_layout(const distributed::LaunchEnv& env) {
   // that it can); what is left per rank is what sequence parallel splits again.
   model_spec_->validate_layout(*model_args_, *parallel_dims_,
                                config_.training.seq_len / p.context_parallel_degree, tensor_parallel_options(),
-                               pipeline_options());
+                               pipeline_options(), config_.float8.enable);
 }
 
 void Trainer::init_distributed(const distributed::LaunchEnv& env) {
@@ -340,6 +356,13 @@ void Trainer::init_checkpointing() {
     // export_dtype applies to the final model-only save (TorchTitan's model_weights_only).
     if (c.model_only) options.export_dtype = checkpoint::parse_export_dtype(c.export_dtype);
     options.validate();
+    // The dump folder's lock does not cover a checkpoint folder elsewhere (an absolute
+    // checkpoint.folder): two runs sharing one would resume from and prune each other's steps.
+    // Taken before anything is read from it.
+    if (dist_->rank() == 0 && !same_folder(options.folder, config_.job.dump_folder)) {
+      checkpoint_folder_lock_ = std::make_unique<RunFolderLock>(
+          options.folder, "checkpoint.folder (with job.dump_folder)");
+    }
     // Every rank writes its own files: find an unwritable or blocked folder now, not at the first
     // save after `interval` steps of compute.
     require_writable_folder(options.folder, dist_->rank(),

@@ -126,7 +126,8 @@ class Trainer {
 
   JobConfig config_;
   std::shared_ptr<distributed::Distributed> dist_;
-  std::unique_ptr<RunFolderLock> run_folder_lock_;  // rank 0 only
+  std::unique_ptr<RunFolderLock> run_folder_lock_;         // rank 0 only
+  std::unique_ptr<RunFolderLock> checkpoint_folder_lock_;  // rank 0 only; none inside the above
   c10::Device device_{c10::kCPU};  // this rank's device (training.device), chosen once
   // metrics.memory_breakdown: created before the model and optimizer it accounts for, destroyed
   // after them.

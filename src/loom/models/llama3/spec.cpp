@@ -19,6 +19,18 @@ std::unique_ptr<models::ModelArgs> build_args(const models::ModelRequest& reques
   return args;
 }
 
+// Float8 composes with FSDP and DDP only. Row-wise scales of a rowwise-parallel weight (sharded
+// along in_features) would be taken on a slice of each row, and async TP replaces the linears'
+// around-hooks: refused, not emulated.
+void check_float8_layout(const distributed::ParallelDims& dims) {
+  LOOM_REQUIRE_USAGE(!dims.tp_enabled(), "float8.enable = true does not support tensor parallelism yet "
+                     "(tensor_parallel_degree = ", dims.tp(), "); set parallelism.tensor_parallel_degree = 1 "
+                     "(FSDP and DDP work with float8) or float8.enable = false");
+  LOOM_REQUIRE_USAGE(!dims.pp_enabled(), "float8.enable = true does not support pipeline parallelism yet "
+                     "(pipeline_parallel_degree = ", dims.pp(), "); set parallelism.pipeline_parallel_degree = 1 "
+                     "or float8.enable = false");
+}
+
 std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
     std::shared_ptr<nn::Module> module, const models::ModelArgs& /*args*/,
     const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
@@ -38,14 +50,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
   plan.fsdp.device = options.device;  // FSDP's buffers on the rank's device (caching allocator on GPUs)
   plan.ac = ac::ACOptions::parse(options.activation_checkpoint_mode, options.selective_ac_option);
   if (options.float8) {
-    // Row-wise scales of a rowwise-parallel weight (sharded along in_features) would be taken on
-    // a slice of each row, and async TP replaces the linears' around-hooks: refused, not emulated.
-    LOOM_REQUIRE_USAGE(!dims.tp_enabled(), "float8.enable = true does not support tensor parallelism yet "
-                       "(tensor_parallel_degree = ", dims.tp(), "); set parallelism.tensor_parallel_degree = 1 "
-                       "(FSDP and DDP work with float8) or float8.enable = false");
-    LOOM_REQUIRE_USAGE(!dims.pp_enabled(), "float8.enable = true does not support pipeline parallelism yet "
-                       "(pipeline_parallel_degree = ", dims.pp(), "); set parallelism.pipeline_parallel_degree = 1 "
-                       "or float8.enable = false");
+    check_float8_layout(dims);  // validate_layout did, before rendezvous; direct callers too
     plan.float8 = float8::Float8Options::parse(options.float8_recipe, options.float8_filter_fqns);
   }
   plan.seed = options.seed;
@@ -95,7 +100,8 @@ models::ModelSpec model_spec() {
   };
   spec.validate_layout = [](const models::ModelArgs& args, const distributed::ParallelDims& dims,
                             int64_t seq_len, const models::TensorParallelOptions& tp,
-                            const models::PipelineOptions& pipeline) {
+                            const models::PipelineOptions& pipeline, bool float8) {
+    if (float8) check_float8_layout(dims);
     validate_tp_degree(args_of(args), dims.tp(), seq_len, {tp.sequence_parallel, tp.loss_parallel, tp.async});
     if (dims.pp_enabled()) validate_pipeline_layout(args_of(args), dims, pipeline);
   };

@@ -1,6 +1,8 @@
 // The schedule IR: action strings, layouts, CSV, validation, schedule names.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <fstream>
 
 #include "loom/pipeline/generators.h"
@@ -120,6 +122,29 @@ TEST(PipelineCsv, RefusesMalformedSchedules) {
   expect_error<UsageError>([] { schedule_from_csv_text("0F0,0B0,2F0,2B0\n1F0,1B0\n", "s.csv"); },
                            {"3 stages on 2 ranks"});
   expect_error<UsageError>([] { schedule_from_csv_text("\n\n", "s.csv"); }, {"s.csv holds no actions"});
+}
+
+// Issue 22, item 11: a directory as the schedule CSV said "holds no actions", a FIFO would block
+// the open forever, and absurd indices allocated gigabytes or ended in std::bad_alloc.
+TEST(PipelineCsv, OnlyRegularFilesAndBoundedIndicesAreRead) {
+  using loom::UsageError;
+  loom::testing::TempDir dir("schedule_csv");
+  expect_error<UsageError>([&] { load_csv(dir.str()); },
+                           {"the pipeline schedule CSV '" + dir.str() + "' is a directory"});
+  const std::string fifo = (dir.path() / "fifo.csv").string();
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  expect_error<UsageError>([&] { load_csv(fifo); }, {"is not a regular file"});  // returns at once
+  expect_error<UsageError>([&] { load_csv((dir.path() / "missing.csv").string()); },
+                           {"cannot read the pipeline schedule CSV", "No such file or directory"});
+  expect_error<UsageError>([] { schedule_from_csv_text("0F0,0B0\n999999999F0\n", "s.csv"); },
+                           {"s.csv line 2 (rank 1): 999999999F0 names stage 999999999",
+                            "0 to 4095 at most"});
+  expect_error<UsageError>([] { schedule_from_csv_text("0F0,0F100000000,0B0\n", "s.csv"); },
+                           {"names micro-batch 100000000", "0 to 65535 at most"});
+  // A real CSV on disk still loads.
+  const auto csv = dir.path() / "ok.csv";
+  std::ofstream(csv) << "0F0,0B0\n";
+  EXPECT_EQ(load_csv(csv.string()).num_microbatches, 1);
 }
 
 TEST(PipelineValidate, CommunicationAndFsdpRules) {

@@ -7,6 +7,7 @@
 
 #include "loom/core/build_paths.h"
 #include "loom/core/error.h"
+#include "loom/testing/errors.h"
 #include "loom/train/config.h"
 
 namespace loom::train {
@@ -414,6 +415,31 @@ TEST(Config, EditDistance) {
   EXPECT_EQ(edit_distance("steps", "stepz"), 1u);
   EXPECT_EQ(edit_distance("kitten", "sitting"), 3u);
   EXPECT_EQ(edit_distance("abc", ""), 3u);
+}
+
+// Issue 22, item 11: a schedule CSV without a pipeline was silently ignored; a memory snapshot
+// alone was refused over the profiler's warm-up and active steps, which do not apply without it.
+TEST(Config, ScheduleCsvNeedsAPipelineAndMemorySnapshotsNeedNoProfilerWindow) {
+  loom::testing::expect_error<loom::UsageError>(
+      [] {
+        load_job_config(kSource + "/configs/llama3_debug.toml",
+                        {"--parallelism.pipeline_parallel_schedule_csv=my.csv"});
+      },
+      {"parallelism.pipeline_parallel_schedule_csv = 'my.csv' needs pipeline parallelism",
+       "pipeline_parallel_degree = 1"});
+  const JobConfig snapshot = load_job_config(
+      kSource + "/configs/llama3_debug.toml",
+      {"--profiling.enable_memory_snapshot=true", "--profiling.profile_freq=1"});
+  EXPECT_TRUE(snapshot.profiling.enable_memory_snapshot);
+  EXPECT_EQ(snapshot.profiling.profile_freq, 1);
+  // With the profiler on, the window must still hold its warm-up and recorded steps.
+  loom::testing::expect_error<loom::UsageError>(
+      [] {
+        load_job_config(kSource + "/configs/llama3_debug.toml",
+                        {"--profiling.enable_profiling=true", "--profiling.profile_freq=1",
+                         "--profiling.profiler_warmup=1", "--profiling.profiler_active=1"});
+      },
+      {"profiling.profile_freq = 1 is shorter than"});
 }
 
 }  // namespace
