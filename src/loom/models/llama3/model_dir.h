@@ -6,7 +6,8 @@
 //                 parameter names. Its global JSON state carries the model config under "model"
 //                 ({"name": "llama3", "model_args": {...}}), so the directory describes itself;
 //                 the trainer's own checkpoints carry it too. A checkpoint folder (holding
-//                 step-N directories) stands for its newest complete checkpoint.
+//                 step-N directories) stands for its newest complete checkpoint that loads
+//                 (a corrupt newest one is skipped, as a training resume does).
 // load_model_dir tells them apart (metadata.json or step-N directories vs config.json).
 #pragma once
 #include <torch/torch.h>
