@@ -213,7 +213,9 @@ std::shared_ptr<Transformer> load_loom_checkpoint(const fs::path& path, const Lo
     // and convert read the folder the same way, so a folder a run would resume from also loads
     // here. The steps of one folder share the model config read from `dir` above; one that does
     // not fit it is an error, not a fallback.
-    const auto result = checkpoint::load_latest(path, dest, *checkpoint::single_process_group());
+    checkpoint::LoadOptions quiet;
+    quiet.log_loaded = false;  // stdout is the command's output (generated text, scores)
+    const auto result = checkpoint::load_latest(path, dest, *checkpoint::single_process_group(), quiet);
     LOOM_REQUIRE(result.has_value(), "'", path.string(), "' holds no complete checkpoint");
     if (loaded_from) *loaded_from = result->path;
   }
