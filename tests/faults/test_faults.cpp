@@ -15,6 +15,8 @@
 
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/build_paths.h"
+#include "loom/data/tokenizer.h"
+#include "loom/models/llama3/model_dir.h"
 #include "loom/testing/checkpoint_files.h"
 #include "loom/testing/run.h"
 
@@ -352,4 +354,171 @@ TEST(Faults, ModelOnlyCheckpointsAndFinishedRuns) {
   RunResult again = run(loom_bin() + train_args(done, 3, full));
   EXPECT_EQ(again.exit_code, 2) << again.output;
   EXPECT_NE(again.output.find("nothing left to train; raise training.steps"), std::string::npos) << again.output;
+}
+
+// Issue 22, items 7, 8 and 11: `loom generate`, `score` and `convert` on a tiny Llama checkpoint
+// written in-process (a second or less a command).
+namespace test_faults {
+
+// A Llama small enough to load in a blink: max_seq_len 32, vocabulary `vocab`.
+std::shared_ptr<loom::llama3::Transformer> tiny_llama(uint64_t seed, int64_t vocab = 97) {
+  loom::llama3::ModelArgs a;
+  a.dim = 32, a.n_layers = 1, a.n_heads = 4, a.n_kv_heads = 2, a.vocab_size = vocab;
+  a.multiple_of = 16, a.max_seq_len = 32, a.rope_theta = 10000.0;
+  auto model = std::make_shared<loom::llama3::Transformer>(a, torch::TensorOptions().device(torch::kMeta));
+  model->to_empty(torch::kCPU);
+  model->init_weights(seed);
+  return model;
+}
+
+// `dir` as a model-only Loom checkpoint of tiny_llama(seed).
+fs::path tiny_checkpoint(const fs::path& dir, uint64_t seed = 1) {
+  loom::llama3::save_loom_checkpoint(*tiny_llama(seed), dir);
+  return dir;
+}
+
+// Flips one byte in the middle of `file`: its size stays, so only a CRC-32C check can tell.
+void flip_byte_in_middle(const fs::path& file) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  const auto size = static_cast<std::streamoff>(fs::file_size(file));
+  f.seekg(size - size / 4);
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x5a);
+  f.seekp(size - size / 4);
+  f.write(&c, 1);
+}
+
+RunResult generate(const std::string& checkpoint, const std::string& flags) {
+  return run(loom_bin() + " generate --checkpoint " + checkpoint + " " + flags, 60);
+}
+
+}  // namespace test_faults
+
+// Item 7: what does not fit the model is refused in one line (exit 2) before the model is built:
+// a prompt longer than max_seq_len, prompt + new tokens past it (also 1e9 new tokens, which
+// allocated 128 GB, and INT64_MAX, which overflowed), NaN top-p, a negative seed.
+TEST(Faults, GenerateRefusesWhatDoesNotFitTheModelBeforeLoading) {
+  TempDir dir("gen-limits");
+  const std::string ckpt = test_faults::tiny_checkpoint(dir.path() / "model").string();
+  std::string long_prompt = "1";
+  for (int i = 0; i < 39; ++i) long_prompt += ",1";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"--prompt-tokens " + long_prompt, {"the prompt has 40 tokens", "maximum sequence length is 32", "shorten the prompt"}},
+      {"--prompt-tokens 1,2,3 --max-new-tokens 30", {"plus --max-new-tokens 30", "lower --max-new-tokens to at most 29"}},
+      {"--prompt-tokens 1,2,3 --max-new-tokens 1000000000", {"--max-new-tokens 1000000000", "at most 29"}},
+      {"--prompt-tokens 1,2,3 --max-new-tokens 9223372036854775807", {"--max-new-tokens 9223372036854775807", "at most 29"}},
+      {"--prompt-tokens 1,2,3 --top-p nan", {"--top-p must be in (0, 1]", "got nan"}},
+      {"--prompt-tokens 1,2,3 --seed -1", {"--seed must be a non-negative integer, got -1"}},
+  };
+  for (const auto& [flags, parts] : cases) {
+    const RunResult r = test_faults::generate(ckpt, flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "error: "), 1) << r.output;
+    for (const auto& part : parts) EXPECT_NE(r.output.find(part), std::string::npos) << flags << "\n" << r.output;
+    EXPECT_EQ(r.output.find("allocat"), std::string::npos) << r.output;
+    EXPECT_LT(r.seconds, 20) << flags;
+  }
+  // What fits still runs: 29 new tokens after a 3-token prompt fill the 32 positions exactly.
+  const RunResult ok = test_faults::generate(ckpt, "--prompt-tokens 1,2,3 --max-new-tokens 29 --temperature 0 --ids");
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find("3 prompt + 29 new tokens"), std::string::npos) << ok.output;
+}
+
+// Item 11: option ranges are checked before anything is loaded (the checkpoint here is an empty
+// folder, which would fail to load) and say the range in words, not CLI11's "Value 0 not in range
+// 0.000000 to 1797...", nor let NaN through.
+TEST(Faults, GenerateOptionRangesAreCheckedFirstInPlainWords) {
+  TempDir dir("gen-ranges");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--temperature nan", "--temperature must be a finite number >= 0 (0 = greedy), got nan"},
+      {"--temperature -1", "--temperature must be a finite number >= 0 (0 = greedy), got -1"},
+      {"--max-new-tokens 0", "--max-new-tokens must be at least 1, got 0"},
+      {"--top-k -1", "--top-k must be >= 0 (0 = every token), got -1"},
+      {"--top-p 0", "--top-p must be in (0, 1] (1 = every token), got 0"},
+      {"--top-p 1.5", "--top-p must be in (0, 1] (1 = every token), got 1.5"},
+  };
+  for (const auto& [flags, message] : cases) {
+    const RunResult r = test_faults::generate(dir.str(), "--prompt-tokens 1,2 " + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("error: " + message + "\n"), std::string::npos) << flags << "\n" << r.output;
+    EXPECT_EQ(r.output.find("1797"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("not in range"), std::string::npos) << r.output;
+  }
+}
+
+// Item 8: a checkpoint folder whose newest step is CRC-corrupt loads its previous complete step
+// in generate, score and convert, as a training resume does, with a warning naming the skipped
+// step and why. Before: each stopped with exit 1 at the corrupt step.
+TEST(Faults, GenerateScoreConvertFallBackPastACorruptNewestStep) {
+  TempDir dir("gen-fallback");
+  const fs::path folder = dir.path() / "checkpoint";
+  test_faults::tiny_checkpoint(folder / "step-1", 1);
+  test_faults::tiny_checkpoint(folder / "step-2", 2);
+  test_faults::flip_byte_in_middle(folder / "step-2" / "rank-0.safetensors");
+  const std::vector<std::string> commands = {
+      " generate --checkpoint " + folder.string() + " --prompt-tokens 1,2 --max-new-tokens 2 --ids",
+      " score --checkpoint " + folder.string() + " --tokens 1,2,3",
+      " convert --to hf --input " + folder.string() + " --output " + (dir.path() / "hf").string(),
+  };
+  for (const std::string& cmd : commands) {
+    const RunResult r = run(loom_bin() + cmd, 60);
+    EXPECT_EQ(r.exit_code, 0) << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("step-2' is unusable: "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("CRC-32C"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("falling back to an earlier one"), std::string::npos) << r.output;
+    // Nothing but the result on stdout: the loaded step is not announced there.
+    EXPECT_EQ(r.output.find("loaded checkpoint"), std::string::npos) << r.output;
+  }
+  const RunResult gen = run(loom_bin() + commands[0], 60);
+  EXPECT_NE(gen.output.find("new tokens in"), std::string::npos) << gen.output;
+  EXPECT_NE(gen.output.find("from " + (folder / "step-1").string() + "\n"), std::string::npos) << gen.output;
+  EXPECT_TRUE(fs::exists(dir.path() / "hf" / "config.json"));
+}
+
+// Item 11: a tokenizer smaller than the model's vocabulary (a padded embedding table) is accepted
+// as Hugging Face does: sampled ids without a token are left out of the text, with one warning,
+// instead of failing mid-output. The head is rigged so that greedy decoding always picks a padded id.
+TEST(Faults, GenerateWithATokenizerSmallerThanTheVocabularyLeavesUnknownIdsOut) {
+  TempDir dir("gen-tokenizer");
+  const std::string tokenizer = src("data/default/tokenizer.json");
+  const int64_t known = loom::data::Tokenizer::from_file(tokenizer).vocab_size();
+  auto model = test_faults::tiny_llama(3, known + 8);
+  {
+    torch::NoGradGuard no_grad;
+    torch::Tensor head = model->output().weight();
+    const torch::Tensor row = torch::randn({head.size(1)});
+    head.zero_();
+    head[known].copy_(row * 10);      // one of these two padded ids has the largest logit
+    head[known + 1].copy_(row * -10);
+  }
+  loom::llama3::save_loom_checkpoint(*model, dir.path() / "model");
+  const RunResult r = run(loom_bin() + " generate --checkpoint " + (dir.path() / "model").string() +
+                          " --tokenizer " + tokenizer + " --prompt hi --max-new-tokens 3 --temperature 0", 60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("the tokenizer has " + std::to_string(known) + " ids but the model " +
+                          std::to_string(known + 8)), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("3 new tokens"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("cannot decode"), std::string::npos) << r.output;
+}
+
+// Item 11: a model whose config cannot fit in memory fails with what was being allocated, its size
+// and what to change, not the allocator's bare "can't allocate memory". The config (Hugging Face
+// format, as downloaded) claims 2^50 positions: its RoPE table alone is petabytes.
+TEST(Faults, OutOfMemoryAtModelBuildSaysWhatAndHowMuch) {
+  TempDir dir("oom");
+  auto model = test_faults::tiny_llama(4);
+  loom::llama3::export_hf_model_dir(*model, dir.path() / "hf");
+  std::ifstream in(dir.path() / "hf" / "config.json");
+  nlohmann::json config = nlohmann::json::parse(in);
+  config["max_position_embeddings"] = int64_t{1} << 50;
+  std::ofstream(dir.path() / "hf" / "config.json") << config.dump(2);
+  const RunResult r = run(loom_bin() + " convert --to loom --input " + (dir.path() / "hf").string() +
+                          " --output " + (dir.path() / "out").string(), 60);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "error: "), 1) << r.output;
+  EXPECT_NE(r.output.find("error: out of memory allocating the model ("), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("max_seq_len 1125899906842624"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(" GiB on cpu"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("; use a machine with more memory or a smaller model"), std::string::npos) << r.output;
 }

@@ -169,7 +169,7 @@ std::optional<LoadResult> load_latest(const fs::path& folder, const ShardedState
     }
     const int64_t worst = group.all_reduce_max(code);
     if (worst == 0) {
-      if (group.rank() == 0) {
+      if (group.rank() == 0 && options.log_loaded) {
         log::info("loaded checkpoint '", dir.string(), "' (saved by ", result->saved_world_size,
                   " ranks; ", result->bytes_read >> 20, " MiB read on rank 0 in ", timer.seconds(),
                   " s)");

@@ -27,6 +27,9 @@ struct LoadOptions {
   // optimizer or trainer state, so load_latest passes over it to the newest full checkpoint, and
   // load_checkpoint refuses it with ModelOnlyCheckpointError.
   bool skip_model_only = false;
+  // load_latest logs the checkpoint it loaded (info, on stdout). Commands whose stdout is their
+  // result (`loom generate --ids`, `loom score`) turn it off; warnings about skipped ones stay.
+  bool log_loaded = true;
 };
 
 // A model-only checkpoint where full training state was asked for (LoadOptions::skip_model_only).

@@ -19,6 +19,7 @@ std::mutex g_mutex;
 std::map<int, std::function<void(ErrorReport&)>> g_hooks;
 int g_next_id = 0;
 std::atomic<bool> g_reported{false};
+std::atomic<bool> g_stdout_line_open{false};
 
 // Keeps the report one line: a multi-line message (a c10 error with context) is joined.
 std::string one_line(std::string s) {
@@ -48,6 +49,8 @@ bool several_ranks_launched() {
   }
   return false;
 }
+
+void set_stdout_line_open(bool open) { g_stdout_line_open = open; }
 
 ErrorReport describe_exception(std::exception_ptr error) {
   try {
@@ -80,6 +83,7 @@ ErrorReport report_error(ErrorReport report) {
   const std::string line = several_ranks_launched()
                                ? c10::str("[rank", launched_rank(), "] error: ", report.message)
                                : c10::str("error: ", report.message);
+  if (g_stdout_line_open.exchange(false)) std::fputc('\n', stdout);
   std::fflush(stdout);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);

@@ -44,6 +44,11 @@ class ReportedError : public std::exception {
 // propagated. Returns the report as printed.
 ErrorReport report_error(ErrorReport report);
 
+// A command that streams text to stdout without a newline yet (`loom generate` prints tokens as
+// they come) says so here; report_error then ends that line first, so the error starts a line of
+// its own ("hi\nerror: ..." where stdout and stderr share a terminal, not "hierror: ...").
+void set_stdout_line_open(bool open);
+
 // Whether the launcher's environment says this process is one of several ranks.
 bool several_ranks_launched();
 

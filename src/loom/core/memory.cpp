@@ -5,8 +5,12 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Logging.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
+#include <c10/util/Exception.h>
+
+#include "loom/core/error.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <atomic>
 
 #include <fstream>
@@ -192,6 +196,63 @@ void note_comm_buffer_bytes(const c10::Device& device, int64_t delta) {
   for (AllocationTracker::State* state : registry()) {
     if (state->device.type() == device.type()) state->add(0, delta);
   }
+}
+
+namespace {
+// The allocator's message without c10's backtrace, first line only (and bounded).
+std::string allocator_words(const std::exception_ptr& error) {
+  std::string text;
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    text = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    text = e.what();
+  } catch (...) {
+  }
+  text = text.substr(0, text.find('\n'));
+  if (text.size() > 200) text = text.substr(0, 200) + "...";
+  return text;
+}
+}  // namespace
+
+bool is_allocation_failure(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::OutOfMemoryError&) {
+    return true;
+  } catch (const std::bad_alloc&) {
+    return true;
+  } catch (const c10::Error& e) {
+    // The CPU allocator fails with a plain c10::Error ("DefaultCPUAllocator: can't allocate memory"
+    // from posix_memalign, "not enough memory" from the null check).
+    const std::string text = e.what_without_backtrace();
+    return text.find("can't allocate memory") != std::string::npos ||
+           text.find("not enough memory") != std::string::npos ||
+           text.find("out of memory") != std::string::npos;
+  } catch (...) {
+    return false;
+  }
+}
+
+void rethrow_with_allocation_context(const std::exception_ptr& error, const std::string& what, int64_t bytes,
+                                     const c10::Device& device, const std::string& hint) {
+  if (!is_allocation_failure(error)) std::rethrow_exception(error);
+  fail("out of memory allocating ", what, ": ", bytes_text(bytes), " on ", device.str(), " (",
+       allocator_words(error), "); ", hint);
+}
+
+std::string bytes_text(int64_t bytes) {
+  char buf[64];
+  const double b = static_cast<double>(bytes);
+  if (b >= double(int64_t{1} << 30)) {
+    std::snprintf(buf, sizeof buf, "%.1f GiB", b / double(int64_t{1} << 30));
+  } else if (b >= double(int64_t{1} << 20)) {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(int64_t{1} << 20));
+  } else {
+    std::snprintf(buf, sizeof buf, "%lld bytes", static_cast<long long>(bytes));
+  }
+  return buf;
 }
 
 }  // namespace loom::memory

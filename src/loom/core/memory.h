@@ -6,10 +6,34 @@
 #include <c10/util/ThreadLocalDebugInfo.h>
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <optional>
+#include <string>
 
 namespace loom::memory {
+
+// Out-of-memory with context. Where Loom allocates something large whose size the user controls
+// (a model built from a checkpoint's config, generate's key/value cache), the allocator's own
+// failure (std::bad_alloc, c10::OutOfMemoryError, the CPU allocator's "can't allocate memory")
+// says neither what was being allocated nor what to change. with_allocation_context runs `fn` and
+// turns such a failure into a one-line loom::Error: "out of memory allocating <what>: <size> on
+// <device> (<allocator's words>); <hint>". Any other exception passes through unchanged.
+bool is_allocation_failure(const std::exception_ptr& error);
+[[noreturn]] void rethrow_with_allocation_context(const std::exception_ptr& error, const std::string& what,
+                                                  int64_t bytes, const c10::Device& device,
+                                                  const std::string& hint);
+template <typename Fn>
+void with_allocation_context(Fn&& fn, const std::string& what, int64_t bytes, const c10::Device& device,
+                             const std::string& hint) {
+  try {
+    fn();
+  } catch (...) {
+    rethrow_with_allocation_context(std::current_exception(), what, bytes, device, hint);
+  }
+}
+// "1.5 GiB", "12.0 MiB", "512 bytes": sizes in messages.
+std::string bytes_text(int64_t bytes);
 int64_t current_rss_bytes();
 int64_t peak_rss_bytes();
 // Resets the kernel's high-water mark to the current RSS; returns false where unsupported.

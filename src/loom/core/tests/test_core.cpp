@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <string>
 #include <vector>
 
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -164,4 +167,71 @@ TEST(Autocast, ScopeCastsMatmulsAndRestores) {
   }
   EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::kCPU));
   EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kFloat32);
+}
+
+namespace test_core {
+// What a child process writes to stdout and stderr (one pipe, as a terminal shows them) while it
+// runs `body`; report_error marks a process as reported, so each case gets its own process.
+std::string child_output(void (*body)()) {
+  int fds[2];
+  if (pipe(fds) != 0) return "<pipe failed>";
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    dup2(fds[1], 1);
+    dup2(fds[1], 2);
+    body();
+    std::fflush(stdout);
+    std::fflush(stderr);
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string out;
+  char buf[256];
+  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return out;
+}
+}  // namespace test_core
+
+// Issue 22, item 11: a command that streamed part of a line to stdout (`loom generate`'s text) and
+// then fails prints its error on a line of its own, not "hierror: ...".
+TEST(ErrorReport, ErrorStartsItsOwnLineAfterAPartialStdoutLine) {
+  EXPECT_EQ(test_core::child_output([] {
+              std::printf("hi");
+              loom::set_stdout_line_open(true);
+              loom::report_error({"boom", 1});
+            }),
+            "hi\nerror: boom\n");
+  // Nothing open: no blank line is added.
+  EXPECT_EQ(test_core::child_output([] {
+              std::printf("done\n");
+              loom::report_error({"boom", 1});
+            }),
+            "done\nerror: boom\n");
+}
+
+// Issue 22, item 11: an allocation that cannot succeed names what, how much, where and what to
+// change; other errors pass through unchanged.
+TEST(Memory, AllocationFailureSaysWhatHowMuchAndWhatToLower) {
+  const int64_t huge = int64_t{1} << 58;
+  try {
+    loom::memory::with_allocation_context([&] { (void)torch::empty({huge}, torch::kUInt8); },
+                                          "the key/value cache for 9 tokens", huge, c10::Device(torch::kCPU),
+                                          "lower --max-new-tokens");
+    ADD_FAILURE() << "allocating 2^58 bytes succeeded";
+  } catch (const loom::Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("out of memory allocating the key/value cache for 9 tokens: 268435456.0 GiB on cpu (", 0), 0u) << m;
+    EXPECT_NE(m.find("); lower --max-new-tokens"), std::string::npos) << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+  EXPECT_THROW(loom::memory::with_allocation_context([] { throw std::runtime_error("other"); }, "x", 1,
+                                                     c10::Device(torch::kCPU), "y"),
+               std::runtime_error);
+  EXPECT_EQ(loom::memory::bytes_text(3 << 20), "3.0 MiB");
 }

@@ -1,32 +1,78 @@
 #include "loom/models/llama3/generate.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 #include "loom/core/error.h"
+#include "loom/core/memory.h"
 
 namespace loom::llama3 {
 
+void SamplingOptions::validate() const {
+  // Written so that NaN fails every check (each comparison with NaN is false).
+  LOOM_REQUIRE_USAGE(max_new_tokens >= 1, "--max-new-tokens must be at least 1, got ", max_new_tokens);
+  LOOM_REQUIRE_USAGE(temperature >= 0 && std::isfinite(temperature), "--temperature must be a finite number >= 0 ",
+                     "(0 = greedy), got ", temperature);
+  LOOM_REQUIRE_USAGE(top_k >= 0, "--top-k must be >= 0 (0 = every token), got ", top_k);
+  LOOM_REQUIRE_USAGE(top_p > 0 && top_p <= 1, "--top-p must be in (0, 1] (1 = every token), got ", top_p);
+}
+
+void check_generation_fits(int64_t prompt_tokens, int64_t max_new_tokens, int64_t max_seq_len) {
+  LOOM_REQUIRE_USAGE(prompt_tokens <= max_seq_len, "the prompt has ", prompt_tokens,
+                     " tokens but the model's maximum sequence length is ", max_seq_len,
+                     "; shorten the prompt to at most ", max_seq_len - 1, " tokens to leave room for new ones");
+  // Compared as room left, never as a sum, so --max-new-tokens near INT64_MAX cannot overflow.
+  const int64_t room = max_seq_len - prompt_tokens;
+  LOOM_REQUIRE_USAGE(max_new_tokens <= room, "the prompt (", prompt_tokens, " tokens) plus --max-new-tokens ",
+                     max_new_tokens, " exceed the model's maximum sequence length of ", max_seq_len,
+                     room > 0 ? c10::str("; lower --max-new-tokens to at most ", room)
+                              : std::string("; shorten the prompt to leave room for new tokens"));
+}
+
+int64_t kv_cache_bytes(const ModelArgs& args, int64_t capacity, c10::ScalarType dtype) {
+  const int64_t per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim() *
+                            static_cast<int64_t>(c10::elementSize(dtype));
+  return per_token * capacity;
+}
+
 struct Generator::LayerCache {
-  torch::Tensor k, v;  // [1, KV, capacity, D], allocated at the first forward
+  torch::Tensor k, v;  // [1, KV, capacity, D]
   int64_t length = 0;
 };
 
-Generator::Generator(Transformer& model, int64_t capacity) : model_(model), capacity_(capacity) {
+Generator::Generator(Transformer& model, int64_t capacity)
+    : Generator(model, capacity, "lower --max-new-tokens or shorten the prompt") {}
+
+Generator::Generator(Transformer& model, int64_t capacity, const std::string& memory_hint)
+    : model_(model), capacity_(capacity) {
   LOOM_REQUIRE_USAGE(capacity >= 1 && capacity <= model.args().max_seq_len, "generation needs ", capacity,
                      " positions but the model's RoPE table has ", model.args().max_seq_len,
                      "; use a shorter prompt or fewer new tokens");
+  const ModelArgs& args = model.args();
+  const torch::Tensor& rope = model.rope_cache();
+  // The cache holds what attention's keys and values are computed in: the model's dtype.
+  const auto options = model.tok_embeddings().weight().options();
+  const int64_t layers = static_cast<int64_t>(model.layers().named_children().size());
+  memory::with_allocation_context(
+      [&] {
+        for (int64_t i = 0; i < layers; ++i) {
+          auto cache = std::make_shared<LayerCache>();
+          cache->k = torch::empty({1, args.n_kv_heads, capacity, args.head_dim()}, options);
+          cache->v = torch::empty_like(cache->k);
+          caches_.push_back(std::move(cache));
+        }
+      },
+      c10::str("the key/value cache for ", capacity, " tokens (", layers, " layers)"),
+      kv_cache_bytes(args, capacity, options.dtype().toScalarType()), rope.device(), memory_hint);
+  size_t next = 0;
   for (const auto& [id, layer] : model.layers().named_children()) {
-    auto cache = std::make_shared<LayerCache>();
-    caches_.push_back(cache);
+    auto cache = caches_[next++];
     const int64_t cap = capacity;
     static_cast<TransformerBlock&>(*layer).attention().set_attend(
         [cache, cap](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const nn::TokenLayout&) {
           // q [1, T, H, D], k/v [1, T, KV, D], already rotated at their positions.
           const int64_t t = q.size(1), heads = q.size(2), head_dim = q.size(3);
-          if (!cache->k.defined()) {
-            cache->k = torch::empty({k.size(0), k.size(2), cap, head_dim}, k.options());
-            cache->v = torch::empty_like(cache->k);
-          }
           const int64_t start = cache->length, end = start + t;
           LOOM_REQUIRE(end <= cap, "key/value cache full: ", end, " > ", cap);
           cache->k.narrow(2, start, t).copy_(k.transpose(1, 2));
@@ -91,11 +137,12 @@ int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& o, at::
 std::vector<int64_t> Generator::generate(const std::vector<int64_t>& prompt, const SamplingOptions& o,
                                          const std::function<void(int64_t)>& on_token) {
   LOOM_REQUIRE_USAGE(!prompt.empty(), "generation needs a prompt of at least one token");
-  LOOM_REQUIRE_USAGE(o.temperature >= 0 && o.top_k >= 0 && o.top_p > 0 && o.top_p <= 1,
-                     "sampling needs temperature >= 0, top_k >= 0 and top_p in (0, 1]");
-  LOOM_REQUIRE_USAGE(cached() + static_cast<int64_t>(prompt.size()) + o.max_new_tokens <= capacity_,
-                     "prompt (", prompt.size(), " tokens) plus ", o.max_new_tokens, " new tokens exceed the ",
-                     capacity_, " positions of this generator");
+  o.validate();
+  // Room left, never a sum: max_new_tokens near INT64_MAX cannot overflow.
+  const int64_t room = capacity_ - cached() - static_cast<int64_t>(prompt.size());
+  LOOM_REQUIRE_USAGE(o.max_new_tokens <= room, "prompt (", prompt.size(), " tokens) plus ", o.max_new_tokens,
+                     " new tokens exceed the ", capacity_, " positions of this generator (", cached(),
+                     " cached); build it with a larger capacity or ask for fewer tokens");
   torch::InferenceMode inference;
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(o.seed);
   std::vector<int64_t> out;

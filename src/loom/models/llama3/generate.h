@@ -26,7 +26,20 @@ struct SamplingOptions {
   double top_p = 1.0;      // keep the smallest set whose probability reaches p; 1 = all
   uint64_t seed = 0;       // the sampling stream: the same seed gives the same tokens
   int64_t stop_id = -1;    // stop after this token (the tokenizer's EOS); -1 = never
+
+  // A one-line loom::UsageError naming the `loom generate` option that is out of range (NaN
+  // included) and its valid range; called by the CLI before anything is loaded.
+  void validate() const;
 };
+
+// Checks that a prompt of `prompt_tokens` plus `max_new_tokens` fits a model of `max_seq_len`
+// positions, without overflow for any int64 input; a one-line loom::UsageError naming the numbers
+// and what to lower otherwise. Callers run it before building or allocating anything.
+void check_generation_fits(int64_t prompt_tokens, int64_t max_new_tokens, int64_t max_seq_len);
+
+// Bytes of the key/value cache Generator allocates for `capacity` tokens (keys and values of every
+// layer, batch 1) in `dtype`.
+int64_t kv_cache_bytes(const ModelArgs& args, int64_t capacity, c10::ScalarType dtype);
 
 // The next token from logits [V] (float32 on any device).
 int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& options, at::Generator& generator);
@@ -34,7 +47,11 @@ int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& options
 class Generator {
  public:
   // Installs the cache on every layer of `model` (batch 1, up to `capacity` tokens: prompt plus
-  // new ones, at most the model's max_seq_len) and removes it again on destruction.
+  // new ones, at most the model's max_seq_len) and removes it again on destruction. The cache is
+  // allocated here, before any token is produced, so running out of memory is one error naming
+  // the cache's size (and `memory_hint`: what the caller's user can lower), not a failure after
+  // the first output.
+  Generator(Transformer& model, int64_t capacity, const std::string& memory_hint);
   Generator(Transformer& model, int64_t capacity);
   ~Generator();
   Generator(const Generator&) = delete;

@@ -11,6 +11,7 @@
 #include "loom/checkpoint/saver.h"
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
+#include "loom/core/memory.h"
 #include "loom/models/llama3/hf_adapter.h"
 
 namespace loom::llama3 {
@@ -39,10 +40,23 @@ std::string hf_dtype_name(c10::ScalarType dtype) {
 }
 
 // Builds `args` on the meta device, then gives it uninitialized storage on the target device.
+// Parameters and the RoPE table are sized by the checkpoint's config and the command's options,
+// so running out of memory here is reported with those sizes and what to lower instead of the
+// allocator's bare "can't allocate memory".
 std::shared_ptr<Transformer> build_empty(const ModelArgs& args, const LoadOptions& load) {
   auto model = std::make_shared<Transformer>(args, load.options.device(torch::kMeta));
-  model->to_empty(load.options.device());
-  model->reset_buffers();
+  int64_t bytes = 0;
+  for (const auto& p : model->named_parameters()) bytes += p.tensor().numel() * p.tensor().element_size();
+  // The RoPE table: cos and sin for every position (Transformer's "freqs" buffer).
+  bytes += 2 * args.max_seq_len * args.head_dim() * static_cast<int64_t>(sizeof(float));
+  memory::with_allocation_context(
+      [&] {
+        model->to_empty(load.options.device());
+        model->reset_buffers();
+      },
+      c10::str("the model (", args.summary(), ", max_seq_len ", args.max_seq_len, ", ",
+               c10::toString(load.options.dtype().toScalarType()), ")"),
+      bytes, load.options.device(), load.memory_hint);
   return model;
 }
 
@@ -113,6 +127,12 @@ ModelArgs read_checkpoint_model_args(const fs::path& path) {
   return model_args_from_config_json(metadata.json.at(kModelConfigKey), where);
 }
 
+ModelArgs read_model_dir_args(const fs::path& dir) {
+  if (detect_model_dir_format(dir) == ModelDirFormat::kLoom) return read_checkpoint_model_args(dir);
+  const fs::path config_path = dir / "config.json";
+  return hf_config_to_model_args(read_json(config_path), config_path.string()).args;
+}
+
 ModelArgs model_args_from_config_json(const nlohmann::json& model, const std::string& source) {
   LOOM_REQUIRE(model.is_object() && model.value("name", "") == kModelName, "'", source,
                "' holds a '", model.is_object() ? model.value("name", "") : model.dump(),
@@ -123,9 +143,10 @@ ModelArgs model_args_from_config_json(const nlohmann::json& model, const std::st
 
 LoadedModel load_model_dir(const fs::path& dir, const LoadOptions& options) {
   const ModelDirFormat format = detect_model_dir_format(dir);
-  return {format == ModelDirFormat::kLoom ? load_loom_checkpoint(dir, options)
-                                          : load_hf_model_dir(dir, options),
-          format};
+  LoadedModel loaded{nullptr, format, dir};
+  loaded.model = format == ModelDirFormat::kLoom ? load_loom_checkpoint(dir, options, &loaded.source)
+                                                 : load_hf_model_dir(dir, options);
+  return loaded;
 }
 
 std::shared_ptr<Transformer> load_hf_model_dir(const fs::path& dir, const LoadOptions& options) {
@@ -161,7 +182,8 @@ std::shared_ptr<Transformer> load_hf_model_dir(const fs::path& dir, const LoadOp
   return model;
 }
 
-std::shared_ptr<Transformer> load_loom_checkpoint(const fs::path& path, const LoadOptions& options) {
+std::shared_ptr<Transformer> load_loom_checkpoint(const fs::path& path, const LoadOptions& options,
+                                                  fs::path* loaded_from) {
   const fs::path dir = resolve_loom_checkpoint(path);
   ModelArgs args = read_checkpoint_model_args(dir);
   if (options.max_seq_len) args.max_seq_len = *options.max_seq_len;
@@ -181,7 +203,22 @@ std::shared_ptr<Transformer> load_loom_checkpoint(const fs::path& path, const Lo
                  "' of the model its config describes");
   }
   torch::NoGradGuard no_grad;
-  checkpoint::load_checkpoint(dir, dest);
+  if (is_checkpoint_dir(path)) {
+    checkpoint::load_checkpoint(dir, dest);
+    if (loaded_from) *loaded_from = dir;
+  } else {
+    // A checkpoint folder: the structure check in resolve_loom_checkpoint does not read the
+    // chunks, so a CRC-corrupt newest step only shows while loading. Training's resume
+    // (load_latest) then falls back to the previous complete step with a warning; score, generate
+    // and convert read the folder the same way, so a folder a run would resume from also loads
+    // here. The steps of one folder share the model config read from `dir` above; one that does
+    // not fit it is an error, not a fallback.
+    checkpoint::LoadOptions quiet;
+    quiet.log_loaded = false;  // stdout is the command's output (generated text, scores)
+    const auto result = checkpoint::load_latest(path, dest, *checkpoint::single_process_group(), quiet);
+    LOOM_REQUIRE(result.has_value(), "'", path.string(), "' holds no complete checkpoint");
+    if (loaded_from) *loaded_from = result->path;
+  }
   return model;
 }
 

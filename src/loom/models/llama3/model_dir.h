@@ -6,7 +6,8 @@
 //                 parameter names. Its global JSON state carries the model config under "model"
 //                 ({"name": "llama3", "model_args": {...}}), so the directory describes itself;
 //                 the trainer's own checkpoints carry it too. A checkpoint folder (holding
-//                 step-N directories) stands for its newest complete checkpoint.
+//                 step-N directories) stands for its newest complete checkpoint that loads
+//                 (a corrupt newest one is skipped, as a training resume does).
 // load_model_dir tells them apart (metadata.json or step-N directories vs config.json).
 #pragma once
 #include <torch/torch.h>
@@ -42,17 +43,27 @@ nlohmann::json model_config_json(const ModelArgs& args);
 ModelArgs model_args_from_config_json(const nlohmann::json& model, const std::string& source);
 // The ModelArgs recorded in checkpoint `dir` (resolved); a one-line error when it has none.
 ModelArgs read_checkpoint_model_args(const std::filesystem::path& dir);
+// The ModelArgs of a model directory of either format (HF config.json or the Loom checkpoint's
+// record), without reading or allocating any weights: callers check their limits against them
+// (`loom generate`: the prompt and new tokens against max_seq_len) before loading.
+ModelArgs read_model_dir_args(const std::filesystem::path& dir);
 
 struct LoadOptions {
   // dtype and device of the built model; checkpoint tensors are converted on load.
   torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
   // Length of the RoPE cache; default: the checkpoint's (HF: max_position_embeddings).
   std::optional<int64_t> max_seq_len;
+  // What the command's user can change when the model does not fit in memory (e.g. "use --dtype
+  // bfloat16"); the allocation error names it after the sizes.
+  std::string memory_hint = "use a machine with more memory or a smaller model";
 };
 
 struct LoadedModel {
   std::shared_ptr<Transformer> model;
   ModelDirFormat format;
+  // The directory the weights came from: `dir` itself, or the step-N a checkpoint folder resolved
+  // to (an earlier one when the newest was corrupt; see load_loom_checkpoint).
+  std::filesystem::path source;
 };
 
 // Builds the model on the meta device, materializes it on the target device and fills every
@@ -60,8 +71,13 @@ struct LoadedModel {
 LoadedModel load_model_dir(const std::filesystem::path& dir, const LoadOptions& options = {});
 std::shared_ptr<Transformer> load_hf_model_dir(const std::filesystem::path& dir,
                                                const LoadOptions& options = {});
+// `dir` is a checkpoint (step-N) or a checkpoint folder. A folder loads like a training resume
+// (checkpoint::load_latest): a newest step that turns out corrupt while loading (a chunk's CRC-32C)
+// is skipped with a warning naming it and why, for the previous complete one. `loaded_from`, when
+// given, receives the step directory actually loaded.
 std::shared_ptr<Transformer> load_loom_checkpoint(const std::filesystem::path& dir,
-                                                  const LoadOptions& options = {});
+                                                  const LoadOptions& options = {},
+                                                  std::filesystem::path* loaded_from = nullptr);
 
 // Writes `dir` as a model-only Loom checkpoint (step 0, one rank file), floating-point tensors in
 // `dtype` when given. `dir` must not exist yet; it appears complete or not at all.
