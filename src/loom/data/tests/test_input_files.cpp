@@ -116,14 +116,14 @@ TEST(InputFiles, EmptyOrShortDataNamesItsSetting) {
                                  {"validation.dataset_path = \"" + empty.string() + "\" holds no documents"});
   const fs::path short_file = write_tokens(dir / "short.bin", {{3, 4, 5}});
   const auto corpus = TokenCorpus::load({short_file.string()}, nullptr, options);
-  expect_error<loom::UsageError>([&] { SequencePacker(corpus, 64, "validation.seq_len"); },
+  expect_error<loom::UsageError>([&] { SequencePacker rejected(corpus, 64, "validation.seq_len"); },
                                  {"validation.dataset_path = \"" + short_file.string() + "\" packs into 5 tokens",
                                   "fewer than one row of validation.seq_len + 1 = 65", "shorter validation.seq_len"});
   // The training loader names its own settings.
   options.inputs_setting = "training.dataset_path";
   const auto training = TokenCorpus::load({short_file.string()}, nullptr, options);
   DataLoaderOptions loader{64, 1, 0, 1, "training.seq_len"};
-  expect_error<loom::UsageError>([&] { DataLoader(training, loader); },
+  expect_error<loom::UsageError>([&] { DataLoader rejected(training, loader); },
                                  {"training.dataset_path = \"", "training.seq_len + 1 = 65"});
   fs::remove_all(dir);
 }
