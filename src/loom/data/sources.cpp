@@ -16,6 +16,7 @@
 #include <unordered_set>
 
 #include "loom/core/error.h"
+#include "loom/core/files.h"
 #include "loom/core/strings.h"
 
 namespace loom::data {
@@ -55,21 +56,6 @@ void add_directory(const fs::path& dir, std::vector<std::string>& out) {
   }
   std::sort(files.begin(), files.end());
   out.insert(out.end(), files.begin(), files.end());
-}
-
-// What a file that is not a regular one is, for errors.
-const char* file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "a special file";
-}
-
-[[noreturn]] void fail_not_regular(const std::string& who, mode_t mode) {
-  fail_usage(who, " is ", file_kind(mode), ", not a regular file: reading it could block or never end; ",
-             "point it at a regular file, a directory of them or a glob");
 }
 
 // Closes a descriptor on every way out of a reader.
@@ -133,7 +119,7 @@ std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, c
     } else if (S_ISREG(st.st_mode)) {
       files.push_back(path);
     } else {
-      fail_not_regular(who, st.st_mode);
+      fail_not_regular_file(who, st.st_mode);
     }
     return true;
   };
@@ -164,29 +150,6 @@ std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, c
     if (seen.insert(fs::weakly_canonical(f).string()).second) unique.push_back(std::move(f));
   }
   return unique;
-}
-
-int open_regular_file(const std::string& path, const std::string& what) {
-  // A plain open() of a FIFO waits for a writer, forever if none comes; O_NONBLOCK returns at
-  // once, and fstat() on the descriptor (not the name, which could change in between) decides.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    const std::string why = errno_text();
-    // A socket cannot be opened at all (ENXIO): say what it is rather than "no such device".
-    struct stat st {};
-    if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) fail_not_regular(c10::str(what, " '", path, "'"), st.st_mode);
-    fail("cannot read ", what, " '", path, "': ", why);
-  }
-  FdGuard guard{fd};
-  struct stat st {};
-  LOOM_REQUIRE(::fstat(fd, &st) == 0, "cannot read ", what, " '", path, "': ", errno_text());
-  if (!S_ISREG(st.st_mode)) fail_not_regular(c10::str(what, " '", path, "'"), st.st_mode);
-  // Reads of a regular file never block anyway; blocking mode is restored so none can return EAGAIN.
-  const int flags = ::fcntl(fd, F_GETFL);
-  LOOM_REQUIRE(flags >= 0 && ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) == 0, "cannot read ", what, " '", path,
-               "': ", errno_text());
-  guard.fd = -1;
-  return fd;
 }
 
 SourceFormat parse_source_format(std::string_view name) {

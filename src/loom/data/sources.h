@@ -69,12 +69,6 @@ std::string input_description(const std::string& spec, const std::string& settin
 // Directories contribute their regular files only. Only metadata is read (stat, never open).
 std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, const std::string& setting = {});
 
-// Opens a user-given input for reading and returns the descriptor; the caller closes it. Never
-// blocks: the open is non-blocking (a FIFO without a writer would otherwise wait forever, and no
-// watchdog covers data loading), anything but a regular file is refused with loom::UsageError
-// naming the path and its type, and blocking mode is restored for the reads. `what` names the
-// file's role ("tokenizer", "JSONL file", ...). loom::Error with errno's text if it cannot open.
-int open_regular_file(const std::string& path, const std::string& what);
 
 // "text", "jsonl" or "tokens"; throws loom::UsageError for anything else.
 SourceFormat parse_source_format(std::string_view name);
