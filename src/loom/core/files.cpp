@@ -31,6 +31,7 @@ const char* file_kind(unsigned mode) {
 }
 
 void fail_not_regular_file(const std::string& who, unsigned mode) {
+  if (S_ISDIR(mode)) fail_usage(who, " is a directory, not a file; point it at a file");
   fail_usage(who, " is ", file_kind(mode), ", not a regular file: reading it could block or never end; ",
              "point it at a regular file, a directory of them or a glob");
 }

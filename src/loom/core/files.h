@@ -16,7 +16,8 @@ int open_regular_file(const std::string& path, const std::string& what);
 const char* file_kind(unsigned mode);
 
 // loom::UsageError "<who> is <file_kind>, not a regular file: ...; point it at a regular file, a
-// directory of them or a glob".
+// directory of them or a glob" ("<who> is a directory, not a file; ..." for a directory, which
+// only open_regular_file's callers refuse).
 [[noreturn]] void fail_not_regular_file(const std::string& who, unsigned mode);
 
 }  // namespace loom
