@@ -5,6 +5,7 @@
 // `loom` binary as a user would (a debug model at seq 64, a few seconds a run).
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -521,4 +522,47 @@ TEST(Faults, OutOfMemoryAtModelBuildSaysWhatAndHowMuch) {
   EXPECT_NE(r.output.find("max_seq_len 1125899906842624"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(" GiB on cpu"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("; use a machine with more memory or a smaller model"), std::string::npos) << r.output;
+
+// Issue 22, item 4: a dataset path that blocks on open (a FIFO with no writer) hung every rank for
+// good. Now the paths are resolved before rendezvous (stat, never open) and every reader opens
+// without blocking: one line per rank, exit 2, in seconds, under the launcher.
+TEST(Faults, FifoDatasetFailsAtStartInsteadOfHanging) {
+  TempDir dir("fifo");
+  const fs::path fifo = dir.path() / "corpus.jsonl";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const auto start = std::chrono::steady_clock::now();
+  RunResult r = run(launch(2) + train_args(dir, 2, " --training.dataset_path=" + fifo.string()), 60);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("training.dataset_path = \"" + fifo.string() + "\" is a FIFO (named pipe), not a regular file"),
+            std::string::npos) << r.output;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30)) << r.output;
+}
+
+// Issue 22, item 10: a JSONL parse error quotes the start of a 2 MB record and its size, so each
+// rank's error line, and the launcher's, stay short.
+TEST(Faults, HugeBadJsonlRecordIsQuotedAsAnExcerpt) {
+  TempDir dir("hugejsonl");
+  const fs::path data = dir.path() / "corpus.jsonl";
+  std::ofstream(data) << "{\"text\": \"fine\"}\n{\"text\": \"" << std::string(2'000'000, 'x') << "\n";
+  RunResult r = run(launch(2) + train_args(dir, 2, " --training.dataset_path=" + data.string()), 60);
+  EXPECT_NE(r.exit_code, 0) << r.output.substr(0, 4000);
+  EXPECT_NE(r.output.find(data.string() + ":2: not valid JSON"), std::string::npos) << r.output.substr(0, 4000);
+  EXPECT_NE(r.output.find("bytes)"), std::string::npos) << r.output.substr(0, 4000);
+  EXPECT_LT(r.output.size(), 20'000u) << r.output.substr(0, 4000);
+}
+
+// Issue 22, item 11: a full disk under job.dump_folder at start. config.toml was written through an
+// unchecked stream (0 bytes) and the run failed after step 1. The file is now written to
+// config.toml.tmp and checked; that path made a link to /dev/full (every write: ENOSPC) is a full
+// disk for it, deterministically.
+TEST(Faults, FullDiskForConfigTomlFailsAtStart) {
+  TempDir dir("fulldisk");
+  fs::create_symlink("/dev/full", dir.path() / "config.toml.tmp");
+  RunResult r = run(loom_bin() + train_args(dir, 2, " --parallelism.data_parallel_shard_degree=1"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("error: cannot write '" + (dir.path() / "config.toml").string() +
+                          "': No space left on device"),
+            std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("[step "), std::string::npos) << "trained before failing:\n" << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "error:"), 1) << r.output;
 }

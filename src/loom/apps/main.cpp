@@ -12,6 +12,7 @@
 #include "loom/train/train_cli.h"
 #include "loom/apps/restart_policy.h"
 #include "loom/core/error.h"
+#include "loom/core/strings.h"
 #include "loom/core/error_report.h"
 
 namespace {
@@ -69,7 +70,8 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);
-    std::fprintf(stderr, "error: %s (see 'loom --help')\n", e.what());
+    // Capped like every other error line: CLI11 quotes the offending value, which can be huge.
+    std::fprintf(stderr, "error: %s (see 'loom --help')\n", loom::excerpt(e.what(), 2000).c_str());
     return loom::kExitUsage;
   } catch (const loom::ReportedError& e) {
     return e.exit_code();  // printed (and propagated to the other ranks) where it happened

@@ -11,6 +11,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
+#include "loom/core/strings.h"
 
 namespace loom {
 namespace {
@@ -21,13 +22,19 @@ int g_next_id = 0;
 std::atomic<bool> g_reported{false};
 std::atomic<bool> g_stdout_line_open{false};
 
-// Keeps the report one line: a multi-line message (a c10 error with context) is joined.
+// The longest error line printed (and written to LOOM_ERROR_FILE, which the launcher quotes):
+// enough for any message Loom composes, while a message quoting huge input (a 10 MB JSONL record,
+// a long command-line value) stays a line, not megabytes on every rank and again in the launcher.
+constexpr size_t kMaxErrorBytes = 2000;
+
+// Keeps the report one line: a multi-line message (a c10 error with context) is joined, and
+// capped at kMaxErrorBytes.
 std::string one_line(std::string s) {
   while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
   for (char& c : s) {
     if (c == '\n') c = ' ';
   }
-  return s;
+  return excerpt(s, kMaxErrorBytes);
 }
 
 // This process's rank: from the launcher's environment, since an error may come before the dist
@@ -80,6 +87,7 @@ ErrorReport report_error(ErrorReport report) {
       // A hook that fails (e.g. the store is already gone) must not hide the report.
     }
   }
+  report.message = one_line(std::move(report.message));  // also what a hook rewrote
   const std::string line = several_ranks_launched()
                                ? c10::str("[rank", launched_rank(), "] error: ", report.message)
                                : c10::str("error: ", report.message);

@@ -29,6 +29,14 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+std::string excerpt(std::string_view text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return std::string(text);
+  size_t cut = max_bytes;
+  // Never split a multi-byte character: back up over continuation bytes (10xxxxxx).
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return std::string(text.substr(0, cut)) + "\u2026 (" + std::to_string(text.size()) + " bytes)";
+}
+
 std::string errno_text() { return std::strerror(errno); }
 
 }  // namespace loom

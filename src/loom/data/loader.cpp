@@ -67,8 +67,11 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
                                                      const Tokenizer* tokenizer, const SourceOptions& options,
                                                      int64_t model_vocab_size) {
   Timer timer;
-  const std::vector<std::string> files = resolve_inputs(inputs);
+  const std::vector<std::string> files = resolve_inputs(inputs, options.inputs_setting);
   auto corpus = std::shared_ptr<TokenCorpus>(new TokenCorpus());
+  std::string specs;
+  for (const std::string& input : inputs) specs += (specs.empty() ? "" : ", ") + input;
+  corpus->description_ = input_description(specs, options.inputs_setting);
   int64_t vocab_size = -1;
   std::string ids_from;  // what set vocab_size/BOS/EOS, for error messages
   if (tokenizer) {
@@ -111,7 +114,10 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
       });
     }
   }
-  LOOM_REQUIRE(corpus->num_documents() > 0, "the data inputs (", files.size(), " files) hold no documents");
+  // Bad input, which no restart can fix: exit 2, naming the setting (training or validation data).
+  LOOM_REQUIRE_USAGE(corpus->num_documents() > 0, corpus->description_, " holds no documents (",
+                     files.size(), files.size() == 1 ? " file" : " files",
+                     ", empty or blank); point it at data with text in it");
   log::debug("data: ", corpus->num_documents(), " documents, ", corpus->num_tokens(), " tokens from ",
             files.size(), files.size() == 1 ? " file" : " files", " (", timer.seconds(), " s)");
   return corpus;
@@ -147,12 +153,14 @@ void TokenCorpus::read_stream(int64_t start, int64_t count, int64_t* tokens, int
 
 // ---- SequencePacker ---------------------------------------------------------------------------
 
-SequencePacker::SequencePacker(std::shared_ptr<const TokenCorpus> corpus, int64_t seq_len)
+SequencePacker::SequencePacker(std::shared_ptr<const TokenCorpus> corpus, int64_t seq_len,
+                               const std::string& seq_len_setting)
     : corpus_(std::move(corpus)), seq_len_(seq_len) {
-  LOOM_REQUIRE_USAGE(seq_len_ >= 1, "seq_len must be at least 1, got ", seq_len_);
+  LOOM_REQUIRE_USAGE(seq_len_ >= 1, seq_len_setting, " must be at least 1, got ", seq_len_);
   rows_per_epoch_ = corpus_->stream_length() / (seq_len_ + 1);
-  LOOM_REQUIRE(rows_per_epoch_ > 0, "the corpus packs into ", corpus_->stream_length(),
-               " tokens, fewer than one row of seq_len + 1 = ", seq_len_ + 1, "; use more data or a shorter seq_len");
+  LOOM_REQUIRE_USAGE(rows_per_epoch_ > 0, corpus_->description(), " packs into ", corpus_->stream_length(),
+                     " tokens, fewer than one row of ", seq_len_setting, " + 1 = ", seq_len_ + 1,
+                     "; use more data or a shorter ", seq_len_setting);
 }
 
 void SequencePacker::read_row(int64_t row, int64_t* tokens, int64_t* positions, int64_t* document_ids) const {
@@ -182,7 +190,7 @@ Batch SequencePacker::read_rows(int64_t first_row, int64_t count) const {
 // ---- DataLoader -------------------------------------------------------------------------------
 
 DataLoader::DataLoader(std::shared_ptr<const TokenCorpus> corpus, DataLoaderOptions options)
-    : packer_(std::move(corpus), options.seq_len), options_(options) {
+    : packer_(std::move(corpus), options.seq_len, options.seq_len_setting), options_(options) {
   LOOM_REQUIRE_USAGE(options_.local_batch_size >= 1, "local batch size must be at least 1, got ",
                      options_.local_batch_size);
   LOOM_REQUIRE_USAGE(options_.dp_world_size >= 1 && options_.dp_rank >= 0 &&

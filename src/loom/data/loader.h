@@ -72,6 +72,9 @@ class TokenCorpus {
   int64_t stream_length() const { return doc_start_.back(); }
   int64_t bos_id() const { return bos_id_; }
   int64_t eos_id() const { return eos_id_; }
+  // How errors name this corpus: "validation.dataset_path = \"x\"" (SourceOptions::inputs_setting
+  // and the inputs), "data input 'x'" without a setting, "the corpus" for from_documents().
+  const std::string& description() const { return description_; }
 
   // Stream tokens [start, start + count): the token, its position in its document and the
   // document's global index.
@@ -91,12 +94,16 @@ class TokenCorpus {
   std::vector<Shard> shards_;
   std::vector<int64_t> doc_start_{0};  // stream offset of each document's BOS, then the end
   int64_t bos_id_ = -1, eos_id_ = -1;
+  std::string description_ = "the corpus";
 };
 
 // Cuts the packed stream into rows of seq_len + 1 tokens.
 class SequencePacker {
  public:
-  SequencePacker(std::shared_ptr<const TokenCorpus> corpus, int64_t seq_len);
+  // loom::UsageError, naming the corpus (TokenCorpus::description) and `seq_len_setting`, when
+  // the corpus is shorter than one row.
+  SequencePacker(std::shared_ptr<const TokenCorpus> corpus, int64_t seq_len,
+                 const std::string& seq_len_setting = "seq_len");
   int64_t seq_len() const { return seq_len_; }
   int64_t rows_per_epoch() const { return rows_per_epoch_; }
   const TokenCorpus& corpus() const { return *corpus_; }
@@ -117,6 +124,7 @@ struct DataLoaderOptions {
   int64_t local_batch_size = 0;
   int64_t dp_rank = 0;
   int64_t dp_world_size = 1;
+  std::string seq_len_setting = "seq_len";  // how errors name seq_len (e.g. "training.seq_len")
 };
 
 class DataLoader {

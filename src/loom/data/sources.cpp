@@ -9,12 +9,15 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <unordered_set>
 
 #include "loom/core/error.h"
+#include "loom/core/files.h"
+#include "loom/core/strings.h"
 
 namespace loom::data {
 
@@ -47,43 +50,99 @@ void add_directory(const fs::path& dir, std::vector<std::string>& out) {
       if (it->is_directory()) it.disable_recursion_pending();
       continue;
     }
+    // Only regular files: a FIFO, device or socket in a data folder is not data and reading it
+    // could block forever.
     if (it->is_regular_file()) files.push_back(it->path().string());
   }
   std::sort(files.begin(), files.end());
   out.insert(out.end(), files.begin(), files.end());
 }
 
+// Closes a descriptor on every way out of a reader.
+struct FdGuard {
+  int fd;
+  ~FdGuard() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Reads a file line by line (std::getline's contract: a line without its '\n', a last line
+// without one too) from a descriptor it owns.
+class LineReader {
+ public:
+  LineReader(const std::string& path, int fd) : path_(path), file_(::fdopen(fd, "rb")) {
+    if (file_ == nullptr) {
+      const std::string why = errno_text();
+      ::close(fd);
+      fail("cannot read JSONL file '", path, "': ", why);
+    }
+  }
+  ~LineReader() {
+    std::fclose(file_);
+    std::free(buffer_);
+  }
+  LineReader(const LineReader&) = delete;
+  LineReader& operator=(const LineReader&) = delete;
+
+  bool next(std::string& line) {
+    const ssize_t n = ::getline(&buffer_, &capacity_, file_);
+    if (n < 0) {
+      LOOM_REQUIRE(!std::ferror(file_), "cannot read JSONL file '", path_, "': ", errno_text());
+      return false;
+    }
+    line.assign(buffer_, static_cast<size_t>(n) - (n > 0 && buffer_[n - 1] == '\n' ? 1 : 0));
+    return true;
+  }
+
+ private:
+  std::string path_;
+  FILE* file_;
+  char* buffer_ = nullptr;
+  size_t capacity_ = 0;
+};
+
 }  // namespace
 
-std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs) {
+std::string input_description(const std::string& spec, const std::string& setting) {
+  return setting.empty() ? c10::str("data input '", spec, "'") : c10::str(setting, " = \"", spec, "\"");
+}
+
+std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, const std::string& setting) {
   LOOM_REQUIRE_USAGE(!specs.empty(), "no data input given: pass files, directories or globs");
   std::vector<std::string> files;
+  // stat() follows symlinks and never opens, so a FIFO is recognised without blocking on it.
+  auto add = [&](const std::string& path, const std::string& who) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) return false;
+    if (S_ISDIR(st.st_mode)) {
+      add_directory(path, files);
+    } else if (S_ISREG(st.st_mode)) {
+      files.push_back(path);
+    } else {
+      fail_not_regular_file(who, st.st_mode);
+    }
+    return true;
+  };
   for (const std::string& spec : specs) {
     const size_t before = files.size();
-    std::error_code ec;
-    if (fs::is_directory(spec, ec)) {
-      add_directory(spec, files);
-    } else if (fs::exists(spec, ec)) {
-      files.push_back(spec);
+    const std::string who = input_description(spec, setting);
+    if (add(spec, who)) {
+      // a file or directory
     } else if (spec.find_first_of("*?[") != std::string::npos) {
       glob_t g{};
       const int rc = ::glob(spec.c_str(), 0, nullptr, &g);
-      if (rc == 0) {
-        std::vector<std::string> matches(g.gl_pathv, g.gl_pathv + g.gl_pathc);
-        std::sort(matches.begin(), matches.end());
-        for (const std::string& m : matches) {
-          if (fs::is_directory(m, ec)) {
-            add_directory(m, files);
-          } else if (!is_hidden(m)) {
-            files.push_back(m);
-          }
-        }
-      }
+      std::vector<std::string> matches;
+      if (rc == 0) matches.assign(g.gl_pathv, g.gl_pathv + g.gl_pathc);
       globfree(&g);
+      std::sort(matches.begin(), matches.end());
+      for (const std::string& m : matches) {
+        if (is_hidden(m)) continue;
+        add(m, c10::str("'", m, "' (matched by ", who, ")"));
+      }
     } else {
-      fail("data input '", spec, "' does not exist");
+      fail_usage(who, " does not exist; point it at a file, a directory or a glob");
     }
-    LOOM_REQUIRE(files.size() > before, "data input '", spec, "' names no file");
+    LOOM_REQUIRE_USAGE(files.size() > before, who, " names no file");
   }
   std::unordered_set<std::string> seen;
   std::vector<std::string> unique;
@@ -101,9 +160,10 @@ SourceFormat parse_source_format(std::string_view name) {
 }
 
 bool is_token_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+  FdGuard fd{open_regular_file(path, "data file")};
   char magic[sizeof(kTokenFileMagic)] = {};
-  return in.read(magic, sizeof(magic)) && std::memcmp(magic, kTokenFileMagic, sizeof(magic)) == 0;
+  return ::pread(fd.fd, magic, sizeof(magic), 0) == static_cast<ssize_t>(sizeof(magic)) &&
+         std::memcmp(magic, kTokenFileMagic, sizeof(magic)) == 0;
 }
 
 SourceFormat detect_format(const std::string& path) {
@@ -133,16 +193,18 @@ SourceFormat resolve_format(const std::string& path, const SourceOptions& option
 }
 
 std::string read_file(const std::string& path, const char* what) {
-  std::error_code ec;
-  LOOM_REQUIRE(!fs::is_directory(path, ec), "cannot read ", what, " '", path, "': it is a directory");
-  std::ifstream in(path, std::ios::binary);
-  LOOM_REQUIRE(in, "cannot read ", what, " '", path, "': ", std::strerror(errno));
-  std::string data;
-  in.seekg(0, std::ios::end);
-  data.resize(static_cast<size_t>(in.tellg()));
-  in.seekg(0);
-  in.read(data.data(), static_cast<std::streamsize>(data.size()));
-  LOOM_REQUIRE(in, "cannot read ", what, " '", path, "': read failed");
+  FdGuard fd{open_regular_file(path, what)};
+  struct stat st {};
+  LOOM_REQUIRE(::fstat(fd.fd, &st) == 0, "cannot read ", what, " '", path, "': ", errno_text());
+  std::string data(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::read(fd.fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    LOOM_REQUIRE(n >= 0, "cannot read ", what, " '", path, "': ", errno_text());
+    LOOM_REQUIRE(n > 0, "cannot read ", what, " '", path, "': it shrank while being read");
+    done += static_cast<size_t>(n);
+  }
   return data;
 }
 
@@ -167,10 +229,11 @@ void for_each_text_document(const std::string& path, const SourceOptions& option
     }
     return;
   }
-  std::ifstream in(path, std::ios::binary);
-  LOOM_REQUIRE(in, "cannot read JSONL file '", path, "': ", std::strerror(errno));
+  // Streamed line by line (a JSONL corpus can exceed memory) from a descriptor opened without
+  // blocking (open_regular_file).
+  LineReader in(path, open_regular_file(path, "JSONL file"));
   std::string line;
-  for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
+  for (int64_t line_no = 1; in.next(line); ++line_no) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     nlohmann::json record;
     try {
@@ -178,6 +241,14 @@ void for_each_text_document(const std::string& path, const SourceOptions& option
     } catch (const nlohmann::json::parse_error& e) {
       std::string m = e.what();
       if (const size_t close = m.find("] "); m[0] == '[' && close != std::string::npos) m = m.substr(close + 2);
+      // nlohmann quotes what it read ("last read: '<the record so far>'"), which is the whole
+      // record when it is one long token: quote its start only, with its size.
+      const std::string kLastRead = "last read: '";
+      if (const size_t at = m.find(kLastRead); at != std::string::npos && m.back() == '\'') {
+        const size_t begin = at + kLastRead.size();
+        m = m.substr(0, begin) + excerpt(std::string_view(m).substr(begin, m.size() - 1 - begin)) + "'";
+      }
+      m = excerpt(m, 240);  // any other message that quotes the record
       // A configured format may be the mistake (plain text read as JSONL): say how to change it.
       fail(path, ":", line_no, ": not valid JSON: ", m,
            options.format ? c10::str(" (", options.format_setting, " is \"jsonl\"; set it to \"text\" for plain text)")
@@ -312,8 +383,7 @@ void TokenFileWriter::close() {
 }
 
 TokenFile::TokenFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  LOOM_REQUIRE(fd >= 0, "cannot read token file '", path, "': ", std::strerror(errno));
+  const int fd = open_regular_file(path, "token file");
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     ::close(fd);

@@ -52,11 +52,23 @@ struct SourceOptions {
   // command-line flag): error messages name them as the fix.
   std::string format_setting = "the data format option";
   std::string jsonl_field_setting = "the jsonl_field option";
+  // The setting that names the inputs (e.g. "training.dataset_path"): errors about the inputs
+  // themselves (missing, not a regular file, no documents, too short) name it, so a problem with
+  // the validation set is not reported as one with the training data. Empty: "data input".
+  std::string inputs_setting;
 };
 
+// "training.dataset_path = \"x\"" for a spec given through `setting`, "data input 'x'" without one:
+// how errors about an input name it.
+std::string input_description(const std::string& spec, const std::string& setting);
+
 // The files named by input specs (file, directory or glob), sorted within each spec, in spec
-// order, without duplicates. Throws loom::Error for a spec that names no file.
-std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs);
+// order, without duplicates. Throws loom::UsageError (naming `setting`, see SourceOptions) for a
+// spec that names no file, and for one that names (or a glob that matches) something other than
+// a regular file or directory: a FIFO, device or socket would block or never end when read.
+// Directories contribute their regular files only. Only metadata is read (stat, never open).
+std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, const std::string& setting = {});
+
 
 // "text", "jsonl" or "tokens"; throws loom::UsageError for anything else.
 SourceFormat parse_source_format(std::string_view name);

@@ -120,7 +120,8 @@ const std::vector<ConfigKey> kSchema = {
      "The decay ends at `lr * min_lr_factor`, in [0, 1].", {}},
     // [training]
     {LOOM_CONFIG_KEY(training, dataset_path),
-     "Training data: a file, a directory (every non-hidden file below it, sorted) or a glob.", {}},
+     "Training data: a file, a directory (every non-hidden regular file below it, sorted) or a glob. "
+     "A FIFO, device or socket is refused (reading one could block forever).", {}},
     {LOOM_CONFIG_KEY(training, dataset_format),
      "How every data file is read, whatever its name: `jsonl`: one `{\"text\": ...}` object per"
      " line; `text`: plain UTF-8, one document per file; `tokens`: a token file written by "

@@ -4,6 +4,11 @@
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -12,6 +17,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
+#include "loom/core/strings.h"
 #include "loom/core/timer.h"
 
 namespace loom::train {
@@ -103,6 +109,61 @@ void add_comm_metrics(StepMetrics& m, const distributed::CommSnapshot& snapshot,
   }
 }
 
+std::filesystem::path repair_cut_last_line(const std::filesystem::path& path) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0 && errno == ENOENT) return {};
+  LOOM_REQUIRE(fd >= 0, "cannot open '", path.string(), "' to check its last line: ", errno_text());
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  LOOM_REQUIRE(::fstat(fd, &st) == 0, "cannot read '", path.string(), "': ", errno_text());
+  if (!S_ISREG(st.st_mode) || st.st_size == 0) return {};
+  // Back from the end to the last '\n'; the bytes after it are the cut line.
+  const auto size = static_cast<int64_t>(st.st_size);
+  int64_t end_of_complete = 0;  // bytes up to and including the last '\n'
+  std::string tail;
+  char chunk[4096];
+  for (int64_t stop = size; stop > 0;) {
+    const int64_t start = std::max<int64_t>(0, stop - static_cast<int64_t>(sizeof(chunk)));
+    const ssize_t n = ::pread(fd, chunk, static_cast<size_t>(stop - start), start);
+    LOOM_REQUIRE(n == stop - start, "cannot read '", path.string(), "': ", errno_text());
+    const std::string_view bytes(chunk, static_cast<size_t>(n));
+    const size_t newline = bytes.rfind('\n');
+    if (newline != std::string_view::npos) {
+      end_of_complete = start + static_cast<int64_t>(newline) + 1;
+      tail.insert(0, bytes.substr(newline + 1));
+      break;
+    }
+    tail.insert(0, bytes);
+    stop = start;
+  }
+  if (tail.empty()) return {};  // ends with '\n': nothing was cut
+  if (nlohmann::json::accept(tail)) {
+    // Only the '\n' was lost: the record is whole, so it stays.
+    LOOM_REQUIRE(::pwrite(fd, "\n", 1, size) == 1, "cannot repair '", path.string(), "': ", errno_text());
+    return {};
+  }
+  const std::filesystem::path side = path.string() + ".partial";
+  {
+    std::unique_ptr<FILE, int (*)(FILE*)> out(std::fopen(side.c_str(), "ab"), &std::fclose);
+    LOOM_REQUIRE(out != nullptr, "cannot move the cut last line of '", path.string(), "' to '", side.string(),
+                 "': ", errno_text(), "; free space in job.dump_folder");
+    const std::string line = tail + "\n";
+    const bool ok = std::fwrite(line.data(), 1, line.size(), out.get()) == line.size() &&
+                    std::fflush(out.get()) == 0 && ::fsync(::fileno(out.get())) == 0;
+    LOOM_REQUIRE(ok, "cannot move the cut last line of '", path.string(), "' to '", side.string(), "': ",
+                 errno_text(), "; free space in job.dump_folder");
+  }
+  // Only now that the bytes are safe in the side file.
+  LOOM_REQUIRE(::ftruncate(fd, end_of_complete) == 0, "cannot truncate '", path.string(), "': ", errno_text());
+  log::warn("metrics: the last line of ", path.string(), " was cut (", tail.size(),
+            " bytes, a crash or a full disk while logging); moved it to ", side.string(),
+            " and the resumed run appends after the last complete line");
+  return side;
+}
+
 MetricsLogger::MetricsLogger(MetricsLoggerOptions options)
     : options_(std::move(options)), jsonl_path_(options_.dump_folder / "metrics.jsonl") {
   if (options_.rank != 0) return;
@@ -146,6 +207,7 @@ MetricsLogger::MetricsLogger(MetricsLoggerOptions options)
       break;
     }
   }
+  if (resuming) repair_cut_last_line(jsonl_path_);
   file_.reset(std::fopen(jsonl_path_.c_str(), resuming ? "a" : "w"));
   LOOM_REQUIRE(file_ != nullptr, "cannot open '", jsonl_path_.string(), "' for writing: ",
                std::strerror(errno), "; set job.dump_folder to a writable path");

@@ -60,13 +60,23 @@ struct StepMetrics {
 // (TensorBoard groups the per-dim keys under "comm_bytes").
 void add_comm_metrics(StepMetrics& metrics, const distributed::CommSnapshot& snapshot, int64_t steps);
 
+// A metrics.jsonl whose last line was cut (a crash or a full disk while logging: no '\n' at the
+// end) would be glued to the first line a resumed run appends, and every reader would then fail on
+// that line. This moves the cut bytes, as one line, to the end of "<path>.partial" (nothing is
+// lost), truncates `path` to its last complete line and warns naming both; a last line that is a
+// whole JSON object and lacks only its '\n' gets it instead. Returns the side file when bytes
+// were moved there, else an empty path (also when `path` does not exist). loom::Error naming the
+// file and errno's text when it cannot.
+std::filesystem::path repair_cut_last_line(const std::filesystem::path& path);
+
 struct MetricsLoggerOptions {
   std::filesystem::path dump_folder;
   bool enable_jsonl = true;
   int rank = 0;  // only rank 0 prints and writes
   // Set when the run resumes from a checkpoint of this step: metrics.jsonl is appended to, after a
   // marker line {"event":"resume","step":N,"attempt":A} (rows logged after N by the interrupted
-  // run are superseded by the rows that follow the marker). Unset: a fresh run, and an existing
+  // run are superseded by the rows that follow the marker; a cut last line is first repaired,
+  // see repair_cut_last_line). Unset: a fresh run, and an existing
   // non-empty metrics.jsonl is first moved aside to metrics.K.jsonl (first free K), never
   // overwritten.
   std::optional<int64_t> resumed_from_step;

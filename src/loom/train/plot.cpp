@@ -11,6 +11,8 @@
 #include <sstream>
 
 #include "loom/core/error.h"
+#include "loom/core/logging.h"
+#include "loom/core/strings.h"
 
 namespace loom::train {
 namespace fs = std::filesystem;
@@ -111,8 +113,12 @@ const std::vector<PlotPanel>& plot_panels() {
 
 RunCurves read_run_curves(const fs::path& run, const std::string& name) {
   const fs::path file = run.extension() == ".jsonl" ? run : run / "metrics.jsonl";
-  std::ifstream in(file);
-  LOOM_REQUIRE_USAGE(in.good(), "cannot read '", file.string(), "': give a run folder (job.dump_folder) "
+  // Regular files only: opening a FIFO would wait for a writer, perhaps forever.
+  std::error_code ec;
+  const bool regular = fs::is_regular_file(file, ec);
+  std::ifstream in;
+  if (regular) in.open(file);
+  LOOM_REQUIRE_USAGE(regular && in.good(), "cannot read '", file.string(), "': give a run folder (job.dump_folder) "
                      "that holds metrics.jsonl, or the .jsonl file itself");
   std::map<int64_t, nlohmann::json> rows;  // by step: rows of one step merged, later keys win
   std::string line;
@@ -122,7 +128,16 @@ RunCurves read_run_curves(const fs::path& run, const std::string& name) {
     try {
       row = nlohmann::json::parse(line);
     } catch (const nlohmann::json::exception& e) {
-      fail(file.string(), ":", number, " is not a JSON object (", e.what(), ")");
+      // getline stopped at the end of the file, not at a '\n': the last line is cut (a crash or
+      // a full disk while logging, or a run still writing it). The rows before it are whole.
+      if (in.eof()) {
+        log::warn("plot: skipping the cut last line ", number, " of ", file.string(), " (", line.size(),
+                  " bytes without a line end)");
+        break;
+      }
+      // Damage in the middle is not what a crash leaves: say where, quoting only the start.
+      fail(file.string(), ":", number, " is not a JSON object (", excerpt(e.what(), 160),
+           "); repair or delete that line");
     }
     LOOM_REQUIRE(row.is_object(), file.string(), ":", number, " is not a JSON object");
     if (row.contains("event")) {

@@ -23,7 +23,8 @@ struct RunCurves {
 // Reads `<run_dir>/metrics.jsonl` (or `run`, when it names a .jsonl file). A resumed run's marker
 // {"event":"resume","step":N} drops the rows after step N logged before it: the rows that follow
 // supersede them, as they do for every reader of metrics.jsonl. loom::UsageError when the file is
-// missing or holds no rows; loom::Error naming the line when one is not JSON.
+// missing or holds no rows; loom::Error naming the line when one is not JSON, except a cut last
+// line (no '\n' after it: a crash or a full disk while logging), which is skipped with a warning.
 RunCurves read_run_curves(const std::filesystem::path& run, const std::string& name);
 
 // The panels drawn, top to bottom: metric key and its axis title.

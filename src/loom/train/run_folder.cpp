@@ -10,6 +10,7 @@
 #include <string>
 
 #include "loom/core/error.h"
+#include "loom/core/strings.h"
 
 namespace loom::train {
 namespace fs = std::filesystem;
@@ -88,6 +89,37 @@ void require_writable_folder(const fs::path& folder, int rank, const char* what)
   }
   fail_usage(what, " '", folder.string(), "' is not writable: ", std::strerror(err),
              "; fix its permissions or point it at a writable folder");
+}
+
+void write_file_atomically(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  LOOM_REQUIRE(fd >= 0, "cannot write '", path.string(), "': cannot create '", tmp.string(), "': ",
+               errno_text(), "; free space in job.dump_folder or point it at a writable folder");
+  size_t done = 0;
+  int err = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : ENOSPC;  // a write of 0 bytes: nothing more fits
+      break;
+    }
+    done += static_cast<size_t>(n);
+  }
+  // Some file systems (NFS, quotas) report a full disk only when the data reaches it.
+  if (err == 0 && ::fsync(fd) != 0) err = errno;
+  if (::close(fd) != 0 && err == 0) err = errno;
+  std::string why = err != 0 ? std::strerror(err) : std::string();
+  std::error_code ec;
+  if (err == 0) {
+    fs::rename(tmp, path, ec);
+    if (!ec) return;
+    why = ec.message();
+  }
+  fs::remove(tmp, ec);  // no half-written file is left behind
+  fail("cannot write '", path.string(), "': ", why,
+       "; free space in job.dump_folder or point it at a writable folder");
 }
 
 }  // namespace loom::train

@@ -8,6 +8,7 @@
 //   2026-11-24 10:00:00); wait for it to finish or set job.dump_folder to another folder
 #pragma once
 #include <filesystem>
+#include <string>
 
 namespace loom::train {
 
@@ -35,5 +36,11 @@ class RunFolderLock {
 // file named after `rank`. `what` names the config keys that set it. loom::UsageError naming the
 // folder and the reason otherwise: found at start, not after the first interval's compute.
 void require_writable_folder(const std::filesystem::path& folder, int rank, const char* what);
+
+// Writes `text` to `path` whole or not at all: into "<path>.tmp", flushed to disk and checked at
+// every call (a full disk fails the write or the close, not a later reader of a 0-byte file),
+// then renamed over `path`. loom::Error naming the path and errno's text otherwise; the temporary
+// file is removed.
+void write_file_atomically(const std::filesystem::path& path, const std::string& text);
 
 }  // namespace loom::train

@@ -71,6 +71,10 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   //    world size, the model against the tensor-parallel degree. Then the world, device and mesh.
   const distributed::LaunchEnv env = distributed::detect_launch_env();
   check_layout(env);
+  // The data inputs are resolved before rendezvous (stat only: nothing is opened or read), so a
+  // missing path, a FIFO or a device is one line with exit 2 on every rank, not a job that waits.
+  data::resolve_inputs({config_.training.dataset_path}, "training.dataset_path");
+  if (config_.validation.enable) data::resolve_inputs({config_.validation.dataset_path}, "validation.dataset_path");
   init_distributed(env);
   // From here on every allocation of this thread is watched, so the step's peak can be split into
   // the parts it is made of (train/memory_accounting.h). Torch's profiler needs the same slot.
@@ -104,7 +108,8 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   const fs::path dump(config_.job.dump_folder);
   if (dist_->rank() == 0) {
     fs::create_directories(dump);
-    std::ofstream(dump / "config.toml") << config_.to_toml();
+    // Checked: a full disk at start must fail here, naming the file, not after the first step.
+    write_file_atomically(dump / "config.toml", config_.to_toml());
     if (config_.job.print_config) log::info("resolved config:\n", config_.to_toml());
   }
   MetricsLoggerOptions metrics_options{dump, config_.metrics.enable_jsonl, dist_->rank()};
@@ -194,6 +199,7 @@ void Trainer::init_data() {
   source.jsonl_field = t.jsonl_field;
   source.format_setting = "training.dataset_format";
   source.jsonl_field_setting = "training.jsonl_field";
+  source.inputs_setting = "training.dataset_path";
   // Token ids are checked against the embedding here, so a token file from another tokenizer
   // fails at load naming the file, not mid-step inside the embedding lookup.
   auto corpus = data::TokenCorpus::load({t.dataset_path}, tokenizer_.get(), source, model_vocab_size());
@@ -202,6 +208,7 @@ void Trainer::init_data() {
   options.local_batch_size = t.local_batch_size;
   options.dp_rank = parallel_dims_->dp_rank();
   options.dp_world_size = parallel_dims_->dp_degree();
+  options.seq_len_setting = "training.seq_len";
   loader_ = std::make_unique<data::DataLoader>(corpus, options);
   grad_accum_steps_ = gradient_accumulation_steps(config_, parallel_dims_->dp_degree());
   log::info("data: ", t.dataset_path, ": ", corpus->num_documents(), " documents, ",

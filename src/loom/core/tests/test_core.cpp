@@ -13,6 +13,7 @@
 #include "loom/core/error.h"
 #include "loom/core/error_report.h"
 #include "loom/core/memory.h"
+#include "loom/core/strings.h"
 
 TEST(Error, CarriesMessageAndExitCode) {
   try {
@@ -76,6 +77,20 @@ TEST(ErrorReport, DescribesEachKindOfException) {
   EXPECT_FALSE(loom::exit_code_is_retryable(loom::kExitDiverged));
   EXPECT_TRUE(loom::exit_code_is_retryable(loom::kExitPeerFailed));
   EXPECT_TRUE(loom::exit_code_is_retryable(loom::kExitFailure));
+}
+
+// Issue 22, item 10: no error line can be megabytes, whatever a message quotes; an excerpt keeps
+// the start (never half a UTF-8 character) and says how long the whole was.
+TEST(ErrorReport, LinesAreCappedWithTheFullSize) {
+  const std::string huge = "bad record: " + std::string(3'000'000, 'x');
+  const auto report = loom::describe_exception(std::make_exception_ptr(loom::UsageError(huge)));
+  EXPECT_EQ(report.exit_code, loom::kExitUsage);
+  EXPECT_LE(report.message.size(), 2100u);
+  EXPECT_EQ(report.message.rfind("bad record: xxx", 0), 0u);
+  EXPECT_NE(report.message.find("\u2026 (3000012 bytes)"), std::string::npos) << report.message.substr(0, 100);
+  EXPECT_EQ(loom::excerpt("short"), "short");
+  // "é" is two bytes: a cut inside it backs up to before it.
+  EXPECT_EQ(loom::excerpt("ab\u00e9cd", 3), "ab\u2026 (6 bytes)");
 }
 
 TEST(Memory, PeakBytesPerDevice) {

@@ -8,6 +8,7 @@
 // batch of 8 (2 ranks x 4 rows), so the last batch is short on one rank and empty on the other:
 // the padding path (an empty rank runs the forward and counts nothing) is exercised.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <fstream>
@@ -199,9 +200,17 @@ class ValidationBadInput : public ::testing::TestWithParam<BadValidation> {};
 TEST_P(ValidationBadInput, OneLineErrorExitTwo) {
   const BadValidation& c = GetParam();
   TempDir dir("val_bad");
-  RunResult r = run(loom_command(1, layout_train_args(dir, 2, 2, "--parallelism.data_parallel_shard_degree=1 " + c.flags)), 120);
+  // Held-out files that are not usable data (issue 22, items 4 and 9), at "{dir}" in the flags.
+  std::ofstream(dir.path() / "empty.jsonl").flush();
+  std::ofstream(dir.path() / "short.jsonl") << "{\"text\": \"hi\"}\n";
+  ASSERT_EQ(::mkfifo((dir.path() / "fifo.jsonl").c_str(), 0600), 0);
+  std::string flags = c.flags, expect = c.expect;
+  for (std::string* s : {&flags, &expect}) {
+    for (size_t at; (at = s->find("{dir}")) != std::string::npos;) s->replace(at, 5, dir.path().string());
+  }
+  RunResult r = run(loom_command(1, layout_train_args(dir, 2, 2, "--parallelism.data_parallel_shard_degree=1 " + flags)), 120);
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_NE(r.output.find(c.expect), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(expect), std::string::npos) << r.output;
   size_t lines = 0;
   for (size_t p = r.output.find("error:"); p != std::string::npos; p = r.output.find("error:", p + 1)) ++lines;
   EXPECT_EQ(lines, 1u) << r.output;
@@ -215,7 +224,15 @@ INSTANTIATE_TEST_SUITE_P(
         BadValidation{"no_path", "--validation.enable=true --validation.dataset_path=",
                       "validation.enable = true needs held-out data, but validation.dataset_path is empty"},
         BadValidation{"missing_file", "--validation.enable=true --validation.dataset_path=/nonexistent/held.jsonl",
-                      "validation.dataset_path = \"/nonexistent/held.jsonl\" cannot be read"},
+                      "validation.dataset_path = \"/nonexistent/held.jsonl\" does not exist"},
+        // Before the fix: a FIFO hung the run for good; an empty or short file was reported as the
+        // training data, with exit 1.
+        BadValidation{"fifo", "--validation.enable=true --validation.dataset_path={dir}/fifo.jsonl",
+                      "validation.dataset_path = \"{dir}/fifo.jsonl\" is a FIFO (named pipe), not a regular file"},
+        BadValidation{"empty_file", "--validation.enable=true --validation.dataset_path={dir}/empty.jsonl",
+                      "validation.dataset_path = \"{dir}/empty.jsonl\" holds no documents"},
+        BadValidation{"shorter_than_a_row", "--validation.enable=true --validation.dataset_path={dir}/short.jsonl",
+                      "validation.dataset_path = \"{dir}/short.jsonl\" packs into"},
         BadValidation{"freq_zero", "--validation.enable=true --validation.freq=0" + kHeldOut,
                       "config key 'validation.freq' must be > 0, got 0"},
         BadValidation{"steps_zero", "--validation.enable=true --validation.steps=0" + kHeldOut,
