@@ -522,6 +522,7 @@ TEST(Faults, OutOfMemoryAtModelBuildSaysWhatAndHowMuch) {
   EXPECT_NE(r.output.find("max_seq_len 1125899906842624"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(" GiB on cpu"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("; use a machine with more memory or a smaller model"), std::string::npos) << r.output;
+}
 
 // Issue 22, item 4: a dataset path that blocks on open (a FIFO with no writer) hung every rank for
 // good. Now the paths are resolved before rendezvous (stat, never open) and every reader opens
