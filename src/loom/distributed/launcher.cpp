@@ -211,26 +211,35 @@ std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
                ? line.substr(line.find("] ") + 2)
                : line;
   };
-  std::vector<int> same;
+  std::vector<int> same, echoes;
+  const bool quotes_root = o.root_cause && o.cause == GroupOutcome::Cause::kReported;
+  const std::string root_text = quotes_root ? without_rank(o.root_cause->error_line) : "";
   for (const RankProcess& r : o.failed) {
     if (o.root_cause && r.rank == o.root_cause->rank) continue;
-    if (o.root_cause && o.cause == GroupOutcome::Cause::kReported && r.reported_code != 0 &&
-        r.reported_code == o.root_cause->reported_code &&
-        without_rank(r.error_line) == without_rank(o.root_cause->error_line)) {
+    if (quotes_root && r.reported_code == o.root_cause->reported_code &&
+        without_rank(r.error_line) == root_text) {
       same.push_back(r.rank);
+      continue;
+    }
+    // "stopping: rank R: <the root cause's line>" (dist/peer_abort.h): it only repeats it.
+    if (quotes_root && r.reported_code == kExitPeerFailed &&
+        r.error_line.find(root_text) != std::string::npos) {
+      echoes.push_back(r.rank);
       continue;
     }
     message += message.empty() ? "" : (o.root_cause ? "; then " : " and ");
     message += who(r) + " " + describe_exit(r.wait_status, r.reported_code != 0);
     if (!r.error_line.empty()) message += c10::str(": ", r.error_line);
   }
-  if (!same.empty()) {
-    std::string ranks;
-    for (size_t i = 0; i < same.size(); ++i) {
-      ranks += (i == 0 ? "" : i + 1 == same.size() ? " and " : ", ") + std::to_string(same[i]);
+  auto list = [](const std::vector<int>& ranks) {
+    std::string out = ranks.size() > 1 ? "ranks " : "rank ";
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      out += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[i]);
     }
-    message += c10::str("; rank", same.size() > 1 ? "s " : " ", ranks, " failed with the same error");
-  }
+    return out;
+  };
+  if (!same.empty()) message += "; " + list(same) + " failed with the same error";
+  if (!echoes.empty()) message += "; " + list(echoes) + " stopped because of it (exit code 4)";
   message += c10::str("; stopped the other ", o.stopped, " running rank(s)");
   return message;
 }
