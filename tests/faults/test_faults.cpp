@@ -384,7 +384,6 @@ TEST(Faults, IncompatibleCheckpointExits2WithoutRestarts) {
   EXPECT_NE(r.output.find("not restarted: a configuration or usage error (or a checkpoint this "
                           "configuration cannot load) does not go away with a restart"),
             std::string::npos) << r.output;
-  EXPECT_EQ(test_faults::lines_containing(r.output, "error: "), 1) << r.output;  // not one per rank
   // The other mismatches, one process each (it reshards the 2-rank checkpoint).
   struct Case {
     std::string flags, message;

@@ -247,8 +247,17 @@ std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
 // The exit code that stands for an attempt: the one the root-cause rank reported through
 // LOOM_ERROR_FILE. Exit codes of programs that report nothing there (--exec of a foreign program, a
 // rank killed before it could report) carry no agreed meaning: 1, which may be restarted.
+// Whether one of `failed` exited with the watchdog's code: the watchdog exits at once, without a
+// report (its thread cannot unwind the stalled one), so its 124 stands on its own.
+bool watchdog_fired(const std::vector<RankProcess>& failed) {
+  for (const RankProcess& r : failed) {
+    if (WIFEXITED(r.wait_status) && WEXITSTATUS(r.wait_status) == kExitWatchdog) return true;
+  }
+  return false;
+}
+
 int attempt_exit_code(const GroupOutcome& o) {
-  if (!o.root_cause) return kExitFailure;
+  if (!o.root_cause) return watchdog_fired(o.failed) ? kExitWatchdog : kExitFailure;
   return o.cause == GroupOutcome::Cause::kReported ? o.root_cause->reported_code : o.cause_code;
 }
 
@@ -367,7 +376,9 @@ class WorkerGroup {
     if (!stopped_ranks.empty()) {
       out.root_cause = stopped_ranks.front();
       out.cause = GroupOutcome::Cause::kStopped;
-      out.cause_code = reported ? reported->reported_code : kExitFailure;
+      out.cause_code = reported          ? reported->reported_code
+                       : watchdog_fired(out.failed) ? kExitWatchdog
+                                                  : kExitFailure;
       return;
     }
     out.root_cause = reported;

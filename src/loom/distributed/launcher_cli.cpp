@@ -117,7 +117,6 @@ void register_launch_command(CLI::App& app, std::vector<std::string> typed) {
       std::string known;
       bool found = false;
       for (const CLI::App* sub : app.get_subcommands([](CLI::App* c) { return !c->get_name().empty(); })) {
-        if (sub->get_name() == "launch") continue;
         known += (known.empty() ? "" : ", ") + sub->get_name();
         found = found || sub->check_name(word);
       }
