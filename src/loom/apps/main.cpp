@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   loom::apps::install_checkpoint_restart_policy();
   // Each command lives beside the concept it drives; main only registers them, in this order.
-  loom::distributed::register_launch_command(app);
+  loom::distributed::register_launch_command(app, std::vector<std::string>(argv, argv + argc));
   loom::train::register_train_command(app);
   loom::train::register_plot_command(app);
   loom::llama3::register_score_command(app);
@@ -62,17 +62,20 @@ int main(int argc, char** argv) {
   loom::llama3::register_info_command(app);
   loom::llama3::register_convert_command(app);
   loom::pipeline::register_pipeline_command(app);
+  // Usage errors go through report_error like every other error: under `loom launch` the rank's
+  // LOOM_ERROR_FILE then says exit code 2, so the launcher does not restart a command line that
+  // cannot work (an unreported exit 2 could be anything's and would be retried).
   if (const std::string unknown = unknown_command(app, argc, argv); !unknown.empty()) {
-    std::fprintf(stderr, "error: %s\n", unknown.c_str());
-    return loom::kExitUsage;
+    return loom::report_error({unknown, loom::kExitUsage}).exit_code;
   }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);
-    // Capped like every other error line: CLI11 quotes the offending value, which can be huge.
-    std::fprintf(stderr, "error: %s (see 'loom --help')\n", loom::excerpt(e.what(), 2000).c_str());
-    return loom::kExitUsage;
+    // report_error caps the line (CLI11 quotes the offending value, which can be huge) and, under
+    // loom launch, hands the code to the launcher.
+    return loom::report_error({std::string(e.what()) + " (see 'loom --help')", loom::kExitUsage})
+        .exit_code;
   } catch (const loom::ReportedError& e) {
     return e.exit_code();  // printed (and propagated to the other ranks) where it happened
   } catch (...) {

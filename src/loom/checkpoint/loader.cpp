@@ -7,6 +7,7 @@
 
 #include "loom/checkpoint/metadata.h"
 #include "loom/core/error.h"
+#include "loom/core/error_report.h"
 #include "loom/core/logging.h"
 #include "loom/core/timer.h"
 
@@ -124,11 +125,12 @@ LoadResult load_checkpoint(const fs::path& dir, const ShardedStateDict& dest, in
              "', which holds model weights only; load just the model state "
              "(ShardedStateDict::only(\"model\")) or load non-strictly");
       }
-      fail("tensor '", name, "' is not in checkpoint '", dir.string(), "' (", metadata.tensors.size(),
-           " tensors saved); it was saved from another model or configuration");
+      fail_incompatible_checkpoint(
+          "tensor '", name, "' is not in checkpoint '", dir.string(), "' (", metadata.tensors.size(),
+          " tensors saved); it was saved from another model or configuration");
     }
     const SavedTensor& saved = it->second;
-    LOOM_REQUIRE(saved.shape == t.shape, "tensor '", name, "' has shape ", shape_text(saved.shape),
+    LOOM_REQUIRE_COMPATIBLE(saved.shape == t.shape, "tensor '", name, "' has shape ", shape_text(saved.shape),
                  " in checkpoint '", dir.string(), "' but ", shape_text(t.shape),
                  " here; it was saved from another model configuration");
     const SavedRuns saved_runs(saved);
@@ -177,8 +179,13 @@ std::optional<LoadResult> load_latest(const fs::path& folder, const ShardedState
       return result;
     }
     if (worst == 3) {
+      // Every rank ends with the failing ranks' exit code, so an incompatible checkpoint is exit
+      // 2 on all of them (not 1 where only a peer saw it), and `loom launch` does not restart.
+      const int own_code = error ? describe_exception(error).exit_code : 0;
+      const auto code_of_failure = static_cast<int>(group.all_reduce_max(own_code));
       if (error) std::rethrow_exception(error);
-      fail("loading checkpoint '", dir.string(), "' failed on another rank (see its log)");
+      throw Error(c10::str("loading checkpoint '", dir.string(), "' failed on another rank (see its log)"),
+                  code_of_failure);
     }
     if (group.rank() == 0) {
       if (worst == 2) {

@@ -2,10 +2,13 @@
 // prints it as "error: <message>" and exits with the error's code. Internal invariants use
 // TORCH_CHECK / TORCH_INTERNAL_ASSERT instead.
 //
-// Exit codes, and what `loom launch` does with each (a restart repeats the same run from the
-// newest checkpoint, so it only helps where the cause can go away):
+// Exit codes: one classification for every command, and what `loom launch` does with each (a
+// restart repeats the same run from the newest checkpoint, so it only helps where the cause can go
+// away). The launcher ends with the code of the rank that failed first.
 //   1    an error (I/O, a crashed peer, ...)                     restarted
-//   2    bad configuration or usage                              never restarted
+//   2    bad configuration or usage, or a checkpoint that this   never restarted
+//        configuration cannot load (another model shape,
+//        optimizer, vocabulary, sequence length or corpus)
 //   3    training diverged (non-finite loss or gradient norm)    never restarted
 //   4    stopped because another rank failed first               restarted
 //   124  a collective outlived comm.timeout_seconds (watchdog)   restarted
@@ -21,6 +24,8 @@ inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
 inline constexpr int kExitDiverged = 3;
 inline constexpr int kExitPeerFailed = 4;
+// What coreutils `timeout` uses for "timed out" (distributed/watchdog.h exits with it).
+inline constexpr int kExitWatchdog = 124;
 
 // Whether a restart of the same job can succeed where this exit code failed.
 inline bool exit_code_is_retryable(int code) { return code != kExitUsage && code != kExitDiverged; }
@@ -41,6 +46,14 @@ class UsageError : public Error {
   explicit UsageError(const std::string& message) : Error(message, kExitUsage) {}
 };
 
+// A checkpoint saved by another configuration (model shape, optimizer, vocabulary, sequence length,
+// corpus): exit code 2 like a configuration error, since a restart would read the same checkpoint
+// with the same configuration and fail the same way.
+class IncompatibleCheckpointError : public Error {
+ public:
+  explicit IncompatibleCheckpointError(const std::string& message) : Error(message, kExitUsage) {}
+};
+
 // Training produced a non-finite loss or gradient norm: exit code 3.
 class DivergedError : public Error {
  public:
@@ -50,6 +63,11 @@ class DivergedError : public Error {
 template <typename... Args>
 [[noreturn]] void fail(const Args&... args) {
   throw Error(c10::str(args...));
+}
+
+template <typename... Args>
+[[noreturn]] void fail_incompatible_checkpoint(const Args&... args) {
+  throw IncompatibleCheckpointError(c10::str(args...));
 }
 
 template <typename... Args>
@@ -63,6 +81,12 @@ template <typename... Args>
 #define LOOM_REQUIRE(cond, ...)          \
   do {                                   \
     if (!(cond)) ::loom::fail(__VA_ARGS__); \
+  } while (0)
+// LOOM_REQUIRE_COMPATIBLE(cond, ...): the same for a checkpoint this configuration cannot load
+// (IncompatibleCheckpointError, exit code 2).
+#define LOOM_REQUIRE_COMPATIBLE(cond, ...)                        \
+  do {                                                            \
+    if (!(cond)) ::loom::fail_incompatible_checkpoint(__VA_ARGS__); \
   } while (0)
 #define LOOM_REQUIRE_USAGE(cond, ...)          \
   do {                                         \

@@ -75,6 +75,7 @@ ErrorReport describe_exception(std::exception_ptr error) {
 
 ErrorReport report_error(ErrorReport report) {
   if (g_reported.exchange(true)) return report;
+  const int own_code = report.exit_code;  // before a hook rewrites it (to 4: a peer failed first)
   std::map<int, std::function<void(ErrorReport&)>> hooks;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -91,15 +92,23 @@ ErrorReport report_error(ErrorReport report) {
   const std::string line = several_ranks_launched()
                                ? c10::str("[rank", launched_rank(), "] error: ", report.message)
                                : c10::str("error: ", report.message);
-  if (g_stdout_line_open.exchange(false)) std::fputc('\n', stdout);
-  std::fflush(stdout);
-  std::fprintf(stderr, "%s\n", line.c_str());
-  std::fflush(stderr);
+  bool launcher_quotes = false;
   if (const char* path = std::getenv("LOOM_ERROR_FILE"); path != nullptr && *path != '\0') {
     if (FILE* f = std::fopen(path, "w")) {
       std::fprintf(f, "%d\n%s\n", report.exit_code, line.c_str());
-      std::fclose(f);
+      launcher_quotes = std::fclose(f) == 0;
     }
+  }
+  // A configuration or usage error is the same on every rank (same command line, same files), and
+  // `loom launch`, which set LOOM_ERROR_FILE, prints it once quoting that file: printing it here
+  // too would make one line per rank plus the launcher's. Without the launcher (torchrun, srun, a
+  // single process) nobody else prints it, so the rank does.
+  if (!(launcher_quotes && own_code == kExitUsage)) {
+    // A partial line of output (generate streaming text) ends first, so the error starts a line.
+    if (g_stdout_line_open.exchange(false)) std::fputc('\n', stdout);
+    std::fflush(stdout);
+    std::fprintf(stderr, "%s\n", line.c_str());
+    std::fflush(stderr);
   }
   if (report.linger_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(report.linger_ms));
   return report;

@@ -227,9 +227,11 @@ void DataLoader::load_state_dict(const nlohmann::json& state) {
   const auto seq_len = state.at("seq_len").get<int64_t>();
   const auto stream_tokens = state.at("stream_tokens").get<int64_t>();
   const auto rows = state.at("rows_consumed").get<int64_t>();
-  LOOM_REQUIRE(seq_len == packer_.seq_len(), "data loader state was saved with seq_len ", seq_len,
+  // A run with another seq_len or corpus cannot continue this checkpoint's data order: exit 2 (a
+  // restart would meet the same mismatch).
+  LOOM_REQUIRE_COMPATIBLE(seq_len == packer_.seq_len(), "data loader state was saved with seq_len ", seq_len,
                " but this run uses ", packer_.seq_len(), "; rows would not line up");
-  LOOM_REQUIRE(stream_tokens == packer_.corpus().stream_length(), "data loader state was saved for a corpus of ",
+  LOOM_REQUIRE_COMPATIBLE(stream_tokens == packer_.corpus().stream_length(), "data loader state was saved for a corpus of ",
                stream_tokens, " packed tokens but this corpus has ", packer_.corpus().stream_length(),
                "; resume with the same data inputs and tokenizer");
   LOOM_REQUIRE(rows >= 0, "data loader state has negative rows_consumed ", rows);

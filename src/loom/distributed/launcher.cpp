@@ -107,6 +107,20 @@ struct RankProcess {
   int reported_code = 0;   // the exit code it reported there (0: no report)
 };
 
+// Whether a running rank is stopped (SIGSTOP, SIGTSTP, a debugger): state T or t in
+// /proc/<pid>/stat. A stopped rank never reaches its next collective, so the peers that wait for it
+// are the ones that fail (watchdog, exit 124); the stopped one is the cause.
+bool is_stopped(pid_t pid) {
+  std::ifstream in(c10::str("/proc/", pid, "/stat"));
+  std::string stat;
+  std::getline(in, stat);
+  // "pid (comm) S ...": comm may hold spaces and parentheses, so read after the last ')'.
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos || close + 2 >= stat.size()) return false;
+  const char state = stat[close + 2];
+  return state == 'T' || state == 't';
+}
+
 // The exit code a rank ended with (128+signal when killed).
 int exit_code_of(const RankProcess& r) {
   if (WIFSIGNALED(r.wait_status)) return 128 + WTERMSIG(r.wait_status);
@@ -123,10 +137,17 @@ struct GroupOutcome {
   // the ranks: either way the launch ends without a restart.
   int launcher_signal = 0;
   int stopped = 0;  // ranks still running that had to be stopped
-  // kRankFailed: the first error report (LOOM_ERROR_FILE) of a rank that failed on its own rather
-  // than stopping because a peer failed; a rank may have reported and still been stopped while it
-  // lingered. Empty when no rank reported one.
+  // kRankFailed: the rank that failed first (see WorkerGroup::find_root_cause), and how it failed.
+  // Empty when none stands out (then the ranks in `failed` are named in rank order).
   std::optional<RankProcess> root_cause;
+  enum class Cause {
+    kReported,  // its own error report (LOOM_ERROR_FILE); it may have been stopped while lingering
+    kSignal,    // it died by a signal the launcher had not sent (SIGKILL, a crash) before any peer
+    kStopped,   // it was stopped (SIGSTOP) while its peers failed waiting for it
+  } cause = Cause::kReported;
+  // kSignal / kStopped: the exit code that stands for the attempt (a peer's report, e.g. 124 from
+  // the watchdog of the rank that waited for a stopped one), else kExitFailure.
+  int cause_code = kExitFailure;
 };
 
 // `reported`: the rank reported its error through LOOM_ERROR_FILE, so Loom's exit codes apply (a
@@ -166,17 +187,59 @@ std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
   };
   std::string message;
   if (o.root_cause) {
-    // Its reported code is the one it was exiting with, even if it was stopped while lingering.
-    message += who(*o.root_cause) + " " +
-               describe_exit(W_EXITCODE(o.root_cause->reported_code, 0), /*reported=*/true) + ": " +
-               o.root_cause->error_line;
+    const RankProcess& root = *o.root_cause;
+    switch (o.cause) {
+      case GroupOutcome::Cause::kReported:
+        // Its reported code is the one it was exiting with, even if it was stopped while lingering.
+        message += who(root) + " " +
+                   describe_exit(W_EXITCODE(root.reported_code, 0), /*reported=*/true) + ": " +
+                   root.error_line;
+        break;
+      case GroupOutcome::Cause::kSignal:
+        message += who(root) + " " + describe_exit(root.wait_status, /*reported=*/false);
+        break;
+      case GroupOutcome::Cause::kStopped:
+        message += who(root) + " was stopped (SIGSTOP or a debugger) and stalled the ranks waiting "
+                               "for it";
+        break;
+    }
   }
+  // A rank that failed with the same report as the root cause (a configuration error every rank
+  // finds) is counted, not quoted again: one line, whatever the number of ranks.
+  auto without_rank = [](const std::string& line) {
+    return line.rfind("[rank", 0) == 0 && line.find("] ") != std::string::npos
+               ? line.substr(line.find("] ") + 2)
+               : line;
+  };
+  std::vector<int> same, echoes;
+  const bool quotes_root = o.root_cause && o.cause == GroupOutcome::Cause::kReported;
+  const std::string root_text = quotes_root ? without_rank(o.root_cause->error_line) : "";
   for (const RankProcess& r : o.failed) {
     if (o.root_cause && r.rank == o.root_cause->rank) continue;
+    if (quotes_root && r.reported_code == o.root_cause->reported_code &&
+        without_rank(r.error_line) == root_text) {
+      same.push_back(r.rank);
+      continue;
+    }
+    // "stopping: rank R: <the root cause's line>" (dist/peer_abort.h): it only repeats it.
+    if (quotes_root && r.reported_code == kExitPeerFailed &&
+        r.error_line.find(root_text) != std::string::npos) {
+      echoes.push_back(r.rank);
+      continue;
+    }
     message += message.empty() ? "" : (o.root_cause ? "; then " : " and ");
     message += who(r) + " " + describe_exit(r.wait_status, r.reported_code != 0);
     if (!r.error_line.empty()) message += c10::str(": ", r.error_line);
   }
+  auto list = [](const std::vector<int>& ranks) {
+    std::string out = ranks.size() > 1 ? "ranks " : "rank ";
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      out += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[i]);
+    }
+    return out;
+  };
+  if (!same.empty()) message += "; " + list(same) + " failed with the same error";
+  if (!echoes.empty()) message += "; " + list(echoes) + " stopped because of it (exit code 4)";
   message += c10::str("; stopped the other ", o.stopped, " running rank(s)");
   return message;
 }
@@ -184,8 +247,18 @@ std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
 // The exit code that stands for an attempt: the one the root-cause rank reported through
 // LOOM_ERROR_FILE. Exit codes of programs that report nothing there (--exec of a foreign program, a
 // rank killed before it could report) carry no agreed meaning: 1, which may be restarted.
+// Whether one of `failed` exited with the watchdog's code: the watchdog exits at once, without a
+// report (its thread cannot unwind the stalled one), so its 124 stands on its own.
+bool watchdog_fired(const std::vector<RankProcess>& failed) {
+  for (const RankProcess& r : failed) {
+    if (WIFEXITED(r.wait_status) && WEXITSTATUS(r.wait_status) == kExitWatchdog) return true;
+  }
+  return false;
+}
+
 int attempt_exit_code(const GroupOutcome& o) {
-  return o.root_cause ? o.root_cause->reported_code : kExitFailure;
+  if (!o.root_cause) return watchdog_fired(o.failed) ? kExitWatchdog : kExitFailure;
+  return o.cause == GroupOutcome::Cause::kReported ? o.root_cause->reported_code : o.cause_code;
 }
 
 [[noreturn]] void throw_interrupted(int sig, int stopped) {
@@ -234,8 +307,13 @@ class WorkerGroup {
         GroupOutcome out;
         out.kind = GroupOutcome::Kind::kRankFailed;
         out.failed = std::move(failed);
+        // Before the launcher's own signals change the picture: which ranks are stopped.
+        std::vector<RankProcess> stopped_ranks;
+        for (const auto& p : procs_) {
+          if (p.running && is_stopped(p.pid)) stopped_ranks.push_back(p);
+        }
         out.stopped = stop_all(SIGTERM, signals, &out.launcher_signal);
-        out.root_cause = first_root_cause();
+        find_root_cause(out, stopped_ranks);
         return out;
       }
       if (running_count() == 0) return {};
@@ -271,13 +349,40 @@ class WorkerGroup {
     p.reported_code = std::atoi(code.c_str());
   }
 
-  // After an attempt has ended: the lowest rank that reported an error of its own.
-  std::optional<RankProcess> first_root_cause() {
+  // After an attempt has ended: the rank that failed first, in this order.
+  //  1. A rank of the first failures the launcher saw (`out.failed`, before it sent any signal)
+  //     that died by a signal: a SIGKILL or a crash is never the echo of a peer's failure, while
+  //     the survivors' errors (Gloo's "connection closed by peer", written while the launcher was
+  //     stopping them) are. Naming a survivor's secondary error would hide the real cause.
+  //  2. A rank that was stopped (SIGSTOP) while the others failed: the waiting ranks time out
+  //     (watchdog, 124) because of it. The attempt keeps the waiting rank's exit code.
+  //  3. The lowest rank that reported an error of its own (not exit 4, "stopped: another rank
+  //     failed"); it may have reported and still been stopped while it lingered.
+  void find_root_cause(GroupOutcome& out, const std::vector<RankProcess>& stopped_ranks) {
+    std::optional<RankProcess> reported;
     for (auto& p : procs_) {
       read_error_report(p);
-      if (p.reported_code != 0 && p.reported_code != kExitPeerFailed) return p;
+      if (!reported && p.reported_code != 0 && p.reported_code != kExitPeerFailed) reported = p;
     }
-    return std::nullopt;
+    for (const RankProcess& r : out.failed) {
+      // SIGPIPE is the exception: a write to a peer that is gone, i.e. an echo.
+      if (WIFSIGNALED(r.wait_status) && WTERMSIG(r.wait_status) != SIGPIPE && r.reported_code == 0) {
+        out.root_cause = r;
+        out.cause = GroupOutcome::Cause::kSignal;
+        out.cause_code = kExitFailure;
+        return;
+      }
+    }
+    if (!stopped_ranks.empty()) {
+      out.root_cause = stopped_ranks.front();
+      out.cause = GroupOutcome::Cause::kStopped;
+      out.cause_code = reported          ? reported->reported_code
+                       : watchdog_fired(out.failed) ? kExitWatchdog
+                                                  : kExitFailure;
+      return;
+    }
+    out.root_cause = reported;
+    out.cause = GroupOutcome::Cause::kReported;
   }
 
   static void kill_rank(const RankProcess& p, int sig) {
@@ -539,13 +644,16 @@ int launch(const LaunchOptions& options) {
     }
     if (outcome.launcher_signal != 0) throw_interrupted(outcome.launcher_signal, outcome.stopped);
     const std::string failure = failure_message(outcome, plan.options);
-    // The launch ends with the failing rank's own code where it means something (2: fix the
-    // configuration, 3: diverged), else 1.
+    // The launch ends with the code of the rank that failed first where it classifies the failure
+    // (core/error.h: 2 configuration, usage or incompatible checkpoint; 3 diverged; 124 watchdog),
+    // else 1. Never 4: the rank that failed first did not stop because of another.
     const int code = attempt_exit_code(outcome);
-    const int launch_code = exit_code_is_retryable(code) ? kExitFailure : code;
+    const int launch_code =
+        code == kExitUsage || code == kExitDiverged || code == kExitWatchdog ? code : kExitFailure;
     if (!exit_code_is_retryable(code)) {
       // A restart would meet the same configuration error or diverge the same way again.
-      std::string why = code == kExitUsage ? "a configuration or usage error"
+      std::string why = code == kExitUsage ? "a configuration or usage error (or a checkpoint this "
+                                             "configuration cannot load)"
                                            : "a divergence (non-finite loss or gradient norm)";
       if (max_restarts == 0) throw Error(failure, launch_code);
       throw Error(c10::str(failure, "; not restarted: ", why, " does not go away with a restart"),

@@ -48,9 +48,11 @@ struct LaunchOptions {
 };
 
 // Validates the options (one-line loom::UsageError), runs the job, and returns 0 when every rank
-// of an attempt exited 0. Otherwise throws loom::Error naming the failed rank(s) of the last
-// attempt and their error lines, with exit code 2 or 3 when the failing rank exited so (never
-// restarted), else 1; or 128+signal when the launcher was interrupted.
+// of an attempt exited 0. Otherwise throws loom::Error naming the rank that failed first in the
+// last attempt (a rank killed by a signal before its peers, a rank stopped while its peers waited,
+// else the lowest rank that reported an error of its own) and the others, with that rank's exit
+// code where core/error.h classifies it (2 and 3 never restarted, 124 the watchdog), else 1; or
+// 128+signal when the launcher was interrupted.
 int launch(const LaunchOptions& options);
 
 // `loom launch --checkpoint-folder DIR` notes on each restart what the ranks will resume from. The
@@ -60,6 +62,19 @@ using ResumeDescriber = std::function<std::string(const std::filesystem::path& f
                                                   int restarts_done, int max_restarts)>;
 void set_resume_describer(ResumeDescriber describer);
 const ResumeDescriber& resume_describer();  // empty when none was installed
+
+// Where the ranks' own command checkpoints, so that `--checkpoint-folder` can be checked against
+// what the ranks will actually do (a restart line naming another folder would say "start from
+// scratch" while they resume). The `loom` executable installs a resolver that reads a `train`
+// command's configuration; it returns nothing for commands it cannot tell about.
+struct RanksCheckpointing {
+  bool enabled = false;          // checkpoint.enable
+  std::filesystem::path folder;  // job.dump_folder / checkpoint.folder
+};
+using CheckpointResolver =
+    std::function<std::optional<RanksCheckpointing>(const std::vector<std::string>& command)>;
+void set_checkpoint_resolver(CheckpointResolver resolver);
+const CheckpointResolver& checkpoint_resolver();  // empty when none was installed
 
 // A TCP port that was free on this host a moment ago (bound to port 0, then released).
 int pick_free_port();

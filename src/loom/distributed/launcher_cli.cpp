@@ -1,6 +1,8 @@
 // `loom launch`: the CLI front of loom::distributed::launch.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+
 #include "loom/distributed/launcher_cli.h"
 #include "loom/core/error.h"
 #include "loom/distributed/launcher.h"
@@ -18,8 +20,43 @@ void set_resume_describer(ResumeDescriber describer) {
 }
 const ResumeDescriber& resume_describer() { return installed_describer(); }
 
+namespace {
+CheckpointResolver& installed_resolver() {
+  static CheckpointResolver resolver;
+  return resolver;
+}
 
-void register_launch_command(CLI::App& app) {
+// The words of the ranks' command as typed: from the first of them in `typed` (the user's argv)
+// to the end. CLI11 hands over the positionals ("train", "c.toml") and the unknown options
+// ("--config") separately, so joining those would scramble "train --config c.toml".
+std::string ranks_words_as_typed(const std::vector<std::string>& typed,
+                                 const std::vector<std::string>& positionals,
+                                 const std::vector<std::string>& extras) {
+  const auto launch = std::find(typed.begin(), typed.end(), "launch");
+  size_t first = typed.size();
+  for (const std::vector<std::string>* words : {&positionals, &extras}) {
+    if (words->empty() || launch == typed.end()) continue;
+    const auto it = std::find(launch + 1, typed.end(), words->front());
+    if (it != typed.end()) first = std::min(first, static_cast<size_t>(it - typed.begin()));
+  }
+  std::string given;
+  if (first < typed.size()) {
+    for (size_t i = first; i < typed.size(); ++i) given += " " + typed[i];
+    return given;
+  }
+  for (const auto& a : positionals) given += " " + a;  // no argv given: the best available order
+  for (const auto& a : extras) given += " " + a;
+  return given;
+}
+}  // namespace
+
+void set_checkpoint_resolver(CheckpointResolver resolver) {
+  installed_resolver() = std::move(resolver);
+}
+const CheckpointResolver& checkpoint_resolver() { return installed_resolver(); }
+
+
+void register_launch_command(CLI::App& app, std::vector<std::string> typed) {
   auto options = std::make_shared<distributed::LaunchOptions>();
   auto master_port = std::make_shared<int>(0);
   auto grace_seconds = std::make_shared<double>(5.0);
@@ -56,15 +93,14 @@ void register_launch_command(CLI::App& app) {
   cmd->add_option("command", options->command, "Arguments for each rank (after '--')");
   // Options meant for the ranks but given without '--' land here, so the error can say so.
   cmd->allow_extras();
-  cmd->callback([cmd, options, master_port, grace_seconds, port_opt, checkpoint_folder, folder_opt] {
+  cmd->callback([&app, cmd, options, master_port, grace_seconds, port_opt, checkpoint_folder,
+                 folder_opt, typed] {
     std::vector<std::string> extras;
     for (const auto& a : cmd->remaining()) {
       if (a != "--") extras.push_back(a);  // CLI11 passes the separator itself on as an extra
     }
     if (!extras.empty() || options->command.empty()) {
-      std::string given;
-      for (const auto& a : options->command) given += " " + a;
-      for (const auto& a : extras) given += " " + a;
+      const std::string given = ranks_words_as_typed(typed, options->command, extras);
       fail_usage(options->command.empty() && extras.empty()
                      ? std::string("loom launch needs the ranks' command after '--'")
                      : c10::str("loom launch does not take '", extras.empty() ? options->command.front()
@@ -74,6 +110,19 @@ void register_launch_command(CLI::App& app) {
                  options->nproc_per_node, " --", given.empty() ? " train --config c.toml" : given,
                  "'");
     }
+    if (!options->exec) {
+      // Each rank would fail on an unknown command with the same usage error: say it once, here,
+      // before any rank starts (exit 2, never restarted).
+      const std::string& word = options->command.front();
+      std::string known;
+      bool found = false;
+      for (const CLI::App* sub : app.get_subcommands([](CLI::App* c) { return !c->get_name().empty(); })) {
+        known += (known.empty() ? "" : ", ") + sub->get_name();
+        found = found || sub->check_name(word);
+      }
+      LOOM_REQUIRE_USAGE(found, "loom launch: '", word, "' is not a loom command the ranks can run; "
+                         "available: ", known, " (or --exec to run another program)");
+    }
     if (port_opt->count() > 0) options->master_port = *master_port;
     options->stop_grace = std::chrono::milliseconds(static_cast<int64_t>(*grace_seconds * 1000));
     if (folder_opt->count() > 0) {
@@ -82,6 +131,24 @@ void register_launch_command(CLI::App& app) {
       LOOM_REQUIRE_USAGE(options->max_restarts > 0, "--checkpoint-folder only matters with "
                          "--max-restarts R > 0 (it names what a restart resumes from)");
       const std::filesystem::path folder = *checkpoint_folder;
+      // The restart line must say what the ranks will do, and they resume from their own
+      // configuration's folder: a --checkpoint-folder naming another one is refused here rather
+      // than reported as "start from scratch" while they resume.
+      if (const auto& resolve = checkpoint_resolver(); resolve && !options->exec) {
+        if (const std::optional<RanksCheckpointing> ranks = resolve(options->command)) {
+          LOOM_REQUIRE_USAGE(ranks->enabled, "--checkpoint-folder '", folder.string(), "': the "
+                             "ranks' checkpoint.enable is false, so a restart starts again from "
+                             "step 1; set --checkpoint.enable=true for the ranks, or drop "
+                             "--checkpoint-folder");
+          std::error_code ec;
+          const auto given = std::filesystem::weakly_canonical(folder, ec);
+          const auto actual = std::filesystem::weakly_canonical(ranks->folder, ec);
+          LOOM_REQUIRE_USAGE(given == actual, "--checkpoint-folder '", folder.string(),
+                             "' is not where the ranks checkpoint ('", ranks->folder.string(),
+                             "', job.dump_folder/checkpoint.folder of their command); pass "
+                             "--checkpoint-folder ", ranks->folder.string(), " or drop it");
+        }
+      }
       const distributed::ResumeDescriber& describe = distributed::resume_describer();
       options->restart_note = [folder, describe](int restarts_done, int max_restarts) {
         if (describe) return describe(folder, restarts_done, max_restarts);

@@ -2,7 +2,12 @@
 #pragma once
 #include <CLI/CLI.hpp>
 
+#include <string>
+#include <vector>
+
 namespace loom::distributed {
 // `loom launch`: start and supervise local ranks (registered on the `loom` app by apps/main.cpp).
-void register_launch_command(CLI::App& app);
+// `typed`: the command line as typed (argv), so a hint can quote the user's words in their order
+// (CLI11 hands positionals and unknown options over separately).
+void register_launch_command(CLI::App& app, std::vector<std::string> typed = {});
 }  // namespace loom::distributed

@@ -23,13 +23,14 @@
 #include <optional>
 #include <thread>
 
+#include "loom/core/error.h"
 #include "loom/distributed/comm.h"
 
 namespace loom::distributed {
 
-// Exit code of a rank whose collective outlived the timeout. 124 is what coreutils `timeout` uses
-// for "timed out", and differs from 1 (an error) and 2 (bad usage). `loom launch` names it.
-inline constexpr int kExitCollectiveTimeout = 124;
+// Exit code of a rank whose collective outlived the timeout: core/error.h's kExitWatchdog (124,
+// what coreutils `timeout` uses), distinct from 1 (an error) and 2 (bad usage). `loom launch` names it.
+inline constexpr int kExitCollectiveTimeout = kExitWatchdog;
 
 // How often a watchdog with this timeout polls: timeout/20, within [50 ms, 1 s].
 std::chrono::milliseconds watchdog_poll_interval(std::chrono::milliseconds timeout);

@@ -5,6 +5,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
@@ -553,6 +554,20 @@ void check_choice(const ConfigKey& key, const std::string& value, const std::str
     if (value == c) return;
   }
   if (key.integer_allowed && is_positive_integer(value)) return;
+  // One rule for every enum-valued key: values are matched as written (a config file reads the
+  // same everywhere, and the names are TorchTitan's own), and a value that differs only in case
+  // gets a short error naming the exact spelling.
+  auto folded = [](std::string_view text) {
+    std::string out(text);
+    for (char& ch : out) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    return out;
+  };
+  for (std::string_view c : key.choices) {
+    if (folded(c) == folded(value)) {
+      fail_usage("config key '", key.name(), "' is case-sensitive: got ", toml_string(value), " in ",
+                 where, "; did you mean '", c, "'?");
+    }
+  }
   fail_usage("config key '", key.name(), "' must be ",
              join_choices(key.choices, key.integer_allowed ? "a positive integer" : ""), ", got ",
              toml_string(value), " in ",

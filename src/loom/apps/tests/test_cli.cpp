@@ -46,6 +46,77 @@ TEST(LoomCli, UnknownCommandsAndOptionsListTheCommands) {
 // The binary binds the C++ standard library to libstdc++ before libtorch: with torch 2.11, whose
 // libtorch exports copies of std::filesystem symbols, the other order crashed every
 // std::filesystem::remove_all (issue 9). libstdc++ must be the first NEEDED entry.
+namespace test_cli {
+// How many lines of `text` contain `part` (the launcher's line quoting a rank's counts once).
+int lines_containing(const std::string& text, const std::string& part) {
+  int n = 0;
+  size_t start = 0;
+  while (start < text.size()) {
+    const size_t end = std::min(text.find('\n', start), text.size());
+    n += text.substr(start, end - start).find(part) != std::string::npos ? 1 : 0;
+    start = end + 1;
+  }
+  return n;
+}
+}  // namespace test_cli
+
+// Issue 22, item 3: usage errors of `loom launch` and of the ranks' command exit 2, which
+// `--max-restarts` never retries (before: exit 1 and three attempts of `-- frobnicate`), in one line.
+TEST(LoomCli, LaunchUsageErrorsExit2WithoutRestarts) {
+  struct Case {
+    std::string args, expected;
+  };
+  const Case cases[] = {
+      // Refused by the launcher before any rank starts.
+      {"launch --nproc 2 --max-restarts 2 -- frobnicate",
+       "error: loom launch: 'frobnicate' is not a loom command the ranks can run; available: launch, train, "
+       "plot, score, generate, tokenizer, info, convert, pipeline (or --exec to run another program)"},
+      {"launch --max-restarts 2 -- train", "error: --nproc is required (see 'loom --help')"},
+      // A required option the ranks' command lacks: each rank's report says exit 2.
+      {"launch --nproc 2 --max-restarts 2 -- plot",
+       "exited with code 2 (configuration or usage error): [rank"},
+      // Item 11: the hint quotes the ranks' words in the order typed (before: 'train x.toml --config').
+      {"launch --nproc 2 train --config x.toml",
+       "error: loom launch does not take '--config'; put the ranks' command after '--', e.g. "
+       "'loom launch --nproc 2 -- train --config x.toml'"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args);
+    const auto r = run(loom_bin() + " " + c.args, 60);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("loom launch: restart"), std::string::npos) << r.output;
+    EXPECT_EQ(test_cli::lines_containing(r.output, "error: "), 1) << r.output;
+  }
+}
+
+// Issue 22, item 3: one rule for every enum-valued config key: matched as written, and a value that
+// differs only in case is a one-line error naming the exact spelling (before: `gpipe` got the whole
+// list of schedules).
+TEST(LoomCli, EnumKeysDifferingInCaseNameTheExactSpelling) {
+  struct Case {
+    std::string flag, expected;
+  };
+  const Case cases[] = {
+      {"--parallelism.pipeline_parallel_schedule=gpipe",
+       "error: config key 'parallelism.pipeline_parallel_schedule' is case-sensitive: got \"gpipe\" in "
+       "command-line override '--parallelism.pipeline_parallel_schedule=gpipe'; did you mean 'GPipe'?\n"},
+      {"--optimizer.name=adamw",
+       "error: config key 'optimizer.name' is case-sensitive: got \"adamw\" in command-line override "
+       "'--optimizer.name=adamw'; did you mean 'AdamW'?\n"},
+      {"--lr_scheduler.decay_type=Cosine",
+       "error: config key 'lr_scheduler.decay_type' is case-sensitive: got \"Cosine\" in command-line "
+       "override '--lr_scheduler.decay_type=Cosine'; did you mean 'cosine'?\n"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.flag);
+    const auto r = run(loom_bin() + " train --config " + loom::testing::source_path("configs/llama3_debug.toml") +
+                           " " + c.flag, 60);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_EQ(r.output, c.expected);
+  }
+}
+
 TEST(LoomBinary, LinksLibstdcxxBeforeLibtorch) {
   const auto r = run("readelf -d " + loom_bin());
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -118,9 +118,10 @@ TEST(Restart, GivesUpAfterMaxRestartsNamingTheLastFailure) {
 TEST(Restart, StalledCollectiveEndsTheRankThroughTheWatchdog) {
   // Rank 1 never joins rank 0's all_reduce; after the 2 s timeout rank 0's watchdog names the
   // all_reduce (group and sequence: the barrier was the world's first collective) and exits with
-  // code 124; the launcher stops rank 1, which would otherwise sleep for an hour.
+  // code 124; the launcher stops rank 1, which would otherwise sleep for an hour, and ends with
+  // the watchdog's 124 (core/error.h's classification).
   const RunResult r = run_briefly(launch(2, worker("stall_once")));
-  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_EQ(r.exit_code, 124) << r.output;
   EXPECT_TRUE(contains(r.output, "[rank0] error: collective watchdog: all_reduce world[0,1] gseq=2 "
                                  "in=[4] out=[4] Float 16B has been pending for "))
       << r.output;
@@ -183,3 +184,31 @@ TEST(Restart, UsageErrorsAreOneLine) {
 }
 
 }  // namespace
+
+// Issue 22, item 6: when one rank is killed, the survivor's secondary transport error (reported,
+// exit 1) must not be named as the failure. Before: "error: rank 0 ... exited with code 1:
+// [rank0] error: all_reduce ... failed ...; then rank 1 ... was killed by signal 9".
+TEST(Restart, KilledRankIsNamedBeforeTheSurvivorsSecondaryError) {
+  const RunResult r = run_briefly(launch(2, c10::str("--stop-grace 1 ", worker("killed_peer"))));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(std::regex_search(
+      r.output, std::regex("(^|\n)error: rank 1 \\(local rank 1, pid [0-9]+\\) was killed by signal "
+                           "9 \\(SIGKILL\\); stopped the other 1 running rank\\(s\\)\n")))
+      << r.output;
+  EXPECT_LT(r.seconds, 30.0) << r.output;
+}
+
+// Issue 22, item 11: a rank stopped by SIGSTOP stalls its peer, whose watchdog exits 124. Before:
+// the launcher named only the waiting rank 0. Now the stopped rank leads, and the launch ends with
+// the watchdog's code.
+TEST(Restart, StoppedRankIsNamedNotTheRankWaitingForIt) {
+  const RunResult r = run_briefly(launch(2, c10::str("--stop-grace 1 ", worker("stopped_peer"))));
+  EXPECT_EQ(r.exit_code, 124) << r.output;
+  EXPECT_TRUE(std::regex_search(
+      r.output, std::regex("(^|\n)error: rank 1 \\(local rank 1, pid [0-9]+\\) was stopped \\(SIGSTOP or "
+                           "a debugger\\) and stalled the ranks waiting for it; then rank 0 "
+                           "\\(local rank 0, pid [0-9]+\\) exited with code 124 \\(collective "
+                           "watchdog timeout")))
+      << r.output;
+  EXPECT_LT(r.seconds, 30.0) << r.output;
+}

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "loom/core/error.h"
+#include "loom/core/error_report.h"
 #include "loom/distributed/comm.h"
 #include "loom/distributed/device_mesh.h"
 #include "loom/distributed/launch_env.h"
@@ -376,6 +377,36 @@ void scenario_stall_once(const std::shared_ptr<Distributed>& dist) {
   std::printf("rank %d attempt %d: all_reduce ok\n", world.rank(), attempt);
 }
 
+// Issue 22, item 6: rank 1 SIGKILLs itself; rank 0's all_reduce then fails with the transport's
+// secondary error, which it reports (LOOM_ERROR_FILE) before lingering with SIGTERM ignored, as a
+// rank slow to exit would. The launcher must name rank 1, which failed first, not rank 0's echo.
+void scenario_killed_peer(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
+  world.barrier();
+  if (world.rank() == 1) raise(SIGKILL);
+  signal(SIGTERM, SIG_IGN);
+  at::Tensor t = at::ones({4}, at::kFloat);
+  try {
+    world.all_reduce(t);
+  } catch (...) {
+    loom::report_error(loom::describe_exception(std::current_exception()));
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+  loom::fail("all_reduce with a killed peer succeeded");
+}
+
+// Issue 22, item 11: rank 1 stops itself (SIGSTOP) before an all_reduce with a 2 s timeout; rank
+// 0's watchdog ends it with code 124. The launcher must name the stopped rank as the cause.
+void scenario_stopped_peer(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
+  world.barrier();
+  dist->set_timeout(std::chrono::seconds(2));
+  if (world.rank() == 1) raise(SIGSTOP);
+  at::Tensor t = at::ones({4}, at::kFloat);
+  world.all_reduce(t);
+  loom::fail("all_reduce with a stopped peer succeeded");
+}
+
 // A peer that has exited breaks the group: the collective's error names it (op, group, sequence)
 // instead of only quoting the transport.
 void scenario_peer_exit(const std::shared_ptr<Distributed>& dist) {
@@ -434,6 +465,7 @@ const std::map<std::string, std::function<void(const std::shared_ptr<Distributed
       {"flight_recorder", scenario_flight_recorder}, {"fail_rank1", scenario_fail_rank1},
       {"die_once", scenario_die_once},           {"stall_once", scenario_stall_once},
       {"peer_exit", scenario_peer_exit},         {"unwaited_async", scenario_unwaited_async},
+      {"killed_peer", scenario_killed_peer},     {"stopped_peer", scenario_stopped_peer},
   };
   return all;
 }
