@@ -4,6 +4,7 @@
 // messages and what is on disk.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <filesystem>
@@ -101,6 +102,24 @@ TEST(FaultsShared, RealDivergenceUnderPipelineParallelismStopsTheRun) {
                                                            " --parallelism.pipeline_parallel_degree=2"));
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_NE(r.output.find("error: training diverged: non-finite"), std::string::npos) << r.output;
+}
+
+// Issue 22, item 4: every open of a user-given path is non-blocking. `loom score --text-file` on a
+// FIFO with no writer blocked for good; it is refused at once (exit 2), naming the option.
+TEST(FaultsShared, ScoreTextFileFifoIsRefusedWithoutBlocking) {
+  TempDir dir("score_fifo");
+  const fs::path fifo = dir.path() / "text.txt";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  fs::create_directories(dir.path() / "ckpt");
+  const auto start = std::chrono::steady_clock::now();
+  RunResult r = run(loom_bin() + " score --checkpoint " + (dir.path() / "ckpt").string() +
+                        " --tokenizer " + source("data/default/tokenizer.json") +
+                        " --text-file " + fifo.string(),
+                    30);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--text-file"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("FIFO"), std::string::npos) << r.output;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
 }
 
 }  // namespace faults_shared_test

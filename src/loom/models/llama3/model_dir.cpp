@@ -10,6 +10,7 @@
 #include "loom/checkpoint/safetensors.h"
 #include "loom/checkpoint/saver.h"
 #include "loom/core/error.h"
+#include "loom/data/sources.h"
 #include "loom/core/logging.h"
 #include "loom/core/memory.h"
 #include "loom/models/llama3/hf_adapter.h"
@@ -20,10 +21,10 @@ namespace {
 constexpr const char* kModelName = "llama3";
 
 nlohmann::json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  LOOM_REQUIRE(in.good(), "cannot read '", path.string(), "'");
+  // A model folder is the user's: its files are opened without blocking, regular files only.
+  const std::string text = data::read_file(path.string(), "model folder file");
   try {
-    return nlohmann::json::parse(in);
+    return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     fail("'", path.string(), "' is not valid JSON (", e.what(), ")");
   }

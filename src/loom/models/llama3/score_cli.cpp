@@ -10,6 +10,7 @@
 #include "loom/core/device.h"
 #include "loom/core/error.h"
 #include "loom/core/timer.h"
+#include "loom/data/sources.h"
 #include "loom/data/tokenizer.h"
 #include "loom/models/llama3/model_dir.h"
 
@@ -59,13 +60,12 @@ std::vector<int64_t> tokens_from_text(const ScoreOptions& o) {
     LOOM_REQUIRE_USAGE(fs::exists(tokenizer_path), "--text-file needs a tokenizer: pass "
                        "--tokenizer tokenizer.json (none found in '", o.checkpoint, "')");
   }
-  std::ifstream in(o.text_file, std::ios::binary);
-  LOOM_REQUIRE_USAGE(in.good(), "cannot read --text-file '", o.text_file, "'");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
+  // Read without blocking and only if it is a regular file: a FIFO with no writer would make a
+  // plain open wait forever.
+  const std::string text = data::read_file(o.text_file, "--text-file");
   const data::Tokenizer tokenizer = data::Tokenizer::from_file(tokenizer_path);
   const bool add_bos = !o.no_bos && tokenizer.bos_id() >= 0;
-  return tokenizer.encode(buffer.str(), add_bos, /*add_eos=*/false);
+  return tokenizer.encode(text, add_bos, /*add_eos=*/false);
 }
 
 void run_score(const ScoreOptions& o) {
