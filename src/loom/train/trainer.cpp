@@ -363,6 +363,10 @@ void Trainer::init_checkpointing() {
     // export_dtype applies to the final model-only save (TorchTitan's model_weights_only).
     if (c.model_only) options.export_dtype = checkpoint::parse_export_dtype(c.export_dtype);
     options.validate();
+    // Every rank writes its own files: find an unwritable or blocked folder now, not at the first
+    // save after `interval` steps of compute.
+    require_writable_folder(options.folder, dist_->rank(),
+                            "the checkpoint folder (job.dump_folder/checkpoint.folder)");
     // The dump folder's lock does not cover a checkpoint folder elsewhere (an absolute
     // checkpoint.folder): two runs sharing one would resume from and prune each other's steps.
     // Taken before anything is read from it.
@@ -370,10 +374,6 @@ void Trainer::init_checkpointing() {
       checkpoint_folder_lock_ = std::make_unique<RunFolderLock>(
           options.folder, "checkpoint.folder (with job.dump_folder)");
     }
-    // Every rank writes its own files: find an unwritable or blocked folder now, not at the first
-    // save after `interval` steps of compute.
-    require_writable_folder(options.folder, dist_->rank(),
-                            "the checkpoint folder (job.dump_folder/checkpoint.folder)");
     auto group = dist_->world_size() > 1 ? checkpoint::comm_group(dist_->world())
                                          : checkpoint::single_process_group();
     checkpointer_ = std::make_unique<checkpoint::Checkpointer>(options, group);

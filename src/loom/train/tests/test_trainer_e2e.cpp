@@ -158,7 +158,7 @@ INSTANTIATE_TEST_SUITE_P(
                                         " --training.dataset_path=/nonexistent/data.jsonl" +
                                         " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
                                         " --parallelism.data_parallel_shard_degree=1",
-                 1, "/nonexistent/data.jsonl"},
+                 2, "/nonexistent/data.jsonl"},  // a configuration error (issue 22): never restarted
         BadInput{"missing_tokenizer", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                           " --model.tokenizer_path=/nonexistent/tok.json" +
                                           " --parallelism.data_parallel_shard_degree=1",
