@@ -695,16 +695,9 @@ struct CudaLinearCrossEntropyFunction
     return at::where(bad.gt(0), at::full_like(loss, std::numeric_limits<float>::quiet_NaN()), loss);
   }
 
+  // The same saved gradients and arguments as the generic function: the same backward.
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    torch::Tensor grad_hidden = ctx->saved_data["grad_hidden"].toTensor();
-    torch::Tensor grad_weight = ctx->saved_data["grad_weight"].toTensor();
-    ctx->saved_data.erase("grad_hidden");
-    ctx->saved_data.erase("grad_weight");
-    const torch::Tensor& g = grad_outputs[0];
-    if (grad_hidden.defined()) grad_hidden.mul_(g);
-    if (grad_weight.defined()) grad_weight.mul_(g);
-    return {grad_hidden, grad_weight, torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return GenericLinearCrossEntropyFunction::backward(ctx, std::move(grad_outputs));
   }
 };
 #endif  // LOOM_WITH_CUDA_KERNELS
