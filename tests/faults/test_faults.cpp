@@ -142,6 +142,50 @@ TEST(Faults, SkipNonfiniteStepsSkipsAndFinishes) {
   EXPECT_EQ(inf.exit_code, 2) << inf.output;
 }
 
+// training.step_readback = "log_steps" (the GPU default): the non-finite guard runs on the device,
+// inside the fused update, and the host learns of the NaN step at the next log step (10 here). The
+// run still stops with exit 3 naming step 7; its update was never applied, so the checkpoint
+// written after it (step 8) holds finite weights: resuming from it with the every-step guard trains
+// on with finite losses. Step 4's checkpoint is bitwise the clean run's.
+TEST(Faults, DeviceSideGuardStopsADivergedRunWithFiniteCheckpoints) {
+  TempDir bad("nan_dev"), clean("clean_dev");
+  const std::string args = " --checkpoint.enable=true --checkpoint.interval=4 --checkpoint.keep_latest_k=0"
+                           " --training.deterministic=true --metrics.log_freq=5 --training.step_readback=log_steps";
+  RunResult r = run("env LOOM_FAULT_NAN=1:7 " + launch(2) + train_args(bad, 12, args));
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("training diverged: non-finite loss nan and gradient norm nan at step 7 (found at "
+                          "step 10's read-back"),
+            std::string::npos) << r.output;
+  EXPECT_EQ(checkpoint_steps(bad.path() / "checkpoint"), (std::vector<int64_t>{4, 8}));
+  RunResult ref = run(launch(2) + train_args(clean, 12, args));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  expect_identical_checkpoint_files(bad.path() / "checkpoint" / "step-4", clean.path() / "checkpoint" / "step-4",
+                                    {"rank-0.safetensors", "rank-1.safetensors"});
+  RunResult resumed = run(launch(2) + train_args(bad, 10, args + " --training.step_readback=every_step"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const std::vector<double> after = loom::testing::logged_losses(bad.path());
+  ASSERT_FALSE(after.empty());
+  for (double loss : after) EXPECT_TRUE(std::isfinite(loss)) << resumed.output;
+}
+
+// The same guard with training.skip_nonfinite_steps: the NaN step is skipped on the device, the
+// warning comes at the next log step, and the run completes.
+TEST(Faults, DeviceSideGuardSkipsAllowedNonfiniteSteps) {
+  TempDir dir("skip_dev");
+  RunResult r = run("env LOOM_FAULT_NAN=0:3 " + loom_bin() +
+                    train_args(dir, 6, " --training.skip_nonfinite_steps=1 --metrics.log_freq=5"
+                                       " --training.step_readback=log_steps"
+                                       " --parallelism.data_parallel_shard_degree=1"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("non-finite loss nan and gradient norm nan at step 3 (found at step 5's read-back"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("the device skipped its update (1 of 1 allowed"), std::string::npos) << r.output;
+  // Muon has no device-side guard: "log_steps" with it is refused before training.
+  RunResult muon = run(loom_bin() + train_args(dir, 6, " --optimizer.name=Muon --training.step_readback=log_steps"));
+  EXPECT_EQ(muon.exit_code, 2) << muon.output;
+  EXPECT_NE(muon.output.find("training.step_readback"), std::string::npos) << muon.output;
+}
+
 // Issue 8, item 2: one rank throws. Before: both ranks sat in the shutdown barrier until the
 // 300 s watchdog, exit 124, the error never shown. Now: the rank's own line, the launcher naming
 // it, and the job over in seconds, on 2 and on 4 ranks.

@@ -50,12 +50,16 @@ ShardedAdamW::ShardedAdamW(std::shared_ptr<FSDPModule> fsdp, optim::AdamWOptions
   LOOM_REQUIRE(!groups_.empty(), "ShardedAdamW found no FSDP parameter groups");
 }
 
-void ShardedAdamW::step() {
+void ShardedAdamW::step() { step_groups(nullptr); }
+
+void ShardedAdamW::step_with_guard(const optim::StepGuard& guard) { step_groups(&guard); }
+
+void ShardedAdamW::step_groups(const optim::StepGuard* guard) {
   fsdp_->finalize_backward();
   for (Group& g : groups_) {
     if (!g.group->has_sharded_grads()) continue;
     optim::adamw_step_flat(g.group->sharded_params(), g.group->sharded_grads(), g.state, options_,
-                           weight_decay_, g.no_decay);
+                           weight_decay_, g.no_decay, guard);
   }
 }
 

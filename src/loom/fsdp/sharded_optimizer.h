@@ -27,6 +27,8 @@ class ShardedAdamW : public optim::Optimizer {
   // Finalizes the backward (waits for the reductions), then one fused update per group whose
   // gradient shard holds a reduction since zero_grad (others are skipped, like a None .grad).
   void step() override;
+  bool applies_step_guard() const override { return true; }
+  void step_with_guard(const optim::StepGuard& guard) override;
   // FSDPModule::zero_grad (the gradient shards are always kept, so set_to_none is moot).
   void zero_grad(bool set_to_none = true) override;
   void set_lr(double lr) override { options_.lr = lr; }
@@ -50,6 +52,8 @@ class ShardedAdamW : public optim::Optimizer {
     optim::ElementRanges no_decay;
     std::vector<std::string> fqns;  // per parameter of the group
   };
+
+  void step_groups(const optim::StepGuard* guard);
 
   std::shared_ptr<FSDPModule> fsdp_;
   optim::AdamWOptions options_;

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <map>
+#include <optional>
 #include <unordered_set>
 
 #include "loom/core/error.h"
@@ -50,7 +51,13 @@ void foreach_update(const UpdateLists& l, const AdamWOptions& o, double weight_d
 // Runs one update over lists whose steps were already incremented. Tensors are bucketed by dtype
 // (as PyTorch does); the fused kernel indexes raw memory, so it gets only contiguous parameters
 // (with contiguous gradients) and anything else takes the foreach path.
-void apply_update(const UpdateLists& lists, const AdamWOptions& o, double weight_decay) {
+//
+// With a guard, the fused kernel divides the gradients by guard->grad_scale (in place: they are
+// left clipped, as clip_grad_norm_ leaves them) and returns early where guard->found_inf is 1 (no
+// read-back). The foreach path has no such argument: it reads found_inf on the host (one sync) and
+// divides the gradients in place, so it skips the same steps and leaves the same gradients.
+void apply_update(const UpdateLists& lists, const AdamWOptions& o, double weight_decay,
+                  const StepGuard* guard = nullptr) {
   if (lists.empty()) return;
   std::map<at::ScalarType, UpdateLists> fused, foreach;
   for (const auto i : c10::irange(lists.params.size())) {
@@ -66,12 +73,31 @@ void apply_update(const UpdateLists& lists, const AdamWOptions& o, double weight
                                    lists.steps[i]);
     }
   }
+  std::optional<at::Tensor> grad_scale, found_inf;
+  if (guard) {
+    grad_scale = guard->grad_scale;
+    found_inf = guard->found_inf;
+  }
   for (const auto& [dtype, l] : fused) {
     at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, /*max_exp_avg_sqs=*/{},
                       l.steps, o.lr, o.beta1, o.beta2, weight_decay, o.eps, /*amsgrad=*/false,
-                      /*maximize=*/false);
+                      /*maximize=*/false, grad_scale, found_inf);
   }
-  for (const auto& [dtype, l] : foreach) foreach_update(l, o, weight_decay);
+  for (auto& [dtype, l] : foreach) {
+    if (guard) {
+      if (guard->found_inf.item<float>() == 1.0f) continue;
+      at::_foreach_div_(l.grads, guard->grad_scale);
+    }
+    foreach_update(l, o, weight_decay);
+  }
+}
+
+void check_guard(const StepGuard& guard) {
+  LOOM_REQUIRE(guard.grad_scale.defined() && guard.found_inf.defined() && guard.grad_scale.numel() == 1 &&
+                   guard.found_inf.numel() == 1 && guard.grad_scale.scalar_type() == at::kFloat &&
+                   guard.found_inf.scalar_type() == at::kFloat,
+               "a StepGuard holds two 0-dim float32 tensors (grad_scale, found_inf); make it with "
+               "optim::clip_and_skip_guard");
 }
 
 void check_grad(const std::string& name, const at::Tensor& param, const at::Tensor& grad) {
@@ -152,7 +178,17 @@ void AdamW::step() {
   step(grads);
 }
 
-void AdamW::step(const std::vector<std::vector<at::Tensor>>& grads) {
+void AdamW::step_with_guard(const StepGuard& guard) {
+  std::vector<std::vector<at::Tensor>> grads(groups_.size());
+  for (const auto g : c10::irange(groups_.size())) {
+    grads[g].reserve(groups_[g].params.size());
+    for (const at::Tensor& p : groups_[g].params) grads[g].push_back(p.grad());
+  }
+  step(grads, &guard);
+}
+
+void AdamW::step(const std::vector<std::vector<at::Tensor>>& grads, const StepGuard* guard) {
+  if (guard) check_guard(*guard);
   LOOM_REQUIRE(grads.size() == groups_.size(), "AdamW::step got gradients for ", grads.size(),
                " parameter groups but the optimizer has ", groups_.size());
   at::NoGradGuard no_grad;
@@ -171,7 +207,9 @@ void AdamW::step(const std::vector<std::vector<at::Tensor>>& grads) {
     }
     if (lists.empty()) continue;
     at::_foreach_add_(lists.steps, 1.0);
-    apply_update(lists, options_, group.weight_decay);
+    apply_update(lists, options_, group.weight_decay, guard);
+    // A skipped step leaves the counts as they were (torch.optim's fused path does the same).
+    if (guard) at::_foreach_sub_(lists.steps, std::vector<at::Tensor>(lists.steps.size(), guard->found_inf));
   }
 }
 
@@ -205,8 +243,9 @@ const AdamWParamState& AdamW::state(const std::string& param_name) const {
 
 void adamw_step_flat(const at::Tensor& param, const at::Tensor& grad, FlatAdamWState& state,
                      const AdamWOptions& options, double weight_decay,
-                     const ElementRanges& no_decay_ranges) {
+                     const ElementRanges& no_decay_ranges, const StepGuard* guard) {
   check_adamw_options(options, "AdamW");
+  if (guard) check_guard(*guard);
   LOOM_REQUIRE(param.dim() == 1 && param.is_contiguous(),
                "adamw_step_flat needs a 1-D contiguous parameter, got shape ", param.sizes());
   check_grad("flat parameter", param, grad);
@@ -219,7 +258,8 @@ void adamw_step_flat(const at::Tensor& param, const at::Tensor& grad, FlatAdamWS
   if (no_decay_ranges.empty()) {
     UpdateLists all;
     all.add(param, grad, state.exp_avg, state.exp_avg_sq, state.step);
-    apply_update(all, options, weight_decay);
+    apply_update(all, options, weight_decay, guard);
+    if (guard) state.step.sub_(guard->found_inf);
     return;
   }
   UpdateLists decayed, exempt;
@@ -238,8 +278,9 @@ void adamw_step_flat(const at::Tensor& param, const at::Tensor& grad, FlatAdamWS
     cursor = end;
   }
   add_range(decayed, cursor, param.numel());
-  apply_update(decayed, options, weight_decay);
-  apply_update(exempt, options, 0.0);
+  apply_update(decayed, options, weight_decay, guard);
+  apply_update(exempt, options, 0.0, guard);
+  if (guard) state.step.sub_(guard->found_inf);
 }
 
 }  // namespace loom::optim

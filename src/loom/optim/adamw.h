@@ -55,10 +55,13 @@ class AdamW : public Optimizer {
 
   // Updates every parameter whose .grad() is defined (others keep their step count).
   void step() override;
+  // The fused kernel applies the guard itself (the foreach implementation reads found_inf once).
+  bool applies_step_guard() const override { return true; }
+  void step_with_guard(const StepGuard& guard) override;
   // Updates with caller-supplied gradients: grads[g][i] belongs to param_groups()[g].params[i];
   // an undefined tensor skips that parameter. Used when gradients live outside .grad() (e.g. in
   // a flat reduce-scatter buffer).
-  void step(const std::vector<std::vector<at::Tensor>>& grads);
+  void step(const std::vector<std::vector<at::Tensor>>& grads, const StepGuard* guard = nullptr);
 
   void zero_grad(bool set_to_none = true) override;
   void set_lr(double lr) override { options_.lr = lr; }
@@ -96,8 +99,10 @@ using ElementRanges = std::vector<std::pair<int64_t, int64_t>>;
 // `no_decay_ranges` is non-empty: the decayed and the exempt ranges, each as a list of views).
 // Elements in `no_decay_ranges` (norm scales, biases) get weight decay 0. Bitwise identical to
 // stepping the same elements as separate parameters with AdamW.
+// With a guard, gradients are divided by guard->grad_scale and a step where guard->found_inf is 1
+// changes nothing (the count included).
 void adamw_step_flat(const at::Tensor& param, const at::Tensor& grad, FlatAdamWState& state,
                      const AdamWOptions& options, double weight_decay,
-                     const ElementRanges& no_decay_ranges = {});
+                     const ElementRanges& no_decay_ranges = {}, const StepGuard* guard = nullptr);
 
 }  // namespace loom::optim

@@ -1,5 +1,7 @@
 #include "loom/optim/optimizer.h"
 
+#include <ATen/ATen.h>
+
 #include "loom/core/error.h"
 
 namespace loom::optim {
@@ -70,6 +72,26 @@ void zero_gradient(at::Tensor& param, bool set_to_none) {
     grad.detach_();
     grad.zero_();
   }
+}
+
+StepGuard clip_and_skip_guard(const at::Tensor& grad_norm, const at::Tensor& loss, double max_norm) {
+  LOOM_REQUIRE(max_norm > 0.0, "max_norm for gradient clipping must be > 0, got ", max_norm);
+  LOOM_REQUIRE(grad_norm.numel() == 1 && loss.numel() == 1, "clip_and_skip_guard takes a scalar norm and loss");
+  at::NoGradGuard no_grad;
+  const at::Tensor norm = grad_norm.detach().reshape({}).to(at::kFloat);
+  // The same coefficient as clip_grads_with_norm_: 1 (so grad / 1 is exact) unless clipping.
+  const at::Tensor coef = at::clamp_max(max_norm / (norm + 1e-6), 1.0);
+  StepGuard guard;
+  guard.grad_scale = at::reciprocal(coef);
+  guard.found_inf = at::logical_not(at::logical_and(at::isfinite(norm),
+                                                    at::isfinite(loss.detach().reshape({}).to(norm.device()))))
+                        .to(at::kFloat);
+  return guard;
+}
+
+void Optimizer::step_with_guard(const StepGuard& /*guard*/) {
+  fail("this optimizer has no device-side step guard (applies_step_guard() is false): clip the "
+       "gradients and check them on the host, then call step()");
 }
 
 }  // namespace loom::optim

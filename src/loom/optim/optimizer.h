@@ -50,11 +50,33 @@ void load_state_in_place(const TensorDict& expected, const TensorDict& state, co
 // (detached from any graph first). A parameter without a gradient is left alone.
 void zero_gradient(at::Tensor& param, bool set_to_none);
 
+// A step decided on the device (torch.amp.GradScaler's contract with the fused optimizers): the
+// gradients are divided by `grad_scale` inside the update kernel, and the update (step counts
+// included) is skipped where `found_inf` is 1. Both are 0-dim float32 tensors on the parameters'
+// device, so a step needs no read-back to the host: gradient clipping and the non-finite guard fold
+// into the optimizer's own pass over the gradients.
+struct StepGuard {
+  at::Tensor grad_scale;
+  at::Tensor found_inf;
+};
+
+// The guard for clipping to `max_norm` and skipping a non-finite step, from the global gradient
+// norm and the global loss (both 0-dim, any floating dtype): grad_scale = 1 / min(1, max_norm /
+// (norm + 1e-6)), the reciprocal of clip_grads_with_norm_'s coefficient; found_inf = 1 when the
+// norm or the loss is NaN/inf. No host sync.
+StepGuard clip_and_skip_guard(const at::Tensor& grad_norm, const at::Tensor& loss, double max_norm);
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
   // One update of every parameter whose .grad() is defined.
   virtual void step() = 0;
+  // Whether step_with_guard applies the guard on the device (without a host sync).
+  virtual bool applies_step_guard() const { return false; }
+  // step() with gradients divided by guard.grad_scale, skipped entirely where guard.found_inf is 1.
+  // Optimizers without a device-side guard (applies_step_guard() false) throw: their callers clip
+  // and check on the host instead.
+  virtual void step_with_guard(const StepGuard& guard);
   virtual void zero_grad(bool set_to_none = true) = 0;
   virtual void set_lr(double lr) = 0;
   virtual double lr() const = 0;

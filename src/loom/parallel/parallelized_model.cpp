@@ -289,22 +289,20 @@ std::vector<torch::Tensor> ParallelizedModel::resident_gradients() {
   return out;
 }
 
-torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
+torch::Tensor ParallelizedModel::grad_norm() {
   if (parts_.pipeline) {
     // Each parameter lives on one pp rank: the squares of every rank's gradients, summed over pp.
-    LOOM_REQUIRE_USAGE(max_norm > 0, "clip_grad_norm_ needs max_norm > 0, got ", max_norm);
     // Replicas (pipeline_replicas) hold identical averaged gradients: counted once. TP-sharded
     // pieces are summed over tp, TP-replicated ones counted once; then everything over pp.
     // FSDP's shards are summed over the shard group first (HSDP replicas hold identical shards).
     LOOM_REQUIRE(!parts_.ddp, "pipeline stages with DDP");
     if (parts_.fsdp) parts_.fsdp->finalize_backward();
-    std::vector<torch::Tensor> sharded, replicated, all;
+    std::vector<torch::Tensor> sharded, replicated;
     torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
     for (const auto& [name, g] : local_gradients()) {
       if (!g.defined() || g.numel() == 0) continue;
       options = options.device(g.device());
       (parts_.tp && parts_.tp->is_sharded(name) ? sharded : replicated).push_back(g);
-      all.push_back(g);
     }
     torch::Tensor both = at::stack({sum_of_squares(sharded, options), sum_of_squares(replicated, options)});
     if (parts_.fsdp) parts_.fsdp->mesh().shard->all_reduce(both, distributed::ReduceOp::kSum);
@@ -312,34 +310,42 @@ torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
     if (parts_.tp) parts_.tp->comm()->all_reduce(squares, distributed::ReduceOp::kSum);
     squares = squares + both.narrow(0, 1, 1);
     parts_.pipeline->comm().all_reduce(squares, distributed::ReduceOp::kSum);
-    const torch::Tensor norm = squares[0].sqrt();
-    optim::clip_grads_with_norm_(all, max_norm, norm);
-    return norm;
+    return squares[0].sqrt();
   }
   if (!parts_.tp) {
     // Data parallelism alone: the norms the FSDP and plain paths always computed.
-    if (parts_.fsdp) return parts_.fsdp->clip_grad_norm_(max_norm);
+    if (parts_.fsdp) return parts_.fsdp->grad_norm();
     std::vector<torch::Tensor> grads;
     for (const auto& [name, g] : local_gradients()) grads.push_back(g);
-    return optim::clip_grad_norm_(grads, max_norm);
+    return optim::total_grad_norm(grads);
   }
-  LOOM_REQUIRE_USAGE(max_norm > 0, "clip_grad_norm_ needs max_norm > 0, got ", max_norm);
   if (parts_.fsdp) parts_.fsdp->finalize_backward();
-  std::vector<torch::Tensor> sharded, replicated, all;
+  std::vector<torch::Tensor> sharded, replicated;
   torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
   for (const auto& [name, g] : local_gradients()) {
     if (!g.defined() || g.numel() == 0) continue;
     options = options.device(g.device());
     (parts_.tp->is_sharded(name) ? sharded : replicated).push_back(g);
-    all.push_back(g);
   }
   // [TP-sharded, TP-replicated] squares: both summed over FSDP's shards, the first also over tp.
   torch::Tensor squares = at::stack({sum_of_squares(sharded, options), sum_of_squares(replicated, options)});
   if (parts_.fsdp) parts_.fsdp->mesh().shard->all_reduce(squares, distributed::ReduceOp::kSum);
   torch::Tensor over_tp = squares.narrow(0, 0, 1).clone();
   parts_.tp->comm()->all_reduce(over_tp, distributed::ReduceOp::kSum);
-  const torch::Tensor norm = (over_tp[0] + squares[1]).sqrt();
-  optim::clip_grads_with_norm_(all, max_norm, norm);
+  return (over_tp[0] + squares[1]).sqrt();
+}
+
+torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
+  LOOM_REQUIRE_USAGE(max_norm > 0, "clip_grad_norm_ needs max_norm > 0, got ", max_norm);
+  // FSDP alone clips its flat shards (the same elements as the per-parameter pieces, plus zero
+  // padding) in one list.
+  if (!parts_.pipeline && !parts_.tp && parts_.fsdp) return parts_.fsdp->clip_grad_norm_(max_norm);
+  const torch::Tensor norm = grad_norm();
+  std::vector<torch::Tensor> grads;
+  for (const auto& [name, g] : local_gradients()) {
+    if (g.defined() && g.numel() > 0) grads.push_back(g);
+  }
+  optim::clip_grads_with_norm_(grads, max_norm, norm);
   return norm;
 }
 

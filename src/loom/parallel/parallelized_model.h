@@ -101,8 +101,11 @@ class ParallelizedModel {
   // same forward as the step's, with every parallelism's collectives. Not with a pipeline, whose
   // schedules run forward and backward together.
   torch::Tensor forward_loss(const ModelBatch& batch);
-  // Global 2-norm over every mesh dim, each element counted once; scales the gradients by
-  // min(1, max_norm / norm) and returns the norm before clipping (a device tensor, no host sync).
+  // Global 2-norm of the gradients over every mesh dim, each element counted once (a device
+  // tensor, no host sync; collective over the mesh).
+  torch::Tensor grad_norm();
+  // grad_norm(), then scales the gradients by min(1, max_norm / norm); returns the norm before
+  // clipping. (A step whose optimizer applies a StepGuard clips inside the update instead.)
   torch::Tensor clip_grad_norm_(double max_norm);
   // This rank's gradient pieces by parameter name, in module order (the same names on every rank).
   std::vector<std::pair<std::string, torch::Tensor>> local_gradients();

@@ -187,6 +187,15 @@ const std::vector<ConfigKey> kSchema = {
      "logit gradient in one pass per chunk). A kernel left out runs its ATen composition "
      "instead; bench/gpu_vs_pytorch.py --ablation measures each. No effect on the CPU.",
      {}},
+    {LOOM_CONFIG_KEY(training, step_readback),
+     "When the host reads a step's loss and gradient norm. `every_step`: after the backward, "
+     "before the optimizer step (the device idles while the host decides). `log_steps`: only at "
+     "log steps, all pending steps in one copy; clipping and the non-finite guard run inside the "
+     "fused AdamW update on the device (a skipped step changes no weight or optimizer state, but "
+     "the LR schedule advances, as with torch.amp's GradScaler; the first non-finite gradient is "
+     "not named). Needs `optimizer.name = \"AdamW\"`. `auto`: `log_steps` on a GPU with AdamW, "
+     "else `every_step`.",
+     {"auto", "every_step", "log_steps"}},
     // [parallelism]
     {LOOM_CONFIG_KEY(parallelism, data_parallel_replicate_degree),
      "Replicated data-parallel ranks: DDP, or HSDP together with sharding.", {}},
@@ -991,6 +1000,12 @@ void validate(const JobConfig& c) {
   require(c.training.max_norm > 0.0, key("training.max_norm"), "> 0", c);
   require(c.training.steps > 0, key("training.steps"), "> 0", c);
   require(c.training.skip_nonfinite_steps >= 0, key("training.skip_nonfinite_steps"), ">= 0", c);
+  // Only AdamW's fused update takes the device-side guard (optim::StepGuard).
+  require(c.training.step_readback != "log_steps" || c.optimizer.name == "AdamW",
+          key("training.step_readback"),
+          c10::str("\"every_step\" or \"auto\" with optimizer.name = \"", c.optimizer.name,
+                   "\" (\"log_steps\" needs AdamW)"),
+          c);
   require(c.parallelism.data_parallel_replicate_degree >= 1,
           key("parallelism.data_parallel_replicate_degree"), ">= 1", c);
   require(c.parallelism.data_parallel_shard_degree == -1 ||

@@ -88,6 +88,8 @@ struct TrainingSection {
   std::string device = "cpu";
   bool allow_tf32 = false;  // TF32 tensor cores for float32 matmuls/convolutions on CUDA
   std::string cuda_kernels = "all";  // Loom's CUDA kernels in use: "all" | "none" | a list
+  // When the host reads a step's loss and gradient norm: "auto" | "every_step" | "log_steps".
+  std::string step_readback = "auto";
 
   bool operator==(const TrainingSection&) const = default;
 };

@@ -41,6 +41,11 @@ RunProgress::RunProgress(RunProgressOptions options) : options_(options) {
 }
 
 void RunProgress::record_step(int64_t step, double loss, double step_seconds, double elapsed_seconds) {
+  record_time(step, step_seconds, elapsed_seconds);
+  record_loss(step, loss);
+}
+
+void RunProgress::record_time(int64_t step, double step_seconds, double elapsed_seconds) {
   if (steps_recorded_ == 0) stats_.first_step = step;
   ++steps_recorded_;
   last_step_ = step;
@@ -55,6 +60,9 @@ void RunProgress::record_step(int64_t step, double loss, double step_seconds, do
     }
   }
   stats_.last_step = step;
+}
+
+void RunProgress::record_loss(int64_t step, double loss) {
   if (std::isfinite(loss)) {
     if (std::isnan(stats_.first_loss)) stats_.first_loss = loss;
     stats_.last_loss = loss;

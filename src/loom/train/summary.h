@@ -70,6 +70,10 @@ class RunProgress {
   // wall time since training started. The first step a process runs is its warm-up (allocations,
   // first-touch pages, thread pools) and stays out of the ETA's mean.
   void record_step(int64_t step, double loss, double step_seconds, double elapsed_seconds);
+  // The two halves of record_step, for a step whose loss is read from the device later (at the
+  // next log step, training.step_readback = "log_steps"): its time now, its loss when known.
+  void record_time(int64_t step, double step_seconds, double elapsed_seconds);
+  void record_loss(int64_t step, double loss);
   // A logged step's metrics (peak memory is reset per log window, so the run's peak is the max).
   void record_log(const StepMetrics& metrics);
 

@@ -325,6 +325,12 @@ void Trainer::init_optimizer() {
   }
   lr_scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, lr_schedule_options(config_),
                                                   config_.training.steps);
+  // Deferring the read-back pays where the host and the device run apart (a GPU): the host no
+  // longer waits for the backward before queueing the update. On the CPU there is nothing to
+  // overlap, so "auto" keeps the every-step read-back (and its exact clipping).
+  const std::string& readback = config_.training.step_readback;
+  deferred_readback_ = optimizer_->applies_step_guard() &&
+                       (readback == "log_steps" || (readback == "auto" && !device_.is_cpu()));
 }
 
 void Trainer::init_validation() {
@@ -512,6 +518,15 @@ double Trainer::global_mean_loss(double local_loss) {
   return t.item<double>();
 }
 
+torch::Tensor Trainer::global_mean_loss(const torch::Tensor& local_loss) {
+  torch::Tensor t = local_loss.detach().to(torch::kFloat64).reshape({1});
+  if (parallel_dims_->dp_cp_enabled()) {
+    t = t.clone();
+    mesh_->comm("dp_cp")->all_reduce(t, distributed::ReduceOp::kAvg);
+  }
+  return t[0];
+}
+
 parallel::ModelBatch Trainer::model_batch(const data::Batch& batch) const {
   // Documents are packed into rows, each starting with BOS: a row's document index is the count
   // of BOS tokens up to each position (a row may begin inside a document: index 0).
@@ -551,6 +566,33 @@ StepResult Trainer::train_step() {
     };
   }
   const torch::Tensor loss_sum = parallel_model_->forward_backward(batches, hook);
+  if (deferred_readback_) {
+    // Nothing read back: the global loss and norm decide clipping and skipping on the device,
+    // inside the fused update; the values wait in pending_values_ for the next log step.
+    const torch::Tensor loss = global_mean_loss(loss_sum);
+    torch::Tensor norm;
+    {
+      RECORD_USER_SCOPE("loom::grad_norm");
+      norm = parallel_model_->grad_norm();
+    }
+    const optim::StepGuard step_guard = optim::clip_and_skip_guard(norm, loss, config_.training.max_norm);
+    StepResult result;
+    result.step = step_;
+    result.lr = optimizer_->lr();
+    result.loss = result.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    result.pending = true;
+    if (checkpointer_) checkpointer_->wait_staged();
+    {
+      RECORD_USER_SCOPE("loom::optimizer_step");
+      optimizer_->step_with_guard(step_guard);
+      lr_scheduler_->step();
+    }
+    pending_values_.push_back(
+        torch::stack({loss, norm.detach().reshape({}).to(loss.device(), torch::kFloat64),
+                      step_guard.found_inf.to(loss.device(), torch::kFloat64)}));
+    result.seconds = timer.seconds();
+    return result;
+  }
   // The norm over every mesh dim; gradients scaled on the device.
   torch::Tensor grad_norm_t;
   {
@@ -585,6 +627,44 @@ StepResult Trainer::train_step() {
   }
   result.seconds = timer.seconds();
   return result;
+}
+
+void Trainer::resolve_pending_steps(std::vector<StepResult>& results, RunProgress& progress) {
+  if (pending_values_.empty()) return;
+  const size_t n = pending_values_.size();
+  LOOM_REQUIRE(results.size() >= n, "more pending step values than step results");
+  const torch::Tensor host = torch::stack(pending_values_).to(torch::kCPU).contiguous();
+  pending_values_.clear();
+  const auto values = host.accessor<double, 2>();
+  for (size_t i = 0; i < n; ++i) {
+    StepResult& r = results[results.size() - n + i];
+    LOOM_REQUIRE(r.pending, "step ", r.step, "'s result is not pending");
+    r.pending = false;
+    r.loss = values[static_cast<int64_t>(i)][0];
+    r.grad_norm = values[static_cast<int64_t>(i)][1];
+    r.skipped = values[static_cast<int64_t>(i)][2] != 0.0;
+    progress.record_loss(r.step, r.loss);
+    if (!r.skipped) continue;
+    const std::string what = c10::str(
+        "non-finite ", !std::isfinite(r.loss) ? c10::str("loss ", r.loss, " ") : "",
+        !std::isfinite(r.loss) && !std::isfinite(r.grad_norm) ? "and " : "",
+        !std::isfinite(r.grad_norm) ? c10::str("gradient norm ", r.grad_norm, " ") : "", "at step ", r.step,
+        " (found at step ", step_, "'s read-back; set training.step_readback = \"every_step\" to name the "
+        "first non-finite gradient)");
+    const int64_t allowed = config_.training.skip_nonfinite_steps;
+    if (nonfinite_steps_skipped_ < allowed) {
+      ++nonfinite_steps_skipped_;
+      log::warn(what, "; the device skipped its update (", nonfinite_steps_skipped_, " of ", allowed,
+                " allowed by training.skip_nonfinite_steps): weights and optimizer state unchanged, "
+                "the LR schedule advanced");
+      continue;
+    }
+    if (checkpointer_) checkpointer_->wait();
+    throw DivergedError(c10::str(
+        "training diverged: ", what, "; its update was skipped on the device, so every checkpoint "
+        "holds finite weights. Lower optimizer.lr, raise lr_scheduler.warmup_steps or lower "
+        "training.max_norm, or allow skipping with training.skip_nonfinite_steps"));
+  }
 }
 
 std::string Trainer::first_nonfinite_gradient() {
@@ -681,6 +761,8 @@ std::vector<StepResult> Trainer::train() {
   std::optional<MemoryBreakdown> window_memory;
   distributed::comm_stats().reset();
   if (profiler_) profiler_->step(step_);  // the first step may already be recorded
+  // The latest loss read back (the status line's, between log steps).
+  double last_loss = std::numeric_limits<double>::quiet_NaN();
   while (step_ < t.steps) {
     // A step's time is the whole iteration: the training step plus the checkpoint call after it,
     // so what a save costs (planning, waiting for the previous one) shows in tps and MFU.
@@ -702,14 +784,21 @@ std::vector<StepResult> Trainer::train() {
     }
     const bool log_step = step_ == 1 || step_ % config_.metrics.log_freq == 0 || step_ == t.steps;
     // The host runs ahead of an accelerator: at a log step, wait for the device so the window's
-    // time covers all the work queued in it (between log steps, the next step's loss read-back
-    // keeps the host at most one step ahead).
+    // time covers all the work queued in it (between log steps, either the next step's loss
+    // read-back keeps the host at most one step ahead, or with training.step_readback =
+    // "log_steps" it runs ahead until the queue's depth holds it back).
     if (log_step) synchronize(device_);
     r.seconds = iteration.seconds();
     window_peak_bytes = std::max(window_peak_bytes, memory::peak_bytes(device_));
     if (memory_profiler_) memory_profiler_->step(step_, r.seconds);
     results.push_back(r);
-    progress.record_step(r.step, r.loss, r.seconds, run_timer.seconds());
+    progress.record_time(r.step, r.seconds, run_timer.seconds());
+    if (!r.pending) progress.record_loss(r.step, r.loss);
+    if (log_step) {
+      resolve_pending_steps(results, progress);  // throws past the non-finite steps allowed
+      r = results.back();
+    }
+    if (!r.pending) last_loss = r.loss;
     window_seconds += r.seconds;
     ++window_steps;
     if (log_step) {
@@ -744,7 +833,7 @@ std::vector<StepResult> Trainer::train() {
       distributed::comm_stats().reset();
     } else {
       // Between log steps, a terminal shows where the run is on one line redrawn in place.
-      log::status(progress.status_line(r.loss));
+      log::status(progress.status_line(last_loss));
     }
     // After the step's metrics, so its time is not in the step's tokens/s.
     if (validator_) validator_->maybe_validate(step_, t.steps, *metrics_);

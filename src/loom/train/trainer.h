@@ -59,6 +59,9 @@ struct StepResult {
   // The loss or gradient norm was not finite and training.skip_nonfinite_steps allowed skipping:
   // no optimizer or LR-schedule step was taken.
   bool skipped = false;
+  // training.step_readback = "log_steps": loss, grad_norm and skipped are still on the device
+  // (loss and grad_norm NaN here); the Trainer fills them in at the next log step.
+  bool pending = false;
 };
 
 class Trainer {
@@ -70,7 +73,11 @@ class Trainer {
 
   // Runs training.steps steps; returns every step's result (loss etc.), identical on all ranks.
   std::vector<StepResult> train();
+  // One optimizer step. With the read-back deferred (reads_back_every_step() false) the result is
+  // pending until resolve_pending_steps.
   StepResult train_step();
+  // training.step_readback resolved for this run's device and optimizer.
+  bool reads_back_every_step() const { return !deferred_readback_; }
   // Saves the current state (the step reached, or the one resumed from) as <folder>/step-<N>,
   // synchronously, on every rank (collective): e.g. to move a checkpoint to another layout without
   // training (load in this layout, save, and any layout reads it back bitwise).
@@ -109,6 +116,12 @@ class Trainer {
   // device.
   parallel::ModelBatch model_batch(const data::Batch& batch) const;
   double global_mean_loss(double local_loss_sum);
+  // The same mean on the device (a collective on device tensors; no host sync).
+  torch::Tensor global_mean_loss(const torch::Tensor& local_loss);
+  // Reads every pending step's [loss, grad norm, skipped] in one device-to-host copy and fills in
+  // their results (from `results`'s back); a skipped step counts against
+  // training.skip_nonfinite_steps, past which it throws DivergedError like every_step mode.
+  void resolve_pending_steps(std::vector<StepResult>& results, RunProgress& progress);
   // The non-finite guard: called when the step's global loss or gradient norm is NaN/inf (the
   // same on every rank). Skips the step while training.skip_nonfinite_steps allows, else waits for
   // any checkpoint still being written (it holds the last finite state) and throws DivergedError
@@ -156,6 +169,9 @@ class Trainer {
   double flops_per_token_ = 0.0;
   int64_t step_ = 0;
   int64_t nonfinite_steps_skipped_ = 0;
+  bool deferred_readback_ = false;  // training.step_readback resolved (init_optimizer)
+  // Per pending step: [global loss, gradient norm, found_inf] (float64, on the device).
+  std::vector<torch::Tensor> pending_values_;
 };
 
 }  // namespace loom::train

@@ -5,6 +5,9 @@
 
 #include "loom/core/error.h"
 #include "loom/optim/adamw.h"
+#include "loom/optim/clip_grad.h"
+
+#include <map>
 
 namespace loom::optim {
 namespace {
@@ -309,6 +312,105 @@ TEST(AdamW, RejectsBadConstructionAndGradients) {
   } catch (const loom::UsageError& e) {
     EXPECT_EQ(e.exit_code(), loom::kExitUsage);
   }
+}
+
+// The device-side guard (StepGuard): the clipping coefficient folded into the update as a gradient
+// divisor, and a non-finite step skipped without a host read.
+TEST(StepGuard, ClipAndSkipGuardValues) {
+  const auto guard = [](double norm, double loss) {
+    const StepGuard g = clip_and_skip_guard(torch::tensor(norm), torch::tensor(loss, torch::kDouble), 1.0);
+    EXPECT_EQ(g.grad_scale.scalar_type(), torch::kFloat);
+    EXPECT_EQ(g.found_inf.scalar_type(), torch::kFloat);
+    return std::make_pair(g.grad_scale.item<float>(), g.found_inf.item<float>());
+  };
+  EXPECT_EQ(guard(0.5, 3.0), std::make_pair(1.0f, 0.0f));  // no clipping: exactly 1
+  const auto [scale, inf] = guard(4.0, 3.0);
+  EXPECT_NEAR(scale, 4.0f, 1e-5f);  // 1 / (1 / (4 + 1e-6))
+  EXPECT_EQ(inf, 0.0f);
+  EXPECT_EQ(guard(std::nan(""), 3.0).second, 1.0f);
+  EXPECT_EQ(guard(INFINITY, 3.0).second, 1.0f);
+  EXPECT_EQ(guard(0.5, INFINITY).second, 1.0f);
+  EXPECT_EQ(guard(0.5, std::nan("")).second, 1.0f);
+  EXPECT_THROW(clip_and_skip_guard(torch::tensor(1.0), torch::tensor(1.0), 0.0), loom::Error);
+}
+
+// A guarded step equals clip_grads_with_norm_ + step: bitwise when nothing is clipped (the divisor is
+// exactly 1), within float32 rounding of the clipped gradient when it is (g / (1/c) vs g * c).
+TEST_P(AdamWImplementations, GuardedStepEqualsClippedStep) {
+  for (const double max_norm : {1e9, 0.5}) {
+    // The same parameters and gradients three ways: clipped then stepped, guarded, and unclipped.
+    NamedTensors clipped_params = make_params(3), guarded_params = make_params(3), raw_params = make_params(3);
+    AdamWOptions options{.lr = 1e-2, .implementation = GetParam()};
+    AdamW clipped(weight_decay_param_groups(clipped_params, 0.1), options);
+    AdamW guarded(weight_decay_param_groups(guarded_params, 0.1), options);
+    AdamW raw(weight_decay_param_groups(raw_params, 0.1), options);
+    torch::manual_seed(4);
+    for (int step = 0; step < 4; ++step) {
+      const std::vector<torch::Tensor> grads = random_grads(clipped_params);
+      std::vector<torch::Tensor> to_clip;
+      for (const auto& g : grads) to_clip.push_back(g.clone());
+      const torch::Tensor norm = total_grad_norm(grads);
+      clip_grads_with_norm_(to_clip, max_norm, norm);
+      clipped.step(grads_by_group(clipped, clipped_params, to_clip));
+      std::vector<torch::Tensor> raw_grads;
+      for (const auto& g : grads) raw_grads.push_back(g.clone());
+      raw.step(grads_by_group(raw, raw_params, raw_grads));
+      const StepGuard guard = clip_and_skip_guard(norm, torch::tensor(2.5), max_norm);
+      guarded.step(grads_by_group(guarded, guarded_params, grads), &guard);
+      // The guarded step leaves the gradients clipped, as clip_grads_with_norm_ does.
+      for (size_t i = 0; i < grads.size(); ++i) {
+        EXPECT_TRUE(torch::allclose(grads[i], to_clip[i], 1e-6, 1e-7)) << clipped_params[i].first;
+      }
+    }
+    for (size_t i = 0; i < clipped_params.size(); ++i) {
+      const std::string& name = clipped_params[i].first;
+      const torch::Tensor& a = clipped_params[i].second;
+      const torch::Tensor& b = guarded_params[i].second;
+      if (max_norm > 1e8) {
+        EXPECT_TRUE(torch::equal(a, b)) << name << " (no clipping: bitwise)";
+      } else {
+        EXPECT_TRUE(torch::allclose(a, b, /*rtol=*/1e-5, /*atol=*/1e-6)) << name;
+        // (Adam's update barely moves under a constant gradient scale; its first moment does.)
+        EXPECT_FALSE(torch::allclose(clipped.state(name).exp_avg, raw.state(name).exp_avg)) << name << ": nothing clipped";
+      }
+      EXPECT_TRUE(torch::equal(clipped.state(name).step, guarded.state(name).step)) << name;
+    }
+  }
+}
+
+// found_inf = 1: parameters, moments and step counts stay exactly as they were, in AdamW and in the
+// flat-shard step (with no-decay ranges), and the next finite step continues from there.
+TEST_P(AdamWImplementations, GuardFoundInfSkipsTheWholeStep) {
+  NamedTensors named = make_params(5);
+  AdamWOptions options{.lr = 1e-2, .implementation = GetParam()};
+  AdamW opt(weight_decay_param_groups(named, 0.1), options);
+  opt.step(grads_by_group(opt, named, random_grads(named)));
+  std::vector<torch::Tensor> before;
+  for (const auto& [name, p] : named) before.push_back(p.clone());
+  const TensorDict state = opt.state_dict();
+  std::map<std::string, torch::Tensor> state_before;
+  for (const auto& [k, v] : state) state_before[k] = v.clone();
+  StepGuard skip{torch::tensor(1.0f), torch::tensor(1.0f)};
+  std::vector<torch::Tensor> nan_grads;
+  for (const auto& [name, p] : named) nan_grads.push_back(torch::full_like(p, std::nanf("")));
+  opt.step(grads_by_group(opt, named, nan_grads), &skip);
+  for (size_t i = 0; i < named.size(); ++i) EXPECT_TRUE(torch::equal(named[i].second, before[i])) << named[i].first;
+  for (const auto& [k, v] : opt.state_dict()) EXPECT_TRUE(torch::equal(v, state_before[k])) << k;
+
+  torch::Tensor flat = torch::randn({40});
+  FlatAdamWState fs = FlatAdamWState::zeros_like(flat);
+  const torch::Tensor flat_before = flat.clone();
+  adamw_step_flat(flat, torch::full({40}, std::nanf("")), fs, options, 0.1, {{4, 8}, {20, 24}}, &skip);
+  EXPECT_TRUE(torch::equal(flat, flat_before));
+  EXPECT_EQ(fs.step.item<float>(), 0.0f);
+  EXPECT_EQ(fs.exp_avg.abs().sum().item<float>(), 0.0f);
+  StepGuard pass{torch::tensor(1.0f), torch::tensor(0.0f)};
+  adamw_step_flat(flat, torch::ones({40}), fs, options, 0.1, {{4, 8}, {20, 24}}, &pass);
+  EXPECT_EQ(fs.step.item<float>(), 1.0f);
+  EXPECT_FALSE(torch::equal(flat, flat_before));
+  EXPECT_THROW(adamw_step_flat(flat, torch::ones({40}), fs, options, 0.1, {},
+                               &(const StepGuard&)StepGuard{torch::tensor(1.0, torch::kDouble), torch::tensor(0.0, torch::kDouble)}),
+               loom::Error);  // float64 guard tensors: refused
 }
 
 }  // namespace

@@ -100,6 +100,54 @@ TEST(TrainerE2E, DeterministicModeIsBitwiseRepeatable) {
   EXPECT_EQ(a, b);  // bitwise: doubles printed with full precision
 }
 
+// training.step_readback = "log_steps" (the GPU default) against "every_step" (the CPU's): clipping
+// and the non-finite guard move into the fused AdamW update and the host reads the pending steps
+// only at log steps (every 4th here). Without clipping the runs are bitwise equal, on one process
+// (AdamW) and on 2 FSDP ranks (ShardedAdamW, the loss averaged on the device); with clipping in
+// every step, within float32 rounding (the update divides by 1/c where clipping multiplies by c).
+TEST(TrainerE2E, StepReadbackAtLogStepsMatchesEveryStep) {
+  struct Case {
+    const char* name;
+    std::string launch, layout, max_norm;
+    bool bitwise;
+  };
+  const std::string single = bin_dir() + "/loom";
+  const std::string two = bin_dir() + "/loom launch --nproc 2 -- ";
+  for (const Case& c : {Case{"one process, no clipping", single, "", "1e9", true},
+                        Case{"one process, clipped every step", single, "", "0.05", false},
+                        Case{"2 FSDP ranks, no clipping", two, " --parallelism.data_parallel_shard_degree=2", "1e9", true}}) {
+    TempDir every("every"), logged("logged");
+    const std::string args = train_args(every, 4, 12) + c.layout + " --metrics.log_freq=4 --training.max_norm=" + c.max_norm;
+    RunResult a = run(c.launch + args + " --training.step_readback=every_step", 300);
+    ASSERT_EQ(a.exit_code, 0) << a.output;
+    RunResult b = run(c.launch + train_args(logged, 4, 12) + c.layout + " --metrics.log_freq=4 --training.max_norm=" +
+                          c.max_norm + " --training.step_readback=log_steps" + loom::testing::layout_breakage(),
+                      300);
+    ASSERT_EQ(b.exit_code, 0) << b.output;
+    const auto rows_a = read_jsonl(every.path() / "metrics.jsonl"), rows_b = read_jsonl(logged.path() / "metrics.jsonl");
+    const auto la = losses(every), lb = losses(logged);
+    ASSERT_EQ(la.size(), 4u) << c.name;  // steps 1, 4, 8, 12
+    ASSERT_EQ(lb.size(), la.size()) << c.name;
+    double worst = 0;
+    for (size_t i = 0; i < la.size(); ++i) {
+      worst = std::max(worst, std::abs(la[i] - lb[i]) / std::abs(la[i]));
+      if (c.bitwise) {
+        EXPECT_EQ(la[i], lb[i]) << c.name << ", logged step " << i;
+      } else {
+        EXPECT_NEAR(la[i], lb[i], 1e-5 * std::abs(la[i])) << c.name << ", logged step " << i;
+      }
+    }
+    for (size_t i = 0; i < rows_a.size() && i < rows_b.size(); ++i) {
+      if (!rows_a[i].contains("grad_norm") || !rows_b[i].contains("grad_norm")) continue;
+      const double na = rows_a[i]["grad_norm"], nb = rows_b[i]["grad_norm"];
+      if (c.bitwise) EXPECT_EQ(na, nb) << c.name << ", row " << i;
+      if (!c.bitwise) EXPECT_NEAR(na, nb, 1e-4 * std::abs(na)) << c.name << ", row " << i;
+      if (!c.bitwise && i > 0) EXPECT_GT(na, 0.05) << c.name << ": the case must clip";
+    }
+    std::printf("%s: max relative loss difference %.3g over the logged steps\n", c.name, worst);
+  }
+}
+
 TEST(TrainerE2E, GradientAccumulationEqualsLargerBatch) {
   TempDir big("big"), accum("accum");
   ASSERT_EQ(run(bin_dir() + "/loom" + train_args(big, 8, 6), 300).exit_code, 0);
