@@ -18,9 +18,12 @@ device memory (torch.cuda.max_memory_allocated; Loom's mem_peak_gib, which reads
 allocator statistic). Then the ratios Loom / eager and Loom / compile.
 
 Levers (issue 24): Loom's CUDA kernels are switched by `training.cuda_kernels` (swiglu, rms_norm,
-rope, cross_entropy; `none` = the ATen compositions). `--ablation` adds, in the same invocation,
-Loom with no kernel, each kernel alone, all of them, and all minus each, and prints one table of
-tokens/s, MFU, peak memory and each lever's gain. `--extra-loom-args` passes further flags to every
+rope, cross_entropy; `none` = the ATen compositions), the sync-free step by
+`training.step_readback` (`every_step` switches it off). `--ablation` adds, in the same invocation,
+Loom with no kernel, all of them, all minus each kernel and all without the sync-free step
+(`--ablation-alone`: each kernel alone too), and prints one table of tokens/s, MFU, peak memory and
+each lever's gain. Loom's tokens/s is measured over its log windows (`--log-freq`, 5 steps), since
+a log step synchronises with the device. `--extra-loom-args` passes further flags to every
 Loom run (e.g. Float8: `--extra-loom-args=--float8.enable=true`).
 
 Usage (on the GPU machine, with the CUDA torch that Loom was built against):
@@ -131,7 +134,7 @@ def run_loom(args, kernels="all", steps=None, warmup=None, extra=()):
                "--training.mixed_precision_param=bfloat16",
                "--parallelism.data_parallel_shard_degree=1",
                f"--training.seq_len={a.seq_len}", f"--training.local_batch_size={args.batch}",
-               f"--training.steps={warmup + steps}", "--metrics.log_freq=1",
+               f"--training.steps={warmup + steps}", f"--metrics.log_freq={args.log_freq}",
                "--lr_scheduler.warmup_steps=2", "--optimizer.lr=3e-4",
                "--checkpoint.enable=false", f"--training.cuda_kernels={kernels}", *args.extra_loom_args,
                *extra]
@@ -144,9 +147,20 @@ def run_loom(args, kernels="all", steps=None, warmup=None, extra=()):
                     "mem_gib": float("nan"), "loss": float("nan")}
         rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
     rows = [r for r in rows if "event" not in r]
-    timed = rows[warmup:]
+    # Each logged row's tps covers the steps since the previous log step (a window): the windows
+    # that start after the warm-up, weighted by their lengths.
     tokens = args.batch * a.seq_len
-    step_s = sum(tokens / r["tps"] for r in timed) / len(timed)
+    timed, seconds, counted, prev = [], 0.0, 0, 0
+    for r in rows:
+        window = r["step"] - prev
+        if prev >= warmup and window > 0:
+            timed.append(r)
+            seconds += window * tokens / r["tps"]
+            counted += window
+        prev = r["step"]
+    if not timed:
+        raise SystemExit(f"{name}: no logged window after {warmup} warm-up steps; raise --steps or lower --log-freq")
+    step_s = seconds / counted
     return {"impl": name, "tps": tokens / step_s, "step_s": step_s,
             "mem_gib": max(r["mem_peak_gib"] for r in timed), "loss": timed[-1]["loss"]}
 
@@ -166,7 +180,12 @@ def main():
     p.add_argument("--ablation", action="store_true",
                    help="also run Loom with no kernel, each alone, and all minus each")
     p.add_argument("--ablation-steps", type=int, default=10)
-    p.add_argument("--ablation-warmup", type=int, default=3)
+    p.add_argument("--ablation-warmup", type=int, default=5)
+    p.add_argument("--ablation-alone", action="store_true",
+                   help="also each kernel alone (4 more Loom runs)")
+    p.add_argument("--log-freq", type=int, default=5,
+                   help="Loom's metrics.log_freq: tokens/s is measured over these windows (every log "
+                        "step synchronises with the device; step_readback defers its reads to them)")
     p.add_argument("--extra-loom-args", action="append", default=[],
                    help="a flag passed to every loom run (repeatable)")
     p.add_argument("--json", default="", help="also write every row to this JSON file")
@@ -200,21 +219,26 @@ def main():
               f"peak memory {mem:.3f}x", flush=True)
     if args.ablation:
         kernels = ["swiglu", "rms_norm", "rope", "cross_entropy"]
-        configs = ["none"] + kernels + ["all"] + [
-            ",".join(k for k in kernels if k != drop) for drop in kernels]
+        # (label, training.cuda_kernels, further flags): the kernels, then the other levers, each
+        # switched off from "all".
+        configs = [("none", "none", ())] + ([(k, k, ()) for k in kernels] if args.ablation_alone else []) + \
+            [("all", "all", ())] + \
+            [("all - " + drop, ",".join(k for k in kernels if k != drop), ()) for drop in kernels] + \
+            [("all - sync-free step", "all", ("--training.step_readback=every_step",))]
         print(f"\nablation: {args.ablation_steps} steps after {args.ablation_warmup} warm-up each",
               flush=True)
         rows = []
-        for c in configs:
+        for label, c, extra in configs:
             rows.append(run_loom(args, kernels=c, steps=args.ablation_steps,
-                                 warmup=args.ablation_warmup))
+                                 warmup=args.ablation_warmup, extra=extra))
+            rows[-1]["lever"] = label
             show(rows[-1])
         base = rows[0]["tps"]
-        top = rows[len(kernels) + 1]["tps"]
+        top = next(r["tps"] for r in rows if r["lever"] == "all")
         peers = {r["impl"]: r for r in results[1:]}
-        print("\n| Loom kernels | tokens/s | MFU % | peak GiB | vs none | vs all | vs eager | vs compile |")
+        print("\n| Loom levers | tokens/s | MFU % | peak GiB | vs none | vs all | vs eager | vs compile |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        for c, r in zip(configs, rows):
+        for (c, _, _), r in zip(configs, rows):
             eager = peers.get("pytorch eager", {}).get("tps", float("nan"))
             comp = peers.get("torch.compile", {}).get("tps", float("nan"))
             print(f"| {c} | {r['tps']:,.0f} | {r['mfu']:.1f} | {r['mem_gib']:.2f} | "

@@ -11,6 +11,10 @@
 #   GPU_CHECK_SECONDS=540   the budget for everything (default 1500: a whole 30-minute lease less
 #                           the machine's start); steps that no longer fit are skipped, and said so
 #   GPU_CHECK_SUITE=0       skip the whole suite even if time is left
+#   GPU_CHECK_SUITE_CORES=4 the suite runs beside the benchmarks (default): its build and its CPU
+#                           tests on all cores but the first N (taskset), the benchmarks on those
+#                           N, the CUDA-labelled tests after the benchmarks (they use the GPU); 0
+#                           runs the suite after everything else instead
 #
 # On the lent machine (../shared/gpu/README.md): carry .device and the script sources
 # .device/setup.sh itself (the Debian packages and data that machine cannot download).
@@ -61,27 +65,53 @@ if ! cmake --build "$B" -j "$(nproc)" --target loom loom_cuda_kernel_tests loom_
 fi
 say "build: done"
 
+# The whole suite beside the benchmarks: building and running the CPU tests takes longer than
+# everything else, so it starts now on the cores the benchmarks leave (the benchmarks compare Loom
+# with PyTorch in the same conditions, so their ratios stand; their host side is light).
+cores=$(nproc)
+bench_cores=${GPU_CHECK_SUITE_CORES:-4}
+suite_pid=""
+pin_bench=()
+if [ "${GPU_CHECK_SUITE:-1}" != 0 ] && [ "$bench_cores" -gt 0 ] && [ "$cores" -gt $((bench_cores + 1)) ]; then
+  pin_bench=(taskset -c "0-$((bench_cores - 1))")
+  suite_jobs=$((cores - bench_cores))
+  (
+    say "suite (beside the benchmarks, cores $bench_cores-$((cores - 1))): build everything"
+    budget=$(($(left) - 60))
+    timeout --kill-after=5 "$budget" taskset -c "$bench_cores-$((cores - 1))" \
+      cmake --build "$B" -j "$suite_jobs" >>"$out/suite.log" 2>&1
+    say "suite: build exit $?; CPU tests (ctest -LE cuda)"
+    budget=$(($(left) - 45))
+    timeout --kill-after=5 "$budget" taskset -c "$bench_cores-$((cores - 1))" \
+      ctest --test-dir "$B" -j "$suite_jobs" --timeout 600 -LE cuda --output-on-failure >>"$out/suite.log" 2>&1
+    say "suite: CPU tests exit $?"
+  ) &
+  suite_pid=$!
+fi
+
 # 2. The kernels against the ATen compositions, then their micro-benchmarks.
 run_step "kernel tests" 30 "$out/kernels.log" "$B/bin/loom_cuda_kernel_tests" --gtest_brief=0
 grep -E "^\[  (PASSED|FAILED) |tests ran|FAILED" "$out/kernels.log" | tee -a "$out/summary.txt"
 run_step "nn tests on this build" 30 "$out/kernels.log" "$B/bin/loom_nn_tests" --gtest_brief=1
-run_step "kernel micro-benchmarks" 40 "$out/kernels.log" "$B/bin/loom_bench_cuda_kernels" \
-  --benchmark_min_time=0.2
+if [ "${GPU_CHECK_MICRO:-1}" != 0 ]; then
+  run_step "kernel micro-benchmarks" 40 "$out/kernels.log" "${pin_bench[@]}" "$B/bin/loom_bench_cuda_kernels" \
+    --benchmark_min_time=0.2
+fi
 grep -E "^BM_" "$out/kernels.log" | tee -a "$out/summary.txt" >/dev/null
 
 # 3. Loom vs PyTorch eager and torch.compile on the 1B shape, and the per-kernel ablation.
 export PYTHONUNBUFFERED=1
-run_step "benchmark + ablation" 200 "$out/bench.log" "$PY" bench/gpu_vs_pytorch.py --loom "$B/bin/loom" \
-  --ablation --json "$out/bench.json"
+run_step "benchmark + ablation" 200 "$out/bench.log" "${pin_bench[@]}" "$PY" bench/gpu_vs_pytorch.py \
+  --loom "$B/bin/loom" --ablation --json "$out/bench.json"
 grep -E "tokens/s|^\||FAILED|loom / " "$out/bench.log" | tee -a "$out/summary.txt" >/dev/null
 
 # 4. A Kineto trace of 3 steps of the 1B shape with every kernel on.
 trace_dir=$(mktemp -d)
-run_step "trace" 60 "$out/runs.log" "$B/bin/loom" train --config configs/llama3_debug.toml \
+run_step "trace" 60 "$out/runs.log" "${pin_bench[@]}" "$B/bin/loom" train --config configs/llama3_debug.toml \
   --validation.enable=false --model.flavor=1B --model.vocab_size=128256 \
   --training.device=cuda --training.mixed_precision_param=bfloat16 \
   --parallelism.data_parallel_shard_degree=1 --training.seq_len=2048 --training.local_batch_size=4 \
-  --training.steps=6 --checkpoint.enable=false --metrics.log_freq=1 \
+  --training.steps=6 --checkpoint.enable=false --metrics.log_freq=6 \
   --profiling.enable_profiling=true --profiling.profile_freq=6 --profiling.profiler_warmup=2 \
   --profiling.profiler_active=3 --job.dump_folder="$trace_dir"
 trace=$(find "$trace_dir" -name "*trace.json" | head -1)
@@ -99,6 +129,25 @@ for e in events:
         total[e["name"][:90]] += e["dur"]
         count[e["name"][:90]] += 1
 all_us = sum(total.values())
+# How busy the GPU was: the union of kernel intervals over the span from the first kernel to the
+# last (what CUDA graphs or fewer host syncs could win back is at most the idle part).
+spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e)
+busy, end = 0.0, None
+gaps = []
+for a, b in spans:
+    if end is None or a > end:
+        if end is not None:
+            gaps.append(a - end)
+        busy += b - a
+        end = b
+    elif b > end:
+        busy += b - end
+        end = b
+if spans:
+    wall = end - spans[0][0]
+    gaps.sort(reverse=True)
+    print(f"trace: GPU busy {100 * busy / wall:.1f} % of {wall / 1e3:.1f} ms (idle {(wall - busy) / 1e3:.1f} ms in "
+          f"{len(gaps)} gaps; the largest: {', '.join(f'{g / 1e3:.2f}' for g in gaps[:5])} ms)")
 print(f"trace: {all_us / 1e3:.1f} ms of kernels over the recorded steps; the top 25:")
 for name, us in total.most_common(25):
     print(f"  {us / 1e3:8.2f} ms {100 * us / max(all_us, 1):5.1f} %  x{count[name]:<5} {name}")
@@ -107,17 +156,24 @@ fi
 
 # 5. Float8 row-wise on and off: tokens/s and the loss after 50 steps.
 for f8 in false true; do
-  run_step "float8=$f8 50 steps" 60 "$out/runs.log" "$PY" bench/gpu_vs_pytorch.py --loom "$B/bin/loom" \
+  run_step "float8=$f8 50 steps" 60 "$out/runs.log" "${pin_bench[@]}" "$PY" bench/gpu_vs_pytorch.py --loom "$B/bin/loom" \
     --no-compile --no-pytorch --steps 45 --warmup 5 --extra-loom-args=--float8.enable=$f8 \
     --extra-loom-args=--float8.recipe=rowwise
 done
 grep -E "tokens/s|FAILED" "$out/runs.log" | tee -a "$out/summary.txt" >/dev/null
 
-# 6. The whole suite with what is left (CPU tests, ctest -L cuda and the slow trainer tests).
-if [ "${GPU_CHECK_SUITE:-1}" != 0 ]; then
+# 6. The whole suite: the CPU tests already running beside the benchmarks finish, then the CUDA
+# tests (ctest -L cuda) run alone on the GPU; or, with GPU_CHECK_SUITE_CORES=0, everything now.
+if [ -n "$suite_pid" ]; then
+  say "waiting for the CPU tests"
+  wait "$suite_pid"
+  run_step "CUDA tests (ctest -L cuda)" 20 "$out/suite.log" ctest --test-dir "$B" -j 4 --timeout 300 -L cuda \
+    --output-on-failure
+  grep -E "tests passed|tests failed|^\s+[0-9]+ - .*\((Failed|Timeout)\)" "$out/suite.log" | tee -a "$out/summary.txt"
+elif [ "${GPU_CHECK_SUITE:-1}" != 0 ]; then
   run_step "build everything" 120 "$out/suite.log" cmake --build "$B" -j "$(nproc)"
   run_step "whole suite" 240 "$out/suite.log" ctest --test-dir "$B" -j "$(nproc)" --timeout 600 \
     --output-on-failure
-  grep -E "tests passed|tests failed|^\s+[0-9]+ - .*\(Failed|Timeout\)" "$out/suite.log" | tee -a "$out/summary.txt"
+  grep -E "tests passed|tests failed|^\s+[0-9]+ - .*\((Failed|Timeout)\)" "$out/suite.log" | tee -a "$out/summary.txt"
 fi
 say "done"
