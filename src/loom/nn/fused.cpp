@@ -727,7 +727,8 @@ CudaKernelSet parse_cuda_kernels(const std::string& spec) {
       {"swiglu", CudaKernel::kSwiGLU},
       {"rms_norm", CudaKernel::kRmsNorm},
       {"rope", CudaKernel::kRope},
-      {"cross_entropy", CudaKernel::kCrossEntropy}};
+      {"cross_entropy", CudaKernel::kCrossEntropy},
+      {"adamw", CudaKernel::kAdamW}};
   if (spec == "all") return CudaKernelSet::all();
   CudaKernelSet set;
   if (spec == "none") return set;
@@ -744,7 +745,7 @@ CudaKernelSet parse_cuda_kernels(const std::string& spec) {
     }
     LOOM_REQUIRE_USAGE(known, "training.cuda_kernels: unknown kernel '", name, "' in '", spec,
                        "'; use all, none, or a comma-separated list of swiglu, rms_norm, rope, "
-                       "cross_entropy");
+                       "cross_entropy, adamw");
     begin = end + 1;
   }
   return set;

@@ -39,14 +39,16 @@ enum class CudaKernel : unsigned {
   kRmsNorm = 1u << 1,
   kRope = 1u << 2,
   kCrossEntropy = 1u << 3,
+  // Not an nn kernel: optim's AdamW update (optim/cuda/adamw_kernel.h), switched by the same key.
+  kAdamW = 1u << 4,
 };
 struct CudaKernelSet {
   unsigned bits = 0;
   bool has(CudaKernel k) const { return (bits & static_cast<unsigned>(k)) != 0; }
-  static CudaKernelSet all() { return {0xFu}; }
+  static CudaKernelSet all() { return {0x1Fu}; }
   bool operator==(const CudaKernelSet&) const = default;
 };
-// "all", "none", or a comma-separated list of swiglu, rms_norm, rope, cross_entropy. Throws
+// "all", "none", or a comma-separated list of swiglu, rms_norm, rope, cross_entropy, adamw. Throws
 // loom::UsageError naming the unknown entry and the accepted ones.
 CudaKernelSet parse_cuda_kernels(const std::string& spec);
 void set_cuda_kernels(CudaKernelSet kernels);

@@ -4,14 +4,21 @@
 #include <c10/util/irange.h>
 
 #include <cmath>
+#include <atomic>
 #include <map>
 #include <optional>
 #include <unordered_set>
 
 #include "loom/core/error.h"
 
+#ifdef LOOM_WITH_CUDA_OPTIM_KERNELS
+#include "loom/optim/cuda/adamw_kernel.h"
+#endif
+
 namespace loom::optim {
 namespace {
+
+std::atomic<bool> g_cuda_adamw_kernel{true};
 
 // Parallel tensor lists for one multi-tensor update; `steps` already hold the incremented count.
 struct UpdateLists {
@@ -52,10 +59,11 @@ void foreach_update(const UpdateLists& l, const AdamWOptions& o, double weight_d
 // (as PyTorch does); the fused kernel indexes raw memory, so it gets only contiguous parameters
 // (with contiguous gradients) and anything else takes the foreach path.
 //
-// With a guard, the fused kernel divides the gradients by guard->grad_scale (in place: they are
-// left clipped, as clip_grad_norm_ leaves them) and returns early where guard->found_inf is 1 (no
-// read-back). The foreach path has no such argument: it reads found_inf on the host (one sync) and
-// divides the gradients in place, so it skips the same steps and leaves the same gradients.
+// With a guard, the fused kernels divide the gradients by guard->grad_scale and return early where
+// guard->found_inf is 1 (no read-back). The foreach path has no such argument: it reads found_inf on
+// the host (one sync) and divides the gradients in place, so it skips the same steps. (The gradients
+// after a guarded step are unspecified: at::_fused_adamw_ and foreach leave them divided, Loom's
+// CUDA kernel leaves them as they were, saving a write.)
 void apply_update(const UpdateLists& lists, const AdamWOptions& o, double weight_decay,
                   const StepGuard* guard = nullptr) {
   if (lists.empty()) return;
@@ -78,7 +86,20 @@ void apply_update(const UpdateLists& lists, const AdamWOptions& o, double weight
     grad_scale = guard->grad_scale;
     found_inf = guard->found_inf;
   }
-  for (const auto& [dtype, l] : fused) {
+  for (auto& [dtype, l] : fused) {
+#ifdef LOOM_WITH_CUDA_OPTIM_KERNELS
+    // Loom's kernel for float32 master weights on a GPU: one launch per tensor (the step counts
+    // are per tensor), each at close to the memory bandwidth.
+    if (dtype == at::kFloat && l.params.front().is_cuda() && cuda_adamw_kernel_enabled()) {
+      const at::Tensor none;
+      for (const auto i : c10::irange(l.params.size())) {
+        cuda::adamw_update_(l.params[i], l.grads[i], l.exp_avgs[i], l.exp_avg_sqs[i], l.steps[i], o.lr, o.beta1,
+                            o.beta2, weight_decay, o.eps, guard ? guard->grad_scale : none,
+                            guard ? guard->found_inf : none);
+      }
+      continue;
+    }
+#endif
     at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, /*max_exp_avg_sqs=*/{},
                       l.steps, o.lr, o.beta1, o.beta2, weight_decay, o.eps, /*amsgrad=*/false,
                       /*maximize=*/false, grad_scale, found_inf);
@@ -111,6 +132,16 @@ void check_grad(const std::string& name, const at::Tensor& param, const at::Tens
 }
 
 }  // namespace
+
+void set_cuda_adamw_kernel(bool enabled) { g_cuda_adamw_kernel.store(enabled); }
+bool cuda_adamw_kernel_enabled() { return g_cuda_adamw_kernel.load(); }
+bool cuda_adamw_kernel_built() {
+#ifdef LOOM_WITH_CUDA_OPTIM_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
 
 void check_adamw_options(const AdamWOptions& o, const char* optimizer) {
   LOOM_REQUIRE(o.lr >= 0.0, optimizer, " lr must be >= 0, got ", o.lr);

@@ -32,6 +32,14 @@ struct AdamWOptions {
   AdamWImplementation implementation = AdamWImplementation::kFused;
 };
 
+// Whether the fused implementation updates float32 CUDA tensors with Loom's own kernel
+// (optim/cuda/adamw_kernel.h; CUDA builds only) instead of at::_fused_adamw_. On by default; the
+// Trainer sets it from training.cuda_kernels ("adamw"). Process-wide, like the nn kernels' switch.
+void set_cuda_adamw_kernel(bool enabled);
+bool cuda_adamw_kernel_enabled();
+// Whether this build has the kernel at all (a CUDA build of libtorch).
+bool cuda_adamw_kernel_built();
+
 // Throws unless lr, eps >= 0 and both betas lie in [0, 1); `optimizer` names it in the message
 // (AdamW and AdamW8bit share these options).
 void check_adamw_options(const AdamWOptions& o, const char* optimizer);

@@ -74,6 +74,7 @@ class Optimizer {
   // Whether step_with_guard applies the guard on the device (without a host sync).
   virtual bool applies_step_guard() const { return false; }
   // step() with gradients divided by guard.grad_scale, skipped entirely where guard.found_inf is 1.
+  // The gradients' values afterwards are unspecified (divided or not, by implementation).
   // Optimizers without a device-side guard (applies_step_guard() false) throw: their callers clip
   // and check on the host instead.
   virtual void step_with_guard(const StepGuard& guard);

@@ -184,7 +184,8 @@ const std::vector<ConfigKey> kSchema = {
     {LOOM_CONFIG_KEY(training, cuda_kernels),
      "Loom's own CUDA kernels used on a CUDA device: `all`, `none`, or a comma-separated list of "
      "`swiglu`, `rms_norm`, `rope`, `cross_entropy` (the fused classifier: softmax, loss and "
-     "logit gradient in one pass per chunk). A kernel left out runs its ATen composition "
+     "logit gradient in one pass per chunk), `adamw` (the fused AdamW update of float32 "
+     "parameters, in place of `at::_fused_adamw_`). A kernel left out runs its ATen composition "
      "instead; bench/gpu_vs_pytorch.py --ablation measures each. No effect on the CPU.",
      {}},
     {LOOM_CONFIG_KEY(training, step_readback),

@@ -24,6 +24,7 @@
 #include "loom/fsdp/sharded_muon.h"
 #include "loom/fsdp/sharded_optimizer.h"
 #include "loom/nn/fused.h"
+#include "loom/optim/adamw.h"
 #include "loom/optim/clip_grad.h"
 #include "loom/checkpoint/metadata.h"
 #include "loom/optim/optimizer.h"
@@ -89,7 +90,9 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
     ctx.setFloat32Precision(at::Float32Backend::CUDA, at::Float32Op::CONV, at::Float32Precision::TF32);
   }
   // Loom's CUDA kernels the config keeps (all by default; the ATen compositions for the others).
-  nn::set_cuda_kernels(nn::parse_cuda_kernels(config_.training.cuda_kernels));
+  const nn::CudaKernelSet cuda_kernels = nn::parse_cuda_kernels(config_.training.cuda_kernels);
+  nn::set_cuda_kernels(cuda_kernels);
+  optim::set_cuda_adamw_kernel(cuda_kernels.has(nn::CudaKernel::kAdamW));
   // One job per run folder: a second one would interleave metrics and mix checkpoints.
   if (dist_->rank() == 0) run_folder_lock_ = std::make_unique<RunFolderLock>(config_.job.dump_folder);
   // 2. Determinism: same seed + same layout => bitwise-identical losses. CPU kernels are

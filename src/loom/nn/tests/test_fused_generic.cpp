@@ -96,10 +96,12 @@ TEST(FusedDispatch, CudaKernelSwitchNamesEachKernelAndRejectsUnknownOnes) {
   EXPECT_TRUE(some.has(CudaKernel::kCrossEntropy));
   EXPECT_FALSE(some.has(CudaKernel::kSwiGLU));
   EXPECT_FALSE(some.has(CudaKernel::kRmsNorm));
-  EXPECT_EQ(parse_cuda_kernels("swiglu,rms_norm,rope,cross_entropy"), CudaKernelSet::all());
+  EXPECT_FALSE(some.has(CudaKernel::kAdamW));
+  EXPECT_EQ(parse_cuda_kernels("swiglu,rms_norm,rope,cross_entropy,adamw"), CudaKernelSet::all());
+  EXPECT_TRUE(parse_cuda_kernels("adamw").has(CudaKernel::kAdamW));
   loom::testing::expect_error<loom::UsageError>([] { parse_cuda_kernels("swiglu,flash"); },
                                                 {"training.cuda_kernels", "unknown kernel 'flash'",
-                                                 "swiglu, rms_norm, rope, cross_entropy"});
+                                                 "swiglu, rms_norm, rope, cross_entropy, adamw"});
   loom::testing::expect_error<loom::UsageError>([] { parse_cuda_kernels(""); },
                                                 {"unknown kernel ''"});
   // Switching kernels off never changes the CPU choice.

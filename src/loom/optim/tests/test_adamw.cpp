@@ -357,10 +357,7 @@ TEST_P(AdamWImplementations, GuardedStepEqualsClippedStep) {
       raw.step(grads_by_group(raw, raw_params, raw_grads));
       const StepGuard guard = clip_and_skip_guard(norm, torch::tensor(2.5), max_norm);
       guarded.step(grads_by_group(guarded, guarded_params, grads), &guard);
-      // The guarded step leaves the gradients clipped, as clip_grads_with_norm_ does.
-      for (size_t i = 0; i < grads.size(); ++i) {
-        EXPECT_TRUE(torch::allclose(grads[i], to_clip[i], 1e-6, 1e-7)) << clipped_params[i].first;
-      }
+
     }
     for (size_t i = 0; i < clipped_params.size(); ++i) {
       const std::string& name = clipped_params[i].first;
