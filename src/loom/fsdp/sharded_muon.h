@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "loom/fsdp/fully_shard.h"
+#include "loom/fsdp/sharded_optimizer.h"
 #include "loom/optim/adamw.h"
 #include "loom/optim/muon.h"
 #include "loom/optim/optimizer.h"
@@ -28,7 +29,7 @@ namespace loom::fsdp {
 // (by its name relative to the group's module and its full shape), element() otherwise.
 ParameterGranularity muon_granularity();
 
-class ShardedMuon : public optim::Optimizer {
+class ShardedMuon : public ShardedOptimizer {
  public:
   // Throws loom::Error when a Muon matrix is cut across ranks (the groups were not planned with
   // muon_granularity()), loom::UsageError for a bad option.
@@ -45,7 +46,7 @@ class ShardedMuon : public optim::Optimizer {
   void load_state_dict(const optim::TensorDict& state) override;
   // Momentum buffers and AdamW moments with their global shapes and offsets (the step counts are
   // replicated scalars and are in state_dict()).
-  std::vector<ShardedTensor> sharded_state_dict() const;
+  std::vector<ShardedTensor> sharded_state_dict() const override;
 
   // This rank's Muon matrices (fully qualified names) and the number of its Muon elements.
   std::vector<std::string> owned_muon_parameters() const;

@@ -18,7 +18,14 @@
 
 namespace loom::fsdp {
 
-class ShardedAdamW : public optim::Optimizer {
+// An optimizer whose state lives on FSDP's flat shards: its state_dict() pieces plus their global
+// shapes and offsets, so a checkpoint saves and reshards them like the parameters.
+class ShardedOptimizer : public optim::Optimizer {
+ public:
+  virtual std::vector<ShardedTensor> sharded_state_dict() const = 0;
+};
+
+class ShardedAdamW : public ShardedOptimizer {
  public:
   // Steps every group below `fsdp` (normally the root). Matrices decay by `weight_decay`;
   // parameters optim::is_weight_decayed exempts (by full shape) and frozen ones do not.
@@ -38,7 +45,7 @@ class ShardedAdamW : public optim::Optimizer {
   void load_state_dict(const optim::TensorDict& state) override;
   // The moments with their global shapes and offsets (the step counts are replicated scalars and
   // are in state_dict()).
-  std::vector<ShardedTensor> sharded_state_dict() const;
+  std::vector<ShardedTensor> sharded_state_dict() const override;
 
   const optim::AdamWOptions& options() const { return options_; }
   double weight_decay() const { return weight_decay_; }
@@ -75,7 +82,7 @@ ParameterGranularity adamw8bit_granularity(int64_t block_size);
 // codes, or float32 for unquantized parameters) and "<fqn>.exp_avg_sq" (uint8 / float32), each this
 // rank's piece shaped like the parameter's piece; quantized parameters also "<fqn>.exp_avg.absmax"
 // and "<fqn>.exp_avg_sq.absmax" (float32, global shape [numel / block_size]).
-class ShardedAdamW8bit : public optim::Optimizer {
+class ShardedAdamW8bit : public ShardedOptimizer {
  public:
   ShardedAdamW8bit(std::shared_ptr<FSDPModule> fsdp, optim::AdamWOptions options,
                    double weight_decay, int64_t block_size);
@@ -89,7 +96,7 @@ class ShardedAdamW8bit : public optim::Optimizer {
   optim::TensorDict state_dict() const override;
   void load_state_dict(const optim::TensorDict& state) override;
   // Codes, float32 moments and scales with their global shapes and offsets.
-  std::vector<ShardedTensor> sharded_state_dict() const;
+  std::vector<ShardedTensor> sharded_state_dict() const override;
 
   int64_t block_size() const { return block_size_; }
   // Bytes of this rank's moment tensors (codes, scales, float32 moments; not the step counts).

@@ -349,45 +349,25 @@ torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
   return norm;
 }
 
-std::unique_ptr<optim::Optimizer> ParallelizedModel::build_adamw(const optim::AdamWOptions& options,
-                                                                 double weight_decay) {
-  if (parts_.fsdp) return std::make_unique<fsdp::ShardedAdamW>(parts_.fsdp, options, weight_decay);
-  optim::NamedTensors named;
+std::unique_ptr<optim::Optimizer> ParallelizedModel::build_optimizer(const OptimizerSpec& spec,
+                                                                     const OptimizerRequest& request,
+                                                                     const c10::Device& device) {
+  if (spec.check_layout) {
+    OptimizerLayout layout;
+    layout.tensor_parallel_degree = parts_.tp ? parts_.tp->comm()->size() : 1;
+    layout.device = device.str();
+    if (parts_.fsdp) {
+      const auto& mp = parts_.fsdp->policy().mixed_precision;
+      layout.half_precision_shards = mp.param_dtype == c10::kBFloat16 || mp.reduce_dtype == c10::kBFloat16;
+    }
+    spec.check_layout(request, layout);
+  }
+  if (parts_.fsdp) return spec.build_sharded(parts_.fsdp, request);
+  optim::NamedTensors trainable;
   for (const auto& p : named_parameters()) {
-    if (p.slot->requires_grad) named.emplace_back(p.name, p.slot->tensor);
+    if (p.slot->requires_grad) trainable.emplace_back(p.name, p.slot->tensor);
   }
-  return std::make_unique<optim::AdamW>(optim::weight_decay_param_groups(named, weight_decay), options);
-}
-
-std::unique_ptr<optim::Optimizer> ParallelizedModel::build_adamw8bit(const optim::AdamWOptions& options,
-                                                                     double weight_decay, int64_t block_size) {
-  LOOM_REQUIRE_USAGE(!parts_.tp, "optimizer.name = \"AdamW8bit\" does not support tensor parallelism yet (its "
-                     "per-block scales are not split into TP boxes); set parallelism.tensor_parallel_degree = 1 "
-                     "or optimizer.name = \"AdamW\"");
-  if (parts_.fsdp) return std::make_unique<fsdp::ShardedAdamW8bit>(parts_.fsdp, options, weight_decay, block_size);
-  optim::NamedTensors named;
-  for (const auto& p : named_parameters()) {
-    if (p.slot->requires_grad) named.emplace_back(p.name, p.slot->tensor);
-  }
-  return std::make_unique<optim::AdamW8bit>(optim::weight_decay_param_groups(named, weight_decay), options,
-                                            block_size);
-}
-
-std::unique_ptr<optim::Optimizer> ParallelizedModel::build_muon(const optim::AdamWOptions& adamw_options,
-                                                                const optim::MuonOptions& muon_options,
-                                                                double weight_decay) {
-  LOOM_REQUIRE_USAGE(!parts_.tp, "optimizer.name = \"Muon\" does not support tensor parallelism yet (its "
-                     "Newton-Schulz step needs whole matrices); set parallelism.tensor_parallel_degree = 1 "
-                     "or optimizer.name = \"AdamW\"");
-  if (parts_.fsdp) {
-    return std::make_unique<fsdp::ShardedMuon>(parts_.fsdp, adamw_options, muon_options, weight_decay);
-  }
-  optim::NamedTensors named;
-  for (const auto& p : named_parameters()) {
-    if (p.slot->requires_grad) named.emplace_back(p.name, p.slot->tensor);
-  }
-  return std::make_unique<optim::Muon>(optim::weight_decay_param_groups(named, weight_decay), adamw_options,
-                                       muon_options);
+  return spec.build(trainable, request);
 }
 
 void ParallelizedModel::add_piece(checkpoint::ShardedStateDict& state, const std::string& name,
@@ -426,16 +406,10 @@ void ParallelizedModel::add_to_state_dict(checkpoint::ShardedStateDict& state, o
     for (const auto& st : parts_.fsdp->sharded_state_dict()) {
       add_piece(state, st.name, checkpoint::kModelComponent, st.name, st.local, st.global_shape, st.global_offset);
     }
-    std::vector<fsdp::ShardedTensor> optimizer_pieces;
-    if (auto* adamw = dynamic_cast<fsdp::ShardedAdamW*>(&optimizer)) {
-      optimizer_pieces = adamw->sharded_state_dict();
-    } else if (auto* adamw8bit = dynamic_cast<fsdp::ShardedAdamW8bit*>(&optimizer)) {
-      optimizer_pieces = adamw8bit->sharded_state_dict();
-    } else if (auto* muon = dynamic_cast<fsdp::ShardedMuon*>(&optimizer)) {
-      optimizer_pieces = muon->sharded_state_dict();
-    } else {
-      fail("an FSDP model's optimizer must be fsdp::ShardedAdamW, fsdp::ShardedAdamW8bit or fsdp::ShardedMuon");
-    }
+    const auto* sharded = dynamic_cast<const fsdp::ShardedOptimizer*>(&optimizer);
+    LOOM_REQUIRE(sharded, "an FSDP model's optimizer must keep its state on the shards (fsdp::ShardedOptimizer); "
+                 "build it with build_optimizer");
+    const std::vector<fsdp::ShardedTensor> optimizer_pieces = sharded->sharded_state_dict();
     // AdamW8bit's codes are shaped like their parameter and its scales are [numel / block] with
     // the piece's block offset; Muon's momentum buffers are whole matrices on their owner and empty
     // elsewhere: all reshard as flat ranges like the parameters.

@@ -30,6 +30,7 @@
 #include "loom/fsdp/fully_shard.h"
 #include "loom/fsdp/sharded_muon.h"
 #include "loom/fsdp/sharded_optimizer.h"
+#include "loom/parallel/optimizer_registry.h"
 #include "loom/nn/attention.h"
 #include "loom/nn/module.h"
 #include "loom/optim/adamw.h"
@@ -117,17 +118,11 @@ class ParallelizedModel {
   bool gradients_persist() const { return parts_.fsdp != nullptr || parts_.ddp != nullptr; }
 
   // ---- Optimizer and state ----
-  // AdamW over this rank's pieces (FSDP: on the flat shards), matrices decayed by weight_decay.
-  std::unique_ptr<optim::Optimizer> build_adamw(const optim::AdamWOptions& options, double weight_decay);
-  // Block-wise 8-bit AdamW (optim/adamw8bit.h; FSDP: fsdp::ShardedAdamW8bit, which needs the
-  // groups planned with fsdp::adamw8bit_granularity(block_size)). Not with tensor parallelism.
-  std::unique_ptr<optim::Optimizer> build_adamw8bit(const optim::AdamWOptions& options, double weight_decay,
-                                                    int64_t block_size);
-  // Muon (optim/muon.h) for the 2-D weight matrices, AdamW for the rest; under FSDP
-  // fsdp::ShardedMuon, which needs the groups planned with fsdp::muon_granularity() (each matrix
-  // whole on one rank). Not with tensor parallelism.
-  std::unique_ptr<optim::Optimizer> build_muon(const optim::AdamWOptions& adamw_options,
-                                               const optim::MuonOptions& muon_options, double weight_decay);
+  // The optimizer `spec` names over this rank's pieces: on FSDP's flat shards (spec.build_sharded,
+  // whose groups the plan made with spec.fsdp_granularity) or over the trainable parameters
+  // (spec.build); spec.check_layout refuses this layout and `device` first.
+  std::unique_ptr<optim::Optimizer> build_optimizer(const OptimizerSpec& spec, const OptimizerRequest& request,
+                                                    const c10::Device& device);
   // This rank's pieces of the parameters (component "model") and of `optimizer`'s state
   // ("optimizer"), with their global shapes: what a checkpoint saves and any layout loads.
   void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer);

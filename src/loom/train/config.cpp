@@ -70,7 +70,7 @@ const std::vector<ConfigKey> kSchema = {
      "by Newton-Schulz iterations (Moonlight's RMS-matched scaling, so it shares AdamW's `lr` and "
      "`weight_decay`); every other parameter with AdamW. Under FSDP each matrix lives whole on "
      "one rank. Not with tensor parallelism (docs/muon.md).",
-     {"AdamW", "AdamW8bit", "Muon"}},
+     parallel::optimizer_names()},
     {LOOM_CONFIG_KEY(optimizer, lr),
      "Peak learning rate, reached at the end of warmup.", {}},
     {LOOM_CONFIG_KEY(optimizer, eps),
@@ -958,31 +958,18 @@ void validate(const JobConfig& c) {
   require(c.optimizer.beta2 >= 0.0 && c.optimizer.beta2 < 1.0, key("optimizer.beta2"),
           "in [0, 1)", c);
   require(c.optimizer.weight_decay >= 0.0, key("optimizer.weight_decay"), ">= 0", c);
-  if (c.optimizer.name == "AdamW8bit") {
-    // The FSDP planner sizes every rank's shard in 16-byte units of the flat buffer's smallest
-    // element (float32: 4 elements; a bfloat16 gather or reduce: 8). Blocks made of whole units
-    // start and end on that grid wherever a block-aligned tensor lands in the shard.
-    const bool half = c.training.mixed_precision_param == "bfloat16" ||
-                      c.training.mixed_precision_reduce == "bfloat16";
-    const int64_t unit = half ? 8 : 4, b = c.optimizer.block_size;
-    LOOM_REQUIRE_USAGE(b >= unit && b % unit == 0, "optimizer.block_size = ", b,
-                       " is not a positive multiple of ", unit, " elements, the FSDP planner's 16-byte shard "
-                       "alignment", half ? " under bfloat16 mixed precision" : " for float32",
-                       "; use a multiple of ", unit, " such as 256");
-    LOOM_REQUIRE_USAGE(c.parallelism.tensor_parallel_degree == 1,
-                       "optimizer.name = \"AdamW8bit\" does not support tensor parallelism yet; set "
-                       "parallelism.tensor_parallel_degree = 1 or optimizer.name = \"AdamW\"");
-  }
   require(c.optimizer.muon_momentum >= 0.0 && c.optimizer.muon_momentum < 1.0,
           key("optimizer.muon_momentum"), "in [0, 1)", c);
   require(c.optimizer.muon_ns_steps >= 1, key("optimizer.muon_ns_steps"), ">= 1", c);
-  if (c.optimizer.name == "Muon") {
-    // Under TP a matrix is split over the TP ranks, and Newton-Schulz needs it whole; the gather
-    // of the update over the TP group is not built.
-    LOOM_REQUIRE_USAGE(c.parallelism.tensor_parallel_degree == 1,
-                       "optimizer.name = \"Muon\" does not support tensor parallelism yet (its "
-                       "Newton-Schulz step needs whole matrices); set "
-                       "parallelism.tensor_parallel_degree = 1 or optimizer.name = \"AdamW\"");
+  // The optimizer's own refusals (its registry entry), before any process group.
+  const parallel::OptimizerSpec& optimizer = parallel::optimizer_spec(c.optimizer.name);
+  if (optimizer.check_layout) {
+    parallel::OptimizerLayout layout;
+    layout.tensor_parallel_degree = c.parallelism.tensor_parallel_degree;
+    layout.device = c.training.device;
+    layout.half_precision_shards =
+        c.training.mixed_precision_param == "bfloat16" || c.training.mixed_precision_reduce == "bfloat16";
+    optimizer.check_layout(optimizer_request(c), layout);
   }
   require(c.lr_scheduler.warmup_steps >= 0, key("lr_scheduler.warmup_steps"), ">= 0", c);
   require(!c.lr_scheduler.decay_ratio || *c.lr_scheduler.decay_ratio <= 1.0,
@@ -1001,8 +988,8 @@ void validate(const JobConfig& c) {
   require(c.training.max_norm > 0.0, key("training.max_norm"), "> 0", c);
   require(c.training.steps > 0, key("training.steps"), "> 0", c);
   require(c.training.skip_nonfinite_steps >= 0, key("training.skip_nonfinite_steps"), ">= 0", c);
-  // Only AdamW's fused update takes the device-side guard (optim::StepGuard).
-  require(c.training.step_readback != "log_steps" || c.optimizer.name == "AdamW",
+  // Only an optimizer whose update takes the device-side guard (optim::StepGuard).
+  require(c.training.step_readback != "log_steps" || parallel::optimizer_spec(c.optimizer.name).applies_step_guard,
           key("training.step_readback"),
           c10::str("\"every_step\" or \"auto\" with optimizer.name = \"", c.optimizer.name,
                    "\" (\"log_steps\" needs AdamW)"),
@@ -1130,6 +1117,13 @@ optim::MuonOptions muon_options(const JobConfig& config) {
                             .nesterov = o.muon_nesterov,
                             .ns_steps = o.muon_ns_steps,
                             .adjust_lr = optim::parse_muon_lr_adjust(o.muon_adjust_lr)};
+}
+
+parallel::OptimizerRequest optimizer_request(const JobConfig& config) {
+  return parallel::OptimizerRequest{.adamw = adamw_options(config),
+                                    .muon = muon_options(config),
+                                    .weight_decay = config.optimizer.weight_decay,
+                                    .block_size = config.optimizer.block_size};
 }
 
 optim::LRScheduleOptions lr_schedule_options(const JobConfig& config) {

@@ -19,6 +19,7 @@
 #include "loom/optim/adamw.h"
 #include "loom/optim/lr_scheduler.h"
 #include "loom/optim/muon.h"
+#include "loom/parallel/optimizer_registry.h"
 
 namespace loom::train {
 
@@ -276,6 +277,8 @@ int64_t gradient_accumulation_steps(const JobConfig& config, int64_t data_parall
 optim::AdamWOptions adamw_options(const JobConfig& config);
 // optimizer.muon_* (Muon's matrices; its other parameters use adamw_options).
 optim::MuonOptions muon_options(const JobConfig& config);
+// optimizer.* as the registered optimizers (parallel/optimizer_registry.h) read it.
+parallel::OptimizerRequest optimizer_request(const JobConfig& config);
 optim::LRScheduleOptions lr_schedule_options(const JobConfig& config);
 
 using loom::edit_distance;  // (core/strings.h) the nearest-name suggestions use it

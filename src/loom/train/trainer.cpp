@@ -281,14 +281,9 @@ void Trainer::parallelize() {
   options.tp = tensor_parallel_options();
   options.cp_rotate_method = config_.parallelism.context_parallel_rotate_method;
   options.fsdp_reshard_after_forward = config_.parallelism.fsdp_reshard_after_forward;
-  if (config_.optimizer.name == "AdamW8bit") {
-    LOOM_REQUIRE_USAGE(device_.is_cpu(), "optimizer.name = \"AdamW8bit\" runs on the CPU only (its fused loop "
-                       "is a CPU kernel), but training.device is ", device_.str(),
-                       "; set training.device = \"cpu\" or optimizer.name = \"AdamW\"");
-    options.fsdp_parameter_granularity = fsdp::adamw8bit_granularity(config_.optimizer.block_size);
-  }
-  // Muon orthogonalises whole matrices: FSDP places each on one rank, so its step needs no gather.
-  if (config_.optimizer.name == "Muon") options.fsdp_parameter_granularity = fsdp::muon_granularity();
+  // What the optimizer needs FSDP's planner never to cut (its registry entry says).
+  const parallel::OptimizerSpec& optimizer = parallel::optimizer_spec(config_.optimizer.name);
+  if (optimizer.fsdp_granularity) options.fsdp_parameter_granularity = optimizer.fsdp_granularity(optimizer_request(config_));
   options.fsdp_mixed_precision.param_dtype =
       c10::ScalarType(t.mixed_precision_param == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
   options.fsdp_mixed_precision.reduce_dtype =
@@ -316,16 +311,8 @@ void Trainer::parallelize() {
 }
 
 void Trainer::init_optimizer() {
-  const auto& o = config_.optimizer;
-  if (o.name == "AdamW8bit") {
-    optimizer_ = parallel_model_->build_adamw8bit(adamw_options(config_), o.weight_decay, o.block_size);
-  } else if (o.name == "Muon") {
-    optimizer_ = parallel_model_->build_muon(adamw_options(config_), muon_options(config_), o.weight_decay);
-  } else {
-    LOOM_REQUIRE_USAGE(o.name == "AdamW", "unknown optimizer.name '", o.name,
-                       "'; available: AdamW, AdamW8bit, Muon");
-    optimizer_ = parallel_model_->build_adamw(adamw_options(config_), o.weight_decay);
-  }
+  optimizer_ = parallel_model_->build_optimizer(parallel::optimizer_spec(config_.optimizer.name),
+                                               optimizer_request(config_), device_);
   lr_scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, lr_schedule_options(config_),
                                                   config_.training.steps);
   // Deferring the read-back pays where the host and the device run apart (a GPU): the host no
