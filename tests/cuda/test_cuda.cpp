@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "loom/testing/tiny_llama.h"
 #include "loom/checkpoint/loader.h"
 #include "loom/checkpoint/metadata.h"
 #include "loom/checkpoint/saver.h"
@@ -87,16 +88,7 @@ TEST(CudaNccl, CudaWorldPicksNcclAndRunsLocalCollectivesOnTheDevice) {
 // ---------------------------------------------------------------------------------------------
 // Device-resident FSDP on one rank
 
-loom::llama3::ModelArgs tiny_args() {
-  loom::llama3::ModelArgs a = loom::llama3::flavor("debugmodel", 128);
-  a.dim = 64;
-  a.n_layers = 2;
-  a.n_heads = 4;
-  a.n_kv_heads = 2;
-  a.multiple_of = 32;
-  a.max_seq_len = 16;
-  return a;
-}
+loom::llama3::ModelArgs tiny_args() { return loom::testing::tiny_llama_args(); }
 
 // FSDP with policy.device = cuda:0 keeps every flat buffer, gradient and optimizer state on the
 // GPU and trains like the unwrapped model on the same GPU.

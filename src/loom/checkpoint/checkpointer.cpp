@@ -1,3 +1,4 @@
+#include "loom/core/dtype.h"
 #include "loom/checkpoint/checkpointer.h"
 
 #include "loom/core/error.h"
@@ -23,12 +24,7 @@ void CheckpointOptions::validate() const {
   LOOM_REQUIRE_USAGE(finalize_timeout.count() > 0, "checkpoint finalize timeout must be positive");
 }
 
-c10::ScalarType parse_export_dtype(const std::string& name) {
-  if (name == "float32" || name == "fp32") return c10::kFloat;
-  if (name == "bfloat16" || name == "bf16") return c10::kBFloat16;
-  if (name == "float16" || name == "fp16") return c10::kHalf;
-  fail_usage("unknown checkpoint export dtype '", name, "'; use float32, bfloat16 or float16");
-}
+c10::ScalarType parse_export_dtype(const std::string& name) { return parse_dtype(name, "checkpoint.export_dtype"); }
 
 namespace {
 SaverOptions saver_options(const CheckpointOptions& o) {

@@ -1,3 +1,4 @@
+#include "loom/core/dtype.h"
 #include "loom/train/trainer.h"
 
 #include <ATen/record_function.h>
@@ -285,9 +286,9 @@ void Trainer::parallelize() {
   const parallel::OptimizerSpec& optimizer = parallel::optimizer_spec(config_.optimizer.name);
   if (optimizer.fsdp_granularity) options.fsdp_parameter_granularity = optimizer.fsdp_granularity(optimizer_request(config_));
   options.fsdp_mixed_precision.param_dtype =
-      c10::ScalarType(t.mixed_precision_param == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
+      parse_dtype(t.mixed_precision_param, "training.mixed_precision_param");
   options.fsdp_mixed_precision.reduce_dtype =
-      c10::ScalarType(t.mixed_precision_reduce == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
+      parse_dtype(t.mixed_precision_reduce, "training.mixed_precision_reduce");
   options.seed = static_cast<uint64_t>(t.seed);
   options.device = device_;
   options.activation_checkpoint_mode = config_.activation_checkpoint.mode;
@@ -300,11 +301,13 @@ void Trainer::parallelize() {
     // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in
     // TorchTitan: float32 master weights, gradients and optimizer state; DDP all-reduces the
     // float32 gradients, so a bfloat16 reduce has nothing to apply to.
-    LOOM_REQUIRE_USAGE(t.mixed_precision_reduce == "float32",
+    LOOM_REQUIRE_USAGE(options.fsdp_mixed_precision.reduce_dtype == torch::kFloat32,
                        "training.mixed_precision_reduce = \"", t.mixed_precision_reduce,
                        "\" needs FSDP (parallelism.data_parallel_shard_degree > 1): without it "
                        "gradients are float32 master-weight gradients; set it to \"float32\"");
-    if (t.mixed_precision_param == "bfloat16") options.autocast_dtype = torch::kBFloat16;
+    if (options.fsdp_mixed_precision.param_dtype != torch::kFloat32) {
+      options.autocast_dtype = options.fsdp_mixed_precision.param_dtype;
+    }
   }
   parallel_model_ = model_spec_->parallelize(model_, *model_args_, *parallel_dims_, *mesh_, options);
   log::info("parallelized: ", parallel_model_->describe());

@@ -4,6 +4,7 @@
 // unwrapped model.
 #include <gtest/gtest.h>
 
+#include "loom/testing/tiny_llama.h"
 #include "loom/core/error.h"
 #include "loom/core/memory.h"
 #include "loom/fsdp/distributed_buffer.h"
@@ -249,16 +250,7 @@ TEST(ReleasableBuffer, AccumulateGradAddsInPlaceIntoAPresetWiderGrad) {
 // ---------------------------------------------------------------------------------------------
 // fully_shard on one rank
 
-llama3::ModelArgs tiny_args() {
-  llama3::ModelArgs a = llama3::flavor("debugmodel", 128);
-  a.dim = 64;
-  a.n_layers = 2;
-  a.n_heads = 4;
-  a.n_kv_heads = 2;
-  a.multiple_of = 32;
-  a.max_seq_len = 16;
-  return a;
-}
+llama3::ModelArgs tiny_args() { return loom::testing::tiny_llama_args(); }
 
 torch::Tensor loss_of(llama3::Transformer& m, const torch::Tensor& tokens) {
   auto logits = m.forward(tokens.narrow(1, 0, tokens.size(1) - 1));

@@ -8,6 +8,7 @@
 // reads both.
 #include <CLI/CLI.hpp>
 
+#include "loom/core/dtype.h"
 #include "loom/models/llama3/cli.h"
 #include "loom/core/device.h"
 #include "loom/core/error.h"
@@ -42,9 +43,7 @@ void register_convert_command(CLI::App& app) {
     load.options = load.options.device(select_device(args->device, /*local_rank=*/0, "--device"));
     auto loaded = llama3::load_model_dir(args->input, load);
     std::optional<c10::ScalarType> dtype;
-    if (args->dtype == "bfloat16") dtype = torch::kBFloat16;
-    if (args->dtype == "float16") dtype = torch::kFloat16;
-    if (args->dtype == "float32") dtype = torch::kFloat32;
+    if (!args->dtype.empty()) dtype = parse_dtype(args->dtype, "--dtype");
     if (args->to == "hf") {
       llama3::export_hf_model_dir(*loaded.model, args->output, dtype);
     } else {

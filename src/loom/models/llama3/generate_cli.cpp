@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <sstream>
 
+#include "loom/core/dtype.h"
 #include "loom/core/device.h"
 #include "loom/core/error.h"
 #include "loom/core/error_report.h"
@@ -109,10 +110,11 @@ void run_generate(GenerateOptions o) {
   // Fits: checked against the model's own max_seq_len above.
   const int64_t capacity = static_cast<int64_t>(prompt.size()) + o.sampling.max_new_tokens;
   load.max_seq_len = capacity;
-  load.memory_hint = o.dtype == "bfloat16" ? "use a machine with more memory or a smaller model"
-                                           : "use --dtype bfloat16 (half the memory) or a machine with more memory";
+  const c10::ScalarType dtype = parse_dtype(o.dtype, "--dtype");
+  load.memory_hint = dtype != torch::kFloat32 ? "use a machine with more memory or a smaller model"
+                                              : "use --dtype bfloat16 (half the memory) or a machine with more memory";
   const c10::Device device = select_device(o.device, /*local_rank=*/0, "--device");
-  load.options = torch::TensorOptions().dtype(o.dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32).device(device);
+  load.options = torch::TensorOptions().dtype(dtype).device(device);
   const auto loaded = load_model_dir(o.checkpoint, load);
   Transformer& model = *loaded.model;
   model.eval();
@@ -120,7 +122,7 @@ void run_generate(GenerateOptions o) {
 
   Generator generator(model, capacity,
                       c10::str("lower --max-new-tokens (the cache grows with prompt + new tokens)",
-                               o.dtype == "bfloat16" ? "" : " or use --dtype bfloat16"));
+                               dtype != torch::kFloat32 ? "" : " or use --dtype bfloat16"));
   std::vector<int64_t> produced;
   std::string shown;  // decoded text already printed: a token may end inside a UTF-8 character
   if (tokenizer && !o.print_ids) std::printf("%s", printable_text(*tokenizer, prompt).c_str());

@@ -73,7 +73,7 @@ std::string divisors_near(const std::vector<int64_t>& sizes, int64_t degree) {
 
 }  // namespace
 
-void validate_tp_degree(const ModelArgs& args, int64_t degree, int64_t seq_len, const TPOptions& options) {
+void validate_tp_degree(const ModelArgs& args, int64_t degree, int64_t seq_len, const TensorParallelOptions& options) {
   LOOM_REQUIRE_USAGE(degree >= 1, "parallelism.tensor_parallel_degree must be >= 1, got ", degree);
   LOOM_REQUIRE_USAGE(!options.async || options.sequence_parallel,
                      "parallelism.enable_async_tensor_parallel needs sequence parallelism (it overlaps the "
@@ -92,13 +92,13 @@ void validate_tp_degree(const ModelArgs& args, int64_t degree, int64_t seq_len, 
 }
 
 std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr comm,
-                                             const TPOptions& options) {
+                                             const TensorParallelOptions& options) {
   auto tp = std::make_shared<tp::TensorParallel>(std::move(comm), options.sequence_parallel, options.async);
   apply_tp(model, *tp, options);
   return tp;
 }
 
-void apply_tp(Transformer& model, tp::TensorParallel& plan, const TPOptions& options) {
+void apply_tp(Transformer& model, tp::TensorParallel& plan, const TensorParallelOptions& options) {
   tp::TensorParallel* tp = &plan;
   // A pipeline stage holds the embedding only on the first stage and the head only on the last.
   if (model.has_embedding()) tp->rowwise_embedding(model.tok_embeddings(), "tok_embeddings");
@@ -162,34 +162,33 @@ void apply_cp(Transformer& model, tensor::CommPtr comm, cp::RotateMethod method)
   }
 }
 
-std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transformer> model,
-                                                         const distributed::ParallelDims& dims,
-                                                         const distributed::DeviceMesh& mesh,
-                                                         const ParallelizeOptions& options) {
+parallel::ParallelParts compose(const std::vector<std::shared_ptr<Transformer>>& models,
+                                const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
+                                const PlanOptions& options) {
   parallel::ParallelParts parts;
-  Transformer* raw = model.get();
-  parts.modules = {model};
-  const auto autocast = options.autocast_dtype;
-  const c10::Device device = options.device;
-  parts.forward_loss = [raw, autocast, device](const parallel::ModelBatch& batch) {
-    // Autocast covers the forward only; backward runs each op in the dtype its forward used.
-    AutocastScope scope(device, autocast);
-    return raw->forward_loss(batch.tokens, batch.labels, batch.layout);
-  };
+  for (const auto& model : models) parts.modules.push_back(model);
   // 0. Float8: the linears' GEMMs become float8 ones (an around-hook on each converted linear; the
   //    parameters stay high precision), before any parallelism as TorchTitan's model converters.
   //    So FSDP below gathers high-precision weights the hooks quantize, and AC recomputes them.
   if (options.float8) {
-    LOOM_REQUIRE(!dims.tp_enabled(), "float8 with tensor parallelism is refused by the model's spec");
-    const auto report = float8::convert_to_float8(*model, *options.float8);
-    log::info("float8: ", report.describe(options.float8->recipe));
+    LOOM_REQUIRE(!dims.tp_enabled() && !dims.pp_enabled(),
+                 "float8 with tensor or pipeline parallelism is refused by the model's spec");
+    for (const auto& model : models) {
+      const auto report = float8::convert_to_float8(*model, *options.float8);
+      log::info("float8: ", report.describe(options.float8->recipe));
+    }
   }
-  // 1. Tensor parallelism: parameters become this rank's shards (still on the meta device).
-  if (dims.tp_enabled()) parts.tp = apply_tp(*model, mesh.comm("tp"), options.tp);
-  // 2. Context parallelism: attention over the sequence chunks of the cp group.
+  // 1. Tensor parallelism: parameters become this rank's shards (still on the meta device); one
+  //    plan records every part's parameters.
+  if (dims.tp_enabled()) {
+    parts.tp = std::make_shared<tp::TensorParallel>(mesh.comm("tp"), options.tp.sequence_parallel, options.tp.async);
+    for (const auto& model : models) apply_tp(*model, *parts.tp, options.tp);
+  }
+  // 2. Context parallelism: attention over the sequence chunks of the cp group (the batches carry
+  //    each chunk's positions and documents to every part).
   if (dims.cp_enabled()) {
     parts.cp = mesh.comm("cp");
-    apply_cp(*model, parts.cp, options.cp_rotate_method);
+    for (const auto& model : models) apply_cp(*model, parts.cp, options.cp_rotate_method);
   }
   // 3. Activation checkpointing: the blocks' forwards become checkpointed ones. Between TP/CP and
   //    FSDP: the TP/CP hooks inside a block are part of its recomputed forward (the sequence
@@ -199,28 +198,54 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transfo
   //    the block's output re-gathers the parameters before the recompute reads them, so the
   //    recompute triggers no extra all-gather, no second reduce-scatter and no second hook.
   if (options.ac.mode != ac::Mode::kNone) {
-    const int64_t wrapped = apply_ac(*model, options.ac);
-    log::info("activation checkpointing: ", options.ac.describe(), " (", wrapped, " of ",
-              model->layers().size(), " blocks)");
+    int64_t wrapped = 0, blocks = 0;
+    for (const auto& model : models) {
+      wrapped += apply_ac(*model, options.ac);
+      blocks += static_cast<int64_t>(model->layers().size());
+    }
+    log::info("activation checkpointing: ", options.ac.describe(), " (", wrapped, " of ", blocks,
+              " blocks on this rank)");
   }
-  // 4. Data parallelism over the TP-local parameters, then materialize and initialize. The cp
-  //    ranks hold the same parameters and see different tokens: FSDP shards over dp_shard x cp
-  //    (TorchTitan's dp_shard_cp), so its gradient average spans them.
+  // 4. FSDP over the TP-local parameters, or materialization; then every parameter from the seed
+  //    by its global name (a part keeps the whole model's names, so each gets the whole model's
+  //    values: each TP rank its piece, each FSDP rank its shard of that). The cp ranks hold the same
+  //    parameters and see different tokens: FSDP shards over dp_shard x cp (TorchTitan's
+  //    dp_shard_cp), so its gradient average spans them.
   if (dims.fsdp_enabled()) {
+    LOOM_REQUIRE(models.size() == 1, "FSDP needs one model part per rank (one pipeline stage)");
     fsdp::FSDPPolicy policy = options.fsdp;
     if (dims.cp_enabled()) policy.shard_dim = "dp_shard_cp";
-    parts.fsdp = apply_fsdp(*model, mesh, policy, options.fsdp_reshard_last_block);
-    init_sharded_weights(*model, *parts.fsdp, options.seed, options.device, parts.tp.get());
+    parts.fsdp = apply_fsdp(*models[0], mesh, policy, options.fsdp_reshard_last_block);
+    init_sharded_weights(*models[0], *parts.fsdp, options.seed, options.device, parts.tp.get());
   } else {
-    model->to_empty(options.device);
-    if (parts.tp) {
-      init_tp_weights(*model, *parts.tp, options.seed);
-    } else {
-      model->init_weights(options.seed);
+    for (const auto& model : models) {
+      model->to_empty(options.device);
+      if (parts.tp) {
+        init_tp_weights(*model, *parts.tp, options.seed);
+      } else {
+        model->init_weights(options.seed);
+      }
     }
-    if (dims.dp_replicate_enabled()) {
-      parts.ddp = std::make_unique<ddp::DataParallel>(*model, mesh.comm("dp_replicate"));
-    }
+  }
+  return parts;
+}
+
+std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transformer> model,
+                                                         const distributed::ParallelDims& dims,
+                                                         const distributed::DeviceMesh& mesh,
+                                                         const PlanOptions& options) {
+  parallel::ParallelParts parts = compose({model}, dims, mesh, options);
+  Transformer* raw = model.get();
+  const auto autocast = options.autocast_dtype;
+  const c10::Device device = options.device;
+  parts.forward_loss = [raw, autocast, device](const parallel::ModelBatch& batch) {
+    // Autocast covers the forward only; backward runs each op in the dtype its forward used.
+    AutocastScope scope(device, autocast);
+    return raw->forward_loss(batch.tokens, batch.labels, batch.layout);
+  };
+  // 5. Without sharding, replicas average their gradients in backward (DDP's buckets).
+  if (!parts.fsdp && dims.dp_replicate_enabled()) {
+    parts.ddp = std::make_unique<ddp::DataParallel>(*model, mesh.comm("dp_replicate"));
   }
   return std::make_unique<parallel::ParallelizedModel>(std::move(parts));
 }
@@ -236,7 +261,7 @@ void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t 
 }
 
 std::map<distributed::CommOp, distributed::CommCounter> tp_comm_volume(const ModelArgs& args, int64_t batch, int64_t seq,
-                                                         int degree, const TPOptions& options,
+                                                         int degree, const TensorParallelOptions& options,
                                                          int64_t element_bytes, int64_t chunk_tokens) {
   std::map<distributed::CommOp, distributed::CommCounter> volume;
   if (degree <= 1) return volume;

@@ -24,6 +24,7 @@
 #include "loom/fsdp/fully_shard.h"
 #include "loom/distributed/parallel_dims.h"
 #include "loom/models/llama3/model.h"
+#include "loom/models/spec.h"
 #include "loom/parallel/parallelized_model.h"
 #include "loom/cp/ring_attention.h"
 #include "loom/tp/tensor_parallel.h"
@@ -32,17 +33,15 @@ namespace loom::llama3 {
 
 // ---- Tensor parallelism (TorchTitan's apply_tp for Llama 3) ------------------------------------
 
-struct TPOptions {
-  bool sequence_parallel = true;  // shard the residual stream along the sequence between blocks
-  bool loss_parallel = true;      // cross-entropy on vocabulary-sharded logits, never gathered
-  bool async = false;             // collective matmuls overlap the SP gathers / reduce-scatters
-};
+// The options of the plan are models::TensorParallelOptions (sequence parallel, loss parallel,
+// async TP), as the run asks for them.
+using models::TensorParallelOptions;
 
 // Checks that `degree` splits the model as TP needs: query heads, key/value heads, the FFN hidden
 // size and the vocabulary (the output head is always vocabulary-sharded), and, with sequence
 // parallelism, the sequence length. loom::UsageError (exit 2) naming the value and the nearest
 // degrees that would work. Called before any process group exists.
-void validate_tp_degree(const ModelArgs& args, int64_t degree, int64_t seq_len, const TPOptions& options);
+void validate_tp_degree(const ModelArgs& args, int64_t degree, int64_t seq_len, const TensorParallelOptions& options);
 
 // The Megatron-LM / TorchTitan plan, on the model in place (any device, meta included):
 //   tok_embeddings  rowwise embedding (vocab rows)     output: SP sequence-sharded, else reduced
@@ -55,20 +54,21 @@ void validate_tp_degree(const ModelArgs& args, int64_t degree, int64_t seq_len, 
 // Each rank keeps n_heads/t query and n_kv_heads/t key/value heads. Returns the applied plan (the
 // parameters' layouts; the gradients to sum over the group after backward).
 std::shared_ptr<tp::TensorParallel> apply_tp(Transformer& model, tensor::CommPtr comm,
-                                             const TPOptions& options);
+                                             const TensorParallelOptions& options);
 // The same plan recorded into an existing `tp` (the stages of one pipeline rank share one plan);
 // parts a pipeline stage lacks (embedding, norm + head) are skipped.
-void apply_tp(Transformer& model, tp::TensorParallel& tp, const TPOptions& options);
+void apply_tp(Transformer& model, tp::TensorParallel& tp, const TensorParallelOptions& options);
 
 // Initializes the TP-sharded model exactly as init_weights(seed) initializes the whole one.
 void init_tp_weights(Transformer& model, const tp::TensorParallel& tp, uint64_t seed);
 
 // ---- The whole plan (TorchTitan's parallelize_llama) --------------------------------------------
 
-struct ParallelizeOptions {
+// The plan as llama3 resolves it from models::ParallelizeOptions (the run's settings).
+struct PlanOptions {
   // Float8 linears (convert_to_float8), applied before everything else; nullopt = off.
   std::optional<float8::Float8Options> float8;
-  TPOptions tp;                           // when the mesh has "tp"
+  TensorParallelOptions tp;               // when the mesh has "tp"
   cp::RotateMethod cp_rotate_method = cp::RotateMethod::kAllGather;  // when the mesh has "cp"
   ac::ACOptions ac;                       // activation checkpointing of the blocks (apply_ac)
   fsdp::FSDPPolicy fsdp;                  // when FSDP is on (dp_shard or cp > 1; HSDP with dp_replicate)
@@ -90,17 +90,26 @@ void apply_cp(Transformer& model, tensor::CommPtr comm, cp::RotateMethod method)
 // hooks on the block sit outside it and run once per forward. Returns the number of blocks wrapped.
 int64_t apply_ac(Transformer& model, const ac::ACOptions& options);
 
-// Applies, in TorchTitan's order, the Float8 conversion of the linears (float8 set; the model
-// converters run first), tensor parallelism (tp > 1), context parallelism (cp > 1),
-// activation checkpointing (activation_checkpoint.mode), then
-// FSDP over dp_shard (dp_shard x cp with context parallelism; HSDP with
-// dp_replicate) or, without sharding, DDP over dp_replicate; materializes the model on the device
-// and initializes every parameter from the seed, each rank only its pieces. `model` is built on
-// the meta device. The result is what the Trainer drives.
+// The one composition, applied to the model parts this rank holds (the whole model, or its
+// pipeline stages), in TorchTitan's order: the Float8 conversion of the linears (float8 set; the
+// model converters run first), tensor parallelism (tp > 1; one plan for every part), context
+// parallelism (cp > 1), activation checkpointing (activation_checkpoint.mode), then FSDP over
+// dp_shard (dp_shard x cp with context parallelism; HSDP with dp_replicate; one part only), else
+// materialization on the device; every parameter initialized from the seed, each rank only its
+// pieces. The parts are built on the meta device. Returns the parts' ParallelParts without the
+// step's driver: the caller adds the forward (parallelize) or the pipeline (pipeline_llama), and
+// the replicas' gradient average (DDP in backward, or the pipeline's after the schedule).
+parallel::ParallelParts compose(const std::vector<std::shared_ptr<Transformer>>& models,
+                                const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
+                                const PlanOptions& options);
+
+// compose() on the whole model, its forward_loss under autocast (options.autocast_dtype) as the
+// step's forward, and DDP over dp_replicate without sharding. The result is what the Trainer
+// drives.
 std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transformer> model,
                                                          const distributed::ParallelDims& dims,
                                                          const distributed::DeviceMesh& mesh,
-                                                         const ParallelizeOptions& options);
+                                                         const PlanOptions& options);
 
 // What the plan sends over the tensor-parallel group for one micro-batch (forward and backward)
 // of `batch` x `seq` tokens in `element_bytes`-byte activations, plus the once-per-step gradient
@@ -108,7 +117,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Transfo
 // of docs/tensor_parallel.md, which the TP tests compare with the measured counters exactly).
 // `chunk_tokens` is loss parallel's chunk.
 std::map<distributed::CommOp, distributed::CommCounter> tp_comm_volume(const ModelArgs& args, int64_t batch, int64_t seq,
-                                                         int degree, const TPOptions& options,
+                                                         int degree, const TensorParallelOptions& options,
                                                          int64_t element_bytes = 4, int64_t chunk_tokens = 256);
 
 // parallelism.fsdp_reshard_after_forward as TorchTitan reads it: "default" reshards every block

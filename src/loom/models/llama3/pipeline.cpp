@@ -200,59 +200,24 @@ PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::
   return plan;
 }
 
-std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
-    const ModelArgs& args, const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
-    const models::PipelineOptions& options, const models::TensorParallelOptions& tp_options,
-    std::optional<c10::ScalarType> autocast, uint64_t seed, c10::Device device, const ac::ACOptions& ac,
-    const fsdp::FSDPPolicy& fsdp_policy, bool fsdp_reshard_last_block, cp::RotateMethod cp_rotate_method) {
+std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(const ModelArgs& args,
+                                                            const distributed::ParallelDims& dims,
+                                                            const distributed::DeviceMesh& mesh,
+                                                            const models::PipelineOptions& options,
+                                                            const PlanOptions& plan_options) {
   const PipelinePlan plan = validate_pipeline_layout(args, dims, options);
   const tensor::CommPtr pp_comm = mesh.comm("pp");
   const std::vector<int> stage_ids = plan.schedule.stages_of(pp_comm->rank());
   auto models = split_into_stages(
       [&] { return std::make_shared<Transformer>(args, torch::TensorOptions().device(torch::kMeta)); },
       plan.layer_bounds, stage_ids);
-  // Tensor parallelism inside each stage (one plan for all of the rank's stages), before the
-  // stages hook their layers for the weight-gradient split.
-  std::shared_ptr<tp::TensorParallel> tp;
-  if (dims.tp_enabled()) {
-    tp = std::make_shared<tp::TensorParallel>(mesh.comm("tp"), tp_options.sequence_parallel, tp_options.async);
-    for (auto& model : models) {
-      apply_tp(*model, *tp, {tp_options.sequence_parallel, tp_options.loss_parallel, tp_options.async});
-    }
-  }
-  // Context parallelism: each stage's attention runs over the cp group's sequence chunks (the
-  // micro-batches carry each chunk's positions and documents to every stage).
-  tensor::CommPtr cp_comm;
-  if (dims.cp_enabled()) {
-    cp_comm = mesh.comm("cp");
-    for (auto& model : models) apply_cp(*model, cp_comm, cp_rotate_method);
-  }
-  // Activation checkpointing, after TP as in llama3::parallelize.
-  if (ac.mode != ac::Mode::kNone) {
-    int64_t wrapped = 0;
-    for (auto& model : models) wrapped += apply_ac(*model, ac);
-    log::info("activation checkpointing: ", ac.describe(), " (", wrapped, " blocks of this rank's stages)");
-  }
-  // Data parallelism, then materialize. Each trimmed stage draws its parameters by global name from
-  // the seed: the values the whole model has (each TP rank its piece, each FSDP rank its shard of
-  // that), whatever the split. With FSDP the rank's one stage is the FSDP root (validated above).
-  std::shared_ptr<fsdp::FSDPModule> fsdp;
-  if (dims.fsdp_enabled()) {
-    LOOM_REQUIRE(models.size() == 1, "FSDP inside pipeline stages needs one stage per rank");
-    fsdp::FSDPPolicy policy = fsdp_policy;
-    if (dims.cp_enabled()) policy.shard_dim = "dp_shard_cp";  // TorchTitan's dp_shard_cp
-    fsdp = apply_fsdp(*models[0], mesh, policy, fsdp_reshard_last_block);
-    init_sharded_weights(*models[0], *fsdp, seed, device, tp.get());
-  } else {
-    for (auto& model : models) {
-      model->to_empty(device);
-      if (tp) {
-        init_tp_weights(*model, *tp, seed);
-      } else {
-        model->init_weights(seed);
-      }
-    }
-  }
+  // The stages get the whole model's composition (TP, CP, AC, FSDP with one stage per rank, as
+  // validated above), before they hook their layers for the weight-gradient split.
+  parallel::ParallelParts parts = compose(models, dims, mesh, plan_options);
+  const auto& tp = parts.tp;
+  const ac::ACOptions& ac = plan_options.ac;
+  const auto& tp_options = plan_options.tp;
+  const c10::Device device = plan_options.device;
   // The per-op weight gradient recomputes each layer's dW from its kept input and output, which
   // under tensor parallelism are not what the layer's local weight saw (sequence-parallel
   // gathers and scatters sit between them); there the I/W split goes through autograd.
@@ -261,7 +226,8 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
   // gradients (they are outputs of the checkpoint function, which only an autograd W asks for).
   const auto method = tp || ac.mode != ac::Mode::kNone ? pipeline::WeightGradMethod::kAutograd
                                                        : pipeline::WeightGradMethod::kPerOp;
-  auto stages = make_pipeline_stages(models, stage_ids, plan.schedule.num_stages(), method, autocast, device);
+  auto stages = make_pipeline_stages(models, stage_ids, plan.schedule.num_stages(), method,
+                                     plan_options.autocast_dtype, device);
   pipeline::ExecutorOptions executor;
   executor.comm = pp_comm;
   // Under sequence parallelism the residual stream between blocks, and so between stages, is this
@@ -271,14 +237,11 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
   executor.activation_shape = {options.microbatch_size, seq, args.dim};
   executor.activation_dtype = c10::kFloat;
   executor.device = device;
-  parallel::ParallelParts parts;
-  for (auto& model : models) parts.modules.push_back(model);
   parts.pipeline = std::make_shared<pipeline::PipelineExecutor>(plan.schedule, stages, executor);
   parts.pipeline_microbatch_size = options.microbatch_size;
-  parts.tp = tp;
-  parts.fsdp = fsdp;  // HSDP's replicas too: FSDP all-reduces over dp_replicate
-  parts.cp = cp_comm;
-  if (dims.dp_replicate_enabled() && !fsdp) parts.pipeline_replicas = mesh.comm("dp_replicate");
+  // Replicas without FSDP average gradients after the schedule (HSDP's: FSDP all-reduces over
+  // dp_replicate itself).
+  if (dims.dp_replicate_enabled() && !parts.fsdp) parts.pipeline_replicas = mesh.comm("dp_replicate");
   return std::make_unique<parallel::ParallelizedModel>(std::move(parts));
 }
 

@@ -26,6 +26,7 @@
 #include "loom/distributed/parallel_dims.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/models/llama3/model.h"
+#include "loom/models/llama3/parallelize.h"
 #include "loom/models/spec.h"
 #include "loom/parallel/parallelized_model.h"
 #include "loom/pipeline/schedule.h"
@@ -79,20 +80,15 @@ PipelinePlan plan_pipeline(const ModelArgs& args, int pp, const models::Pipeline
 PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::ParallelDims& dims,
                                       const models::PipelineOptions& options);
 
-// This rank's stages of `plan` (the pp rank of `mesh`), materialized on `device` with the values
-// the whole model gets from `seed`, as a ParallelizedModel whose step runs the schedule over the
-// "pp" group. `autocast`: mixed precision around each stage's forward (nullopt: none). The other
-// mesh dims may be dp_replicate (replicas average gradients after the step) and tp; FSDP and CP
-// do not compose with pipeline stages in this build.
-// With "tp" in the mesh each stage gets tensor parallelism (the options' `tp`) before it is
-// materialized: the activations between stages are then sequence-sharded under sequence
-// parallelism. `ac`: activation checkpointing of the stages' blocks (apply_ac, by the whole model's
-// layer ids), applied after TP, as in llama3::parallelize.
-std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(
-    const ModelArgs& args, const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,
-    const models::PipelineOptions& options, const models::TensorParallelOptions& tp,
-    std::optional<c10::ScalarType> autocast, uint64_t seed, c10::Device device, const ac::ACOptions& ac = {},
-    const fsdp::FSDPPolicy& fsdp_policy = {}, bool fsdp_reshard_last_block = false,
-    cp::RotateMethod cp_rotate_method = cp::RotateMethod::kAllGather);
+// This rank's stages of the split validate_pipeline_layout makes (the pp rank of `mesh`), given
+// the whole model's composition (compose: TP, CP, AC, and FSDP with one stage per rank), as a
+// ParallelizedModel whose step runs the schedule over the "pp" group, each stage's forward under
+// plan.autocast_dtype. Replicas without FSDP (dp_replicate) average gradients after the schedule.
+// Under sequence parallelism the activations between stages are sequence-sharded.
+std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(const ModelArgs& args,
+                                                            const distributed::ParallelDims& dims,
+                                                            const distributed::DeviceMesh& mesh,
+                                                            const models::PipelineOptions& options,
+                                                            const PlanOptions& plan);
 
 }  // namespace loom::llama3

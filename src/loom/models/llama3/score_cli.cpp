@@ -5,6 +5,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "loom/core/dtype.h"
 #include "loom/models/llama3/cli.h"
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/device.h"
@@ -79,7 +80,7 @@ void run_score(const ScoreOptions& o) {
   load.max_seq_len = seq_len;  // the RoPE cache only needs this sequence
   const c10::Device device = select_device(o.device, /*local_rank=*/0, "--device");
   load.options = torch::TensorOptions()
-                     .dtype(o.dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32)
+                     .dtype(parse_dtype(o.dtype, "--dtype"))
                      .device(device);
   const auto loaded = llama3::load_model_dir(o.checkpoint, load);
   llama3::Transformer& model = *loaded.model;

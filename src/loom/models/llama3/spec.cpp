@@ -37,11 +37,9 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
     const models::ParallelizeOptions& options) {
   auto model = std::dynamic_pointer_cast<Transformer>(std::move(module));
   LOOM_REQUIRE(model != nullptr, "llama3's parallelize was given a model its spec did not build");
-  ParallelizeOptions plan;
-  plan.tp.sequence_parallel = options.tp.sequence_parallel;
-  plan.tp.async = options.tp.async;
+  PlanOptions plan;
+  plan.tp = options.tp;
   plan.cp_rotate_method = cp::parse_rotate_method(options.cp_rotate_method);
-  plan.tp.loss_parallel = options.tp.loss_parallel;
   const auto reshard = FSDPReshardSetting::parse(options.fsdp_reshard_after_forward);
   plan.fsdp.reshard_after_forward = reshard.blocks;
   plan.fsdp_reshard_last_block = reshard.last_block;
@@ -59,9 +57,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize_model(
   // Pipeline parallelism first splits the model into this rank's stages (built afresh, so the
   // whole meta model is not needed).
   if (dims.pp_enabled()) {
-    return pipeline_llama(model->args(), dims, mesh, options.pipeline, options.tp, options.autocast_dtype,
-                          options.seed, options.device, plan.ac, plan.fsdp, plan.fsdp_reshard_last_block,
-                          plan.cp_rotate_method);
+    return pipeline_llama(model->args(), dims, mesh, options.pipeline, plan);
   }
   return parallelize(std::move(model), dims, mesh, plan);
 }
@@ -102,7 +98,7 @@ models::ModelSpec model_spec() {
                             int64_t seq_len, const models::TensorParallelOptions& tp,
                             const models::PipelineOptions& pipeline, bool float8) {
     if (float8) check_float8_layout(dims);
-    validate_tp_degree(args_of(args), dims.tp(), seq_len, {tp.sequence_parallel, tp.loss_parallel, tp.async});
+    validate_tp_degree(args_of(args), dims.tp(), seq_len, tp);
     if (dims.pp_enabled()) validate_pipeline_layout(args_of(args), dims, pipeline);
   };
   spec.parallelize = parallelize_model;

@@ -8,6 +8,7 @@
 // by the Trainer test (train/tests/test_trainer_ac.cpp).
 #include <gtest/gtest.h>
 
+#include "loom/testing/tiny_llama.h"
 #include "loom/ac/activation_checkpoint.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/models/llama3/parallelize.h"
@@ -16,12 +17,8 @@ namespace {
 using namespace loom;
 
 llama3::ModelArgs ac_test_args() {
-  llama3::ModelArgs a = llama3::flavor("debugmodel", 128);
-  a.dim = 64;
+  llama3::ModelArgs a = loom::testing::tiny_llama_args();
   a.n_layers = 4;
-  a.n_heads = 4;
-  a.n_kv_heads = 2;
-  a.multiple_of = 32;
   a.max_seq_len = 32;
   return a;
 }

@@ -20,7 +20,7 @@ void expect_workers(int nproc) { loom::testing::expect_workers("loom_tp_worker",
 
 TEST(TensorParallel, DegreeMustSplitHeadsFfnVocabAndSequence) {
   loom::llama3::ModelArgs a = loom::llama3::flavor("debugmodel");  // 16 heads (16 kv), ffn 768, vocab 2048
-  const loom::llama3::TPOptions sp_on{true, true};
+  const loom::models::TensorParallelOptions sp_on{true, true};
   loom::llama3::validate_tp_degree(a, 4, 64, sp_on);
   expect_usage_error([&] { loom::llama3::validate_tp_degree(a, 3, 64, sp_on); },
                      "parallelism.tensor_parallel_degree = 3 does not divide n_heads of the model (16); "

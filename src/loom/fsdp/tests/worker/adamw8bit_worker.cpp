@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "loom/testing/tiny_llama.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/fsdp/sharded_optimizer.h"
 #include "loom/models/llama3/parallelize.h"
@@ -21,12 +22,9 @@ constexpr int kSteps = 4;
 constexpr int64_t kSeqLen = 8;
 
 llama3::ModelArgs tiny_args() {
-  llama3::ModelArgs a = llama3::flavor("debugmodel", 128);
-  a.dim = 64;  // 64 x 64 = 4096-element projections: the smallest that are quantized
-  a.n_layers = 2;
-  a.n_heads = 4;
+  // dim 64: 64 x 64 = 4096-element projections, the smallest that are quantized.
+  llama3::ModelArgs a = loom::testing::tiny_llama_args();
   a.n_kv_heads = 4;  // wk, wv 64 x 64: quantized too
-  a.multiple_of = 32;
   a.max_seq_len = kSeqLen;
   return a;
 }

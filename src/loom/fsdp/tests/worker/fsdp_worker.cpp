@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/testing/tiny_llama.h"
 #include "loom/core/error.h"
 #include "loom/distributed/launch_env.h"
 #include "loom/distributed/parallel_dims.h"
@@ -46,12 +47,8 @@ constexpr double kWeightDecay = 0.1;
 constexpr double kMaxNorm = 1.0;
 
 llama3::ModelArgs tiny_args() {
-  llama3::ModelArgs a = llama3::flavor("debugmodel", kVocab);
-  a.dim = 64;
-  a.n_layers = 2;
-  a.n_heads = 4;
-  a.n_kv_heads = 2;
-  a.multiple_of = 32;  // ffn 192: every weight has a multiple of 32 rows
+  llama3::ModelArgs a = loom::testing::tiny_llama_args();
+  a.vocab_size = kVocab;
   a.max_seq_len = kSeqLen;
   return a;
 }

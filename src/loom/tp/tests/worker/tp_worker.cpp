@@ -44,7 +44,7 @@ void check_configuration(const tensor::CommPtr& comm, bool sp, bool loss_paralle
   llama3::Transformer reference(args);
   reference.init_weights(kSeed);
   llama3::Transformer model(args, torch::TensorOptions().device(torch::kMeta));
-  const llama3::TPOptions options{sp, loss_parallel, async};
+  const models::TensorParallelOptions options{sp, loss_parallel, async};
   llama3::validate_tp_degree(args, comm->size(), 16, options);
   auto plan = llama3::apply_tp(model, comm, options);
   model.to_empty(torch::kCPU);
