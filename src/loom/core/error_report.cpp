@@ -49,7 +49,7 @@ int launched_rank() {
 }  // namespace
 
 bool several_ranks_launched() {
-  // torchrun / loom launch, mpirun, srun (dist/launch_env.h reads the same variables).
+  // torchrun / loom launch, mpirun, srun (distributed/launch_env.h reads the same variables).
   for (const char* name : {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"}) {
     const char* v = std::getenv(name);
     if (v != nullptr) return std::atoi(v) > 1;

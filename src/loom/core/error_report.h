@@ -3,7 +3,7 @@
 //     a launcher's merged output says who failed);
 //   - the same line in the file named by LOOM_ERROR_FILE, when set (`loom launch` sets one per rank
 //     and quotes it in its failure line, as TorchElastic does with TORCHELASTIC_ERROR_FILE);
-//   - the abort hooks, which higher layers install (dist/ tells the other ranks to stop, so their
+//   - the abort hooks, which higher layers install (distributed/ tells the other ranks to stop, so their
 //     collectives do not wait for a rank that is gone). They run first and may rewrite the report:
 //     an error that is only the echo of another rank's failure (a collective broken by a peer that
 //     left) is reported as "stopping: rank R: <R's error>" with exit code 4.

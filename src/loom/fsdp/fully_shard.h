@@ -95,7 +95,7 @@ struct FSDPPolicy {
   bool forward_prefetch = true;
   bool backward_prefetch = true;
   // The rank's device (training.device): the flat buffers, gradients and the optimizer state live
-  // there, and the collectives run on it (NCCL on CUDA, see dist/comm.h).
+  // there, and the collectives run on it (NCCL on CUDA, see distributed/comm.h).
   c10::Device device = c10::Device(c10::kCPU);
 };
 

@@ -290,49 +290,33 @@ std::vector<torch::Tensor> ParallelizedModel::resident_gradients() {
 }
 
 torch::Tensor ParallelizedModel::grad_norm() {
-  if (parts_.pipeline) {
-    // Each parameter lives on one pp rank: the squares of every rank's gradients, summed over pp.
-    // Replicas (pipeline_replicas) hold identical averaged gradients: counted once. TP-sharded
-    // pieces are summed over tp, TP-replicated ones counted once; then everything over pp.
-    // FSDP's shards are summed over the shard group first (HSDP replicas hold identical shards).
-    LOOM_REQUIRE(!parts_.ddp, "pipeline stages with DDP");
-    if (parts_.fsdp) parts_.fsdp->finalize_backward();
-    std::vector<torch::Tensor> sharded, replicated;
-    torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
-    for (const auto& [name, g] : local_gradients()) {
-      if (!g.defined() || g.numel() == 0) continue;
-      options = options.device(g.device());
-      (parts_.tp && parts_.tp->is_sharded(name) ? sharded : replicated).push_back(g);
-    }
-    torch::Tensor both = at::stack({sum_of_squares(sharded, options), sum_of_squares(replicated, options)});
-    if (parts_.fsdp) parts_.fsdp->mesh().shard->all_reduce(both, distributed::ReduceOp::kSum);
-    torch::Tensor squares = both.narrow(0, 0, 1).clone();
-    if (parts_.tp) parts_.tp->comm()->all_reduce(squares, distributed::ReduceOp::kSum);
-    squares = squares + both.narrow(0, 1, 1);
-    parts_.pipeline->comm().all_reduce(squares, distributed::ReduceOp::kSum);
-    return squares[0].sqrt();
-  }
-  if (!parts_.tp) {
+  if (!parts_.pipeline && !parts_.tp) {
     // Data parallelism alone: the norms the FSDP and plain paths always computed.
     if (parts_.fsdp) return parts_.fsdp->grad_norm();
     std::vector<torch::Tensor> grads;
     for (const auto& [name, g] : local_gradients()) grads.push_back(g);
     return optim::total_grad_norm(grads);
   }
+  // Squares grouped by the mesh dims they are sharded over, one all-reduce per group: TP-sharded
+  // pieces are summed over tp, TP-replicated ones counted once; both over FSDP's shard group first
+  // (HSDP replicas and pipeline replicas hold identical averaged gradients: counted once); then,
+  // with a pipeline, everything over pp (each parameter lives on one pp rank).
+  LOOM_REQUIRE(!(parts_.pipeline && parts_.ddp), "pipeline stages with DDP");
   if (parts_.fsdp) parts_.fsdp->finalize_backward();
   std::vector<torch::Tensor> sharded, replicated;
   torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
   for (const auto& [name, g] : local_gradients()) {
     if (!g.defined() || g.numel() == 0) continue;
     options = options.device(g.device());
-    (parts_.tp->is_sharded(name) ? sharded : replicated).push_back(g);
+    (parts_.tp && parts_.tp->is_sharded(name) ? sharded : replicated).push_back(g);
   }
-  // [TP-sharded, TP-replicated] squares: both summed over FSDP's shards, the first also over tp.
-  torch::Tensor squares = at::stack({sum_of_squares(sharded, options), sum_of_squares(replicated, options)});
-  if (parts_.fsdp) parts_.fsdp->mesh().shard->all_reduce(squares, distributed::ReduceOp::kSum);
-  torch::Tensor over_tp = squares.narrow(0, 0, 1).clone();
-  parts_.tp->comm()->all_reduce(over_tp, distributed::ReduceOp::kSum);
-  return (over_tp[0] + squares[1]).sqrt();
+  torch::Tensor both = at::stack({sum_of_squares(sharded, options), sum_of_squares(replicated, options)});
+  if (parts_.fsdp) parts_.fsdp->mesh().shard->all_reduce(both, distributed::ReduceOp::kSum);
+  torch::Tensor squares = both.narrow(0, 0, 1).clone();
+  if (parts_.tp) parts_.tp->comm()->all_reduce(squares, distributed::ReduceOp::kSum);
+  squares = squares + both.narrow(0, 1, 1);
+  if (parts_.pipeline) parts_.pipeline->comm().all_reduce(squares, distributed::ReduceOp::kSum);
+  return squares[0].sqrt();
 }
 
 torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {

@@ -39,7 +39,7 @@ void check_misspelt_options(const CLI::App& cmd, const std::vector<std::string>&
 // Runs the job. An error is reported at once, before the Trainer's destructors run: those could
 // wait on peers (a barrier, an async save's finalization) and hide the error behind a hang. In a
 // world of several ranks the process then ends without unwinding further; the report has already
-// told the other ranks to stop (dist/peer_abort.h), and every checkpoint on disk is complete or
+// told the other ranks to stop (distributed/peer_abort.h), and every checkpoint on disk is complete or
 // marked incomplete, so nothing is lost.
 void run_training(train::JobConfig config) {
   std::unique_ptr<train::Trainer> trainer;

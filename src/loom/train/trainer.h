@@ -68,7 +68,7 @@ class Trainer {
  public:
   explicit Trainer(JobConfig config);
   // A normal end waits for every rank at a barrier; unwinding from an error does not (the peers
-  // may never arrive: the error report tells them to stop instead, see dist/peer_abort.h).
+  // may never arrive: the error report tells them to stop instead, see distributed/peer_abort.h).
   ~Trainer();
 
   // Runs training.steps steps; returns every step's result (loss etc.), identical on all ranks.
