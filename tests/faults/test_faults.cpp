@@ -145,10 +145,10 @@ TEST(Faults, SkipNonfiniteStepsSkipsAndFinishes) {
 // training.step_readback = "log_steps" (the GPU default): the non-finite guard runs on the device,
 // inside the fused update, and the host learns of the NaN step at the next log step (10 here). The
 // run still stops with exit 3 naming step 7; its update was never applied, so the checkpoint
-// written after it (step 8) holds finite weights: resuming from it with the every-step guard trains
-// on with finite losses. Step 4's checkpoint is bitwise the clean run's.
+// written after it (step 8) holds finite weights: resuming from it with the every-step guard (which
+// would stop at a non-finite loss) trains on with finite losses.
 TEST(Faults, DeviceSideGuardStopsADivergedRunWithFiniteCheckpoints) {
-  TempDir bad("nan_dev"), clean("clean_dev");
+  TempDir bad("nan_dev");
   const std::string args = " --checkpoint.enable=true --checkpoint.interval=4 --checkpoint.keep_latest_k=0"
                            " --training.deterministic=true --metrics.log_freq=5 --training.step_readback=log_steps";
   RunResult r = run("env LOOM_FAULT_NAN=1:7 " + launch(2) + train_args(bad, 12, args));
@@ -157,10 +157,6 @@ TEST(Faults, DeviceSideGuardStopsADivergedRunWithFiniteCheckpoints) {
                           "step 10's read-back"),
             std::string::npos) << r.output;
   EXPECT_EQ(checkpoint_steps(bad.path() / "checkpoint"), (std::vector<int64_t>{4, 8}));
-  RunResult ref = run(launch(2) + train_args(clean, 12, args));
-  ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  expect_identical_checkpoint_files(bad.path() / "checkpoint" / "step-4", clean.path() / "checkpoint" / "step-4",
-                                    {"rank-0.safetensors", "rank-1.safetensors"});
   RunResult resumed = run(launch(2) + train_args(bad, 10, args + " --training.step_readback=every_step"));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   const std::vector<double> after = loom::testing::logged_losses(bad.path());

@@ -21,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "loom/checkpoint/group.h"
 #include "loom/checkpoint/loader.h"
@@ -48,6 +49,9 @@ struct CheckpointOptions {
 
 // "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16" -> dtype; anything else is a UsageError.
 c10::ScalarType parse_export_dtype(const std::string& name);
+// checkpoint.async_mode: "disabled" -> false, "async" -> true (CheckpointOptions::async); anything
+// else is a UsageError.
+bool parse_async_mode(std::string_view name);
 
 class Checkpointer {
  public:

@@ -159,6 +159,11 @@ SourceFormat parse_source_format(std::string_view name) {
   fail_usage("unknown data format '", name, "'; use \"jsonl\", \"text\" or \"tokens\"");
 }
 
+std::optional<SourceFormat> parse_dataset_format(std::string_view name) {
+  if (name == "auto") return std::nullopt;
+  return parse_source_format(name);
+}
+
 bool is_token_file(const std::string& path) {
   FdGuard fd{open_regular_file(path, "data file")};
   char magic[sizeof(kTokenFileMagic)] = {};

@@ -72,6 +72,9 @@ std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, c
 
 // "text", "jsonl" or "tokens"; throws loom::UsageError for anything else.
 SourceFormat parse_source_format(std::string_view name);
+// training.dataset_format: "auto" (nullopt: detected from the file) or a format parse_source_format
+// knows.
+std::optional<SourceFormat> parse_dataset_format(std::string_view name);
 
 // Whether the file starts with the token file magic.
 bool is_token_file(const std::string& path);

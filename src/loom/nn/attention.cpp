@@ -36,6 +36,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Attention::project_qkv(
   return {q, k, v};
 }
 
+AttentionMask parse_attention_mask(std::string_view name) {
+  if (name == "causal") return AttentionMask::kCausal;
+  if (name == "block_causal") return AttentionMask::kBlockCausal;
+  fail_usage("model.attention_mask: unknown mask '", name, "'; use \"causal\" or \"block_causal\"");
+}
+
 torch::Tensor block_causal_mask(const torch::Tensor& document_ids) {
   const int64_t t = document_ids.size(1);
   const torch::Tensor causal = torch::ones({t, t}, document_ids.options().dtype(torch::kBool)).tril();

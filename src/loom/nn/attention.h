@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string_view>
 
 #include "loom/nn/layers.h"
 #include "loom/nn/module.h"
@@ -27,6 +28,14 @@ struct TokenLayout {
 // Block-causal attention mask [B, 1, T, T] (true = may attend) of `document_ids` [B, T] for
 // tokens at positions 0..T-1.
 torch::Tensor block_causal_mask(const torch::Tensor& document_ids);
+
+// model.attention_mask: which earlier tokens a token attends to.
+enum class AttentionMask {
+  kCausal,       // every earlier token of its row
+  kBlockCausal,  // only those of its own document (TokenLayout::document_ids)
+};
+// "causal" | "block_causal"; anything else is a loom::UsageError naming both.
+AttentionMask parse_attention_mask(std::string_view name);
 
 class Attention : public Module {
  public:

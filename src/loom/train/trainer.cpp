@@ -93,6 +93,7 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   // Loom's CUDA kernels the config keeps (all by default; the ATen compositions for the others).
   const nn::CudaKernelSet cuda_kernels = nn::parse_cuda_kernels(config_.training.cuda_kernels);
   nn::set_cuda_kernels(cuda_kernels);
+  block_causal_ = nn::parse_attention_mask(config_.model.attention_mask) == nn::AttentionMask::kBlockCausal;
   optim::set_cuda_adamw_kernel(cuda_kernels.has(nn::CudaKernel::kAdamW));
   // One job per run folder: a second one would interleave metrics and mix checkpoints.
   if (dist_->rank() == 0) run_folder_lock_ = std::make_unique<RunFolderLock>(config_.job.dump_folder);
@@ -199,7 +200,7 @@ void Trainer::init_data() {
   const auto& t = config_.training;
   Timer timer;
   data::SourceOptions source;
-  if (t.dataset_format != "auto") source.format = data::parse_source_format(t.dataset_format);
+  source.format = data::parse_dataset_format(t.dataset_format);
   source.jsonl_field = t.jsonl_field;
   source.format_setting = "training.dataset_format";
   source.jsonl_field_setting = "training.jsonl_field";
@@ -321,9 +322,9 @@ void Trainer::init_optimizer() {
   // Deferring the read-back pays where the host and the device run apart (a GPU): the host no
   // longer waits for the backward before queueing the update. On the CPU there is nothing to
   // overlap, so "auto" keeps the every-step read-back (and its exact clipping).
-  const std::string& readback = config_.training.step_readback;
+  const StepReadback readback = parse_step_readback(config_.training.step_readback);
   deferred_readback_ = optimizer_->applies_step_guard() &&
-                       (readback == "log_steps" || (readback == "auto" && !device_.is_cpu()));
+                       (readback == StepReadback::kLogSteps || (readback == StepReadback::kAuto && !device_.is_cpu()));
 }
 
 void Trainer::init_validation() {
@@ -357,7 +358,7 @@ void Trainer::init_checkpointing() {
     options.folder = fs::path(config_.job.dump_folder) / c.folder;
     options.interval = c.interval;
     options.keep_latest_k = static_cast<int>(c.keep_latest_k);
-    options.async = c.async_mode == "async";
+    options.async = checkpoint::parse_async_mode(c.async_mode);
     options.last_save_model_only = c.model_only;
     // export_dtype applies to the final model-only save (TorchTitan's model_weights_only).
     if (c.model_only) options.export_dtype = checkpoint::parse_export_dtype(c.export_dtype);
@@ -502,6 +503,13 @@ void Trainer::maybe_inject_fault(bool after_step) {
   }
 }
 
+StepReadback parse_step_readback(std::string_view name) {
+  if (name == "auto") return StepReadback::kAuto;
+  if (name == "every_step") return StepReadback::kEveryStep;
+  if (name == "log_steps") return StepReadback::kLogSteps;
+  fail_usage("training.step_readback: unknown value '", name, "'; use \"auto\", \"every_step\" or \"log_steps\"");
+}
+
 double Trainer::global_mean_loss(double local_loss) {
   // Data-parallel ranks see different rows and context-parallel ranks different tokens of them
   // (as many on each): the mean over both is the batch's.
@@ -524,7 +532,7 @@ parallel::ModelBatch Trainer::model_batch(const data::Batch& batch) const {
   // Documents are packed into rows, each starting with BOS: a row's document index is the count
   // of BOS tokens up to each position (a row may begin inside a document: index 0).
   torch::Tensor documents;
-  if (config_.model.attention_mask == "block_causal") {
+  if (block_causal_) {
     documents = (batch.inputs == tokenizer_->bos_id()).to(torch::kInt64).cumsum(1);
   }
   parallel::ModelBatch local = parallel_model_->prepare_batch(batch.inputs, batch.labels, documents);

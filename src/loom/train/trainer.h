@@ -50,6 +50,15 @@
 namespace loom::train {
 
 // What one optimizer step produced (rank-local view; loss is the global mean over the DP group).
+// training.step_readback: when the host reads a step's loss and gradient norm.
+enum class StepReadback {
+  kAuto,       // kLogSteps on an accelerator with an optimizer that applies a StepGuard, else kEveryStep
+  kEveryStep,  // after the backward, before the optimizer step
+  kLogSteps,   // at log steps only; clipping and the non-finite guard on the device
+};
+// "auto" | "every_step" | "log_steps"; anything else is a loom::UsageError naming the three.
+StepReadback parse_step_readback(std::string_view name);
+
 struct StepResult {
   int64_t step = 0;
   double loss = 0.0;
@@ -170,6 +179,8 @@ class Trainer {
   int64_t step_ = 0;
   int64_t nonfinite_steps_skipped_ = 0;
   bool deferred_readback_ = false;  // training.step_readback resolved (init_optimizer)
+  // model.attention_mask = "block_causal": batches carry document ids (model_batch).
+  bool block_causal_ = false;
   // Per pending step: [global loss, gradient norm, found_inf] (float64, on the device).
   std::vector<torch::Tensor> pending_values_;
 };

@@ -102,9 +102,10 @@ TEST(TrainerE2E, DeterministicModeIsBitwiseRepeatable) {
 
 // training.step_readback = "log_steps" (the GPU default) against "every_step" (the CPU's): clipping
 // and the non-finite guard move into the fused AdamW update and the host reads the pending steps
-// only at log steps (every 4th here). Without clipping the runs are bitwise equal, on one process
-// (AdamW) and on 2 FSDP ranks (ShardedAdamW, the loss averaged on the device); with clipping in
-// every step, within float32 rounding (the update divides by 1/c where clipping multiplies by c).
+// only at log steps (every 4th here, so up to 4 steps wait on the device). Without clipping the
+// runs are bitwise equal, on one process (AdamW) and on 2 FSDP ranks (ShardedAdamW, the loss
+// averaged on the device); with clipping in every step, within float32 rounding (the update
+// divides by 1/c where clipping multiplies by c).
 TEST(TrainerE2E, StepReadbackAtLogStepsMatchesEveryStep) {
   struct Case {
     const char* name;
@@ -117,16 +118,16 @@ TEST(TrainerE2E, StepReadbackAtLogStepsMatchesEveryStep) {
                         Case{"one process, clipped every step", single, "", "0.05", false},
                         Case{"2 FSDP ranks, no clipping", two, " --parallelism.data_parallel_shard_degree=2", "1e9", true}}) {
     TempDir every("every"), logged("logged");
-    const std::string args = train_args(every, 4, 12) + c.layout + " --metrics.log_freq=4 --training.max_norm=" + c.max_norm;
+    const std::string args = train_args(every, 4, 8) + c.layout + " --metrics.log_freq=4 --training.max_norm=" + c.max_norm;
     RunResult a = run(c.launch + args + " --training.step_readback=every_step", 300);
     ASSERT_EQ(a.exit_code, 0) << a.output;
-    RunResult b = run(c.launch + train_args(logged, 4, 12) + c.layout + " --metrics.log_freq=4 --training.max_norm=" +
+    RunResult b = run(c.launch + train_args(logged, 4, 8) + c.layout + " --metrics.log_freq=4 --training.max_norm=" +
                           c.max_norm + " --training.step_readback=log_steps" + loom::testing::layout_breakage(),
                       300);
     ASSERT_EQ(b.exit_code, 0) << b.output;
     const auto rows_a = read_jsonl(every.path() / "metrics.jsonl"), rows_b = read_jsonl(logged.path() / "metrics.jsonl");
     const auto la = losses(every), lb = losses(logged);
-    ASSERT_EQ(la.size(), 4u) << c.name;  // steps 1, 4, 8, 12
+    ASSERT_EQ(la.size(), 3u) << c.name;  // steps 1, 4, 8
     ASSERT_EQ(lb.size(), la.size()) << c.name;
     double worst = 0;
     for (size_t i = 0; i < la.size(); ++i) {
