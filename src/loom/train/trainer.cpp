@@ -645,26 +645,7 @@ void Trainer::resolve_pending_steps(std::vector<StepResult>& results, RunProgres
     r.grad_norm = values[static_cast<int64_t>(i)][1];
     r.skipped = values[static_cast<int64_t>(i)][2] != 0.0;
     progress.record_loss(r.step, r.loss);
-    if (!r.skipped) continue;
-    const std::string what = c10::str(
-        "non-finite ", !std::isfinite(r.loss) ? c10::str("loss ", r.loss, " ") : "",
-        !std::isfinite(r.loss) && !std::isfinite(r.grad_norm) ? "and " : "",
-        !std::isfinite(r.grad_norm) ? c10::str("gradient norm ", r.grad_norm, " ") : "", "at step ", r.step,
-        " (found at step ", step_, "'s read-back; set training.step_readback = \"every_step\" to name the "
-        "first non-finite gradient)");
-    const int64_t allowed = config_.training.skip_nonfinite_steps;
-    if (nonfinite_steps_skipped_ < allowed) {
-      ++nonfinite_steps_skipped_;
-      log::warn(what, "; the device skipped its update (", nonfinite_steps_skipped_, " of ", allowed,
-                " allowed by training.skip_nonfinite_steps): weights and optimizer state unchanged, "
-                "the LR schedule advanced");
-      continue;
-    }
-    if (checkpointer_) checkpointer_->wait();
-    throw DivergedError(c10::str(
-        "training diverged: ", what, "; its update was skipped on the device, so every checkpoint "
-        "holds finite weights. Lower optimizer.lr, raise lr_scheduler.warmup_steps or lower "
-        "training.max_norm, or allow skipping with training.skip_nonfinite_steps"));
+    if (r.skipped) handle_nonfinite_step(r, /*skipped_on_device=*/true);  // throws past the allowance
   }
 }
 
@@ -690,27 +671,36 @@ std::string Trainer::first_nonfinite_gradient() {
   return first < none ? all[static_cast<size_t>(first)].name : "";
 }
 
-void Trainer::handle_nonfinite_step(const StepResult& r) {
-  const std::string param = first_nonfinite_gradient();
-  const std::string what = c10::str("non-finite ", !std::isfinite(r.loss) ? "loss " : "",
-                                    !std::isfinite(r.loss) ? c10::str(r.loss, " ") : "",
+void Trainer::handle_nonfinite_step(const StepResult& r, bool skipped_on_device) {
+  // Where the step was decided: on the host before its update (the first non-finite gradient is
+  // still there to name), or on the device, read back at a later log step (its gradients are gone).
+  const std::string where =
+      skipped_on_device
+          ? c10::str(" (found at step ", step_, "'s read-back; set training.step_readback = \"every_step\" to name "
+                     "the first non-finite gradient)")
+          : [this] {
+              const std::string param = first_nonfinite_gradient();
+              return param.empty() ? std::string() : c10::str(" (first non-finite gradient: ", param, ")");
+            }();
+  const std::string what = c10::str("non-finite ", !std::isfinite(r.loss) ? c10::str("loss ", r.loss, " ") : "",
                                     !std::isfinite(r.loss) && !std::isfinite(r.grad_norm) ? "and " : "",
                                     !std::isfinite(r.grad_norm) ? c10::str("gradient norm ", r.grad_norm, " ") : "",
-                                    "at step ", r.step,
-                                    param.empty() ? std::string() : c10::str(" (first non-finite gradient: ", param, ")"));
+                                    "at step ", r.step, where);
   const int64_t allowed = config_.training.skip_nonfinite_steps;
   if (nonfinite_steps_skipped_ < allowed) {
     ++nonfinite_steps_skipped_;
-    log::warn(what, "; step skipped (", nonfinite_steps_skipped_, " of ", allowed,
-              " allowed by training.skip_nonfinite_steps): weights, optimizer state and LR "
-              "schedule unchanged");
+    log::warn(what, skipped_on_device ? "; the device skipped its update (" : "; step skipped (",
+              nonfinite_steps_skipped_, " of ", allowed, " allowed by training.skip_nonfinite_steps): ",
+              skipped_on_device ? "weights and optimizer state unchanged, the LR schedule advanced"
+                                : "weights, optimizer state and LR schedule unchanged");
     return;
   }
   // A checkpoint still being written holds the last finite state: let it land before stopping.
   if (checkpointer_) checkpointer_->wait();
   throw DivergedError(c10::str(
-      "training diverged: ", what, "; stopped before applying it, so every checkpoint holds "
-      "finite weights. Lower optimizer.lr, raise lr_scheduler.warmup_steps or lower "
+      "training diverged: ", what,
+      skipped_on_device ? "; its update was skipped on the device" : "; stopped before applying it",
+      ", so every checkpoint holds finite weights. Lower optimizer.lr, raise lr_scheduler.warmup_steps or lower "
       "training.max_norm, or allow skipping with training.skip_nonfinite_steps"));
 }
 

@@ -136,7 +136,9 @@ class Trainer {
   // any checkpoint still being written (it holds the last finite state) and throws DivergedError
   // naming the step and the first parameter with a non-finite gradient. Nothing non-finite is ever
   // applied to the weights, so no checkpoint can hold it.
-  void handle_nonfinite_step(const StepResult& result);
+  // `skipped_on_device`: the step was found at a later log step's read-back (step_readback =
+  // "log_steps"); its update was skipped on the device and its gradients are gone.
+  void handle_nonfinite_step(const StepResult& result, bool skipped_on_device = false);
   // The first parameter (module order) whose gradient has a NaN/inf on any rank; "" if none.
   std::string first_nonfinite_gradient();
   void maybe_inject_fault(bool after_step);
