@@ -1,6 +1,6 @@
 // Activation memory and compute time of activation checkpointing, counted exactly: the bench model
 // (llama3 "124M": dim 768, 12 layers, 12 heads / 4 kv, FFN 2048, vocab 32000, fp32) at seq 1024,
-// forward_loss + backward with each AC mode applied as `loom train` applies it (llama3::apply_ac).
+// forward_loss + backward with each AC mode applied as `loom train` applies it (models::apply_ac).
 // c10's allocator is watched by memory::AllocationTracker, so the figures are the tensors' bytes,
 // not RSS (which malloc's caching and the process's other memory blur; bench/ac_memory.py gives
 // the end-to-end RSS and step time of `loom train`):
@@ -24,7 +24,8 @@
 #include "loom/core/memory.h"
 #include "loom/models/llama3/model.h"
 #include "loom/models/llama3/model_args.h"
-#include "loom/models/llama3/parallelize.h"
+#include "loom/models/common/parallelize.h"
+#include "loom/models/llama3/spec.h"
 
 namespace {
 
@@ -48,7 +49,7 @@ Figures measure(const loom::ac::ACOptions& options, int64_t batch, int64_t seq, 
   args.max_seq_len = std::max(args.max_seq_len, seq);
   loom::llama3::Transformer model(args);
   model.init_weights(0);
-  loom::llama3::apply_ac(model, options);
+  loom::models::apply_ac(model, options);
   const torch::Tensor row = torch::randint(0, 32000, {batch, seq + 1}, torch::kInt64);
   const torch::Tensor tokens = row.narrow(1, 0, seq), labels = row.narrow(1, 1, seq).contiguous();
   Figures f;

@@ -21,7 +21,8 @@
 #include "loom/core/error.h"
 #include "loom/distributed/launch_env.h"
 #include "loom/distributed/process_group.h"
-#include "loom/models/llama3/pipeline.h"
+#include "loom/models/common/pipeline.h"
+#include "loom/models/llama3/model.h"
 #include "loom/pipeline/executor.h"
 #include "loom/pipeline/generators.h"
 #include "loom/pipeline/simulator.h"
@@ -73,16 +74,16 @@ void run_schedule(const std::shared_ptr<distributed::Comm>& comm, const Options&
   popt.microbatch_size = 1;
   popt.microbatches = o.microbatches;
   popt.seq_len = o.seq;
-  const llama3::PipelinePlan plan = llama3::plan_pipeline(args, pp, popt);
+  const models::PipelinePlan plan = models::plan_pipeline(args, pp, popt);
   const std::vector<int> ids = plan.schedule.stages_of(comm->rank());
-  auto models = llama3::split_into_stages(
+  auto models = models::split_into_stages(
       [&] { return std::make_shared<llama3::Transformer>(args, torch::TensorOptions().device(torch::kMeta)); },
       plan.layer_bounds, ids);
   for (auto& m : models) {
     m->to_empty(torch::kCPU);
     m->init_weights(0);
   }
-  auto stages = llama3::make_pipeline_stages(models, ids, plan.schedule.num_stages());
+  auto stages = models::make_pipeline_stages(models, ids, plan.schedule.num_stages());
   pipeline::PipelineExecutor executor(plan.schedule, stages, {comm, {1, o.seq, args.dim}});
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
   std::vector<torch::Tensor> tokens, labels;

@@ -18,7 +18,8 @@
 #include "loom/distributed/process_group.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/fsdp/sharded_optimizer.h"
-#include "loom/models/llama3/parallelize.h"
+#include "loom/models/common/parallelize.h"
+#include "loom/models/llama3/spec.h"
 #include "loom/optim/adamw.h"
 #include "loom/optim/optimizer.h"
 #include "loom/testing/checkpoint_files.h"
@@ -103,8 +104,8 @@ TEST(CudaFsdp, DeviceResidentOneRankFsdpTrainsLikeTheUnwrappedModel) {
                                                      torch::TensorOptions().device(torch::kMeta));
   fsdp::FSDPPolicy policy;
   policy.device = kGpu;
-  auto sharded = llama3::apply_fsdp(*model, fsdp::FSDPMesh::single(), policy);
-  llama3::init_sharded_weights(*model, *sharded, 5, kGpu);
+  auto sharded = models::apply_fsdp(*model, fsdp::FSDPMesh::single(), policy);
+  models::init_sharded_weights(*model, *sharded, 5, kGpu);
   for (fsdp::FSDPParamGroup* g : sharded->param_groups()) {
     EXPECT_EQ(g->sharded_params().device(), kGpu) << g->name();
     EXPECT_EQ(g->sharded_grads().device(), kGpu) << g->name();

@@ -10,7 +10,8 @@
 #include <torch/cuda.h>
 
 #include "loom/core/build_paths.h"
-#include "loom/models/llama3/model_dir.h"
+#include "loom/models/common/model_dir.h"
+#include "loom/models/llama3/model.h"
 #include "loom/testing/run.h"
 
 namespace {
@@ -100,9 +101,9 @@ TEST(Cuda, CheckpointMovesBetweenGpuAndCpuBitwise) {
                     " --output " + back_on_gpu.string());
   ASSERT_EQ(g.exit_code, 0) << g.output;
   // named_parameters() points into its model: each loaded model stays alive while it is compared.
-  const auto original_model = loom::llama3::load_model_dir(saved).model;
-  const auto via_cpu_model = loom::llama3::load_model_dir(on_cpu).model;
-  const auto via_gpu_model = loom::llama3::load_model_dir(back_on_gpu).model;
+  const auto original_model = loom::models::load_model_dir(saved).model;
+  const auto via_cpu_model = loom::models::load_model_dir(on_cpu).model;
+  const auto via_gpu_model = loom::models::load_model_dir(back_on_gpu).model;
   const auto original = original_model->named_parameters();
   const auto via_cpu = via_cpu_model->named_parameters();
   const auto via_gpu = via_gpu_model->named_parameters();

@@ -18,7 +18,8 @@
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/build_paths.h"
 #include "loom/data/tokenizer.h"
-#include "loom/models/llama3/model_dir.h"
+#include "loom/models/common/model_dir.h"
+#include "loom/models/llama3/model.h"
 #include "loom/testing/checkpoint_files.h"
 #include "loom/testing/run.h"
 
@@ -417,7 +418,7 @@ std::shared_ptr<loom::llama3::Transformer> tiny_llama(uint64_t seed, int64_t voc
 
 // `dir` as a model-only Loom checkpoint of tiny_llama(seed).
 fs::path tiny_checkpoint(const fs::path& dir, uint64_t seed = 1) {
-  loom::llama3::save_loom_checkpoint(*tiny_llama(seed), dir);
+  loom::models::save_loom_checkpoint(loom::models::get_spec("llama3"), *tiny_llama(seed), dir);
   return dir;
 }
 
@@ -536,7 +537,7 @@ TEST(Faults, GenerateWithATokenizerSmallerThanTheVocabularyLeavesUnknownIdsOut) 
     head[known].copy_(row * 10);      // one of these two padded ids has the largest logit
     head[known + 1].copy_(row * -10);
   }
-  loom::llama3::save_loom_checkpoint(*model, dir.path() / "model");
+  loom::models::save_loom_checkpoint(loom::models::get_spec("llama3"), *model, dir.path() / "model");
   const RunResult r = run(loom_bin() + " generate --checkpoint " + (dir.path() / "model").string() +
                           " --tokenizer " + tokenizer + " --prompt hi --max-new-tokens 3 --temperature 0", 60);
   EXPECT_EQ(r.exit_code, 0) << r.output;
@@ -552,7 +553,7 @@ TEST(Faults, GenerateWithATokenizerSmallerThanTheVocabularyLeavesUnknownIdsOut) 
 TEST(Faults, OutOfMemoryAtModelBuildSaysWhatAndHowMuch) {
   TempDir dir("oom");
   auto model = test_faults::tiny_llama(4);
-  loom::llama3::export_hf_model_dir(*model, dir.path() / "hf");
+  loom::models::export_hf_model_dir(loom::models::get_spec("llama3"), *model, dir.path() / "hf");
   std::ifstream in(dir.path() / "hf" / "config.json");
   nlohmann::json config = nlohmann::json::parse(in);
   config["max_position_embeddings"] = int64_t{1} << 50;

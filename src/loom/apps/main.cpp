@@ -7,7 +7,7 @@
 
 #include "loom/data/tokenizer_cli.h"
 #include "loom/distributed/launcher_cli.h"
-#include "loom/models/llama3/cli.h"
+#include "loom/models/cli/cli.h"
 #include "loom/pipeline/pipeline_cli.h"
 #include "loom/train/train_cli.h"
 #include "loom/apps/restart_policy.h"
@@ -56,11 +56,11 @@ int main(int argc, char** argv) {
   loom::distributed::register_launch_command(app, std::vector<std::string>(argv, argv + argc));
   loom::train::register_train_command(app);
   loom::train::register_plot_command(app);
-  loom::llama3::register_score_command(app);
-  loom::llama3::register_generate_command(app);
+  loom::models::register_score_command(app);
+  loom::models::register_generate_command(app);
   loom::data::register_tokenizer_command(app);
-  loom::llama3::register_info_command(app);
-  loom::llama3::register_convert_command(app);
+  loom::models::register_info_command(app);
+  loom::models::register_convert_command(app);
   loom::pipeline::register_pipeline_command(app);
   // Usage errors go through report_error like every other error: under `loom launch` the rank's
   // LOOM_ERROR_FILE then says exit code 2, so the launcher does not restart a command line that

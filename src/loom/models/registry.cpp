@@ -37,4 +37,16 @@ const ModelSpec& get_spec(const std::string& name) {
   return *it;
 }
 
+const ModelSpec& spec_for_hf_model_type(const std::string& model_type, const std::string& source) {
+  std::string supported;
+  for (const ModelSpec& spec : registered_specs()) {
+    if (!spec.hf) continue;
+    for (const std::string& type : spec.hf->model_types) {
+      if (type == model_type) return spec;
+      supported += (supported.empty() ? "\"" : ", \"") + type + "\"";
+    }
+  }
+  fail(source, ": model_type '", model_type, "' is not supported; Loom reads ", supported);
+}
+
 }  // namespace loom::models

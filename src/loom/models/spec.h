@@ -104,6 +104,22 @@ struct InitialWeights {
   optim::TensorDict full_parameters;      // else: these, for ParallelizedModel::load_full_parameters
 };
 
+// A family's Hugging Face format (transformers' <Family>ForCausalLM): config.json and weight names.
+struct HfFormat {
+  std::vector<std::string> model_types;  // config.json "model_type" values this family reads
+  struct Config {
+    std::unique_ptr<ModelArgs> args;      // max_seq_len = max_position_embeddings
+    bool tie_word_embeddings = false;     // as the file says (the family's args may untie it)
+  };
+  // Reads config.json; what the family cannot represent is a one-line loom::Error naming `source`.
+  std::function<Config(const nlohmann::json& config, const std::string& source)> read_config;
+  // A config.json transformers loads (`torch_dtype` given).
+  std::function<nlohmann::json(const ModelArgs&, const std::string& torch_dtype)> write_config;
+  // Name mapping; nullopt for a name that is not one of the family's weights.
+  std::function<std::optional<std::string>(const std::string& hf_name)> to_loom_name;
+  std::function<std::optional<std::string>(const std::string& loom_name)> to_hf_name;
+};
+
 struct ModelSpec {
   std::string name;                  // model.name
   std::vector<std::string> flavors;  // model.flavor's valid values
@@ -141,6 +157,9 @@ struct ModelSpec {
   // What checkpoint.initial_load_path holds (see InitialWeights); a one-line loom::Error when it is
   // nothing this model reads.
   std::function<InitialWeights(const std::filesystem::path&)> read_initial_weights;
+  // The Hugging Face format `loom convert`, `score`, `generate` and initial loads read and write;
+  // unset: none.
+  std::optional<HfFormat> hf;
 };
 
 // The registered spec named `name`; an unknown name is a loom::UsageError listing the registered
@@ -148,5 +167,8 @@ struct ModelSpec {
 const ModelSpec& get_spec(const std::string& name);
 // The registered names, in registration order (the config schema's choices for model.name).
 const std::vector<std::string_view>& spec_names();
+// The registered spec whose Hugging Face format reads config.json's `model_type`; a one-line
+// loom::Error naming `source` and the supported types otherwise.
+const ModelSpec& spec_for_hf_model_type(const std::string& model_type, const std::string& source);
 
 }  // namespace loom::models

@@ -6,18 +6,22 @@
 namespace loom::nn {
 
 Attention::Attention(int64_t dim, int64_t n_heads, int64_t n_kv_heads,
-                     const torch::TensorOptions& options)
+                     const torch::TensorOptions& options, const AttentionOptions& variant)
     : Module("Attention"), n_heads_(n_heads), n_kv_heads_(n_kv_heads) {
   LOOM_REQUIRE(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
                "n_heads (", n_heads, ") must be a positive multiple of n_kv_heads (", n_kv_heads,
                ")");
-  LOOM_REQUIRE(dim % n_heads == 0, "dim (", dim, ") must be divisible by n_heads (", n_heads,
-               ")");
-  head_dim_ = dim / n_heads;
+  LOOM_REQUIRE(variant.head_dim > 0 || dim % n_heads == 0, "dim (", dim,
+               ") must be divisible by n_heads (", n_heads, ") unless head_dim is given");
+  head_dim_ = variant.head_dim > 0 ? variant.head_dim : dim / n_heads;
   wq_ = register_module("wq", std::make_shared<Linear>(dim, n_heads * head_dim_, options));
   wk_ = register_module("wk", std::make_shared<Linear>(dim, n_kv_heads * head_dim_, options));
   wv_ = register_module("wv", std::make_shared<Linear>(dim, n_kv_heads * head_dim_, options));
   wo_ = register_module("wo", std::make_shared<Linear>(n_heads * head_dim_, dim, options));
+  if (variant.qk_norm_eps) {
+    q_norm_ = register_module("q_norm", std::make_shared<RMSNorm>(head_dim_, *variant.qk_norm_eps, options));
+    k_norm_ = register_module("k_norm", std::make_shared<RMSNorm>(head_dim_, *variant.qk_norm_eps, options));
+  }
 }
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Attention::project_qkv(
@@ -33,6 +37,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Attention::project_qkv(
   q = q.view({batch, seq, q.size(-1) / head_dim_, head_dim_});
   k = k.view({batch, seq, k.size(-1) / head_dim_, head_dim_});
   v = v.view({batch, seq, v.size(-1) / head_dim_, head_dim_});
+  if (q_norm_) {
+    // Per head, over head_dim; the weight is the same for every head (so also for this rank's
+    // heads under tensor parallelism).
+    q = q_norm_->forward(q);
+    k = k_norm_->forward(k);
+  }
   return {q, k, v};
 }
 

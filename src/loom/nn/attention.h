@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string_view>
 
 #include "loom/nn/layers.h"
@@ -37,17 +38,27 @@ enum class AttentionMask {
 // "causal" | "block_causal"; anything else is a loom::UsageError naming both.
 AttentionMask parse_attention_mask(std::string_view name);
 
+// The variants of attention the model families use, beside the head counts.
+struct AttentionOptions {
+  // Width of a head; 0: dim / n_heads (Llama). Qwen3 decouples it (e.g. 128 with dim 1024, 16 heads).
+  int64_t head_dim = 0;
+  // QK-norm (Qwen3, OLMo 2): an RMSNorm over head_dim, one weight shared by all heads, applied to
+  // each query and key head before RoPE ("q_norm", "k_norm"); unset: none.
+  std::optional<double> qk_norm_eps;
+};
+
 class Attention : public Module {
  public:
-  // head_dim = dim / n_heads; n_heads must be a multiple of n_kv_heads.
-  Attention(int64_t dim, int64_t n_heads, int64_t n_kv_heads, const torch::TensorOptions& options);
+  // n_heads must be a multiple of n_kv_heads; without options.head_dim, dim of n_heads.
+  Attention(int64_t dim, int64_t n_heads, int64_t n_kv_heads, const torch::TensorOptions& options,
+            const AttentionOptions& variant = {});
 
   // x: [B, T, dim]; rope_cache: [2, >=T, head_dim] (loom/nn/rope.h), indexed by the layout's
   // positions. Returns [B, T, dim].
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cache, const TokenLayout& layout = {});
 
   // The steps of forward, separately callable (a fused-kernel path replaces them one at a time).
-  // Projects x to q [B, T, H, D] and k, v [B, T, KV, D].
+  // Projects x to q [B, T, H, D] and k, v [B, T, KV, D] (q and k through the QK-norm when present).
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> project_qkv(const torch::Tensor& x);
   // q [B, T, H, D], k/v [B, T, KV, D] (after RoPE) -> attention output [B, T, H * D]: causal SDPA,
   // block-causal with the layout's documents, or the installed backend.
@@ -68,6 +79,7 @@ class Attention : public Module {
   Linear& wk() { return *wk_; }
   Linear& wv() { return *wv_; }
   Linear& wo() { return *wo_; }
+  bool has_qk_norm() const { return q_norm_ != nullptr; }
   int64_t n_heads() const { return n_heads_; }
   int64_t n_kv_heads() const { return n_kv_heads_; }
   int64_t head_dim() const { return head_dim_; }
@@ -80,6 +92,8 @@ class Attention : public Module {
   std::shared_ptr<Linear> wk_;
   std::shared_ptr<Linear> wv_;
   std::shared_ptr<Linear> wo_;
+  std::shared_ptr<RMSNorm> q_norm_;  // null without QK-norm
+  std::shared_ptr<RMSNorm> k_norm_;
   AttendFn attend_;
 };
 

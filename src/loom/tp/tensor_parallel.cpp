@@ -120,6 +120,10 @@ void TensorParallel::sequence_parallel(nn::RMSNorm& norm, const std::string& fqn
   if (sequence_parallel_) partial_grads_.push_back(fqn.empty() ? "weight" : fqn + ".weight");
 }
 
+void TensorParallel::replicate_partial_grad(nn::Module& module, const std::string& fqn) {
+  for (const auto& p : module.named_parameters()) partial_grads_.push_back(fqn.empty() ? p.name : fqn + "." + p.name);
+}
+
 void TensorParallel::colwise_output(nn::Linear& output, const std::string& fqn, bool loss_parallel) {
   colwise(output, fqn);
   prepare_input(output);

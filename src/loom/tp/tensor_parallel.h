@@ -16,6 +16,9 @@
 //   sequence_parallel(norm)   weight Replicate       runs on this rank's tokens; SP: the weight's
 //                                                    gradient is summed over the group after
 //                                                    backward (sum_partial_gradients)
+//   replicate_partial_grad    weights Replicate      runs on this rank's heads (a QK-norm inside a
+//     (module)                                       colwise attention): every parameter's gradient
+//                                                    is summed over the group, with or without SP
 //
 // Async TP (`async_tp`, needs SP): the all-gather before a module's colwise projections and the
 // reduce-scatter after a rowwise one become collective matmuls (tp/collective_matmul.h) that
@@ -62,6 +65,7 @@ class TensorParallel {
   // they are computed with the gather. Without async TP they are not needed.
   void prepare_input(nn::Module& module, const std::vector<nn::Linear*>& consumers = {});
   void sequence_parallel(nn::RMSNorm& norm, const std::string& fqn);
+  void replicate_partial_grad(nn::Module& module, const std::string& fqn);
   // The output head: colwise on a prepared input; without loss parallel the vocab-sharded logits
   // are gathered (the plain loss then sees whole logits).
   void colwise_output(nn::Linear& output, const std::string& fqn, bool loss_parallel);
@@ -70,7 +74,8 @@ class TensorParallel {
   // parameters the styles split, Replicate for every other.
   tensor::TensorLayout layout_of(const std::string& fqn, const std::vector<int64_t>& local_shape) const;
   bool is_sharded(const std::string& fqn) const { return layouts_.count(fqn) > 0; }
-  // Parameters each rank holds in full but whose gradients it only partly computes (SP norms):
+  // Parameters each rank holds in full but whose gradients it only partly computes (SP norms,
+  // replicate_partial_grad's modules):
   // their gradients are summed over the group once per step, before clipping.
   const std::vector<std::string>& partial_gradient_parameters() const { return partial_grads_; }
   // The sum, in place, as one all-reduce over the concatenated tensors (small: norm weights).

@@ -10,7 +10,8 @@
 #include "loom/fsdp/distributed_buffer.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/fsdp/sharded_optimizer.h"
-#include "loom/models/llama3/parallelize.h"
+#include "loom/models/common/parallelize.h"
+#include "loom/models/llama3/spec.h"
 #include "loom/nn/layers.h"
 #include "loom/optim/adamw.h"
 #include "loom/optim/clip_grad.h"
@@ -266,8 +267,8 @@ TEST(FullyShard, OneRankTrainsLikeTheUnwrappedModel) {
                                                      torch::TensorOptions().device(torch::kMeta));
   FSDPPolicy policy;
   policy.granularity = tensor::Granularity::row();
-  auto fsdp = llama3::apply_fsdp(*model, FSDPMesh::single(), policy);
-  llama3::init_sharded_weights(*model, *fsdp, 5);
+  auto fsdp = models::apply_fsdp(*model, FSDPMesh::single(), policy);
+  models::init_sharded_weights(*model, *fsdp, 5);
   EXPECT_EQ(fsdp->states().size(), 3u);
   EXPECT_TRUE(fsdp->is_root());
   EXPECT_EQ(fsdp->states()[1]->fqn(), "layers.0");
@@ -366,7 +367,7 @@ TEST(FullyShard, UnusedParametersAreReducedAtTheEndOfBackward) {
 TEST(FullyShard, WhatStaysUnshardedWhen) {
   auto model = std::make_shared<llama3::Transformer>(tiny_args());
   model->init_weights(1);
-  auto fsdp = llama3::apply_fsdp(*model, FSDPMesh::single(), FSDPPolicy{});
+  auto fsdp = models::apply_fsdp(*model, FSDPMesh::single(), FSDPPolicy{});
   FSDPParamGroup* root = fsdp->param_group();
   FSDPParamGroup* block = fsdp->states()[1]->param_group();
   const torch::Tensor tokens = torch::zeros({1, 4}, torch::kLong);
@@ -398,15 +399,15 @@ TEST(FullyShard, WhatStaysUnshardedWhen) {
 TEST(FullyShard, BadPoliciesAreOneLineErrors) {
   EXPECT_THROW(ReshardAfterForward::parse("sometimes"), UsageError);
   EXPECT_THROW(ReshardAfterForward::degree(0), UsageError);
-  EXPECT_THROW(llama3::FSDPReshardSetting::parse("-2"), UsageError);
-  EXPECT_EQ(llama3::FSDPReshardSetting::parse("default").last_block, false);
-  EXPECT_EQ(llama3::FSDPReshardSetting::parse("4").blocks, ReshardAfterForward::degree(4));
+  EXPECT_THROW(models::FSDPReshardSetting::parse("-2"), UsageError);
+  EXPECT_EQ(models::FSDPReshardSetting::parse("default").last_block, false);
+  EXPECT_EQ(models::FSDPReshardSetting::parse("4").blocks, ReshardAfterForward::degree(4));
 
   auto model = std::make_shared<llama3::Transformer>(tiny_args());
   FSDPPolicy policy;
   policy.granularity = tensor::Granularity::row_block(7);  // 7 does not divide dim 64
   try {
-    llama3::apply_fsdp(*model, FSDPMesh::single(), policy);
+    models::apply_fsdp(*model, FSDPMesh::single(), policy);
     FAIL() << "expected an error";
   } catch (const Error& e) {
     const std::string msg = e.what();

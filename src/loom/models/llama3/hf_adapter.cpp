@@ -2,78 +2,18 @@
 
 #include <nlohmann/json.hpp>
 
-#include <array>
 #include <utility>
 
 #include "loom/core/error.h"
 
 namespace loom::llama3 {
 namespace {
-// Per-layer names: HF suffix after "model.layers.N.", Loom suffix after "layers.N.".
-constexpr std::array<std::pair<const char*, const char*>, 9> kLayerNames = {{
-    {"input_layernorm.weight", "attention_norm.weight"},
-    {"self_attn.q_proj.weight", "attention.wq.weight"},
-    {"self_attn.k_proj.weight", "attention.wk.weight"},
-    {"self_attn.v_proj.weight", "attention.wv.weight"},
-    {"self_attn.o_proj.weight", "attention.wo.weight"},
-    {"post_attention_layernorm.weight", "ffn_norm.weight"},
-    {"mlp.gate_proj.weight", "feed_forward.w1.weight"},
-    {"mlp.down_proj.weight", "feed_forward.w2.weight"},
-    {"mlp.up_proj.weight", "feed_forward.w3.weight"},
-}};
-constexpr std::array<std::pair<const char*, const char*>, 3> kGlobalNames = {{
-    {"model.embed_tokens.weight", "tok_embeddings.weight"},
-    {"model.norm.weight", "norm.weight"},
-    {"lm_head.weight", "output.weight"},
-}};
-
-// Splits "<prefix><digits>.<rest>" into (digits, rest); nullopt when `name` has another shape.
-std::optional<std::pair<std::string, std::string>> split_layer(const std::string& name,
-                                                               const std::string& prefix) {
-  if (name.rfind(prefix, 0) != 0) return std::nullopt;
-  const size_t dot = name.find('.', prefix.size());
-  if (dot == std::string::npos || dot == prefix.size()) return std::nullopt;
-  std::string id = name.substr(prefix.size(), dot - prefix.size());
-  if (id.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
-  return std::make_pair(std::move(id), name.substr(dot + 1));
-}
-
 template <typename T>
 T get_or(const nlohmann::json& j, const char* key, T fallback) {
   if (!j.contains(key) || j.at(key).is_null()) return fallback;
   return j.at(key).get<T>();
 }
 }  // namespace
-
-std::optional<std::string> hf_to_loom_name(const std::string& hf_name) {
-  for (const auto& [hf, loom] : kGlobalNames) {
-    if (hf_name == hf) return std::string(loom);
-  }
-  if (auto parts = split_layer(hf_name, "model.layers.")) {
-    for (const auto& [hf, loom] : kLayerNames) {
-      if (parts->second == hf) return "layers." + parts->first + "." + loom;
-    }
-  }
-  return std::nullopt;
-}
-
-std::optional<std::string> loom_to_hf_name(const std::string& loom_name) {
-  for (const auto& [hf, loom] : kGlobalNames) {
-    if (loom_name == loom) return std::string(hf);
-  }
-  if (auto parts = split_layer(loom_name, "layers.")) {
-    for (const auto& [hf, loom] : kLayerNames) {
-      if (parts->second == loom) return "model.layers." + parts->first + "." + hf;
-    }
-  }
-  return std::nullopt;
-}
-
-bool is_ignorable_hf_tensor(const std::string& hf_name) {
-  const std::string suffix = "rotary_emb.inv_freq";
-  return hf_name.size() >= suffix.size() &&
-         hf_name.compare(hf_name.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 HfLlamaConfig hf_config_to_model_args(const nlohmann::json& c, const std::string& source) {
   LOOM_REQUIRE(c.is_object(), source, " is not a JSON object");
@@ -174,6 +114,21 @@ nlohmann::json model_args_to_hf_config(const ModelArgs& a, const std::string& to
     };
   }
   return c;
+}
+
+models::HfFormat hf_format() {
+  models::HfFormat hf;
+  hf.model_types = {"llama"};
+  hf.read_config = [](const nlohmann::json& config, const std::string& source) {
+    HfLlamaConfig c = hf_config_to_model_args(config, source);
+    return models::HfFormat::Config{std::make_unique<ModelArgs>(std::move(c.args)), c.tie_word_embeddings};
+  };
+  hf.write_config = [](const models::ModelArgs& args, const std::string& torch_dtype) {
+    return model_args_to_hf_config(dynamic_cast<const ModelArgs&>(args), torch_dtype);
+  };
+  hf.to_loom_name = hf_to_loom_name;
+  hf.to_hf_name = loom_to_hf_name;
+  return hf;
 }
 
 }  // namespace loom::llama3

@@ -1,24 +1,14 @@
-// Hugging Face `LlamaForCausalLM` <-> Loom Llama 3: config.json fields and parameter names.
-//
-// No weight permutation is needed in either direction: Loom's RoPE uses the rotate-half pairing
-// (loom/nn/rope.h) that Hugging Face checkpoints are stored in.
-//
-//   model.embed_tokens.weight                      tok_embeddings.weight
-//   model.layers.N.input_layernorm.weight          layers.N.attention_norm.weight
-//   model.layers.N.self_attn.{q,k,v,o}_proj.weight layers.N.attention.w{q,k,v,o}.weight
-//   model.layers.N.post_attention_layernorm.weight layers.N.ffn_norm.weight
-//   model.layers.N.mlp.gate_proj.weight            layers.N.feed_forward.w1.weight
-//   model.layers.N.mlp.down_proj.weight            layers.N.feed_forward.w2.weight
-//   model.layers.N.mlp.up_proj.weight              layers.N.feed_forward.w3.weight
-//   model.norm.weight                              norm.weight
-//   lm_head.weight                                 output.weight
+// Hugging Face `LlamaForCausalLM` <-> Loom Llama 3: config.json fields; the parameter names are
+// the shared decoder's (models/common/hf_names.h), without QK-norm.
 #pragma once
 #include <nlohmann/json_fwd.hpp>
 
 #include <optional>
 #include <string>
 
+#include "loom/models/common/hf_names.h"
 #include "loom/models/llama3/model_args.h"
+#include "loom/models/spec.h"
 
 namespace loom::llama3 {
 
@@ -38,9 +28,16 @@ nlohmann::json model_args_to_hf_config(const ModelArgs& args, const std::string&
 
 // Name mapping; nullopt for a name that is not a Llama weight (hf_to_loom also returns nullopt
 // for the rotary `inv_freq` buffers old checkpoints carry, which callers skip).
-std::optional<std::string> hf_to_loom_name(const std::string& hf_name);
-std::optional<std::string> loom_to_hf_name(const std::string& loom_name);
-// True for tensors a Hugging Face checkpoint may hold that carry no weights (rotary caches).
-bool is_ignorable_hf_tensor(const std::string& hf_name);
+inline std::optional<std::string> hf_to_loom_name(const std::string& hf_name) {
+  return models::hf_to_loom_decoder_name(hf_name, /*qk_norm=*/false);
+}
+inline std::optional<std::string> loom_to_hf_name(const std::string& loom_name) {
+  return models::loom_to_hf_decoder_name(loom_name, /*qk_norm=*/false);
+}
+using models::is_ignorable_hf_tensor;
+
+// The above as the model spec's Hugging Face format ("llama"). A tied checkpoint (Llama 3.2 1B/3B)
+// loads into Loom's untied head as a copy of the embedding.
+models::HfFormat hf_format();
 
 }  // namespace loom::llama3

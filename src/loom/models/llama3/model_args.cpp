@@ -8,6 +8,17 @@
 
 namespace loom::llama3 {
 
+ModelArgs::ModelArgs() {
+  dim = 4096;
+  n_layers = 32;
+  n_heads = 32;
+  n_kv_heads = 8;
+  vocab_size = 128256;
+  norm_eps = 1e-5;
+  rope_theta = 500000.0;
+  max_seq_len = 8192;
+}
+
 int64_t ModelArgs::ffn_hidden_dim() const {
   if (ffn_dim > 0) return ffn_dim;
   // Meta's FeedForward: int(2 * 4dim / 3), scaled, rounded up to multiple_of.

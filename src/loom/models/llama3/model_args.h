@@ -8,39 +8,34 @@
 #include <string>
 #include <vector>
 
-#include "loom/models/model_args.h"
+#include "loom/models/common/decoder.h"
 #include "loom/nn/rope.h"
 
 namespace loom::llama3 {
 
-struct ModelArgs : models::ModelArgs {
-  int64_t dim = 4096;
-  int64_t n_layers = 32;
-  int64_t n_heads = 32;
-  int64_t n_kv_heads = 8;
-  int64_t vocab_size = 128256;
+// The shared decoder's fields (models::DecoderArgs: dim, n_layers, n_heads, n_kv_heads,
+// vocab_size, norm_eps, rope_theta, max_seq_len) default to Llama 3.1 8B's; Llama's head is
+// never tied and it has no QK-norm.
+struct ModelArgs : models::DecoderArgs {
+  ModelArgs();
   // SwiGLU hidden size, as Meta derives it: 2/3 * 4 * dim, times ffn_dim_multiplier, rounded up to
   // a multiple of multiple_of. `ffn_dim` > 0 overrides the derivation (Hugging Face configs state
   // intermediate_size directly).
   int64_t multiple_of = 256;
   std::optional<double> ffn_dim_multiplier;
   int64_t ffn_dim = 0;
-  double norm_eps = 1e-5;
-  double rope_theta = 500000.0;
   bool use_scaled_rope = true;  // Llama 3.1 frequency scaling (rope_scaling below)
   nn::RopeScaling rope_scaling;  // factor 8, low 1, high 4, original 8192 (3.2 uses factor 32)
-  int64_t max_seq_len = 8192;    // length of the precomputed RoPE cache
   // TorchTitan's depth-scaled init: wo/w2/w3 std = 0.02 / sqrt(2 * (layer_id + 1)); when false,
   // 0.02 / sqrt(2 * n_layers) for every layer.
   bool depth_init = true;
 
-  int64_t head_dim() const { return dim / n_heads; }
-  int64_t ffn_hidden_dim() const;
-  std::optional<nn::RopeScaling> rope_scaling_or_none() const {
+  int64_t ffn_hidden_dim() const override;
+  std::optional<nn::RopeScaling> rope_scaling_or_none() const override {
     return use_scaled_rope ? std::optional<nn::RopeScaling>(rope_scaling) : std::nullopt;
   }
   // Throws loom::UsageError naming the first inconsistent field.
-  void validate() const;
+  void validate() const override;
   std::string summary() const override;  // "dim 4096, 32 layers, 32 heads (8 kv), ffn 14336, vocab 128256"
 };
 

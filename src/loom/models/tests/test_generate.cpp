@@ -2,7 +2,8 @@
 // the full model's at that position, and the sampler's filters do what they say.
 #include <gtest/gtest.h>
 
-#include "loom/models/llama3/generate.h"
+#include "loom/models/common/generate.h"
+#include "loom/models/llama3/model.h"
 
 namespace {
 using namespace loom;
@@ -25,7 +26,7 @@ TEST(Generate, CachedLogitsEqualTheFullForward) {
   const std::vector<int64_t> tokens = {1, 9, 33, 4, 70, 12, 5, 60, 8, 2, 41};
   torch::InferenceMode inference;
   const torch::Tensor full = model.forward(torch::tensor(tokens, torch::kInt64).unsqueeze(0)).squeeze(0);
-  llama3::Generator generator(model, 16);
+  models::Generator generator(model, 16);
   size_t done = 0;
   for (size_t chunk : {5u, 3u, 1u, 1u, 1u}) {
     const std::vector<int64_t> part(tokens.begin() + static_cast<long>(done), tokens.begin() + static_cast<long>(done + chunk));
@@ -44,7 +45,7 @@ TEST(Generate, RemovesTheCacheAfterwards) {
   const torch::Tensor tokens = torch::tensor({1, 2, 3, 4}, torch::kInt64).unsqueeze(0);
   const torch::Tensor before = model.forward(tokens);
   {
-    llama3::Generator generator(model, 8);
+    models::Generator generator(model, 8);
     generator.generate({1, 2}, {.max_new_tokens = 3, .temperature = 0});
   }
   EXPECT_TRUE(torch::equal(model.forward(tokens), before));
@@ -54,20 +55,20 @@ TEST(Generate, SamplerFilters) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
   const torch::Tensor logits = torch::tensor({0.0f, 3.0f, 2.9f, -1.0f, 2.95f});
   // Greedy, top-k 1 and a tiny top-p all take the most likely token.
-  EXPECT_EQ(llama3::sample_token(logits, {.temperature = 0}, gen), 1);
+  EXPECT_EQ(models::sample_token(logits, {.temperature = 0}, gen), 1);
   for (int i = 0; i < 20; ++i) {
-    EXPECT_EQ(llama3::sample_token(logits, {.temperature = 1.0, .top_k = 1}, gen), 1);
-    EXPECT_EQ(llama3::sample_token(logits, {.temperature = 1.0, .top_p = 0.01}, gen), 1);
+    EXPECT_EQ(models::sample_token(logits, {.temperature = 1.0, .top_k = 1}, gen), 1);
+    EXPECT_EQ(models::sample_token(logits, {.temperature = 1.0, .top_p = 0.01}, gen), 1);
   }
   // Top-k 3 never picks outside {1, 2, 4}; over many draws it picks all three.
   std::set<int64_t> seen;
-  for (int i = 0; i < 200; ++i) seen.insert(llama3::sample_token(logits, {.temperature = 1.0, .top_k = 3}, gen));
+  for (int i = 0; i < 200; ++i) seen.insert(models::sample_token(logits, {.temperature = 1.0, .top_k = 3}, gen));
   EXPECT_EQ(seen, (std::set<int64_t>{1, 2, 4}));
   // The same seed draws the same tokens.
   auto draw = [&](uint64_t seed) {
     at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
     std::vector<int64_t> out;
-    for (int i = 0; i < 16; ++i) out.push_back(llama3::sample_token(logits, {.temperature = 1.0}, g));
+    for (int i = 0; i < 16; ++i) out.push_back(models::sample_token(logits, {.temperature = 1.0}, g));
     return out;
   };
   EXPECT_EQ(draw(5), draw(5));

@@ -13,12 +13,23 @@
 #include "loom/core/timer.h"
 #include "loom/models/llama3/hf_adapter.h"
 #include "loom/models/llama3/model.h"
-#include "loom/models/llama3/model_dir.h"
+#include "loom/models/common/model_dir.h"
 #include "loom/testing/run.h"
 
 namespace {
 namespace fs = std::filesystem;
 using namespace loom::llama3;
+// The shared decoder's model-directory I/O.
+using loom::models::detect_model_dir_format;
+using loom::models::export_hf_model_dir;
+using loom::models::load_hf_model_dir;
+using loom::models::load_model_dir;
+using loom::models::LoadedModel;
+using loom::models::ModelDirFormat;
+using loom::models::read_checkpoint_model_args;
+using loom::models::resolve_loom_checkpoint;
+using loom::models::save_loom_checkpoint;
+const loom::models::ModelSpec& llama_spec() { return loom::models::get_spec("llama3"); }
 
 const auto kMeta = torch::TensorOptions().dtype(torch::kFloat32).device(torch::kMeta);
 
@@ -313,7 +324,7 @@ TEST(ModelDir, LoomAndHfFormatsRoundTripExactly) {
   const torch::Tensor expected = model->forward(tokens);
 
   // A model-only Loom checkpoint in the trainer's format, describing its own config.
-  save_loom_checkpoint(*model, tmp.path() / "loom");
+  save_loom_checkpoint(llama_spec(), *model, tmp.path() / "loom");
   for (const char* f : {"rank-0.safetensors", "metadata.json", "COMPLETE"}) {
     EXPECT_TRUE(fs::exists(tmp.path() / "loom" / f)) << f;
   }
@@ -321,12 +332,12 @@ TEST(ModelDir, LoomAndHfFormatsRoundTripExactly) {
   const auto metadata = loom::checkpoint::verify_checkpoint(tmp.path() / "loom",
                                                             loom::checkpoint::Verification::kChecksums);
   EXPECT_TRUE(metadata.model_only);
-  EXPECT_EQ(read_checkpoint_model_args(tmp.path() / "loom").summary(), model->args().summary());
+  EXPECT_EQ(read_checkpoint_model_args(tmp.path() / "loom").args->summary(), model->args().summary());
   EXPECT_EQ(detect_model_dir_format(tmp.path() / "loom"), ModelDirFormat::kLoom);
   const LoadedModel loom_back = load_model_dir(tmp.path() / "loom");
   EXPECT_EQ(loom_back.format, ModelDirFormat::kLoom);
   EXPECT_TRUE(torch::equal(loom_back.model->forward(tokens), expected));
-  EXPECT_THROW(save_loom_checkpoint(*model, tmp.path() / "loom"), loom::UsageError);  // exists
+  EXPECT_THROW(save_loom_checkpoint(llama_spec(), *model, tmp.path() / "loom"), loom::UsageError);  // exists
 
   // A folder of step-N checkpoints stands for its newest complete one.
   fs::create_directories(tmp.path() / "run");
@@ -335,18 +346,18 @@ TEST(ModelDir, LoomAndHfFormatsRoundTripExactly) {
   EXPECT_TRUE(torch::equal(load_model_dir(tmp.path() / "run").model->forward(tokens), expected));
 
   // Stored in bfloat16: loads back as the rounded weights.
-  save_loom_checkpoint(*model, tmp.path() / "bf16", torch::kBFloat16);
+  save_loom_checkpoint(llama_spec(), *model, tmp.path() / "bf16", torch::kBFloat16);
   const auto bf16 = load_model_dir(tmp.path() / "bf16");
   EXPECT_TRUE(torch::equal(bf16.model->output().weight(),
                            model->output().weight().to(torch::kBFloat16).to(torch::kFloat32)));
 
   // HF export, sharded so the index path is exercised too.
-  export_hf_model_dir(*model, tmp.path() / "hf", std::nullopt, /*max_shard_bytes=*/64 << 10);
+  export_hf_model_dir(llama_spec(), *model, tmp.path() / "hf", std::nullopt, /*max_shard_bytes=*/64 << 10);
   EXPECT_TRUE(fs::exists(tmp.path() / "hf" / "model.safetensors.index.json"));
   const LoadedModel hf_back = load_model_dir(tmp.path() / "hf");
   EXPECT_EQ(hf_back.format, ModelDirFormat::kHuggingFace);
   EXPECT_TRUE(torch::equal(hf_back.model->forward(tokens), expected));
-  EXPECT_EQ(hf_back.model->args().summary(), model->args().summary());
+  EXPECT_EQ(hf_back.model->decoder_args().summary(), model->args().summary());
 }
 
 TEST(ModelDir, TiedHfCheckpointAndMissingTensorErrors) {
@@ -362,7 +373,7 @@ TEST(ModelDir, TiedHfCheckpointAndMissingTensorErrors) {
   nlohmann::json config = model_args_to_hf_config(model->args(), "float32");
   config["tie_word_embeddings"] = true;
   std::ofstream(tmp.path() / "tied" / "config.json") << config.dump();
-  auto tied = load_hf_model_dir(tmp.path() / "tied");
+  auto tied = load_hf_model_dir(tmp.path() / "tied").model;
   EXPECT_TRUE(torch::equal(tied->parameter("output.weight"),
                            model->parameter("tok_embeddings.weight")));
   // Same files but untied: the missing head is named.
@@ -392,15 +403,21 @@ TEST(ModelDir, TiedHfCheckpointAndMissingTensorErrors) {
 
 namespace {
 
-// Issue 8 K: `loom info --help` listed flavors from a hand-written string that lacked 124M.
+// Issue 8 K: `loom info --help` listed flavors from a hand-written string that lacked 124M. Now
+// every registered model's flavors, from the registry.
 TEST(InfoCli, HelpListsEveryFlavor) {
   const auto r = loom::testing::run(loom::testing::loom_bin() + " info --help", 60);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const size_t flag = r.output.find("--flavor");
   ASSERT_NE(flag, std::string::npos) << r.output;
-  const std::string line = r.output.substr(flag, r.output.find('\n', flag) - flag);
-  for (const std::string& name : flavor_names()) {
-    EXPECT_NE(line.find(name), std::string::npos) << name << " missing from: " << line;
+  const std::string text = r.output.substr(flag, r.output.find("\n  --checkpoint", flag) - flag);
+  for (const std::string_view model : loom::models::spec_names()) {
+    const size_t at = text.find(std::string(model) + ":");
+    ASSERT_NE(at, std::string::npos) << model << " missing from: " << text;
+    const std::string listed = text.substr(at, text.find(';', at) - at);
+    for (const std::string& name : loom::models::get_spec(std::string(model)).flavors) {
+      EXPECT_NE(listed.find(" " + name), std::string::npos) << name << " missing from: " << listed;
+    }
   }
 }
 

@@ -1,4 +1,4 @@
-// llama3::apply_ac (activation checkpointing of the TransformerBlocks) with FSDP, in one process:
+// models::apply_ac (activation checkpointing of the TransformerBlocks) with FSDP, in one process:
 // the blocks are fully_shard-ed with reshard after forward, so backward re-gathers each block
 // before its gradient is computed; the checkpointed block's recompute must read those re-gathered
 // parameters (it would fail on the 1-D shards otherwise), accumulate into FSDP's gradient buffer
@@ -11,7 +11,8 @@
 #include "loom/testing/tiny_llama.h"
 #include "loom/ac/activation_checkpoint.h"
 #include "loom/fsdp/fully_shard.h"
-#include "loom/models/llama3/parallelize.h"
+#include "loom/models/common/parallelize.h"
+#include "loom/models/llama3/spec.h"
 
 namespace {
 using namespace loom;
@@ -32,10 +33,10 @@ struct Outcome {
 Outcome train_step(const ac::ACOptions& options, int64_t expect_wrapped) {
   torch::set_num_threads(1);
   auto model = std::make_shared<llama3::Transformer>(ac_test_args(), torch::TensorOptions().device(torch::kMeta));
-  EXPECT_EQ(llama3::apply_ac(*model, options), expect_wrapped);
+  EXPECT_EQ(models::apply_ac(*model, options), expect_wrapped);
   fsdp::FSDPPolicy policy;  // reshard after forward: backward all-gathers every block again
-  auto fsdp = llama3::apply_fsdp(*model, fsdp::FSDPMesh::single(), policy, /*reshard_last_block=*/true);
-  llama3::init_sharded_weights(*model, *fsdp, 5);
+  auto fsdp = models::apply_fsdp(*model, fsdp::FSDPMesh::single(), policy, /*reshard_last_block=*/true);
+  models::init_sharded_weights(*model, *fsdp, 5);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
   const torch::Tensor tokens = torch::randint(0, 128, {2, 24}, gen);
   const torch::Tensor labels = torch::randint(0, 128, {2, 24}, gen);
@@ -76,7 +77,7 @@ TEST(Llama3AC, SelectiveEveryNthBlockCountsLayerIds) {
   // still means layer 3 (of the remaining 2 and 3), as in the whole model.
   model->layers().remove_module("0");
   model->layers().remove_module("1");
-  EXPECT_EQ(llama3::apply_ac(*model, ac::ACOptions::parse("selective", "2")), 1);
+  EXPECT_EQ(models::apply_ac(*model, ac::ACOptions::parse("selective", "2")), 1);
   EXPECT_FALSE(model->layers().submodule("2").forward_override());
   EXPECT_TRUE(model->layers().submodule("3").forward_override());
 }

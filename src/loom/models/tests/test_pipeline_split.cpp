@@ -1,4 +1,4 @@
-// Splitting Llama 3 into pipeline stages (llama3/pipeline.h) and running them in one process: the
+// Splitting Llama 3 into pipeline stages (models/common/pipeline.h) and running them in one process: the
 // layer bounds and their errors, the parts each stage keeps (global parameter names), the chain of
 // forward_part equal to forward_loss, and the executor on one rank with several stages (every
 // action local) against the whole model, for B and for both I/W methods. The multi-rank parity of
@@ -10,7 +10,8 @@
 #include <set>
 
 #include "loom/core/error.h"
-#include "loom/models/llama3/pipeline.h"
+#include "loom/models/common/pipeline.h"
+#include "loom/models/llama3/model.h"
 #include "loom/pipeline/executor.h"
 #include "loom/pipeline/generators.h"
 #include "loom/testing/errors.h"
@@ -18,7 +19,7 @@
 namespace {
 using namespace loom;
 using llama3::ModelArgs;
-using llama3::PipelineSplit;
+using models::PipelineSplit;
 using llama3::Transformer;
 
 ModelArgs split_test_args(int64_t layers = 8) {
@@ -28,10 +29,10 @@ ModelArgs split_test_args(int64_t layers = 8) {
   return a;
 }
 
-std::vector<std::shared_ptr<Transformer>> stage_models(const ModelArgs& args,
+std::vector<std::shared_ptr<models::Decoder>> stage_models(const ModelArgs& args,
                                                        const std::vector<int64_t>& bounds,
                                                        const std::vector<int>& ids) {
-  auto models = llama3::split_into_stages(
+  auto models = models::split_into_stages(
       [&] { return std::make_shared<Transformer>(args, torch::TensorOptions().device(torch::kMeta)); },
       bounds, ids);
   for (auto& m : models) {
@@ -49,36 +50,36 @@ void expect_usage(const std::function<void()>& fn, const std::vector<std::string
 
 TEST(PipelineSplit, LayerBounds) {
   using V = std::vector<int64_t>;
-  EXPECT_EQ(llama3::stage_layer_bounds(split_test_args(), {2, 2}), (V{0, 2, 4, 6, 8}));
-  EXPECT_EQ(llama3::stage_layer_bounds(split_test_args(10), {4, 1}), (V{0, 3, 6, 8, 10}));  // extras first
-  EXPECT_EQ(llama3::stage_layer_bounds(split_test_args(), {2, 1, 4}), (V{0, 4, 8}));
-  EXPECT_EQ(llama3::stage_layer_bounds(split_test_args(), {2, 2, 0, {"layers.1", "2", "layers.6"}}),
+  EXPECT_EQ(models::stage_layer_bounds(split_test_args(), {2, 2}), (V{0, 2, 4, 6, 8}));
+  EXPECT_EQ(models::stage_layer_bounds(split_test_args(10), {4, 1}), (V{0, 3, 6, 8, 10}));  // extras first
+  EXPECT_EQ(models::stage_layer_bounds(split_test_args(), {2, 1, 4}), (V{0, 4, 8}));
+  EXPECT_EQ(models::stage_layer_bounds(split_test_args(), {2, 2, 0, {"layers.1", "2", "layers.6"}}),
             (V{0, 1, 2, 6, 8}));
 }
 
 TEST(PipelineSplit, SplitsThatCannotBeMadeAreOneLineUsageErrors) {
-  expect_usage([] { llama3::stage_layer_bounds(split_test_args(), {2, 2, 3}); },
+  expect_usage([] { models::stage_layer_bounds(split_test_args(), {2, 2, 3}); },
                {"parallelism.pipeline_parallel_layers_per_stage = 3 does not split the model's 8 "
                 "layers into 4 stages (pipeline_parallel_degree 2 x 2 stages per rank); valid: 2"});
-  expect_usage([] { llama3::stage_layer_bounds(split_test_args(), {2, 1, 2}); },
+  expect_usage([] { models::stage_layer_bounds(split_test_args(), {2, 1, 2}); },
                {"valid: 4 (2 layers per stage needs 2 stages per rank)"});
-  expect_usage([] { llama3::stage_layer_bounds(split_test_args(10), {4, 1, 2}); },
+  expect_usage([] { models::stage_layer_bounds(split_test_args(10), {4, 1, 2}); },
                {"no value splits it: the layer count must be a multiple of 4"});
-  expect_usage([] { llama3::stage_layer_bounds(split_test_args(4), {4, 2}); },
+  expect_usage([] { models::stage_layer_bounds(split_test_args(4), {4, 2}); },
                {"cannot split the model's 4 layers into 8 stages", "use at most 4 stages"});
-  expect_usage([] { llama3::stage_layer_bounds(split_test_args(), {2, 1, 0, {"layers.2", "layers.4"}}); },
+  expect_usage([] { models::stage_layer_bounds(split_test_args(), {2, 1, 0, {"layers.2", "layers.4"}}); },
                {"pipeline_parallel_split_points has 2 points; 2 stages", "need 1"});
-  expect_usage([] { llama3::stage_layer_bounds(split_test_args(), {2, 2, 0, {"layers.4", "layers.2", "layers.6"}}); },
+  expect_usage([] { models::stage_layer_bounds(split_test_args(), {2, 2, 0, {"layers.4", "layers.2", "layers.6"}}); },
                {"'layers.2' must come after the previous point (layer 4)"});
-  expect_usage([] { llama3::stage_layer_bounds(split_test_args(), {2, 1, 0, {"layer4"}}); },
+  expect_usage([] { models::stage_layer_bounds(split_test_args(), {2, 1, 0, {"layer4"}}); },
                {"'layer4' is not a layer"});
-  expect_usage([] { llama3::stage_layer_bounds(split_test_args(), {2, 1, 4, {"layers.4"}}); }, {"not both"});
+  expect_usage([] { models::stage_layer_bounds(split_test_args(), {2, 1, 4, {"layers.4"}}); }, {"not both"});
 }
 
 TEST(PipelineSplit, StagesKeepTheirPartsUnderGlobalNames) {
   const ModelArgs args = split_test_args();
-  const auto bounds = llama3::stage_layer_bounds(args, {2, 2});
-  auto models = llama3::split_into_stages(
+  const auto bounds = models::stage_layer_bounds(args, {2, 2});
+  auto models = models::split_into_stages(
       [&] { return std::make_shared<Transformer>(args, torch::TensorOptions().device(torch::kMeta)); },
       bounds, {0, 1, 2, 3});
   std::set<std::string> names;
@@ -105,7 +106,7 @@ TEST(PipelineSplit, ChainOfPartsIsTheWholeModel) {
   const ModelArgs args = split_test_args();
   Transformer whole(args);
   whole.init_weights(7);
-  auto models = stage_models(args, llama3::stage_layer_bounds(args, {3, 1}), {0, 1, 2});
+  auto models = stage_models(args, models::stage_layer_bounds(args, {3, 1}), {0, 1, 2});
   const torch::Tensor tokens = torch::randint(0, args.vocab_size, {2, 16});
   const torch::Tensor labels = torch::randint(0, args.vocab_size, {2, 16});
   torch::Tensor x = tokens;
@@ -129,8 +130,8 @@ TEST(PipelineSplit, ExecutorOnOneRankMatchesTheWholeModel) {
   for (const std::string name : {"Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"}) {
     for (auto method : {pipeline::WeightGradMethod::kPerOp, pipeline::WeightGradMethod::kAutograd}) {
       const pipeline::Schedule schedule = pipeline::build_schedule({name, 1, m, 2});
-      auto models = stage_models(args, llama3::stage_layer_bounds(args, {1, 2}), schedule.stages_of(0));
-      auto stages = llama3::make_pipeline_stages(models, schedule.stages_of(0), 2, method);
+      auto models = stage_models(args, models::stage_layer_bounds(args, {1, 2}), schedule.stages_of(0));
+      auto stages = models::make_pipeline_stages(models, schedule.stages_of(0), 2, method);
       pipeline::PipelineExecutor executor(schedule, stages,
                                           {distributed::Comm::single("pp", 0), {1, 16, args.dim}});
       const double loss = executor.step(inputs, targets);
@@ -151,8 +152,8 @@ TEST(PipelineSplit, ExecutorOnOneRankMatchesTheWholeModel) {
 TEST(PipelineSplit, ExecutorRefusesStagesTheScheduleDoesNotGiveTheRank) {
   const ModelArgs args = split_test_args();
   const pipeline::Schedule schedule = pipeline::build_schedule({"Interleaved1F1B", 1, 2, 2});
-  auto models = stage_models(args, llama3::stage_layer_bounds(args, {1, 2}), {0});
-  auto stages = llama3::make_pipeline_stages(models, {0}, 2);
+  auto models = stage_models(args, models::stage_layer_bounds(args, {1, 2}), {0});
+  auto stages = models::make_pipeline_stages(models, {0}, 2);
   loom::testing::expect_error(
       [&] {
         pipeline::PipelineExecutor(schedule, stages, {distributed::Comm::single("pp", 0), {1, 16, 64}});
@@ -167,7 +168,7 @@ TEST(PipelineSplit, ExecutorRefusesStagesTheScheduleDoesNotGiveTheRank) {
 TEST(PipelineSplit, CostOfTheBackwardSplit) {
   ModelArgs args = split_test_args(4);
   args.dim = 256, args.n_heads = 8, args.n_kv_heads = 4, args.max_seq_len = 64;
-  auto models = stage_models(args, llama3::stage_layer_bounds(args, {2, 1}), {1});
+  auto models = stage_models(args, models::stage_layer_bounds(args, {2, 1}), {1});
   // A middle stage: the last stage's head and loss would dominate a model this small.
   models[0]->remove_head();
   const torch::Tensor x = torch::randn({4, 64, args.dim});
@@ -212,8 +213,8 @@ TEST(PipelineSplit, CostOfTheBackwardSplit) {
 TEST(PipelineSplit, UnshardAndReshardActionsCallTheCallbacks) {
   const ModelArgs args = split_test_args(4);
   const pipeline::Schedule schedule = pipeline::build_schedule({"LoopedBFS", 1, 2, 2}, /*fsdp=*/true);
-  auto models = stage_models(args, llama3::stage_layer_bounds(args, {1, 2}), schedule.stages_of(0));
-  auto stages = llama3::make_pipeline_stages(models, schedule.stages_of(0), 2);
+  auto models = stage_models(args, models::stage_layer_bounds(args, {1, 2}), schedule.stages_of(0));
+  auto stages = models::make_pipeline_stages(models, schedule.stages_of(0), 2);
   std::vector<std::string> events;
   pipeline::ExecutorOptions options{distributed::Comm::single("pp", 0), {1, 16, args.dim}};
   options.unshard = [&](pipeline::PipelineStage& s) {

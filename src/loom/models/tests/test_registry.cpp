@@ -5,7 +5,8 @@
 
 #include "loom/core/error.h"
 #include "loom/models/llama3/model.h"
-#include "loom/models/llama3/parallelize.h"
+#include "loom/models/common/parallelize.h"
+#include "loom/models/llama3/spec.h"
 #include "loom/models/llama3/spec.h"
 #include "loom/models/spec.h"
 #include "loom/testing/errors.h"

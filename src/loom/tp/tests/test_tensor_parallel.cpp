@@ -4,7 +4,8 @@
 #include <gtest/gtest.h>
 
 #include "loom/core/error.h"
-#include "loom/models/llama3/parallelize.h"
+#include "loom/models/common/parallelize.h"
+#include "loom/models/llama3/spec.h"
 #include "loom/testing/errors.h"
 #include "loom/testing/worker.h"
 
@@ -21,18 +22,18 @@ void expect_workers(int nproc) { loom::testing::expect_workers("loom_tp_worker",
 TEST(TensorParallel, DegreeMustSplitHeadsFfnVocabAndSequence) {
   loom::llama3::ModelArgs a = loom::llama3::flavor("debugmodel");  // 16 heads (16 kv), ffn 768, vocab 2048
   const loom::models::TensorParallelOptions sp_on{true, true};
-  loom::llama3::validate_tp_degree(a, 4, 64, sp_on);
-  expect_usage_error([&] { loom::llama3::validate_tp_degree(a, 3, 64, sp_on); },
+  loom::models::validate_tp_degree(a, 4, 64, sp_on);
+  expect_usage_error([&] { loom::models::validate_tp_degree(a, 3, 64, sp_on); },
                      "parallelism.tensor_parallel_degree = 3 does not divide n_heads of the model (16); "
                      "degrees that split this model: 1, 2, 4, 8");
   a.vocab_size = 2050;
-  expect_usage_error([&] { loom::llama3::validate_tp_degree(a, 4, 64, sp_on); },
+  expect_usage_error([&] { loom::models::validate_tp_degree(a, 4, 64, sp_on); },
                      "does not divide the vocabulary size of the model (2050); degrees that split this model: 1, 2 "
                      "(or pad the vocabulary with model.vocab_size)");
   a.vocab_size = 2048;
-  expect_usage_error([&] { loom::llama3::validate_tp_degree(a, 8, 60, sp_on); },
+  expect_usage_error([&] { loom::models::validate_tp_degree(a, 8, 60, sp_on); },
                      "does not divide training.seq_len (sequence parallel) (60)");
-  loom::llama3::validate_tp_degree(a, 8, 60, {false, true});  // without SP the sequence is whole
+  loom::models::validate_tp_degree(a, 8, 60, {false, true});  // without SP the sequence is whole
 }
 
 // On one rank the plan changes nothing: same loss and gradients as the plain model.
@@ -41,8 +42,8 @@ TEST(TensorParallel, OneRankPlanIsThePlainModel) {
   a.n_layers = 1;
   loom::llama3::Transformer plain(a), parallel(a);
   plain.init_weights(3);
-  auto plan = loom::llama3::apply_tp(parallel, loom::distributed::Comm::single("tp", 0), {});
-  loom::llama3::init_tp_weights(parallel, *plan, 3);
+  auto plan = loom::models::apply_tp(parallel, loom::distributed::Comm::single("tp", 0), loom::llama3::tp_plan(), {});
+  loom::models::init_tp_weights(parallel, *plan, 3);
   const torch::Tensor tokens = torch::randint(0, a.vocab_size, {2, 8});
   const torch::Tensor a_loss = plain.forward_loss(tokens, tokens), b_loss = parallel.forward_loss(tokens, tokens);
   EXPECT_NEAR(a_loss.item<double>(), b_loss.item<double>(), 1e-6 * a_loss.item<double>());

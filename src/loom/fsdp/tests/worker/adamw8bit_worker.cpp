@@ -10,7 +10,8 @@
 #include "loom/testing/tiny_llama.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/fsdp/sharded_optimizer.h"
-#include "loom/models/llama3/parallelize.h"
+#include "loom/models/common/parallelize.h"
+#include "loom/models/llama3/spec.h"
 #include "loom/optim/adamw8bit.h"
 #include "loom/testing/worker.h"
 
@@ -54,7 +55,7 @@ void run(const std::shared_ptr<distributed::Comm>& world) {
   policy.parameter_granularity = fsdp::adamw8bit_granularity(kBlock);
   fsdp::FSDPMesh mesh;
   mesh.shard = world;
-  auto root = llama3::apply_fsdp(*model, mesh, policy);
+  auto root = models::apply_fsdp(*model, mesh, policy);
   fsdp::ShardedAdamW8bit sharded(root, options, kWeightDecay, kBlock);
 
   // The layout must actually cut quantized parameters between ranks, at block boundaries.

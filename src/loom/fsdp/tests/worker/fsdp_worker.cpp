@@ -29,7 +29,8 @@
 #include "loom/distributed/process_group.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/fsdp/sharded_optimizer.h"
-#include "loom/models/llama3/parallelize.h"
+#include "loom/models/common/parallelize.h"
+#include "loom/models/llama3/spec.h"
 #include "loom/optim/adamw.h"
 #include "loom/optim/clip_grad.h"
 
@@ -196,7 +197,7 @@ double run_config(Layout& L, const Config& cfg, const Reference& ref) {
   policy.granularity = cfg.granularity;
   policy.reshard_after_forward = cfg.reshard;
   policy.mixed_precision.param_dtype = cfg.param_dtype;
-  auto root = llama3::apply_fsdp(*model, *L.mesh, policy);
+  auto root = models::apply_fsdp(*model, *L.mesh, policy);
   fsdp::ShardedAdamW optimizer(root, adamw_options(), kWeightDecay);
 
   ByteCount formula;
@@ -364,7 +365,7 @@ void check_bad_policies(Layout& L) {
   p = {};
   p.granularity = tensor::Granularity::row_block(24);  // 24 does not divide 64 rows
   expect_error("granularity not dividing a tensor", "24",
-               [&] { llama3::apply_fsdp(*model, *L.mesh, p); });
+               [&] { models::apply_fsdp(*model, *L.mesh, p); });
   if (L.world->rank() == 0) std::printf("bad policies: one-line errors ok\n");
 }
 

@@ -11,7 +11,8 @@
 #include <string>
 
 #include "loom/core/error.h"
-#include "loom/models/llama3/pipeline.h"
+#include "loom/models/common/pipeline.h"
+#include "loom/models/llama3/model.h"
 #include "loom/pipeline/executor.h"
 #include "loom/pipeline/generators.h"
 #include "loom/testing/worker.h"
@@ -67,16 +68,16 @@ void check_configuration(const std::shared_ptr<distributed::Comm>& comm, const C
   reference.init_weights(kSeed);
 
   const std::vector<int64_t> bounds =
-      llama3::stage_layer_bounds(args, {pp, v, 0, c.split_points});
+      models::stage_layer_bounds(args, {pp, v, 0, c.split_points});
   const std::vector<int> stage_ids = schedule.stages_of(comm->rank());
-  auto models = llama3::split_into_stages(
+  auto models = models::split_into_stages(
       [&] { return std::make_shared<llama3::Transformer>(args, torch::TensorOptions().device(torch::kMeta)); },
       bounds, stage_ids);
   for (auto& m : models) {
     m->to_empty(torch::kCPU);
     m->init_weights(kSeed);
   }
-  auto stages = llama3::make_pipeline_stages(models, stage_ids, schedule.num_stages(), c.method);
+  auto stages = models::make_pipeline_stages(models, stage_ids, schedule.num_stages(), c.method);
   const int64_t mb_size = kBatch / c.microbatches;
   pipeline::PipelineExecutor executor(schedule, stages, {comm, {mb_size, kSeq, args.dim}});
 

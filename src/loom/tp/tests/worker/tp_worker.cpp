@@ -1,7 +1,7 @@
 // Per-rank scenarios of the tensor-parallel tests, started as
 //   loom launch --nproc N --exec -- loom_tp_worker <scenario>
 // Every rank builds the single-process Llama (the reference) and the same model under the TP plan
-// (llama3::apply_tp) from the same seed, runs forward_loss and backward on the same batch, and
+// (models::apply_tp with llama3::tp_plan) from the same seed, runs forward_loss and backward on the same batch, and
 // compares the loss and every parameter's gradient (this rank's shard of it) with the reference's,
 // for sequence parallel and loss parallel on and off (and async TP, with SP), then takes a few SGD steps and compares the
 // losses again. Exits 1 with one line naming the rank, configuration and mismatch.
@@ -9,7 +9,8 @@
 #include <string>
 
 #include "loom/core/error.h"
-#include "loom/models/llama3/parallelize.h"
+#include "loom/models/common/parallelize.h"
+#include "loom/models/llama3/spec.h"
 #include "loom/testing/worker.h"
 
 namespace {
@@ -45,10 +46,10 @@ void check_configuration(const tensor::CommPtr& comm, bool sp, bool loss_paralle
   reference.init_weights(kSeed);
   llama3::Transformer model(args, torch::TensorOptions().device(torch::kMeta));
   const models::TensorParallelOptions options{sp, loss_parallel, async};
-  llama3::validate_tp_degree(args, comm->size(), 16, options);
-  auto plan = llama3::apply_tp(model, comm, options);
+  models::validate_tp_degree(args, comm->size(), 16, options);
+  auto plan = models::apply_tp(model, comm, llama3::tp_plan(), options);
   model.to_empty(torch::kCPU);
-  llama3::init_tp_weights(model, *plan, kSeed);
+  models::init_tp_weights(model, *plan, kSeed);
 
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   const torch::Tensor tokens = torch::randint(0, args.vocab_size, {3, 16}, gen);
@@ -76,7 +77,7 @@ void check_configuration(const tensor::CommPtr& comm, bool sp, bool loss_paralle
     plan->sum_partial_gradients(partial);
     // What went over the group equals the documented formula, call for call and byte for byte.
     const distributed::CommSnapshot sent = distributed::comm_stats().snapshot();
-    const auto expected = llama3::tp_comm_volume(args, tokens.size(0), tokens.size(1), comm->size(), options);
+    const auto expected = models::tp_comm_volume(args, tokens.size(0), tokens.size(1), comm->size(), options);
     for (auto op : {distributed::CommOp::kAllGather, distributed::CommOp::kReduceScatter, distributed::CommOp::kAllReduce,
                     distributed::CommOp::kSend, distributed::CommOp::kRecv}) {
       const distributed::CommCounter got = sent.get(op, comm->name());

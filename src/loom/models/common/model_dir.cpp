@@ -1,4 +1,4 @@
-#include "loom/models/llama3/model_dir.h"
+#include "loom/models/common/model_dir.h"
 
 #include <nlohmann/json.hpp>
 
@@ -13,13 +13,11 @@
 #include "loom/data/sources.h"
 #include "loom/core/logging.h"
 #include "loom/core/memory.h"
-#include "loom/models/llama3/hf_adapter.h"
+#include "loom/models/common/hf_names.h"
 
-namespace loom::llama3 {
+namespace loom::models {
 namespace fs = std::filesystem;
 namespace {
-constexpr const char* kModelName = "llama3";
-
 nlohmann::json read_json(const fs::path& path) {
   // A model folder is the user's: its files are opened without blocking, regular files only.
   const std::string text = data::read_file(path.string(), "model folder file");
@@ -44,25 +42,27 @@ std::string hf_dtype_name(c10::ScalarType dtype) {
 // Parameters and the RoPE table are sized by the checkpoint's config and the command's options,
 // so running out of memory here is reported with those sizes and what to lower instead of the
 // allocator's bare "can't allocate memory".
-std::shared_ptr<Transformer> build_empty(const ModelArgs& args, const LoadOptions& load) {
-  auto model = std::make_shared<Transformer>(args, load.options.device(torch::kMeta));
+std::shared_ptr<Decoder> build_empty(const ModelSpec& spec, const ModelArgs& args, const LoadOptions& load) {
+  auto model = std::dynamic_pointer_cast<Decoder>(spec.build_model(args, load.options.device(torch::kMeta)));
+  LOOM_REQUIRE(model != nullptr, "model '", spec.name, "' is not a decoder this loader reads");
+  const DecoderArgs& a = model->decoder_args();
   int64_t bytes = 0;
   for (const auto& p : model->named_parameters()) bytes += p.tensor().numel() * p.tensor().element_size();
-  // The RoPE table: cos and sin for every position (Transformer's "freqs" buffer).
-  bytes += 2 * args.max_seq_len * args.head_dim() * static_cast<int64_t>(sizeof(float));
+  // The RoPE table: cos and sin for every position (the decoder's "freqs" buffer).
+  bytes += 2 * a.max_seq_len * a.head_dim() * static_cast<int64_t>(sizeof(float));
   memory::with_allocation_context(
       [&] {
         model->to_empty(load.options.device());
         model->reset_buffers();
       },
-      c10::str("the model (", args.summary(), ", max_seq_len ", args.max_seq_len, ", ",
+      c10::str("the model (", args.summary(), ", max_seq_len ", a.max_seq_len, ", ",
                c10::toString(load.options.dtype().toScalarType()), ")"),
       bytes, load.options.device(), load.memory_hint);
   return model;
 }
 
 // Copies checkpoint tensor `source_name` into the model's parameter `name`.
-void fill(Transformer& model, const std::string& name, const checkpoint::SafetensorsCheckpoint& ckpt,
+void fill(Decoder& model, const std::string& name, const checkpoint::SafetensorsCheckpoint& ckpt,
           const std::string& source_name) {
   nn::ParameterSlot& slot = model.parameter_slot(name);
   torch::Tensor value = ckpt.tensor(source_name);
@@ -72,9 +72,7 @@ void fill(Transformer& model, const std::string& name, const checkpoint::Safeten
   torch::NoGradGuard no_grad;
   slot.tensor.copy_(value);
 }
-}  // namespace
 
-namespace {
 bool is_checkpoint_dir(const fs::path& dir) {
   return fs::exists(dir / checkpoint::kMetadataFile);
 }
@@ -87,21 +85,47 @@ bool holds_checkpoints(const fs::path& dir) {
   }
   return false;
 }
+
+void set_max_seq_len(ModelArgs& args, std::optional<int64_t> max_seq_len) {
+  if (!max_seq_len) return;
+  auto* decoder = dynamic_cast<DecoderArgs*>(&args);
+  LOOM_REQUIRE(decoder != nullptr, "this model has no RoPE table to resize");
+  decoder->max_seq_len = *max_seq_len;
+}
+
+ModelDirArgs read_hf_args(const fs::path& dir) {
+  const fs::path config_path = dir / "config.json";
+  const nlohmann::json config = read_json(config_path);
+  LOOM_REQUIRE(config.is_object(), config_path.string(), " is not a JSON object");
+  const std::string model_type = config.value("model_type", "llama");
+  ModelDirArgs out;
+  out.spec = &spec_for_hf_model_type(model_type, config_path.string());
+  HfFormat::Config c = out.spec->hf->read_config(config, config_path.string());
+  out.args = std::move(c.args);
+  out.hf_tied = c.tie_word_embeddings;
+  return out;
+}
 }  // namespace
+
+const DecoderArgs& ModelDirArgs::decoder() const {
+  const auto* decoder = dynamic_cast<const DecoderArgs*>(args.get());
+  LOOM_REQUIRE(decoder != nullptr, "model '", spec ? spec->name : "?", "' is not a decoder");
+  return *decoder;
+}
 
 ModelDirFormat detect_model_dir_format(const fs::path& dir) {
   LOOM_REQUIRE(fs::is_directory(dir), "'", dir.string(), "' is not a directory; expected a Loom "
-               "checkpoint or a Hugging Face Llama model directory");
+               "checkpoint or a Hugging Face model directory");
   if (is_checkpoint_dir(dir) || holds_checkpoints(dir)) return ModelDirFormat::kLoom;
   const fs::path config = dir / "config.json";
   LOOM_REQUIRE(fs::exists(config), "'", dir.string(), "' has neither metadata.json nor "
-               "config.json; expected a Loom checkpoint or a Hugging Face Llama model directory");
+               "config.json; expected a Loom checkpoint or a Hugging Face model directory");
   const nlohmann::json j = read_json(config);
   if (j.is_object() && (j.contains("model_type") || j.contains("architectures"))) {
     return ModelDirFormat::kHuggingFace;
   }
   fail("'", config.string(), "' is not a Hugging Face model config (no \"model_type\"); expected "
-       "a Loom checkpoint or a Hugging Face Llama model directory");
+       "a Loom checkpoint or a Hugging Face model directory");
 }
 
 fs::path resolve_loom_checkpoint(const fs::path& path) {
@@ -114,81 +138,78 @@ fs::path resolve_loom_checkpoint(const fs::path& path) {
   return latest->path;
 }
 
-nlohmann::json model_config_json(const ModelArgs& args) {
-  return {{"name", kModelName}, {"model_args", to_json(args)}};
-}
-
-ModelArgs read_checkpoint_model_args(const fs::path& path) {
+ModelDirArgs read_checkpoint_model_args(const fs::path& path) {
   const fs::path dir = resolve_loom_checkpoint(path);
   const checkpoint::CheckpointMetadata metadata = checkpoint::CheckpointMetadata::read(dir);
   const std::string where = (dir / checkpoint::kMetadataFile).string();
   LOOM_REQUIRE(metadata.json.contains(kModelConfigKey), "checkpoint '", dir.string(),
                "' records no model config (\"", kModelConfigKey, "\" in ", where,
                "); it was saved by an older Loom, so pass the model flavor explicitly");
-  return model_args_from_config_json(metadata.json.at(kModelConfigKey), where);
+  const nlohmann::json& model = metadata.json.at(kModelConfigKey);
+  LOOM_REQUIRE(model.is_object() && model.contains("name") && model.at("name").is_string(), "'", where,
+               "' has a model entry without a name: ", model.dump());
+  ModelDirArgs out;
+  out.spec = &get_spec(model.at("name").get<std::string>());
+  out.args = out.spec->model_args_from_config_json(model, where);
+  return out;
 }
 
-ModelArgs read_model_dir_args(const fs::path& dir) {
+ModelDirArgs read_model_dir_args(const fs::path& dir) {
   if (detect_model_dir_format(dir) == ModelDirFormat::kLoom) return read_checkpoint_model_args(dir);
-  const fs::path config_path = dir / "config.json";
-  return hf_config_to_model_args(read_json(config_path), config_path.string()).args;
-}
-
-ModelArgs model_args_from_config_json(const nlohmann::json& model, const std::string& source) {
-  LOOM_REQUIRE(model.is_object() && model.value("name", "") == kModelName, "'", source,
-               "' holds a '", model.is_object() ? model.value("name", "") : model.dump(),
-               "' model; this loader reads ", kModelName);
-  LOOM_REQUIRE(model.contains("model_args"), "'", source, "' has no model.model_args");
-  return model_args_from_json(model.at("model_args"), source);
+  return read_hf_args(dir);
 }
 
 LoadedModel load_model_dir(const fs::path& dir, const LoadOptions& options) {
-  const ModelDirFormat format = detect_model_dir_format(dir);
-  LoadedModel loaded{nullptr, format, dir};
-  loaded.model = format == ModelDirFormat::kLoom ? load_loom_checkpoint(dir, options, &loaded.source)
-                                                 : load_hf_model_dir(dir, options);
-  return loaded;
+  return detect_model_dir_format(dir) == ModelDirFormat::kLoom ? load_loom_checkpoint(dir, options)
+                                                               : load_hf_model_dir(dir, options);
 }
 
-std::shared_ptr<Transformer> load_hf_model_dir(const fs::path& dir, const LoadOptions& options) {
-  const fs::path config_path = dir / "config.json";
-  HfLlamaConfig config = hf_config_to_model_args(read_json(config_path), config_path.string());
-  if (options.max_seq_len) config.args.max_seq_len = *options.max_seq_len;
+LoadedModel load_hf_model_dir(const fs::path& dir, const LoadOptions& options) {
+  ModelDirArgs config = read_hf_args(dir);
+  set_max_seq_len(*config.args, options.max_seq_len);
+  const HfFormat& hf = *config.spec->hf;
   const auto ckpt = checkpoint::SafetensorsCheckpoint::open(dir);
-  auto model = build_empty(config.args, options);
+  auto model = build_empty(*config.spec, *config.args, options);
 
   std::set<std::string> filled;
   for (const std::string& hf_name : ckpt.names()) {
     if (is_ignorable_hf_tensor(hf_name)) continue;
-    const auto loom_name = hf_to_loom_name(hf_name);
+    const auto loom_name = hf.to_loom_name(hf_name);
     LOOM_REQUIRE(loom_name.has_value(), "unexpected tensor '", hf_name, "' in '",
-                 ckpt.source().string(), "'; not a LlamaForCausalLM weight");
+                 ckpt.source().string(), "'; not a weight of this ", config.spec->name, " model");
+    // A tied model has no output head: a checkpoint that still stores lm_head must hold the
+    // embedding's values (transformers writes both names for a tied model in some versions).
+    if (*loom_name == "output.weight" && !model->has_output()) {
+      LOOM_REQUIRE(config.decoder().tie_embeddings, "'", ckpt.source().string(), "' holds '", hf_name,
+                   "' but the model has no output head");
+      continue;
+    }
     LOOM_REQUIRE(model->find_submodule(loom_name->substr(0, loom_name->rfind('.'))) != nullptr,
                  "tensor '", hf_name, "' in '", ckpt.source().string(),
-                 "' does not fit config.json (num_hidden_layers = ", config.args.n_layers, ")");
+                 "' does not fit config.json (num_hidden_layers = ", config.decoder().n_layers, ")");
     fill(*model, *loom_name, ckpt, hf_name);
     filled.insert(*loom_name);
   }
-  // Tied checkpoints (Llama 3.2 1B/3B) store no lm_head: Loom's untied head starts as a copy.
-  if (!filled.count("output.weight") && filled.count("tok_embeddings.weight")) {
-    LOOM_REQUIRE(config.tie_word_embeddings, "'", ckpt.source().string(),
+  // Tied checkpoints (Llama 3.2 1B/3B) store no lm_head: an untied head starts as a copy.
+  if (model->has_output() && !filled.count("output.weight") && filled.count("tok_embeddings.weight")) {
+    LOOM_REQUIRE(config.hf_tied, "'", ckpt.source().string(),
                  "' has no lm_head.weight and config.json does not set tie_word_embeddings");
-    fill(*model, "output.weight", ckpt, "model.embed_tokens.weight");
+    fill(*model, "output.weight", ckpt, *hf.to_hf_name("tok_embeddings.weight"));
     filled.insert("output.weight");
   }
   for (const auto& p : model->named_parameters()) {
     LOOM_REQUIRE(filled.count(p.name), "'", ckpt.source().string(), "' is missing '",
-                 loom_to_hf_name(p.name).value_or(p.name), "'");
+                 hf.to_hf_name(p.name).value_or(p.name), "'");
   }
-  return model;
+  return {config.spec, model, ModelDirFormat::kHuggingFace, dir};
 }
 
-std::shared_ptr<Transformer> load_loom_checkpoint(const fs::path& path, const LoadOptions& options,
-                                                  fs::path* loaded_from) {
+LoadedModel load_loom_checkpoint(const fs::path& path, const LoadOptions& options) {
   const fs::path dir = resolve_loom_checkpoint(path);
-  ModelArgs args = read_checkpoint_model_args(dir);
-  if (options.max_seq_len) args.max_seq_len = *options.max_seq_len;
-  auto model = build_empty(args, options);
+  ModelDirArgs recorded = read_checkpoint_model_args(dir);
+  set_max_seq_len(*recorded.args, options.max_seq_len);
+  auto model = build_empty(*recorded.spec, *recorded.args, options);
+  LoadedModel loaded{recorded.spec, model, ModelDirFormat::kLoom, dir};
   checkpoint::ShardedStateDict dest;
   for (const auto& p : model->named_parameters()) dest.add_full(p.name, checkpoint::kModelComponent, p.tensor().detach());
   // The recorded config and the saved model tensors must agree both ways; optimizer and other
@@ -206,7 +227,6 @@ std::shared_ptr<Transformer> load_loom_checkpoint(const fs::path& path, const Lo
   torch::NoGradGuard no_grad;
   if (is_checkpoint_dir(path)) {
     checkpoint::load_checkpoint(dir, dest);
-    if (loaded_from) *loaded_from = dir;
   } else {
     // A checkpoint folder: the structure check in resolve_loom_checkpoint does not read the
     // chunks, so a CRC-corrupt newest step only shows while loading. Training's resume
@@ -218,19 +238,20 @@ std::shared_ptr<Transformer> load_loom_checkpoint(const fs::path& path, const Lo
     quiet.log_loaded = false;  // stdout is the command's output (generated text, scores)
     const auto result = checkpoint::load_latest(path, dest, *checkpoint::single_process_group(), quiet);
     LOOM_REQUIRE(result.has_value(), "'", path.string(), "' holds no complete checkpoint");
-    if (loaded_from) *loaded_from = result->path;
+    loaded.source = result->path;
   }
-  return model;
+  return loaded;
 }
 
-void save_loom_checkpoint(Transformer& model, const fs::path& dir, std::optional<c10::ScalarType> dtype) {
+void save_loom_checkpoint(const ModelSpec& spec, Decoder& model, const fs::path& dir,
+                          std::optional<c10::ScalarType> dtype) {
   LOOM_REQUIRE_USAGE(!fs::exists(dir), "'", dir.string(), "' already exists; choose a new output "
                      "directory or remove it");
   checkpoint::ShardedStateDict state;
   for (const auto& p : model.named_parameters()) {
     state.add_full(p.name, checkpoint::kModelComponent, p.tensor().detach());
   }
-  state.json()[kModelConfigKey] = model_config_json(model.args());
+  state.json()[kModelConfigKey] = spec.model_config_json(model.decoder_args());
   state.json()["step"] = 0;
   // The saver publishes <folder>/step-0 atomically; a scratch folder next to `dir` holds it until
   // it is renamed into place.
@@ -248,21 +269,33 @@ void save_loom_checkpoint(Transformer& model, const fs::path& dir, std::optional
   fs::remove_all(scratch, ec);
 }
 
-void export_hf_model_dir(Transformer& model, const fs::path& dir,
+void export_hf_model_dir(const ModelSpec& spec, Decoder& model, const fs::path& dir,
                          std::optional<c10::ScalarType> dtype, int64_t max_shard_bytes) {
-  const c10::ScalarType out_dtype =
-      dtype.value_or(model.tok_embeddings().weight().scalar_type());
+  LOOM_REQUIRE_USAGE(spec.hf.has_value(), "model '", spec.name, "' has no Hugging Face format to export");
+  const c10::ScalarType out_dtype = dtype.value_or(model.tok_embeddings().weight().scalar_type());
   const std::string dtype_name = hf_dtype_name(out_dtype);
   checkpoint::NamedTensors tensors;
   for (auto& [name, tensor] : model.state_dict()) {
-    const auto hf_name = loom_to_hf_name(name);
+    const auto hf_name = spec.hf->to_hf_name(name);
     TORCH_CHECK(hf_name.has_value(), "no Hugging Face name for Loom parameter '", name, "'");
     tensors.emplace_back(*hf_name, tensor.to(out_dtype));
   }
-  checkpoint::save_safetensors_sharded(dir, tensors, max_shard_bytes, "model",
-                                       {{"format", "pt"}});
+  checkpoint::save_safetensors_sharded(dir, tensors, max_shard_bytes, "model", {{"format", "pt"}});
   checkpoint::write_text_file_atomically(
-      dir / "config.json", model_args_to_hf_config(model.args(), dtype_name).dump(2) + "\n");
+      dir / "config.json", spec.hf->write_config(model.decoder_args(), dtype_name).dump(2) + "\n");
 }
 
-}  // namespace loom::llama3
+InitialWeights read_initial_weights(const ModelSpec& spec, const fs::path& path) {
+  InitialWeights weights;
+  if (detect_model_dir_format(path) == ModelDirFormat::kLoom) {
+    weights.loom_checkpoint = resolve_loom_checkpoint(path);
+    return weights;
+  }
+  const LoadedModel loaded = load_hf_model_dir(path);
+  LOOM_REQUIRE_USAGE(loaded.spec->name == spec.name, "checkpoint.initial_load_path '", path.string(),
+                     "' holds a ", loaded.spec->name, " model but model.name is ", spec.name);
+  for (const auto& p : loaded.model->named_parameters()) weights.full_parameters[p.name] = p.tensor().detach();
+  return weights;
+}
+
+}  // namespace loom::models

@@ -1,21 +1,21 @@
 // `loom score`: per-token negative log-likelihood and perplexity of a token sequence under a
-// Llama 3 model directory (Hugging Face or Loom format), optionally saving the logits.
+// model directory (Hugging Face or Loom format), optionally saving the logits.
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 
 #include "loom/core/dtype.h"
-#include "loom/models/llama3/cli.h"
+#include "loom/models/cli/cli.h"
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/device.h"
 #include "loom/core/error.h"
 #include "loom/core/timer.h"
 #include "loom/data/sources.h"
 #include "loom/data/tokenizer.h"
-#include "loom/models/llama3/model_dir.h"
+#include "loom/models/common/model_dir.h"
 
-namespace loom::llama3 {
+namespace loom::models {
 namespace {
 namespace fs = std::filesystem;
 
@@ -76,16 +76,16 @@ void run_score(const ScoreOptions& o) {
   const auto seq_len = static_cast<int64_t>(ids.size());
 
   Timer load_timer;
-  llama3::LoadOptions load;
+  LoadOptions load;
   load.max_seq_len = seq_len;  // the RoPE cache only needs this sequence
   const c10::Device device = select_device(o.device, /*local_rank=*/0, "--device");
   load.options = torch::TensorOptions()
                      .dtype(parse_dtype(o.dtype, "--dtype"))
                      .device(device);
-  const auto loaded = llama3::load_model_dir(o.checkpoint, load);
-  llama3::Transformer& model = *loaded.model;
+  const auto loaded = load_model_dir(o.checkpoint, load);
+  Decoder& model = *loaded.model;
   model.eval();
-  const int64_t vocab = model.args().vocab_size;
+  const int64_t vocab = model.decoder_args().vocab_size;
   for (const int64_t id : ids) {
     LOOM_REQUIRE_USAGE(id < vocab, "token id ", id, " is outside the model's vocabulary of ",
                        vocab, "; check the tokenizer matches the checkpoint");
@@ -107,8 +107,8 @@ void run_score(const ScoreOptions& o) {
   const auto nll_values = nll.accessor<double, 1>();
 
   std::printf("checkpoint: %s (%s), %s; %s on %s\n", o.checkpoint.c_str(),
-              loaded.format == llama3::ModelDirFormat::kLoom ? "loom" : "huggingface",
-              model.args().summary().c_str(), o.dtype.c_str(), device.str().c_str());
+              loaded.format == ModelDirFormat::kLoom ? "loom" : "huggingface",
+              model.decoder_args().summary().c_str(), o.dtype.c_str(), device.str().c_str());
   std::printf("%8s %10s %12s\n", "position", "token", "nll");
   for (int64_t t = 1; t < seq_len; ++t) {
     std::printf("%8ld %10ld %12.6f\n", static_cast<long>(t), static_cast<long>(ids[t]),
@@ -132,7 +132,7 @@ void register_score_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "score", "Per-token NLL and perplexity of a sequence under a model directory");
   cmd->add_option("--checkpoint", options->checkpoint,
-                  "Model directory (Hugging Face Llama or Loom format)")
+                  "Model directory (Hugging Face or Loom format)")
       ->required()
       ->check(CLI::ExistingDirectory);
   auto* tokens = cmd->add_option("--tokens", options->tokens, "Comma-separated token ids, e.g. 1,2,3");
@@ -157,4 +157,4 @@ void register_score_command(CLI::App& app) {
   });
 }
 
-}  // namespace loom::llama3
+}  // namespace loom::models

@@ -1,6 +1,6 @@
 // `loom convert --input DIR --output DIR --to hf|loom [--dtype float32|bfloat16|float16]
 // [--device cpu|cuda|auto]`:
-// converts Llama weights between a Hugging Face model directory and a Loom checkpoint (the input
+// converts a registered model's weights between a Hugging Face model directory and a Loom checkpoint (the input
 // format is detected). `--to loom` writes a model-only checkpoint in the trainer's own format
 // (rank-0.safetensors, metadata.json with CRC-32C per chunk and the model config, COMPLETE);
 // `--input` may also be one of the trainer's checkpoints (step-N) or its checkpoint folder.
@@ -9,13 +9,13 @@
 #include <CLI/CLI.hpp>
 
 #include "loom/core/dtype.h"
-#include "loom/models/llama3/cli.h"
+#include "loom/models/cli/cli.h"
 #include "loom/core/device.h"
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
-#include "loom/models/llama3/model_dir.h"
+#include "loom/models/common/model_dir.h"
 
-namespace loom::llama3 {
+namespace loom::models {
 
 void register_convert_command(CLI::App& app) {
   struct Args {
@@ -23,7 +23,7 @@ void register_convert_command(CLI::App& app) {
     std::string device = "cpu";
   };
   auto args = std::make_shared<Args>();
-  auto* cmd = app.add_subcommand("convert", "Convert Llama weights between a HF directory and a Loom checkpoint");
+  auto* cmd = app.add_subcommand("convert", "Convert model weights between a HF directory and a Loom checkpoint");
   cmd->add_option("--input", args->input, "HF model directory or Loom checkpoint (detected)")->required();
   cmd->add_option("--output", args->output, "Directory to write (must not exist)")->required();
   cmd->add_option("--to", args->to, "Output format")->required()->check(CLI::IsMember({"hf", "loom"}));
@@ -39,18 +39,18 @@ void register_convert_command(CLI::App& app) {
                        "convert: --output must differ from --input (", args->input, ")");
     LOOM_REQUIRE_USAGE(!fs::exists(args->output), "convert: --output '", args->output,
                        "' already exists; choose a new directory or remove it");
-    llama3::LoadOptions load;
+    LoadOptions load;
     load.options = load.options.device(select_device(args->device, /*local_rank=*/0, "--device"));
-    auto loaded = llama3::load_model_dir(args->input, load);
+    auto loaded = load_model_dir(args->input, load);
     std::optional<c10::ScalarType> dtype;
     if (!args->dtype.empty()) dtype = parse_dtype(args->dtype, "--dtype");
     if (args->to == "hf") {
-      llama3::export_hf_model_dir(*loaded.model, args->output, dtype);
+      export_hf_model_dir(*loaded.spec, *loaded.model, args->output, dtype);
     } else {
-      llama3::save_loom_checkpoint(*loaded.model, args->output, dtype);
+      save_loom_checkpoint(*loaded.spec, *loaded.model, args->output, dtype);
     }
     log::info("converted ", args->input, " -> ", args->output, " (", args->to, ")");
   });
 }
 
-}  // namespace loom::llama3
+}  // namespace loom::models

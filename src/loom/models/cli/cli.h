@@ -1,11 +1,11 @@
-// The Llama 3 commands of the `loom` CLI.
+// The model commands of the `loom` CLI, for every registered model (models/spec.h).
 #pragma once
 #include <CLI/CLI.hpp>
 
-namespace loom::llama3 {
-// `loom score`, `loom info` and `loom convert` for Llama 3 models.
+namespace loom::models {
+// `loom score`, `loom generate`, `loom info` and `loom convert`.
 void register_score_command(CLI::App& app);
 void register_generate_command(CLI::App& app);
 void register_info_command(CLI::App& app);
 void register_convert_command(CLI::App& app);
-}  // namespace loom::llama3
+}  // namespace loom::models

@@ -1,4 +1,4 @@
-// `loom generate`: sample a continuation of a prompt from a Llama 3 model directory (Hugging Face
+// `loom generate`: sample a continuation of a prompt from a decoder model directory (Hugging Face
 // or Loom format: `loom convert` output, or a training run's step-N), streaming tokens as they come.
 #include <cstdio>
 #include <filesystem>
@@ -11,11 +11,11 @@
 #include "loom/core/logging.h"
 #include "loom/core/timer.h"
 #include "loom/data/tokenizer.h"
-#include "loom/models/llama3/cli.h"
-#include "loom/models/llama3/generate.h"
-#include "loom/models/llama3/model_dir.h"
+#include "loom/models/cli/cli.h"
+#include "loom/models/common/generate.h"
+#include "loom/models/common/model_dir.h"
 
-namespace loom::llama3 {
+namespace loom::models {
 namespace {
 namespace fs = std::filesystem;
 
@@ -93,7 +93,8 @@ void run_generate(GenerateOptions o) {
   // The model's limits come from its config alone, before any weight is read: the prompt and the
   // new tokens must fit its maximum sequence length (a longer RoPE table would run the model past
   // what it was trained on), and this keeps a huge --max-new-tokens from allocating anything.
-  const ModelArgs args = read_model_dir_args(o.checkpoint);
+  const ModelDirArgs recorded = read_model_dir_args(o.checkpoint);
+  const DecoderArgs& args = recorded.decoder();
   check_generation_fits(static_cast<int64_t>(prompt.size()), o.sampling.max_new_tokens, args.max_seq_len);
   for (const int64_t id : prompt) {
     LOOM_REQUIRE_USAGE(id < args.vocab_size, "prompt token id ", id, " is outside the model's vocabulary of ",
@@ -116,7 +117,7 @@ void run_generate(GenerateOptions o) {
   const c10::Device device = select_device(o.device, /*local_rank=*/0, "--device");
   load.options = torch::TensorOptions().dtype(dtype).device(device);
   const auto loaded = load_model_dir(o.checkpoint, load);
-  Transformer& model = *loaded.model;
+  Decoder& model = *loaded.model;
   model.eval();
   const double load_seconds = load_timer.seconds();
 
@@ -157,7 +158,7 @@ void run_generate(GenerateOptions o) {
 void register_generate_command(CLI::App& app) {
   auto options = std::make_shared<GenerateOptions>();
   CLI::App* cmd = app.add_subcommand("generate", "Sample a continuation of a prompt (key/value cache, streamed)");
-  cmd->add_option("--checkpoint", options->checkpoint, "Model directory (Hugging Face Llama or Loom format)")
+  cmd->add_option("--checkpoint", options->checkpoint, "Model directory (Hugging Face or Loom format)")
       ->required()
       ->check(CLI::ExistingDirectory);
   auto* text = cmd->add_option("--prompt", options->prompt, "Prompt text (tokenized with --tokenizer)");
@@ -186,4 +187,4 @@ void register_generate_command(CLI::App& app) {
   });
 }
 
-}  // namespace loom::llama3
+}  // namespace loom::models

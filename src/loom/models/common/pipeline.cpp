@@ -1,6 +1,4 @@
-#include "loom/models/llama3/pipeline.h"
-
-#include "loom/models/llama3/parallelize.h"
+#include "loom/models/common/pipeline.h"
 
 #include <algorithm>
 
@@ -11,7 +9,7 @@
 #include "loom/pipeline/generators.h"
 #include "loom/pipeline/simulator.h"
 
-namespace loom::llama3 {
+namespace loom::models {
 
 namespace {
 
@@ -27,7 +25,7 @@ int64_t parse_split_point(const std::string& text, int64_t n_layers) {
 
 }  // namespace
 
-std::vector<int64_t> stage_layer_bounds(const ModelArgs& args, const PipelineSplit& split) {
+std::vector<int64_t> stage_layer_bounds(const DecoderArgs& args, const PipelineSplit& split) {
   LOOM_REQUIRE_USAGE(split.pp >= 1 && split.stages_per_rank >= 1,
                      "pipeline split needs pp >= 1 and stages per rank >= 1, got pp ", split.pp,
                      ", ", split.stages_per_rank);
@@ -79,20 +77,20 @@ std::vector<int64_t> stage_layer_bounds(const ModelArgs& args, const PipelineSpl
   return bounds;
 }
 
-std::vector<std::shared_ptr<Transformer>> split_into_stages(
-    const std::function<std::shared_ptr<Transformer>()>& build_model,
+std::vector<std::shared_ptr<Decoder>> split_into_stages(
+    const std::function<std::shared_ptr<Decoder>()>& build_model,
     const std::vector<int64_t>& bounds, const std::vector<int>& stage_ids) {
   LOOM_REQUIRE(bounds.size() >= 2, "stage bounds need at least one stage");
   const int num_stages = static_cast<int>(bounds.size()) - 1;
-  std::vector<std::shared_ptr<Transformer>> models;
+  std::vector<std::shared_ptr<Decoder>> models;
   for (int stage : stage_ids) {
     LOOM_REQUIRE(stage >= 0 && stage < num_stages, "stage ", stage, " of ", num_stages);
-    std::shared_ptr<Transformer> model = build_model();
-    LOOM_REQUIRE(model != nullptr && bounds.back() == model->args().n_layers,
+    std::shared_ptr<Decoder> model = build_model();
+    LOOM_REQUIRE(model != nullptr && bounds.back() == model->decoder_args().n_layers,
                  "stage bounds end at layer ", bounds.back(), " but the model has ",
-                 model ? model->args().n_layers : 0, " layers");
+                 model ? model->decoder_args().n_layers : 0, " layers");
     const int64_t first = bounds[stage], end = bounds[stage + 1];
-    for (int64_t layer = 0; layer < model->args().n_layers; ++layer) {
+    for (int64_t layer = 0; layer < model->decoder_args().n_layers; ++layer) {
       if (layer < first || layer >= end) model->layers().remove_module(std::to_string(layer));
     }
     if (stage != 0) model->remove_embedding();
@@ -103,14 +101,14 @@ std::vector<std::shared_ptr<Transformer>> split_into_stages(
 }
 
 std::vector<std::shared_ptr<pipeline::PipelineStage>> make_pipeline_stages(
-    const std::vector<std::shared_ptr<Transformer>>& models, const std::vector<int>& stage_ids,
+    const std::vector<std::shared_ptr<Decoder>>& models, const std::vector<int>& stage_ids,
     int num_stages, pipeline::WeightGradMethod method, std::optional<c10::ScalarType> autocast,
     c10::Device device) {
   LOOM_REQUIRE(models.size() == stage_ids.size(), models.size(), " stage models for ",
                stage_ids.size(), " stage ids");
   std::vector<std::shared_ptr<pipeline::PipelineStage>> stages;
   for (size_t i = 0; i < models.size(); ++i) {
-    Transformer* model = models[i].get();
+    Decoder* model = models[i].get();
     LOOM_REQUIRE(model->has_embedding() == (stage_ids[i] == 0) &&
                      model->has_head() == (stage_ids[i] == num_stages - 1),
                  "stage ", stage_ids[i], " of ", num_stages,
@@ -130,7 +128,7 @@ std::vector<std::shared_ptr<pipeline::PipelineStage>> make_pipeline_stages(
   return stages;
 }
 
-PipelinePlan plan_pipeline(const ModelArgs& args, int pp, const models::PipelineOptions& options) {
+PipelinePlan plan_pipeline(const DecoderArgs& args, int pp, const PipelineOptions& options) {
   LOOM_REQUIRE_USAGE(options.microbatches >= 1, "pipeline parallelism needs at least one micro-batch, got ",
                      options.microbatches);
   const int m = static_cast<int>(options.microbatches);
@@ -177,8 +175,11 @@ PipelinePlan plan_pipeline(const ModelArgs& args, int pp, const models::Pipeline
   return plan;
 }
 
-PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::ParallelDims& dims,
-                                      const models::PipelineOptions& options) {
+PipelinePlan validate_pipeline_layout(const DecoderArgs& args, const distributed::ParallelDims& dims,
+                                      const PipelineOptions& options) {
+  LOOM_REQUIRE_USAGE(!args.tie_embeddings, "this model ties its output head to the token embedding, which pipeline "
+                     "parallelism would place on the first and the last stage; set parallelism.pipeline_parallel_degree = 1 "
+                     "(or train a flavor with an untied head)");
   PipelinePlan plan = plan_pipeline(args, dims.pp(), options);
   if (dims.fsdp_enabled()) {
     // FSDP inside a stage (over dp_shard, or dp_shard x cp with context parallelism): one FSDP root per rank (the rank's stage), gathered and reduced by the
@@ -200,20 +201,21 @@ PipelinePlan validate_pipeline_layout(const ModelArgs& args, const distributed::
   return plan;
 }
 
-std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(const ModelArgs& args,
-                                                            const distributed::ParallelDims& dims,
-                                                            const distributed::DeviceMesh& mesh,
-                                                            const models::PipelineOptions& options,
-                                                            const PlanOptions& plan_options) {
+std::unique_ptr<parallel::ParallelizedModel> pipeline_decoder(const std::function<std::shared_ptr<Decoder>()>& build_model,
+                                                              const distributed::ParallelDims& dims,
+                                                              const distributed::DeviceMesh& mesh,
+                                                              const PipelineOptions& options, const TPPlan& tp_plan,
+                                                              const PlanOptions& plan_options) {
+  // The whole model on the meta device, for its args (the stages are built afresh below).
+  const std::shared_ptr<Decoder> whole = build_model();
+  const DecoderArgs& args = whole->decoder_args();
   const PipelinePlan plan = validate_pipeline_layout(args, dims, options);
   const tensor::CommPtr pp_comm = mesh.comm("pp");
   const std::vector<int> stage_ids = plan.schedule.stages_of(pp_comm->rank());
-  auto models = split_into_stages(
-      [&] { return std::make_shared<Transformer>(args, torch::TensorOptions().device(torch::kMeta)); },
-      plan.layer_bounds, stage_ids);
+  auto models = split_into_stages(build_model, plan.layer_bounds, stage_ids);
   // The stages get the whole model's composition (TP, CP, AC, FSDP with one stage per rank, as
   // validated above), before they hook their layers for the weight-gradient split.
-  parallel::ParallelParts parts = compose(models, dims, mesh, plan_options);
+  parallel::ParallelParts parts = compose(models, dims, mesh, tp_plan, plan_options);
   const auto& tp = parts.tp;
   const ac::ACOptions& ac = plan_options.ac;
   const auto& tp_options = plan_options.tp;
@@ -245,4 +247,4 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_llama(const ModelArgs& arg
   return std::make_unique<parallel::ParallelizedModel>(std::move(parts));
 }
 
-}  // namespace loom::llama3
+}  // namespace loom::models

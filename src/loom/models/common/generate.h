@@ -1,4 +1,4 @@
-// Autoregressive generation from a Llama 3 model with a key/value cache (`loom generate`).
+// Autoregressive generation from any decoder (models/common/decoder.h) with a key/value cache (`loom generate`).
 //
 // The cache is installed from outside the model, like context parallelism's ring attention: each
 // attention layer's core (nn::Attention::set_attend) is replaced by one that appends the new keys
@@ -14,9 +14,9 @@
 #include <memory>
 #include <vector>
 
-#include "loom/models/llama3/model.h"
+#include "loom/models/common/decoder.h"
 
-namespace loom::llama3 {
+namespace loom::models {
 
 struct SamplingOptions {
   int64_t max_new_tokens = 64;
@@ -39,7 +39,7 @@ void check_generation_fits(int64_t prompt_tokens, int64_t max_new_tokens, int64_
 
 // Bytes of the key/value cache Generator allocates for `capacity` tokens (keys and values of every
 // layer, batch 1) in `dtype`.
-int64_t kv_cache_bytes(const ModelArgs& args, int64_t capacity, c10::ScalarType dtype);
+int64_t kv_cache_bytes(const DecoderArgs& args, int64_t capacity, c10::ScalarType dtype);
 
 // The next token from logits [V] (float32 on any device).
 int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& options, at::Generator& generator);
@@ -51,8 +51,8 @@ class Generator {
   // allocated here, before any token is produced, so running out of memory is one error naming
   // the cache's size (and `memory_hint`: what the caller's user can lower), not a failure after
   // the first output.
-  Generator(Transformer& model, int64_t capacity, const std::string& memory_hint);
-  Generator(Transformer& model, int64_t capacity);
+  Generator(Decoder& model, int64_t capacity, const std::string& memory_hint);
+  Generator(Decoder& model, int64_t capacity);
   ~Generator();
   Generator(const Generator&) = delete;
   Generator& operator=(const Generator&) = delete;
@@ -68,9 +68,9 @@ class Generator {
 
  private:
   struct LayerCache;
-  Transformer& model_;
+  Decoder& model_;
   int64_t capacity_;
   std::vector<std::shared_ptr<LayerCache>> caches_;
 };
 
-}  // namespace loom::llama3
+}  // namespace loom::models

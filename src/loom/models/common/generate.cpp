@@ -1,4 +1,4 @@
-#include "loom/models/llama3/generate.h"
+#include "loom/models/common/generate.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include "loom/core/error.h"
 #include "loom/core/memory.h"
 
-namespace loom::llama3 {
+namespace loom::models {
 
 void SamplingOptions::validate() const {
   // Written so that NaN fails every check (each comparison with NaN is false).
@@ -30,7 +30,7 @@ void check_generation_fits(int64_t prompt_tokens, int64_t max_new_tokens, int64_
                               : std::string("; shorten the prompt to leave room for new tokens"));
 }
 
-int64_t kv_cache_bytes(const ModelArgs& args, int64_t capacity, c10::ScalarType dtype) {
+int64_t kv_cache_bytes(const DecoderArgs& args, int64_t capacity, c10::ScalarType dtype) {
   const int64_t per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim() *
                             static_cast<int64_t>(c10::elementSize(dtype));
   return per_token * capacity;
@@ -41,15 +41,15 @@ struct Generator::LayerCache {
   int64_t length = 0;
 };
 
-Generator::Generator(Transformer& model, int64_t capacity)
+Generator::Generator(Decoder& model, int64_t capacity)
     : Generator(model, capacity, "lower --max-new-tokens or shorten the prompt") {}
 
-Generator::Generator(Transformer& model, int64_t capacity, const std::string& memory_hint)
+Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory_hint)
     : model_(model), capacity_(capacity) {
-  LOOM_REQUIRE_USAGE(capacity >= 1 && capacity <= model.args().max_seq_len, "generation needs ", capacity,
-                     " positions but the model's RoPE table has ", model.args().max_seq_len,
+  LOOM_REQUIRE_USAGE(capacity >= 1 && capacity <= model.decoder_args().max_seq_len, "generation needs ", capacity,
+                     " positions but the model's RoPE table has ", model.decoder_args().max_seq_len,
                      "; use a shorter prompt or fewer new tokens");
-  const ModelArgs& args = model.args();
+  const DecoderArgs& args = model.decoder_args();
   const torch::Tensor& rope = model.rope_cache();
   // The cache holds what attention's keys and values are computed in: the model's dtype.
   const auto options = model.tok_embeddings().weight().options();
@@ -69,7 +69,7 @@ Generator::Generator(Transformer& model, int64_t capacity, const std::string& me
   for (const auto& [id, layer] : model.layers().named_children()) {
     auto cache = caches_[next++];
     const int64_t cap = capacity;
-    static_cast<TransformerBlock&>(*layer).attention().set_attend(
+    static_cast<DecoderBlock&>(*layer).attention().set_attend(
         [cache, cap](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const nn::TokenLayout&) {
           // q [1, T, H, D], k/v [1, T, KV, D], already rotated at their positions.
           const int64_t t = q.size(1), heads = q.size(2), head_dim = q.size(3);
@@ -98,7 +98,7 @@ Generator::Generator(Transformer& model, int64_t capacity, const std::string& me
 
 Generator::~Generator() {
   for (const auto& [id, layer] : model_.layers().named_children()) {
-    static_cast<TransformerBlock&>(*layer).attention().set_attend(nullptr);
+    static_cast<DecoderBlock&>(*layer).attention().set_attend(nullptr);
   }
 }
 
@@ -157,4 +157,4 @@ std::vector<int64_t> Generator::generate(const std::vector<int64_t>& prompt, con
   return out;
 }
 
-}  // namespace loom::llama3
+}  // namespace loom::models
