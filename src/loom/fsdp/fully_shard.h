@@ -2,7 +2,7 @@
 // veScale-FSDP's flat, planner-laid-out buffers underneath (one DistributedBuffer per group, see
 // distributed_buffer.h and param_group.h).
 //
-// Usage (TorchTitan's apply_fsdp, see models/llama3/parallelize.h):
+// Usage (TorchTitan's apply_fsdp, see models/common/parallelize.h):
 //   FSDPMesh mesh = make_fsdp_mesh(device_mesh, policy);
 //   for (block : model.layers) fully_shard(block, mesh, policy);
 //   auto fsdp = fully_shard(model, mesh, policy);   // the root: owns what the blocks do not

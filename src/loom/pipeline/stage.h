@@ -2,7 +2,7 @@
 // the forward (input and output kept for the backward), the full backward B, and the zero-bubble
 // split of the backward into I (gradient w.r.t. the stage input only) and W (the weight gradients,
 // later). The executor (executor.h) drives stages action by action; the model-specific split into
-// stages lives with the model (llama3/pipeline.h).
+// stages lives with the model (models/common/pipeline.h).
 //
 // Loss scaling: the last stage's output is the micro-batch's mean loss; its backward starts from
 // loss_scale (1/m for m micro-batches), so the gradients summed over the step equal those of the

@@ -1,7 +1,7 @@
 // Per-rank scenarios of the pipeline executor tests, started as
 //   loom launch --nproc N --exec -- loom_pp_worker parity
 // Every rank builds the single-process Llama (the reference) from the seed and, for each schedule,
-// its own pipeline stages (llama3/pipeline.h) from the same seed; the reference runs the whole
+// its own pipeline stages (models/common/pipeline.h) from the same seed; the reference runs the whole
 // global batch, the ranks run the schedule over its micro-batches (PipelineExecutor). The step
 // loss and every parameter gradient a rank owns must equal the reference's; then three SGD steps
 // on both, comparing again after each. Rank 0 prints one line per configuration with the worst
