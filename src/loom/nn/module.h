@@ -12,6 +12,8 @@
 #pragma once
 #include <torch/torch.h>
 
+#include "loom/tensor/placement.h"
+
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -32,6 +34,11 @@ struct ParameterSlot {
   torch::Tensor tensor;
   bool requires_grad = true;
   Module* owner = nullptr;
+  // Where the tensor's pieces live when a parallelism applied from outside shards it (TP's
+  // Shard(d) on "tp"): its global shape and this rank's box, which checkpoints, initial loads and
+  // the gradient norm read. Unset: this rank holds the whole tensor (FSDP's flat shards are its
+  // storage's business, parallel/parameter_storage.h).
+  std::optional<tensor::TensorLayout> layout;
 };
 
 struct BufferSlot {

@@ -1,22 +1,24 @@
 // The model as the Trainer drives it, whatever parallelisms were applied to it: one object for
 // the step (micro-batch boundaries, gradient synchronisation, zeroing, clipping), the optimizer
-// and the checkpoint's state. A model's parallelize function (models/<model>/parallelize.h)
-// applies TP, then FSDP or DDP, and hands the pieces over here; no code after it needs to know
-// which were used.
+// and the checkpoint's state. The composition (models/common/parallelize.h) applies TP, CP, AC,
+// then FSDP or DDP, and hands over three things: where the parameters live (a ParameterStorage:
+// the modules' slots or FSDP's shards), one Synchronizer per applied parallelism in composition
+// order (synchronizer.h), and how the step runs (a StepRunner: the model's loss, or the pipeline
+// schedule). ParallelizedModel calls them without asking which parallelisms they are.
 //
 // How the pieces compose:
 //   gradients   DDP all-reduces over dp_replicate in backward; FSDP reduce-scatters over dp_shard
 //               (and all-reduces HSDP replicas) in backward; TP's partial gradients (norm weights
-//               under sequence parallelism) are summed over tp once the data-parallel reductions
-//               are done (sums commute, so the order does not matter);
-//   clipping    every element of every gradient counted once: squares of TP-sharded pieces summed
-//               over the FSDP shard group and over tp, of TP-replicated pieces over the FSDP shard
-//               group only;
-//   checkpoint  each parameter (and its AdamW moments) is a box of its global tensor when TP
-//               shards it, and FSDP's flat range within that box (or within the whole tensor);
+//               under sequence parallelism, QK-norms) are summed over tp once the data-parallel
+//               reductions are done (finish runs outer to inner);
+//   clipping    every element of every gradient counted once: each gradient's squares are summed
+//               over the groups its pieces are spread over (FSDP's shard group, tp for TP shards,
+//               pp for every stage's), grouped so each group costs one all-reduce;
+//   checkpoint  each parameter (and its optimizer state) is a box of its global tensor when its
+//               slot's layout shards it (TP), and FSDP's flat range within that box (or within the
+//               whole tensor);
 //   pipeline    the rank holds only its stages' modules (each parameter under its global name, on
-//               one pp rank), the step runs the schedule over the micro-batches, and the gradient
-//               norm sums the pp ranks' squares.
+//               one pp rank), and the step runs the schedule over the micro-batches.
 #pragma once
 #include <functional>
 #include <memory>
@@ -26,50 +28,25 @@
 
 #include "loom/checkpoint/state_dict.h"
 #include "loom/core/torch_compat.h"
-#include "loom/ddp/ddp.h"
-#include "loom/fsdp/fully_shard.h"
-#include "loom/fsdp/sharded_muon.h"
-#include "loom/fsdp/sharded_optimizer.h"
-#include "loom/parallel/optimizer_registry.h"
-#include "loom/nn/attention.h"
 #include "loom/nn/module.h"
-#include "loom/optim/adamw.h"
-#include "loom/optim/muon.h"
-#include "loom/pipeline/executor.h"
-#include "loom/tp/tensor_parallel.h"
+#include "loom/optim/optimizer.h"
+#include "loom/parallel/optimizer_registry.h"
+#include "loom/parallel/parameter_storage.h"
+#include "loom/parallel/step.h"
+#include "loom/parallel/synchronizer.h"
 
 namespace loom::parallel {
-
-// One micro-batch as the model sees it on this rank: under context parallelism this rank's two
-// chunks of every row (head-tail), with their positions and documents; otherwise the rows as
-// loaded.
-struct ModelBatch {
-  torch::Tensor tokens;  // [B, T_local] int64
-  torch::Tensor labels;  // [B, T_local] int64
-  nn::TokenLayout layout;
-};
-
-using ForwardLoss = std::function<torch::Tensor(const ModelBatch& batch)>;
-// Applied to micro-batch `index`'s loss before its backward (fault injection: a NaN loss); under
-// pipeline parallelism to each of this rank's stage outputs instead (activations or the loss).
-using LossHook = std::function<torch::Tensor(int64_t index, const torch::Tensor& loss)>;
 
 struct ParallelParts {
   // The model parts this rank holds (TorchTitan's model_parts): the model, or this rank's pipeline
   // stages. Their parameters are this rank's pieces, under their global names.
   std::vector<std::shared_ptr<nn::Module>> modules;
-  ForwardLoss forward_loss;            // mean loss of one micro-batch (no pipeline)
-  // Pipeline parallelism: the executor of this rank's stages (modules) and the rows per
-  // micro-batch; null: none.
-  std::shared_ptr<pipeline::PipelineExecutor> pipeline;
-  int64_t pipeline_microbatch_size = 0;
-  // Data-parallel replicas of the pipeline (dp_replicate x pp): each holds the same stages and
-  // sees other rows; their gradients are averaged once the schedule is done. Null: none.
-  tensor::CommPtr pipeline_replicas;
-  std::shared_ptr<tp::TensorParallel> tp;     // null: no tensor parallelism
-  std::shared_ptr<fsdp::FSDPModule> fsdp;     // null: no FSDP (the root module's handle)
-  std::unique_ptr<ddp::DataParallel> ddp;     // null: no DDP
-  tensor::CommPtr cp;                         // null: no context parallelism (the "cp" group)
+  // Where the parameters live; null: the modules' own slots (ModuleParameters).
+  std::unique_ptr<ParameterStorage> storage;
+  // One per applied parallelism, in the order the composition applied them.
+  Synchronizers synchronizers;
+  // How the step runs: the model's loss per micro-batch, or the pipeline schedule.
+  std::unique_ptr<StepRunner> step;
 };
 
 class ParallelizedModel {
@@ -77,10 +54,7 @@ class ParallelizedModel {
   explicit ParallelizedModel(ParallelParts parts);
 
   const std::vector<std::shared_ptr<nn::Module>>& modules() const { return parts_.modules; }
-  const pipeline::PipelineExecutor* pipeline() const { return parts_.pipeline.get(); }
-  const tp::TensorParallel* tensor_parallel() const { return parts_.tp.get(); }
-  fsdp::FSDPModule* fsdp() const { return parts_.fsdp.get(); }
-  std::string describe() const;  // "TP 2 (sequence parallel, loss parallel) + FSDP over 2 ranks"
+  std::string describe() const;  // "TP 2 (sequence parallel) + FSDP over 2 ranks"
 
   // ---- The step ----
   // The loaded rows [B, T] (and, for block-causal attention, their document ids [B, T]) as this
@@ -115,7 +89,7 @@ class ParallelizedModel {
   // between steps (FSDP's shards, DDP's buckets) or are set to None by zero_grad.
   std::vector<torch::Tensor> resident_parameters();
   std::vector<torch::Tensor> resident_gradients();
-  bool gradients_persist() const { return parts_.fsdp != nullptr || parts_.ddp != nullptr; }
+  bool gradients_persist() const;
 
   // ---- Optimizer and state ----
   // The optimizer `spec` names over this rank's pieces: on FSDP's flat shards (spec.build_sharded,
@@ -130,23 +104,16 @@ class ParallelizedModel {
   void load_full_parameters(const optim::TensorDict& full);
 
  private:
-  // The checkpoint region of parameter `name` held as `local` (TP box; FSDP range inside it).
   // Before each micro-batch: `last` is the one whose backward synchronises gradients (DDP and
   // FSDP accumulate locally before it).
   void begin_micro_batch(bool last);
   // After the step's last backward: every gradient reduction done.
   void finish_gradient_sync();
-  torch::Tensor pipeline_forward_backward(const std::vector<ModelBatch>& batches, const LossHook& hook);
-  // Every part's parameters, in part order.
-  std::vector<nn::NamedParameter> named_parameters();
-  void add_piece(checkpoint::ShardedStateDict& state, const std::string& name, const std::string& component,
-                 const std::string& param, const torch::Tensor& local, std::vector<int64_t> fsdp_shape,
-                 std::optional<int64_t> fsdp_offset);
+  // The layouts of the parameters a parallelism shards besides the storage (their slots'), by name.
+  ParameterLayouts parameter_layouts();
 
   ParallelParts parts_;
-  // Pipeline with FSDP: the batch now in the schedule is the step's last (its last backward per
-  // stage reduce-scatters).
-  bool pipeline_batch_is_last_ = true;
+  StepCallbacks callbacks_;
   // Memory accounting where gradients are set to None between steps: the parameters'
   // AccumulateGrad nodes (kept alive for their hooks) and whether each has been counted this step.
   std::vector<compat::GradAccumulatorPtr> gradient_accumulators_;

@@ -29,6 +29,7 @@ void TensorParallel::shard_parameter(nn::Module& module, const std::string& fqn,
     local = slot.tensor.narrow(dim, box.offsets[dim], box.sizes[dim]).clone();
   }
   module.set_parameter(name, local);
+  module.parameter_slot(name).layout = layout;
   layouts_[param] = layout;
 }
 

@@ -342,7 +342,7 @@ const std::vector<ConfigKey> kSchema = {
      "Model weights to start from when the run's own checkpoint folder is empty: a Loom "
      "checkpoint (`loom convert --to loom` output, another run's `step-N`, or a checkpoint "
      "folder = its newest complete step; model tensors only, resharded to this layout) or a "
-     "Hugging Face Llama directory; empty = none.", {}},
+     "Hugging Face directory of the same model family (read by its config.json's model_type); empty = none.", {}},
     // [validation]
     {LOOM_CONFIG_KEY(validation, enable),
      "Evaluate the loss on held-out data every `freq` steps and at the last step.", {}},

@@ -17,8 +17,8 @@ Validator::Validator(ValidatorOptions options, const data::Tokenizer& tokenizer,
     : options_(std::move(options)), model_(model), to_model_batch_(std::move(to_model_batch)) {
   const ValidationSection& v = options_.config;
   LOOM_REQUIRE(v.local_batch_size > 0 && v.seq_len > 0, "Validator needs a resolved batch size and seq_len");
-  LOOM_REQUIRE_USAGE(model_.pipeline() == nullptr, "validation.enable = true is not supported with "
-                     "pipeline parallelism; set validation.enable = false");
+  // Pipeline parallelism is refused by the config check (validation needs a forward-only loss,
+  // which ParallelizedModel::forward_loss refuses under a pipeline too).
   Timer timer;
   data::SourceOptions source;
   if (v.dataset_format != "auto") source.format = data::parse_source_format(v.dataset_format);

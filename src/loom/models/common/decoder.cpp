@@ -224,6 +224,12 @@ double flops_per_token(const DecoderArgs& args, int64_t non_embedding_params, in
              static_cast<double>(args.head_dim()) * static_cast<double>(seq_len);
 }
 
+void fail_unknown_flavor(const std::string& family, const std::string& name, const std::vector<std::string>& valid) {
+  std::string list;
+  for (const auto& n : valid) list += (list.empty() ? "" : ", ") + n;
+  fail_usage("unknown ", family, " flavor '", name, "'; valid flavors: ", list);
+}
+
 std::optional<std::pair<int64_t, std::string>> split_layer_name(const std::string& name) {
   const std::string prefix = "layers.";
   if (name.rfind(prefix, 0) != 0) return std::nullopt;

@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "loom/models/model_args.h"
 #include "loom/nn/attention.h"
@@ -185,6 +186,10 @@ ParameterCounts count_transformer_parameters(const DecoderArgs& args);
 // T = sequence length. The attention term counts the QK^T and AV matmuls of forward and backward
 // (2 + 4 matmuls, 2 FLOPs per multiply-add) and, by convention, ignores causal sparsity.
 double flops_per_token(const DecoderArgs& args, int64_t non_embedding_params, int64_t seq_len);
+
+// The one-line loom::UsageError for a flavor `family` does not have, listing `valid`.
+[[noreturn]] void fail_unknown_flavor(const std::string& family, const std::string& name,
+                                      const std::vector<std::string>& valid);
 
 // Splits "layers.<id>.<rest>" into (id, rest); nullopt for any other name.
 std::optional<std::pair<int64_t, std::string>> split_layer_name(const std::string& name);

@@ -4,6 +4,7 @@
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
 #include "loom/nn/init.h"
+#include "loom/parallel/synchronizers.h"
 
 namespace loom::models {
 
@@ -113,17 +114,20 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
       log::info("float8: ", report.describe(options.float8->recipe));
     }
   }
-  // 1. Tensor parallelism: parameters become this rank's shards (still on the meta device); one
-  //    plan records every part's parameters.
+  // 1. Tensor parallelism: parameters become this rank's shards (still on the meta device, each
+  //    slot carrying its layout); one plan records every part's parameters.
+  std::shared_ptr<tp::TensorParallel> tp;
   if (dims.tp_enabled()) {
-    parts.tp = std::make_shared<tp::TensorParallel>(mesh.comm("tp"), options.tp.sequence_parallel, options.tp.async);
-    for (const auto& model : models) apply_tp(*model, *parts.tp, tp_plan, options.tp);
+    tp = std::make_shared<tp::TensorParallel>(mesh.comm("tp"), options.tp.sequence_parallel, options.tp.async);
+    for (const auto& model : models) apply_tp(*model, *tp, tp_plan, options.tp);
+    parts.synchronizers.push_back(std::make_shared<parallel::TensorParallelSync>(tp));
   }
   // 2. Context parallelism: attention over the sequence chunks of the cp group (the batches carry
   //    each chunk's positions and documents to every part).
   if (dims.cp_enabled()) {
-    parts.cp = mesh.comm("cp");
-    for (const auto& model : models) apply_cp(*model, parts.cp, options.cp_rotate_method);
+    const tensor::CommPtr cp = mesh.comm("cp");
+    for (const auto& model : models) apply_cp(*model, cp, options.cp_rotate_method);
+    parts.synchronizers.push_back(std::make_shared<parallel::ContextParallelSync>(cp));
   }
   // 3. Activation checkpointing: the blocks' forwards become checkpointed ones. Between TP/CP and
   //    FSDP: the TP/CP hooks inside a block are part of its recomputed forward (the sequence
@@ -150,13 +154,15 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
     LOOM_REQUIRE(models.size() == 1, "FSDP needs one model part per rank (one pipeline stage)");
     fsdp::FSDPPolicy policy = options.fsdp;
     if (dims.cp_enabled()) policy.shard_dim = "dp_shard_cp";
-    parts.fsdp = apply_fsdp(*models[0], mesh, policy, options.fsdp_reshard_last_block);
-    init_sharded_weights(*models[0], *parts.fsdp, options.seed, options.device, parts.tp.get());
+    auto fsdp = apply_fsdp(*models[0], mesh, policy, options.fsdp_reshard_last_block);
+    init_sharded_weights(*models[0], *fsdp, options.seed, options.device, tp.get());
+    parts.storage = std::make_unique<parallel::FsdpParameters>(fsdp);
+    parts.synchronizers.push_back(std::make_shared<parallel::FsdpSync>(fsdp));
   } else {
     for (const auto& model : models) {
       model->to_empty(options.device);
-      if (parts.tp) {
-        init_tp_weights(*model, *parts.tp, options.seed);
+      if (tp) {
+        init_tp_weights(*model, *tp, options.seed);
       } else {
         model->init_weights(options.seed);
       }
@@ -173,14 +179,15 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Decoder
   Decoder* raw = model.get();
   const auto autocast = options.autocast_dtype;
   const c10::Device device = options.device;
-  parts.forward_loss = [raw, autocast, device](const parallel::ModelBatch& batch) {
+  parts.step = std::make_unique<parallel::LossStep>([raw, autocast, device](const parallel::ModelBatch& batch) {
     // Autocast covers the forward only; backward runs each op in the dtype its forward used.
     AutocastScope scope(device, autocast);
     return raw->forward_loss(batch.tokens, batch.labels, batch.layout);
-  };
+  });
   // 5. Without sharding, replicas average their gradients in backward (DDP's buckets).
-  if (!parts.fsdp && dims.dp_replicate_enabled()) {
-    parts.ddp = std::make_unique<ddp::DataParallel>(*model, mesh.comm("dp_replicate"));
+  if (!dims.fsdp_enabled() && dims.dp_replicate_enabled()) {
+    parts.synchronizers.push_back(std::make_shared<parallel::DdpSync>(
+        std::make_unique<ddp::DataParallel>(*model, mesh.comm("dp_replicate"))));
   }
   return std::make_unique<parallel::ParallelizedModel>(std::move(parts));
 }

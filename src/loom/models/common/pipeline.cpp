@@ -8,6 +8,7 @@
 #include "loom/pipeline/executor.h"
 #include "loom/pipeline/generators.h"
 #include "loom/pipeline/simulator.h"
+#include "loom/parallel/synchronizers.h"
 
 namespace loom::models {
 
@@ -216,7 +217,7 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_decoder(const std::functio
   // The stages get the whole model's composition (TP, CP, AC, FSDP with one stage per rank, as
   // validated above), before they hook their layers for the weight-gradient split.
   parallel::ParallelParts parts = compose(models, dims, mesh, tp_plan, plan_options);
-  const auto& tp = parts.tp;
+  const bool tp = dims.tp_enabled();
   const ac::ACOptions& ac = plan_options.ac;
   const auto& tp_options = plan_options.tp;
   const c10::Device device = plan_options.device;
@@ -239,11 +240,18 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_decoder(const std::functio
   executor.activation_shape = {options.microbatch_size, seq, args.dim};
   executor.activation_dtype = c10::kFloat;
   executor.device = device;
-  parts.pipeline = std::make_shared<pipeline::PipelineExecutor>(plan.schedule, stages, executor);
-  parts.pipeline_microbatch_size = options.microbatch_size;
+  auto pipeline_executor = std::make_shared<pipeline::PipelineExecutor>(plan.schedule, stages, executor);
+  // FSDP inside a stage reduces in the stage's last backward of the step, which a zero-bubble
+  // split would leave before its weight gradients (validate_pipeline_layout refused it).
+  LOOM_REQUIRE(!dims.fsdp_enabled() || !pipeline_executor->splits_backward(),
+               "FSDP inside pipeline stages with a zero-bubble split");
+  parts.step = std::make_unique<parallel::PipelineStep>(pipeline_executor, options.microbatch_size);
   // Replicas without FSDP average gradients after the schedule (HSDP's: FSDP all-reduces over
   // dp_replicate itself).
-  if (dims.dp_replicate_enabled() && !parts.fsdp) parts.pipeline_replicas = mesh.comm("dp_replicate");
+  if (dims.dp_replicate_enabled() && !dims.fsdp_enabled()) {
+    parts.synchronizers.push_back(std::make_shared<parallel::ReplicaAverageSync>(mesh.comm("dp_replicate")));
+  }
+  parts.synchronizers.push_back(std::make_shared<parallel::PipelineSync>(pipeline_executor, pp_comm, options.microbatch_size));
   return std::make_unique<parallel::ParallelizedModel>(std::move(parts));
 }
 

@@ -104,9 +104,7 @@ ModelArgs flavor(const std::string& name, std::optional<int64_t> vocab_size) {
     a.dim = 16384, a.n_layers = 126, a.n_heads = 128, a.n_kv_heads = 8;
     a.ffn_dim_multiplier = 1.2, a.multiple_of = 4096;
   } else {
-    std::string valid;
-    for (const auto& n : flavor_names()) valid += (valid.empty() ? "" : ", ") + n;
-    fail_usage("unknown Llama 3 flavor '", name, "'; valid flavors: ", valid);
+    models::fail_unknown_flavor("Llama 3", name, flavor_names());
   }
   if (vocab_size) a.vocab_size = *vocab_size;
   a.validate();

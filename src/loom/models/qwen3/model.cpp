@@ -48,9 +48,7 @@ ModelArgs flavor(const std::string& name, std::optional<int64_t> vocab_size) {
   } else if (name == "32B") {
     set(5120, 64, 64, 25600, false);
   } else {
-    std::string valid;
-    for (const auto& n : flavor_names()) valid += (valid.empty() ? "" : ", ") + n;
-    fail_usage("unknown Qwen3 flavor '", name, "'; valid flavors: ", valid);
+    models::fail_unknown_flavor("Qwen3", name, flavor_names());
   }
   if (vocab_size) a.vocab_size = *vocab_size;
   a.validate();

@@ -1,0 +1,95 @@
+// Where this rank's parameters, gradients and optimizer state live: in the modules' own slots
+// (ModuleParameters: single process, DDP, TP, PP) or in FSDP's flat sharded buffers
+// (FsdpParameters). ParallelizedModel reads gradients, builds the optimizer, saves and loads
+// through it; a parameter's placement on the other mesh dims (a TP shard) is its slot's
+// tensor::TensorLayout (nn::ParameterSlot::layout), read here for checkpoint boxes.
+#pragma once
+#include <torch/torch.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loom/checkpoint/state_dict.h"
+#include "loom/fsdp/fully_shard.h"
+#include "loom/nn/module.h"
+#include "loom/optim/optimizer.h"
+#include "loom/parallel/optimizer_registry.h"
+#include "loom/parallel/synchronizer.h"
+#include "loom/tensor/placement.h"
+
+namespace loom::parallel {
+
+// The layouts of the parameters something other than the storage shards (TP), by global name.
+using ParameterLayouts = std::map<std::string, tensor::TensorLayout>;
+
+class ParameterStorage {
+ public:
+  virtual ~ParameterStorage() = default;
+  // Completes the gradient reductions still in flight (FSDP's; a no-op once the step's are done).
+  virtual void complete_reductions() {}
+  // This rank's gradient pieces by parameter name, in module order (the same names on every rank).
+  virtual NamedGradients local_gradients() = 0;
+  // The tensors the gradient norm and clipping read: every element of local_gradients() once
+  // (FSDP: its flat shards, whose padding is zero).
+  virtual std::vector<torch::Tensor> norm_gradients() = 0;
+  // The groups over which every gradient's squares are summed (FSDP: its shard group); null: none.
+  virtual tensor::CommPtr norm_comm() const { return nullptr; }
+  virtual std::vector<torch::Tensor> resident_parameters() = 0;
+  virtual bool gradients_persist() const = 0;
+  virtual void zero_grad() = 0;
+  virtual std::unique_ptr<optim::Optimizer> build_optimizer(const OptimizerSpec& spec,
+                                                            const OptimizerRequest& request) = 0;
+  virtual void describe_layout(OptimizerLayout& /*layout*/) const {}
+  // This rank's pieces of the parameters (component "model") and of `optimizer`'s state.
+  virtual void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
+                                 const ParameterLayouts& layouts) = 0;
+  // Writes the given values (each parameter's piece of this rank's placement, e.g. its TP box)
+  // into the storage; `subset`: the modules hold only some of them (pipeline stages).
+  virtual void load_pieces(const optim::TensorDict& pieces, bool subset) = 0;
+};
+
+// The modules' own parameters.
+class ModuleParameters : public ParameterStorage {
+ public:
+  explicit ModuleParameters(std::vector<std::shared_ptr<nn::Module>> modules) : modules_(std::move(modules)) {}
+  NamedGradients local_gradients() override;
+  std::vector<torch::Tensor> norm_gradients() override;
+  std::vector<torch::Tensor> resident_parameters() override;
+  bool gradients_persist() const override { return false; }
+  void zero_grad() override;
+  std::unique_ptr<optim::Optimizer> build_optimizer(const OptimizerSpec& spec, const OptimizerRequest& request) override;
+  void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
+                         const ParameterLayouts& layouts) override;
+  void load_pieces(const optim::TensorDict& pieces, bool subset) override;
+
+ private:
+  std::vector<nn::NamedParameter> named_parameters();
+  std::vector<std::shared_ptr<nn::Module>> modules_;
+};
+
+// FSDP's flat shards (the root's handle: every group).
+class FsdpParameters : public ParameterStorage {
+ public:
+  explicit FsdpParameters(std::shared_ptr<fsdp::FSDPModule> fsdp) : fsdp_(std::move(fsdp)) {}
+  void complete_reductions() override { fsdp_->finalize_backward(); }
+  NamedGradients local_gradients() override;
+  std::vector<torch::Tensor> norm_gradients() override;
+  tensor::CommPtr norm_comm() const override { return fsdp_->mesh().shard; }
+  std::vector<torch::Tensor> resident_parameters() override;
+  bool gradients_persist() const override { return true; }
+  void zero_grad() override { fsdp_->zero_grad(); }
+  std::unique_ptr<optim::Optimizer> build_optimizer(const OptimizerSpec& spec, const OptimizerRequest& request) override;
+  void describe_layout(OptimizerLayout& layout) const override;
+  void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
+                         const ParameterLayouts& layouts) override;
+  void load_pieces(const optim::TensorDict& pieces, bool subset) override;
+  fsdp::FSDPModule& fsdp() { return *fsdp_; }
+
+ private:
+  std::shared_ptr<fsdp::FSDPModule> fsdp_;
+};
+
+}  // namespace loom::parallel

@@ -1,0 +1,105 @@
+// The Synchronizer of each parallelism Loom composes (synchronizer.h), made by the composition
+// (models/common/parallelize.cpp, pipeline.cpp) next to the parallelism it applies.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "loom/ddp/ddp.h"
+#include "loom/fsdp/fully_shard.h"
+#include "loom/parallel/synchronizer.h"
+#include "loom/pipeline/executor.h"
+#include "loom/tp/tensor_parallel.h"
+
+namespace loom::parallel {
+
+// Tensor parallelism: after the data-parallel reductions, the gradients of replicated parameters
+// each rank computed only partly (SP norms, QK-norms) are summed over tp; its shards' squares
+// are summed over tp for the norm.
+class TensorParallelSync : public Synchronizer {
+ public:
+  explicit TensorParallelSync(std::shared_ptr<tp::TensorParallel> tp) : tp_(std::move(tp)) {}
+  std::string describe() const override;
+  void finish(ParameterStorage& storage) override;
+  tensor::CommPtr norm_comm(const std::string& param) const override;
+  void describe_layout(OptimizerLayout& layout) const override { layout.tensor_parallel_degree = tp_->degree(); }
+
+ private:
+  std::shared_ptr<tp::TensorParallel> tp_;
+};
+
+// Context parallelism: each loaded row becomes this rank's head-tail chunks, with their positions
+// and documents (its gradients are averaged by FSDP over dp_shard x cp).
+class ContextParallelSync : public Synchronizer {
+ public:
+  explicit ContextParallelSync(tensor::CommPtr cp) : cp_(std::move(cp)) {}
+  std::string describe() const override;
+  void prepare_batch(ModelBatch& batch) const override;
+
+ private:
+  tensor::CommPtr cp_;
+};
+
+// FSDP (and HSDP): gradients accumulate unsharded over micro-batches and are reduce-scattered (and
+// all-reduced over replicas) by the last one's backward; inside pipeline stages by each stage's
+// backward of the step's last micro-batch, with the parameters kept gathered in between under
+// reshard_after_forward = never (ZeRO-2: one all-gather per group per step).
+class FsdpSync : public Synchronizer {
+ public:
+  explicit FsdpSync(std::shared_ptr<fsdp::FSDPModule> fsdp) : fsdp_(std::move(fsdp)) {}
+  std::string describe() const override;
+  void begin_micro_batch(bool last) override { fsdp_->set_requires_gradient_sync(last); }
+  void begin_stage_backward(bool step_ends) override;
+  void finish(ParameterStorage& /*storage*/) override { fsdp_->finalize_backward(); }
+
+ private:
+  std::shared_ptr<fsdp::FSDPModule> fsdp_;
+};
+
+// DDP: its buckets all-reduce in the last micro-batch's backward; the gradients are views of the
+// buckets, so zeroing keeps them.
+class DdpSync : public Synchronizer {
+ public:
+  explicit DdpSync(std::unique_ptr<ddp::DataParallel> ddp) : ddp_(std::move(ddp)) {}
+  std::string describe() const override { return "DDP"; }
+  void begin_micro_batch(bool last) override { ddp_->set_gradient_sync(last); }
+  void finish(ParameterStorage& /*storage*/) override { ddp_->finish_gradient_sync(); }
+  bool zero_grad() override {
+    ddp_->zero_grad();
+    return true;
+  }
+  bool owns_gradients() const override { return true; }
+
+ private:
+  std::unique_ptr<ddp::DataParallel> ddp_;
+};
+
+// Replicas of pipeline stages (dp_replicate x pp without FSDP): a stage's weight gradients come
+// from several actions per micro-batch, so there is no single last hook to overlap with; once the
+// schedule is done, one flat buffer of every gradient is averaged in one all-reduce.
+class ReplicaAverageSync : public Synchronizer {
+ public:
+  explicit ReplicaAverageSync(tensor::CommPtr replicas) : replicas_(std::move(replicas)) {}
+  std::string describe() const override;
+  void finish(ParameterStorage& storage) override;
+
+ private:
+  tensor::CommPtr replicas_;
+};
+
+// Pipeline parallelism: each parameter lives on one pp rank, so the norm sums the pp ranks'
+// squares.
+class PipelineSync : public Synchronizer {
+ public:
+  PipelineSync(std::shared_ptr<pipeline::PipelineExecutor> executor, tensor::CommPtr pp, int64_t microbatch_size)
+      : executor_(std::move(executor)), pp_(std::move(pp)), microbatch_size_(microbatch_size) {}
+  std::string describe() const override;
+  const char* separator() const override { return " x "; }
+  tensor::CommPtr norm_comm(const std::string& /*param*/) const override { return pp_; }
+
+ private:
+  std::shared_ptr<pipeline::PipelineExecutor> executor_;
+  tensor::CommPtr pp_;
+  int64_t microbatch_size_;
+};
+
+}  // namespace loom::parallel
