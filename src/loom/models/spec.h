@@ -6,7 +6,7 @@
 // Trainer flow:
 //   const models::ModelSpec& spec = models::get_spec(config.model.name);
 //   auto args = spec.build_args({flavor, vocab_size, seq_len});
-//   spec.validate_layout(*args, dims, seq_len, tp, pipeline, float8); // before any process group
+//   spec.validate_layout(*args, dims, seq_len, tp, pipeline);         // before any process group
 //   auto model = spec.build_model(*args, meta);                     // shapes only
 //   auto parallel_model = spec.parallelize(model, *args, dims, mesh, options);
 //   checkpoint json[kModelConfigKey] = spec.model_config_json(*args);
@@ -136,10 +136,10 @@ struct ModelSpec {
   // layout the model cannot be split into (e.g. a TP degree not dividing the heads). Called before
   // any process group exists.
   // With pp > 1 it also plans the pipeline (stage split and schedule), so a split that cannot be
-  // made or too few micro-batches for the schedule fail here. `float8`: float8.enable, whose
-  // layouts the model's plan may not support.
+  // made or too few micro-batches for the schedule fail here. (Settings that do not compose with
+  // each other whatever the model are train/compatibility.h's table.)
   std::function<void(const ModelArgs&, const distributed::ParallelDims&, int64_t seq_len,
-                     const TensorParallelOptions&, const PipelineOptions&, bool float8)>
+                     const TensorParallelOptions&, const PipelineOptions&)>
       validate_layout;
   // Applies the model's plan to `model` (built by build_model on the meta device): TP, then FSDP or
   // DDP, as the mesh has them; materializes on options.device and initializes from options.seed.

@@ -8,9 +8,8 @@ namespace loom::tp {
 TensorParallel::TensorParallel(tensor::CommPtr comm, bool sequence_parallel, bool async_tp)
     : comm_(std::move(comm)), sequence_parallel_(sequence_parallel), async_tp_(async_tp) {
   LOOM_REQUIRE(comm_ != nullptr, "TensorParallel needs a comm");
-  LOOM_REQUIRE_USAGE(!async_tp || sequence_parallel,
-                     "parallelism.enable_async_tensor_parallel needs sequence parallelism (it overlaps the "
-                     "sequence all-gathers and reduce-scatters); set parallelism.disable_sequence_parallel = false");
+  // The run's settings were checked against each other before (train/compatibility.cpp).
+  LOOM_REQUIRE(!async_tp || sequence_parallel, "async tensor parallelism needs sequence parallelism");
 }
 
 void TensorParallel::shard_parameter(nn::Module& module, const std::string& fqn,

@@ -1,5 +1,7 @@
 #include "loom/train/config.h"
 
+#include "loom/train/compatibility.h"
+
 #include "loom/nn/fused.h"
 
 #include <toml++/toml.h>
@@ -795,7 +797,7 @@ std::string config_reference_markdown() {
     if (doc != nullptr && !doc->after.empty()) out += c10::str("\n", doc->after, "\n");
     out += "\n";
   }
-  return out;
+  return out + compatibility_markdown();
 }
 
 std::vector<std::string_view> config_sections() {
@@ -988,12 +990,6 @@ void validate(const JobConfig& c) {
   require(c.training.max_norm > 0.0, key("training.max_norm"), "> 0", c);
   require(c.training.steps > 0, key("training.steps"), "> 0", c);
   require(c.training.skip_nonfinite_steps >= 0, key("training.skip_nonfinite_steps"), ">= 0", c);
-  // Only an optimizer whose update takes the device-side guard (optim::StepGuard).
-  require(c.training.step_readback != "log_steps" || parallel::optimizer_spec(c.optimizer.name).applies_step_guard,
-          key("training.step_readback"),
-          c10::str("\"every_step\" or \"auto\" with optimizer.name = \"", c.optimizer.name,
-                   "\" (\"log_steps\" needs AdamW)"),
-          c);
   require(c.parallelism.data_parallel_replicate_degree >= 1,
           key("parallelism.data_parallel_replicate_degree"), ">= 1", c);
   require(c.parallelism.data_parallel_shard_degree == -1 ||
@@ -1023,9 +1019,6 @@ void validate(const JobConfig& c) {
                        " (context parallel cuts each sequence into that many equal chunks); use a multiple of ",
                        2 * cp, ", e.g. ", (seq / (2 * cp) + 1) * 2 * cp);
   }
-  LOOM_REQUIRE_USAGE(!c.parallelism.enable_async_tensor_parallel || !c.parallelism.disable_sequence_parallel,
-                     "parallelism.enable_async_tensor_parallel needs sequence parallelism (it overlaps the "
-                     "sequence all-gathers and reduce-scatters); set parallelism.disable_sequence_parallel = false");
   require(c.metrics.log_freq > 0, key("metrics.log_freq"), "> 0", c);
   require(c.metrics.peak_flops >= 0.0, key("metrics.peak_flops"), ">= 0 (0 = measure)", c);
   require(!c.checkpoint.folder.empty(), key("checkpoint.folder"), "a non-empty path", c);
@@ -1055,24 +1048,12 @@ void validate(const JobConfig& c) {
                        "validation.seq_len = ", seq, " is not divisible by context x tensor parallel "
                        "degrees = ", cp * tp, " (sequence parallel splits each row's tokens); use a "
                        "multiple of ", cp * tp, " or 0 (training.seq_len)");
-    LOOM_REQUIRE_USAGE(c.parallelism.pipeline_parallel_degree == 1,
-                       "validation.enable = true is not supported with pipeline parallelism "
-                       "(parallelism.pipeline_parallel_degree = ", c.parallelism.pipeline_parallel_degree,
-                       "): the pipeline schedules run forward and backward together; set "
-                       "validation.enable = false or score the checkpoints with `loom score`");
   }
   require(c.comm.timeout_seconds > 0 && c.comm.timeout_seconds <= kMaxCommTimeoutSeconds,
           key("comm.timeout_seconds"),
           c10::str("in [1, ", kMaxCommTimeoutSeconds,
                    "] (at most one week: larger values overflow the millisecond timeouts)"),
           c);
-  // A schedule CSV is read only by a pipeline: with one pipeline rank it would be silently ignored.
-  LOOM_REQUIRE_USAGE(c.parallelism.pipeline_parallel_schedule_csv.empty() ||
-                         c.parallelism.pipeline_parallel_degree > 1,
-                     "parallelism.pipeline_parallel_schedule_csv = '",
-                     c.parallelism.pipeline_parallel_schedule_csv, "' needs pipeline parallelism, but "
-                     "parallelism.pipeline_parallel_degree = ", c.parallelism.pipeline_parallel_degree,
-                     "; set the degree to the CSV's number of rows, or leave the CSV unset");
   const ProfilingSection& prof = c.profiling;
   require(!prof.save_traces_folder.empty(), key("profiling.save_traces_folder"), "a non-empty path", c);
   require(!prof.save_memory_snapshot_folder.empty(), key("profiling.save_memory_snapshot_folder"),
@@ -1087,6 +1068,8 @@ void validate(const JobConfig& c) {
                      "profiling.profiler_active = ", prof.profiler_warmup, " + ", prof.profiler_active,
                      " (each window of profile_freq steps holds the warm-up and the recorded steps); set "
                      "profiling.profile_freq to at least ", prof.profiler_warmup + prof.profiler_active);
+  // Settings that do not compose with each other: the table's rows that read only the config.
+  check_compatibility(c, nullptr);
 }
 
 int64_t gradient_accumulation_steps(const JobConfig& config, int64_t data_parallel_degree) {

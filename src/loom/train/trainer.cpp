@@ -1,6 +1,8 @@
 #include "loom/core/dtype.h"
 #include "loom/train/trainer.h"
 
+#include "loom/train/compatibility.h"
+
 #include <ATen/record_function.h>
 
 #include <cmath>
@@ -145,9 +147,10 @@ void Trainer::check_layout(const distributed::LaunchEnv& env) {
       {config_.model.flavor, model_vocab_size(), config_.training.seq_len, config_.model.n_layers});
   // Context parallel cuts each sequence into 2 x degree equal chunks (config validation checked
   // that it can); what is left per rank is what sequence parallel splits again.
+  check_compatibility(config_, parallel_dims_.get());  // the rows that need the resolved degrees
   model_spec_->validate_layout(*model_args_, *parallel_dims_,
                                config_.training.seq_len / p.context_parallel_degree, tensor_parallel_options(),
-                               pipeline_options(), config_.float8.enable);
+                               pipeline_options());
 }
 
 void Trainer::init_distributed(const distributed::LaunchEnv& env) {
@@ -298,17 +301,11 @@ void Trainer::parallelize() {
   options.float8_recipe = config_.float8.recipe;
   options.float8_filter_fqns = config_.float8.filter_fqns;
   options.pipeline = pipeline_options();
-  if (!parallel_dims_->fsdp_enabled()) {
+  if (!parallel_dims_->fsdp_enabled() && options.fsdp_mixed_precision.param_dtype != torch::kFloat32) {
     // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in
-    // TorchTitan: float32 master weights, gradients and optimizer state; DDP all-reduces the
-    // float32 gradients, so a bfloat16 reduce has nothing to apply to.
-    LOOM_REQUIRE_USAGE(options.fsdp_mixed_precision.reduce_dtype == torch::kFloat32,
-                       "training.mixed_precision_reduce = \"", t.mixed_precision_reduce,
-                       "\" needs FSDP (parallelism.data_parallel_shard_degree > 1): without it "
-                       "gradients are float32 master-weight gradients; set it to \"float32\"");
-    if (options.fsdp_mixed_precision.param_dtype != torch::kFloat32) {
-      options.autocast_dtype = options.fsdp_mixed_precision.param_dtype;
-    }
+    // TorchTitan: float32 master weights, gradients and optimizer state (a bfloat16 reduce has
+    // nothing to apply to: train/compatibility.cpp refuses it).
+    options.autocast_dtype = options.fsdp_mixed_precision.param_dtype;
   }
   parallel_model_ = model_spec_->parallelize(model_, *model_args_, *parallel_dims_, *mesh_, options);
   log::info("parallelized: ", parallel_model_->describe());

@@ -8,21 +8,6 @@
 #include "loom/models/common/pipeline.h"
 
 namespace loom::models {
-namespace {
-
-// Float8 composes with FSDP and DDP only. Row-wise scales of a rowwise-parallel weight (sharded
-// along in_features) would be taken on a slice of each row, and async TP replaces the linears'
-// around-hooks: refused, not emulated.
-void check_float8_layout(const distributed::ParallelDims& dims) {
-  LOOM_REQUIRE_USAGE(!dims.tp_enabled(), "float8.enable = true does not support tensor parallelism yet "
-                     "(tensor_parallel_degree = ", dims.tp(), "); set parallelism.tensor_parallel_degree = 1 "
-                     "(FSDP and DDP work with float8) or float8.enable = false");
-  LOOM_REQUIRE_USAGE(!dims.pp_enabled(), "float8.enable = true does not support pipeline parallelism yet "
-                     "(pipeline_parallel_degree = ", dims.pp(), "); set parallelism.pipeline_parallel_degree = 1 "
-                     "or float8.enable = false");
-}
-
-}  // namespace
 
 const DecoderArgs& decoder_args_of(const ModelArgs& args, const std::string& family) {
   const auto* decoder = dynamic_cast<const DecoderArgs*>(&args);
@@ -53,9 +38,8 @@ ModelSpec decoder_spec(DecoderFamily family) {
     return flops_per_token(a, f->count_parameters(a).non_embedding, seq_len);
   };
   spec.validate_layout = [f](const ModelArgs& args, const distributed::ParallelDims& dims, int64_t seq_len,
-                             const TensorParallelOptions& tp, const PipelineOptions& pipeline, bool float8) {
+                             const TensorParallelOptions& tp, const PipelineOptions& pipeline) {
     const DecoderArgs& a = decoder_args_of(args, f->name);
-    if (float8) check_float8_layout(dims);
     validate_tp_degree(a, dims.tp(), seq_len, tp);
     if (dims.pp_enabled()) validate_pipeline_layout(a, dims, pipeline);
   };
@@ -64,7 +48,6 @@ ModelSpec decoder_spec(DecoderFamily family) {
                          const ParallelizeOptions& options) -> std::unique_ptr<parallel::ParallelizedModel> {
     auto model = std::dynamic_pointer_cast<Decoder>(std::move(module));
     LOOM_REQUIRE(model != nullptr, f->name, "'s parallelize was given a model its spec did not build");
-    if (options.float8) check_float8_layout(dims);  // validate_layout did, before rendezvous; direct callers too
     const PlanOptions plan = PlanOptions::from(options);
     // Pipeline parallelism first splits the model into this rank's stages (built afresh, so the
     // whole meta model is not needed).

@@ -108,7 +108,7 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
   //    So FSDP below gathers high-precision weights the hooks quantize, and AC recomputes them.
   if (options.float8) {
     LOOM_REQUIRE(!dims.tp_enabled() && !dims.pp_enabled(),
-                 "float8 with tensor or pipeline parallelism is refused by the model's spec");
+                 "float8 with tensor or pipeline parallelism (refused by train/compatibility.cpp)");
     for (const auto& model : models) {
       const auto report = float8::convert_to_float8(*model, *options.float8);
       log::info("float8: ", report.describe(options.float8->recipe));

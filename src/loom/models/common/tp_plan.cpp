@@ -130,9 +130,6 @@ void init_tp_weights(Decoder& model, const tp::TensorParallel& tp, uint64_t seed
 
 void validate_tp_degree(const DecoderArgs& args, int64_t degree, int64_t seq_len, const TensorParallelOptions& options) {
   LOOM_REQUIRE_USAGE(degree >= 1, "parallelism.tensor_parallel_degree must be >= 1, got ", degree);
-  LOOM_REQUIRE_USAGE(!options.async || options.sequence_parallel,
-                     "parallelism.enable_async_tensor_parallel needs sequence parallelism (it overlaps the "
-                     "sequence all-gathers and reduce-scatters); set parallelism.disable_sequence_parallel = false");
   if (degree == 1) return;
   std::vector<int64_t> sizes = {args.n_heads, args.n_kv_heads, args.ffn_hidden_dim(), args.vocab_size};
   const char* names[] = {"n_heads", "n_kv_heads", "the FFN hidden size", "the vocabulary size"};

@@ -79,16 +79,16 @@ TEST(Qwen3, TiedHeadRefusesPipelineAndTensorParallelWithoutLossParallel) {
   loom::models::PipelineOptions pp;
   pp.microbatches = 2;
   loom::testing::expect_error<loom::UsageError>(
-      [&] { spec.validate_layout(*args, loom::distributed::ParallelDims({1, 1, 1, 1, 2}, 2, 0), 64, {}, pp, false); },
+      [&] { spec.validate_layout(*args, loom::distributed::ParallelDims({1, 1, 1, 1, 2}, 2, 0), 64, {}, pp); },
       {"ties its output head", "pipeline_parallel_degree = 1"});
   loom::models::TensorParallelOptions no_loss_parallel;
   no_loss_parallel.loss_parallel = false;
   loom::testing::expect_error<loom::UsageError>(
-      [&] { spec.validate_layout(*args, loom::distributed::ParallelDims({1, 1, 1, 2, 1}, 2, 0), 64, no_loss_parallel, pp, false); },
+      [&] { spec.validate_layout(*args, loom::distributed::ParallelDims({1, 1, 1, 2, 1}, 2, 0), 64, no_loss_parallel, pp); },
       {"ties its output head", "disable_loss_parallel = false"});
   // The untied flavor splits into stages.
   const auto untied = spec.build_args({"tiny", 2048, 64, 0});
-  spec.validate_layout(*untied, loom::distributed::ParallelDims({1, 1, 1, 1, 2}, 2, 0), 64, {}, pp, false);
+  spec.validate_layout(*untied, loom::distributed::ParallelDims({1, 1, 1, 1, 2}, 2, 0), 64, {}, pp);
 }
 
 // Qwen3 in every layout the issue names, 20 steps against the single process with the same global

@@ -63,29 +63,10 @@ TEST(Llama3Spec, ValidateLayoutIsTheTensorParallelCheck) {
   const models::ModelSpec& spec = models::get_spec("llama3");
   const auto args = spec.build_args({"debugmodel", 2048, 128});
   // debugmodel: 16 heads, 16 kv heads: TP 2 splits them, TP 3 does not.
-  spec.validate_layout(*args, distributed::ParallelDims({1, 1, 1, 2, 1}, 2, 0), 128, {}, {}, false);
+  spec.validate_layout(*args, distributed::ParallelDims({1, 1, 1, 2, 1}, 2, 0), 128, {}, {});
   loom::testing::expect_error<UsageError>(
-      [&] { spec.validate_layout(*args, distributed::ParallelDims({1, 1, 1, 3, 1}, 3, 0), 128, {}, {}, false); },
+      [&] { spec.validate_layout(*args, distributed::ParallelDims({1, 1, 1, 3, 1}, 3, 0), 128, {}, {}); },
       {"tensor_parallel_degree"});
-}
-
-// Issue 22, item 11: float8 with TP or PP was refused only after rendezvous, data load and model
-// build; validate_layout (before any process group) refuses it now.
-TEST(Llama3Spec, ValidateLayoutRefusesFloat8WithTensorOrPipelineParallelism) {
-  const models::ModelSpec& spec = models::get_spec("llama3");
-  const auto args = spec.build_args({"debugmodel", 2048, 128});
-  spec.validate_layout(*args, distributed::ParallelDims({1, 2, 1, 1, 1}, 2, 0), 128, {}, {}, true);
-  loom::testing::expect_error<UsageError>(
-      [&] { spec.validate_layout(*args, distributed::ParallelDims({1, 1, 1, 2, 1}, 2, 0), 128, {}, {}, true); },
-      {"float8.enable = true does not support tensor parallelism yet", "tensor_parallel_degree = 1"});
-  models::PipelineOptions pipeline;
-  pipeline.microbatches = 2;
-  pipeline.seq_len = 128;
-  loom::testing::expect_error<UsageError>(
-      [&] {
-        spec.validate_layout(*args, distributed::ParallelDims({1, 1, 1, 1, 2}, 2, 0), 128, {}, pipeline, true);
-      },
-      {"float8.enable = true does not support pipeline parallelism yet"});
 }
 
 TEST(Llama3Spec, CheckpointModelConfigRoundTripsAndRefusesAnotherModel) {

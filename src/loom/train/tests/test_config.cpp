@@ -8,6 +8,7 @@
 #include "loom/core/build_paths.h"
 #include "loom/core/error.h"
 #include "loom/testing/errors.h"
+#include "loom/train/compatibility.h"
 #include "loom/train/config.h"
 
 namespace loom::train {
@@ -440,6 +441,45 @@ TEST(Config, ScheduleCsvNeedsAPipelineAndMemorySnapshotsNeedNoProfilerWindow) {
                          "--profiling.profiler_warmup=1", "--profiling.profiler_active=1"});
       },
       {"profiling.profile_freq = 1 is shorter than"});
+}
+
+// Issue 23, item 5: the settings that do not compose are one table (train/compatibility.h), each
+// row refused once, at config load or (needing the resolved degrees) before rendezvous; it used to
+// be spread over the config check, the model's spec, the Trainer and the TP library.
+TEST(Compatibility, EveryRowIsAOneLineUsageErrorBeforeRendezvous) {
+  const std::string config = kSource + "/configs/llama3_debug.toml";
+  struct Case {
+    std::vector<std::string> overrides;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {{"--parallelism.enable_async_tensor_parallel=true", "--parallelism.disable_sequence_parallel=true"},
+       "enable_async_tensor_parallel needs sequence parallelism"},
+      {{"--float8.enable=true", "--parallelism.tensor_parallel_degree=2"},
+       "float8.enable = true does not support tensor parallelism yet (tensor_parallel_degree = 2)"},
+      {{"--float8.enable=true", "--parallelism.pipeline_parallel_degree=2"},
+       "float8.enable = true does not support pipeline parallelism yet"},
+      {{"--validation.enable=true", "--parallelism.pipeline_parallel_degree=2"},
+       "validation.enable = true is not supported with pipeline parallelism"},
+      {{"--parallelism.pipeline_parallel_schedule_csv=my.csv"}, "needs pipeline parallelism"},
+      {{"--optimizer.name=Muon", "--training.step_readback=log_steps"}, "\"log_steps\" needs AdamW"},
+  };
+  for (const Case& c : cases) {
+    const std::string message = usage_error([&] { load_job_config(config, c.overrides); });
+    EXPECT_NE(message.find(c.expected), std::string::npos) << message;
+  }
+  // A bfloat16 reduce needs FSDP, which only the resolved degrees tell: refused with dp_shard 1
+  // (the Trainer's check, before any process group), accepted with FSDP over 2 ranks.
+  const JobConfig bf16 = load_job_config(config, {"--training.mixed_precision_reduce=bfloat16"});
+  const distributed::ParallelDims one_rank({1, 1, 1, 1, 1}, 1, 0), fsdp2({1, 2, 1, 1, 1}, 2, 0);
+  EXPECT_NE(usage_error([&] { check_compatibility(bf16, &one_rank); }).find("needs FSDP"), std::string::npos);
+  check_compatibility(bf16, &fsdp2);
+  // Every row is listed in docs/config.md's table.
+  const std::string table = compatibility_markdown();
+  for (const Incompatibility& row : incompatibilities()) {
+    EXPECT_NE(table.find("`" + row.first + "` | " + row.second), std::string::npos) << row.first;
+  }
+  EXPECT_EQ(incompatibilities().size(), cases.size() + 1);
 }
 
 }  // namespace

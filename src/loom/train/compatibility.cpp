@@ -1,0 +1,102 @@
+#include "loom/train/compatibility.h"
+
+#include "loom/core/error.h"
+#include "loom/parallel/optimizer_registry.h"
+
+namespace loom::train {
+
+const std::vector<Incompatibility>& incompatibilities() {
+  using Dims = const distributed::ParallelDims*;
+  static const std::vector<Incompatibility> table = {
+      {"parallelism.enable_async_tensor_parallel", "parallelism.disable_sequence_parallel",
+       [](const JobConfig& c, Dims) {
+         return c.parallelism.enable_async_tensor_parallel && c.parallelism.disable_sequence_parallel;
+       },
+       false,
+       [](const JobConfig&) {
+         return std::string("parallelism.enable_async_tensor_parallel needs sequence parallelism (it overlaps the "
+                            "sequence all-gathers and reduce-scatters); set parallelism.disable_sequence_parallel = false");
+       }},
+      // Row-wise scales of a rowwise-parallel weight (sharded along in_features) would be taken on
+      // a slice of each row, and async TP replaces the linears' around-hooks: refused, not emulated.
+      {"float8.enable", "tensor parallelism",
+       [](const JobConfig& c, Dims) { return c.float8.enable && c.parallelism.tensor_parallel_degree > 1; }, false,
+       [](const JobConfig& c) {
+         return c10::str("float8.enable = true does not support tensor parallelism yet (tensor_parallel_degree = ",
+                         c.parallelism.tensor_parallel_degree, "); set parallelism.tensor_parallel_degree = 1 "
+                         "(FSDP and DDP work with float8) or float8.enable = false");
+       }},
+      // The stages are built afresh by the pipeline split, which does not convert them yet.
+      {"float8.enable", "pipeline parallelism",
+       [](const JobConfig& c, Dims) { return c.float8.enable && c.parallelism.pipeline_parallel_degree > 1; }, false,
+       [](const JobConfig& c) {
+         return c10::str("float8.enable = true does not support pipeline parallelism yet (pipeline_parallel_degree = ",
+                         c.parallelism.pipeline_parallel_degree, "); set parallelism.pipeline_parallel_degree = 1 "
+                         "or float8.enable = false");
+       }},
+      {"validation.enable", "pipeline parallelism",
+       [](const JobConfig& c, Dims) { return c.validation.enable && c.parallelism.pipeline_parallel_degree > 1; },
+       false,
+       [](const JobConfig& c) {
+         return c10::str("validation.enable = true is not supported with pipeline parallelism "
+                         "(parallelism.pipeline_parallel_degree = ", c.parallelism.pipeline_parallel_degree,
+                         "): the pipeline schedules run forward and backward together; set "
+                         "validation.enable = false or score the checkpoints with `loom score`");
+       }},
+      // A schedule CSV is read only by a pipeline: with one pipeline rank it would be silently ignored.
+      {"parallelism.pipeline_parallel_schedule_csv", "pipeline_parallel_degree = 1",
+       [](const JobConfig& c, Dims) {
+         return !c.parallelism.pipeline_parallel_schedule_csv.empty() && c.parallelism.pipeline_parallel_degree == 1;
+       },
+       false,
+       [](const JobConfig& c) {
+         return c10::str("parallelism.pipeline_parallel_schedule_csv = '", c.parallelism.pipeline_parallel_schedule_csv,
+                         "' needs pipeline parallelism, but parallelism.pipeline_parallel_degree = ",
+                         c.parallelism.pipeline_parallel_degree,
+                         "; set the degree to the CSV's number of rows, or leave the CSV unset");
+       }},
+      // Only an optimizer whose update takes the device-side guard (optim::StepGuard).
+      {"training.step_readback = \"log_steps\"", "an optimizer without a device-side step guard",
+       [](const JobConfig& c, Dims) {
+         return c.training.step_readback == "log_steps" && !parallel::optimizer_spec(c.optimizer.name).applies_step_guard;
+       },
+       false,
+       [](const JobConfig& c) {
+         return c10::str("config key 'training.step_readback' must be \"every_step\" or \"auto\" with optimizer.name = \"",
+                         c.optimizer.name, "\" (\"log_steps\" needs AdamW), got \"", c.training.step_readback, "\"");
+       }},
+      // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in
+      // TorchTitan: float32 master weights, gradients and optimizer state; DDP all-reduces the
+      // float32 gradients, so a bfloat16 reduce has nothing to apply to.
+      {"training.mixed_precision_reduce = \"bfloat16\"", "no FSDP",
+       [](const JobConfig& c, Dims dims) {
+         return dims != nullptr && c.training.mixed_precision_reduce != "float32" && !dims->fsdp_enabled();
+       },
+       true,
+       [](const JobConfig& c) {
+         return c10::str("training.mixed_precision_reduce = \"", c.training.mixed_precision_reduce,
+                         "\" needs FSDP (parallelism.data_parallel_shard_degree > 1): without it gradients are "
+                         "float32 master-weight gradients; set it to \"float32\"");
+       }},
+  };
+  return table;
+}
+
+void check_compatibility(const JobConfig& config, const distributed::ParallelDims* dims) {
+  for (const Incompatibility& row : incompatibilities()) {
+    if ((dims != nullptr || !row.needs_dims) && row.applies(config, dims)) fail_usage(row.message(config));
+  }
+}
+
+std::string compatibility_markdown() {
+  std::string out =
+      "## Settings that do not compose\n\n"
+      "Checked before any process group exists (src/loom/train/compatibility.cpp); each is a one-line error "
+      "with exit code 2. An optimizer's own refusals are in its registry entry, a model's shape rules "
+      "(e.g. a TP degree that does not divide the heads) in its spec.\n\n"
+      "| setting | does not compose with |\n| --- | --- |\n";
+  for (const Incompatibility& row : incompatibilities()) out += c10::str("| `", row.first, "` | ", row.second, " |\n");
+  return out + "\n";
+}
+
+}  // namespace loom::train
