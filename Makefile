@@ -46,7 +46,7 @@ data/default/tokenizer.json: data/default/corpus.txt | build-loom
 test: build data/default/tokenizer.json
 	scripts/run_tests.sh $(BUILD)
 
-# docs/config.md's tables come from the config schema (src/loom/train/config.cpp): rewrite them.
+# docs/config.md's tables come from the config schema (the sections train/config.cpp lists): rewrite them.
 docs: build
 	sed '/^<!-- generated below/q' docs/config.md > docs/config.md.new
 	$(LOOM) train --config-reference >> docs/config.md.new

@@ -82,9 +82,9 @@ int main(int argc, char** argv) {
   at::set_num_threads(arg(argc, argv, "--threads", 2));
   const std::vector<std::pair<std::string, loom::ac::ACOptions>> modes = {
       {"none", {}},
-      {"selective op", loom::ac::ACOptions::parse("selective", "op")},
-      {"selective 2", loom::ac::ACOptions::parse("selective", "2")},
-      {"full", loom::ac::ACOptions::parse("full", "")},
+      {"selective op", loom::ac::ACOptions::from({loom::ac::Mode::kSelective, "op"})},
+      {"selective 2", loom::ac::ACOptions::from({loom::ac::Mode::kSelective, "2"})},
+      {"full", loom::ac::ACOptions::from({loom::ac::Mode::kFull, ""})},
   };
   std::printf("124M, batch %lld x seq %lld, %d threads, forward_loss + backward, median of %d (after %d warm-up)\n",
               static_cast<long long>(batch), static_cast<long long>(seq), at::get_num_threads(), steps, warmup);

@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
     const loom::checkpoint::SafetensorsFile in(argv[1]);
     const torch::Tensor x = in.tensor("x").clone().requires_grad_(true);
     const torch::Tensor w = in.tensor("w").clone().requires_grad_(true);
-    const torch::Tensor y = loom::float8::float8_linear(x, w, loom::float8::parse_recipe(argv[3]));
+    const torch::Tensor y = loom::float8::float8_linear(x, w, loom::options::parse_enum<loom::float8::Recipe>(argv[3], "recipe"));
     y.backward(in.tensor("dy"));
     loom::checkpoint::save_safetensors(argv[2], {{"y", y.detach()}, {"dx", x.grad()}, {"dw", w.grad()}});
   } catch (const std::exception& e) {

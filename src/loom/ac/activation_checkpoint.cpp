@@ -38,17 +38,35 @@ bool parse_positive(const std::string& text, int64_t& out) {
 
 }  // namespace
 
-ACOptions ACOptions::parse(const std::string& mode, const std::string& selective_option) {
+const options::EnumNames<Mode>& option_names(Mode) {
+  static const options::EnumNames<Mode> names = {
+      {"none", Mode::kNone}, {"full", Mode::kFull}, {"selective", Mode::kSelective}};
+  return names;
+}
+
+const options::Section& ac_section() {
+  static const options::Section section{
+      "activation_checkpoint",
+      {
+          {LOOM_OPTION(ACConfig, mode),
+           "Recompute activations in backward instead of keeping them from forward (see "
+           "docs/activation_checkpointing.md). `none`; `full`: every transformer block keeps only its "
+           "input and is re-run in backward; `selective`: as `selective_ac_option` says. Same losses as "
+           "`none` (bitwise in deterministic mode), less memory, more compute."},
+          {LOOM_OPTION(ACConfig, selective_ac_option),
+           "With `mode = \"selective\"`: a positive integer N checkpoints every N-th block (layer ids "
+           "N-1, 2N-1, ...; `1` = every block, as `full`), or `op`: every block keeps the outputs of "
+           "its matmuls and attention and recomputes only norms, RoPE, SiLU x mul and residual adds.",
+           {"op"}, /*integer_allowed=*/true},
+      }};
+  return section;
+}
+
+ACOptions ACOptions::from(const ACConfig& config) {
   ACOptions o;
-  if (mode == "none") return o;
-  if (mode == "full") {
-    o.mode = Mode::kFull;
-    return o;
-  }
-  LOOM_REQUIRE_USAGE(mode == "selective", "activation_checkpoint.mode '", mode,
-                     "' is not one of none, full, selective (did you mean '",
-                     nearest_of(mode, {"none", "full", "selective"}), "'?)");
-  o.mode = Mode::kSelective;
+  o.mode = config.mode;
+  if (o.mode != Mode::kSelective) return o;
+  const std::string& selective_option = config.selective_ac_option;
   if (selective_option == "op") {
     o.per_op = true;
     return o;

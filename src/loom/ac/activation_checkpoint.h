@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/core/options.h"
 #include "loom/nn/attention.h"
 #include "loom/nn/layers.h"
 #include "loom/nn/module.h"
@@ -44,7 +45,20 @@ namespace loom::ac {
 
 enum class Mode { kNone, kFull, kSelective };
 
-// activation_checkpoint.mode and .selective_ac_option, parsed.
+// activation_checkpoint.mode: "none" | "full" | "selective" (core/options.h's enum protocol).
+const options::EnumNames<Mode>& option_names(Mode);
+
+// The [activation_checkpoint] section of a job config, as written (ac_section() is its schema).
+struct ACConfig {
+  Mode mode = Mode::kNone;
+  // With kSelective: "op" or every N-th block (TorchTitan's default 2).
+  std::string selective_ac_option = "2";
+
+  bool operator==(const ACConfig&) const = default;
+};
+const options::Section& ac_section();
+
+// What apply_ac applies: the [activation_checkpoint] section, parsed.
 struct ACOptions {
   Mode mode = Mode::kNone;
   // Selective: checkpoint every `every`-th block (1 = all); or, with per_op, every block with the
@@ -52,9 +66,9 @@ struct ACOptions {
   int64_t every = 1;
   bool per_op = false;
 
-  // mode: "none" | "full" | "selective"; option (read with "selective" only): a positive integer
-  // N or "op". A bad value is a loom::UsageError naming the nearest valid one.
-  static ACOptions parse(const std::string& mode, const std::string& selective_option);
+  // selective_ac_option (read with kSelective only): a positive integer N or "op". A bad value is
+  // a loom::UsageError naming the nearest valid one.
+  static ACOptions from(const ACConfig& config);
   // Whether the block with this layer id (0-based, as the model numbers its layers; a pipeline
   // stage keeps the whole model's ids, so every stage checkpoints the same blocks) is wrapped:
   // full and op: all; selective N: ids N-1, 2N-1, ... (TorchTitan wraps the N-th, 2N-th, ...).

@@ -24,13 +24,6 @@ void CheckpointOptions::validate() const {
   LOOM_REQUIRE_USAGE(finalize_timeout.count() > 0, "checkpoint finalize timeout must be positive");
 }
 
-bool parse_async_mode(std::string_view name) {
-  if (name == "async") return true;
-  if (name == "disabled") return false;
-  fail_usage("checkpoint.async_mode: unknown mode '", name, "'; use \"disabled\" or \"async\"");
-}
-
-c10::ScalarType parse_export_dtype(const std::string& name) { return parse_dtype(name, "checkpoint.export_dtype"); }
 
 namespace {
 SaverOptions saver_options(const CheckpointOptions& o) {

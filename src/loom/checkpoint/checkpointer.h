@@ -47,11 +47,6 @@ struct CheckpointOptions {
   void validate() const;
 };
 
-// "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16" -> dtype; anything else is a UsageError.
-c10::ScalarType parse_export_dtype(const std::string& name);
-// checkpoint.async_mode: "disabled" -> false, "async" -> true (CheckpointOptions::async); anything
-// else is a UsageError.
-bool parse_async_mode(std::string_view name);
 
 class Checkpointer {
  public:

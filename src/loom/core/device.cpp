@@ -14,19 +14,27 @@
 
 namespace loom {
 
+const options::EnumNames<DeviceRequest>& option_names(DeviceRequest) {
+  static const options::EnumNames<DeviceRequest> names = {
+      {"auto", DeviceRequest::kAuto}, {"cpu", DeviceRequest::kCpu}, {"cuda", DeviceRequest::kCuda}};
+  return names;
+}
+
 c10::Device select_device(const std::string& requested, int local_rank, const std::string& setting) {
+  return select_device(options::parse_enum<DeviceRequest>(requested, setting), local_rank, setting);
+}
+
+c10::Device select_device(DeviceRequest requested, int local_rank, const std::string& setting) {
   // How the user writes a value of the setting: `training.device = "cpu"` or `--device cpu`.
   const bool flag = setting.rfind("--", 0) == 0;
   auto value = [&](const char* v) {
     return flag ? c10::str(setting, " ", v) : c10::str(setting, " = \"", v, "\"");
   };
-  if (requested == "cpu") return c10::Device(c10::kCPU);
+  if (requested == DeviceRequest::kCpu) return c10::Device(c10::kCPU);
   const bool usable = torch::cuda::is_available();
-  if (requested == "auto") {
+  if (requested == DeviceRequest::kAuto) {
     if (!usable) return c10::Device(c10::kCPU);
   } else {
-    LOOM_REQUIRE_USAGE(requested == "cuda", setting, " must be \"auto\", \"cpu\" or \"cuda\", "
-                       "got \"", requested, "\"");
     LOOM_REQUIRE_USAGE(at::detail::getCUDAHooks().isBuilt(),
                        value("cuda"), " but this Loom build's libtorch has no CUDA support; build "
                        "against a CUDA torch (README, \"On a GPU machine\") or use ", value("cpu"));

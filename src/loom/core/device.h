@@ -8,12 +8,21 @@
 #include <optional>
 #include <string>
 
+#include "loom/core/options.h"
+
 namespace loom {
 
-// `requested`: "auto", "cpu" or "cuda". loom::UsageError (exit 2, one line) when CUDA is asked
+// training.device (and the model commands' --device): "auto" | "cpu" | "cuda".
+enum class DeviceRequest { kAuto, kCpu, kCuda };
+const options::EnumNames<DeviceRequest>& option_names(DeviceRequest);
+
+// loom::UsageError (exit 2, one line) when CUDA is asked
 // for but this libtorch has no CUDA support, or no CUDA device is visible, or the rank's local
 // index has no GPU of its own. `setting` names where the choice came from in those messages (a
 // config key, or a command-line flag such as "--device").
+c10::Device select_device(DeviceRequest requested, int local_rank,
+                          const std::string& setting = "training.device");
+// The same for a name ("auto", "cpu", "cuda"; anything else is a loom::UsageError naming `setting`).
 c10::Device select_device(const std::string& requested, int local_rank,
                           const std::string& setting = "training.device");
 

@@ -11,4 +11,14 @@ c10::ScalarType parse_dtype(std::string_view name, std::string_view setting) {
   fail_usage(setting, ": unknown dtype '", name, "'; use float32, bfloat16 or float16");
 }
 
+const options::EnumNames<Precision>& option_names(Precision) {
+  static const options::EnumNames<Precision> names = {{"float32", Precision::kFloat32},
+                                                      {"bfloat16", Precision::kBFloat16}};
+  return names;
+}
+
+c10::ScalarType scalar_type(Precision precision) {
+  return precision == Precision::kBFloat16 ? c10::kBFloat16 : c10::kFloat;
+}
+
 }  // namespace loom

@@ -7,13 +7,11 @@
 
 namespace loom::cp {
 
-RotateMethod parse_rotate_method(const std::string& name) {
-  if (name == "ring") return RotateMethod::kRing;
-  if (name == "allgather") return RotateMethod::kAllGather;
-  fail_usage("parallelism.context_parallel_rotate_method '", name, "' is not one of ring, allgather");
+const options::EnumNames<RotateMethod>& option_names(RotateMethod) {
+  static const options::EnumNames<RotateMethod> names = {{"allgather", RotateMethod::kAllGather},
+                                                         {"ring", RotateMethod::kRing}};
+  return names;
 }
-
-const char* to_string(RotateMethod method) { return method == RotateMethod::kRing ? "ring" : "allgather"; }
 
 std::vector<int64_t> chunk_ids(int rank, int degree) { return {rank, 2 * degree - 1 - rank}; }
 

@@ -26,13 +26,14 @@
 #include <string>
 #include <vector>
 
+#include "loom/core/options.h"
 #include "loom/tensor/collectives.h"
 
 namespace loom::cp {
 
 enum class RotateMethod { kRing, kAllGather };
-RotateMethod parse_rotate_method(const std::string& name);  // "ring" | "allgather", else UsageError
-const char* to_string(RotateMethod method);
+// parallelism.context_parallel_rotate_method: "allgather" | "ring" (core/options.h's enum protocol).
+const options::EnumNames<RotateMethod>& option_names(RotateMethod);
 
 // `document_ids` ([B, T] int64, this rank's tokens; undefined = plain causal): block-causal
 // attention, where a token attends only to earlier tokens of its own document. Each block then

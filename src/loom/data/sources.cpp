@@ -159,9 +159,22 @@ SourceFormat parse_source_format(std::string_view name) {
   fail_usage("unknown data format '", name, "'; use \"jsonl\", \"text\" or \"tokens\"");
 }
 
-std::optional<SourceFormat> parse_dataset_format(std::string_view name) {
-  if (name == "auto") return std::nullopt;
-  return parse_source_format(name);
+const options::EnumNames<DatasetFormat>& option_names(DatasetFormat) {
+  static const options::EnumNames<DatasetFormat> names = {{"jsonl", DatasetFormat::kJsonl},
+                                                          {"text", DatasetFormat::kText},
+                                                          {"tokens", DatasetFormat::kTokens},
+                                                          {"auto", DatasetFormat::kAuto}};
+  return names;
+}
+
+std::optional<SourceFormat> source_format(DatasetFormat format) {
+  switch (format) {
+    case DatasetFormat::kJsonl: return SourceFormat::kJsonl;
+    case DatasetFormat::kText: return SourceFormat::kText;
+    case DatasetFormat::kTokens: return SourceFormat::kTokens;
+    case DatasetFormat::kAuto: return std::nullopt;
+  }
+  return std::nullopt;
 }
 
 bool is_token_file(const std::string& path) {

@@ -37,6 +37,8 @@
 #include <string_view>
 #include <vector>
 
+#include "loom/core/options.h"
+
 namespace loom::data {
 
 enum class SourceFormat { kText, kJsonl, kTokens };
@@ -72,9 +74,12 @@ std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, c
 
 // "text", "jsonl" or "tokens"; throws loom::UsageError for anything else.
 SourceFormat parse_source_format(std::string_view name);
-// training.dataset_format: "auto" (nullopt: detected from the file) or a format parse_source_format
-// knows.
-std::optional<SourceFormat> parse_dataset_format(std::string_view name);
+// training.dataset_format and validation.dataset_format: one format for every file, or kAuto
+// (guess each file's; core/options.h's enum protocol).
+enum class DatasetFormat { kJsonl, kText, kTokens, kAuto };
+const options::EnumNames<DatasetFormat>& option_names(DatasetFormat);
+// The format every file is read in; nullopt for kAuto (SourceOptions::format).
+std::optional<SourceFormat> source_format(DatasetFormat format);
 
 // Whether the file starts with the token file magic.
 bool is_token_file(const std::string& path);

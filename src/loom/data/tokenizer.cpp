@@ -11,6 +11,8 @@
 #include "loom/core/error.h"
 #include "loom/data/sources.h"
 
+#include <charconv>
+
 namespace loom::data {
 
 using nlohmann::json;
@@ -515,6 +517,30 @@ std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special
     out += id_to_bytes_[id];
   }
   return out;
+}
+
+std::vector<int64_t> parse_token_ids(std::string_view text, std::string_view where) {
+  std::vector<int64_t> ids;
+  std::string item;
+  auto flush = [&] {
+    if (item.empty()) return;
+    int64_t id = -1;
+    const auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), id);
+    LOOM_REQUIRE_USAGE(ec == std::errc() && ptr == item.data() + item.size() && id >= 0, where, ": '", item,
+                       "' is not a token id (expected non-negative integers separated by commas or spaces, "
+                       "like 1,2,3)");
+    ids.push_back(id);
+    item.clear();
+  };
+  for (const char c : text) {
+    if (c == ',' || c == ' ' || c == '\t' || c == '\n' || c == '\r') {
+      flush();
+    } else {
+      item += c;
+    }
+  }
+  flush();
+  return ids;
 }
 
 }  // namespace loom::data

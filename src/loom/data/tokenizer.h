@@ -119,4 +119,9 @@ class Tokenizer {
   std::unique_ptr<WordCache> cache_;
 };
 
+// Token ids as commands take them on the command line or in a file: non-negative integers
+// separated by commas or whitespace ("1,2,3", "1 2 3", "1, 2"). Anything else is a one-line
+// loom::UsageError naming `where` (the flag, or file:line) and the entry.
+std::vector<int64_t> parse_token_ids(std::string_view text, std::string_view where);
+
 }  // namespace loom::data

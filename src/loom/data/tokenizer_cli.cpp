@@ -29,35 +29,6 @@ void append_ids(const std::vector<int64_t>& ids, std::string& out) {
   out += '\n';
 }
 
-// "1,2,3" or "1 2 3" (or a mix).
-std::vector<int64_t> parse_ids(const std::string& text, const std::string& where) {
-  std::vector<int64_t> ids;
-  std::string item;
-  std::istringstream in(text);
-  auto flush = [&] {
-    if (item.empty()) return;
-    size_t used = 0;
-    int64_t id = -1;
-    try {
-      id = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    LOOM_REQUIRE_USAGE(used == item.size() && id >= 0, where, ": '", item,
-                       "' is not a token id (expected non-negative integers separated by commas or spaces)");
-    ids.push_back(id);
-    item.clear();
-  };
-  for (char c : text) {
-    if (c == ',' || c == ' ' || c == '\t' || c == '\n' || c == '\r') {
-      flush();
-    } else {
-      item += c;
-    }
-  }
-  flush();
-  return ids;
-}
 
 struct SourceArgs {
   std::string text_separator;
@@ -198,7 +169,7 @@ void register_decode(CLI::App* parent) {
     LOOM_REQUIRE_USAGE(ids->count() + ids_file->count() == 1, "tokenizer decode needs --ids or --ids-file");
     const Tokenizer tok = Tokenizer::from_file(args->tokenizer);
     if (ids->count()) {
-      write_stdout(tok.decode(parse_ids(args->ids, "--ids"), args->skip_special) + "\n");
+      write_stdout(tok.decode(parse_token_ids(args->ids, "--ids"), args->skip_special) + "\n");
       return;
     }
     const std::string content = data::read_file(args->ids_file, "ids file");
@@ -209,7 +180,7 @@ void register_decode(CLI::App* parent) {
       if (end == std::string::npos) end = content.size();
       ++line_no;
       const std::string line = content.substr(begin, end - begin);
-      const std::string text = tok.decode(parse_ids(line, c10::str(args->ids_file, ":", line_no)), args->skip_special);
+      const std::string text = tok.decode(parse_token_ids(line, c10::str(args->ids_file, ":", line_no)), args->skip_special);
       out += nlohmann::json{{"text", text}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
       out += '\n';
       begin = end + 1;

@@ -24,11 +24,35 @@ bool filtered(const std::string& fqn, const std::vector<std::string>& filters) {
 
 }  // namespace
 
-Float8Options Float8Options::parse(const std::string& recipe, const std::string& filter_fqns) {
+const options::Section& float8_section() {
+  using S = Float8Config;
+  static const options::Section section{
+      "float8",
+      {
+          {LOOM_OPTION(S, enable),
+           "Train the linear layers in Float8 (see docs/float8.md): every linear whose name matches none "
+           "of `filter_fqns` runs its forward and backward GEMMs on float8 operands with dynamic "
+           "scaling, its weights staying in high precision. On the CPU the float8 GEMMs are emulated "
+           "exactly (quantize, dequantize, float32 matmul); on CUDA they are `_scaled_mm`. Needs the "
+           "converted layers' dims to be multiples of 16; not with tensor parallelism or pipeline "
+           "parallelism."},
+          {LOOM_OPTION(S, recipe),
+           "torchao's recipes. `rowwise`: inputs, weights and output gradients in float8_e4m3fn, one "
+           "scale per row along each GEMM's contracted dim, scales rounded down to powers of 2. "
+           "`tensorwise`: one scale per tensor, inputs and weights in e4m3fn, output gradients in e5m2."},
+          {LOOM_OPTION(S, filter_fqns),
+           "Comma-separated substrings: a linear whose fully qualified name (`layers.0.attention.wq`, "
+           "`output`) contains one stays in high precision. The default keeps the output head, as "
+           "TorchTitan does."},
+      }};
+  return section;
+}
+
+Float8Options Float8Options::from(const Float8Config& config) {
   Float8Options o;
-  o.recipe = parse_recipe(recipe);
+  o.recipe = config.recipe;
   o.filter_fqns.clear();
-  std::stringstream in(filter_fqns);
+  std::stringstream in(config.filter_fqns);
   std::string item;
   while (std::getline(in, item, ',')) {
     item = trim(item);
@@ -39,7 +63,7 @@ Float8Options Float8Options::parse(const std::string& recipe, const std::string&
 
 std::string ConversionReport::describe(Recipe recipe) const {
   std::ostringstream os;
-  os << converted.size() << " linears to float8 (" << recipe_name(recipe) << "), " << kept.size()
+  os << converted.size() << " linears to float8 (" << options::enum_name(recipe) << "), " << kept.size()
      << " kept in high precision";
   for (size_t i = 0; i < kept.size(); ++i) os << (i == 0 ? ": " : ", ") << kept[i];
   return os.str();

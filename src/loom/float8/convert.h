@@ -20,15 +20,24 @@
 
 namespace loom::float8 {
 
-// The [float8] config section, parsed.
+// The [float8] section of a job config, as written (float8_section() is its schema).
+struct Float8Config {
+  bool enable = false;
+  Recipe recipe = Recipe::kRowwise;
+  std::string filter_fqns = "output";  // comma-separated FQN substrings kept in high precision
+
+  bool operator==(const Float8Config&) const = default;
+};
+const options::Section& float8_section();
+
+// What convert_to_float8 applies.
 struct Float8Options {
   Recipe recipe = Recipe::kRowwise;
   // A linear whose FQN contains any of these substrings stays in high precision.
   std::vector<std::string> filter_fqns = {"output"};
 
-  // recipe: "rowwise" | "tensorwise" (else a loom::UsageError with the nearest); filter_fqns:
-  // comma-separated substrings, blanks around each ignored, empty entries dropped.
-  static Float8Options parse(const std::string& recipe, const std::string& filter_fqns);
+  // filter_fqns split at commas, blanks around each ignored, empty entries dropped.
+  static Float8Options from(const Float8Config& config);
 };
 
 // What convert_to_float8 did, by FQN, in module order.

@@ -74,15 +74,10 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
 
 }  // namespace
 
-Recipe parse_recipe(const std::string& name) {
-  if (name == "rowwise") return Recipe::kRowwise;
-  if (name == "tensorwise") return Recipe::kTensorwise;
-  const bool nearer_row = edit_distance(name, "rowwise") <= edit_distance(name, "tensorwise");
-  fail_usage("float8.recipe '", name, "' is not one of rowwise, tensorwise (did you mean '",
-             nearer_row ? "rowwise" : "tensorwise", "'?)");
+const options::EnumNames<Recipe>& option_names(Recipe) {
+  static const options::EnumNames<Recipe> names = {{"rowwise", Recipe::kRowwise}, {"tensorwise", Recipe::kTensorwise}};
+  return names;
 }
-
-std::string recipe_name(Recipe recipe) { return recipe == Recipe::kRowwise ? "rowwise" : "tensorwise"; }
 
 double float8_max(c10::ScalarType dtype) {
   if (dtype == torch::kFloat8_e4m3fn) return 448.0;

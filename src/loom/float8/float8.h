@@ -32,13 +32,14 @@
 
 #include <string>
 
+#include "loom/core/options.h"
+
 namespace loom::float8 {
 
 enum class Recipe { kRowwise, kTensorwise };
 
-// "rowwise" | "tensorwise"; anything else is a loom::UsageError naming the nearest.
-Recipe parse_recipe(const std::string& name);
-std::string recipe_name(Recipe recipe);
+// float8.recipe: "rowwise" | "tensorwise", torchao's names (core/options.h's enum protocol).
+const options::EnumNames<Recipe>& option_names(Recipe);
 
 // The float8 dtype finite maximum: 448 (e4m3fn), 57344 (e5m2).
 double float8_max(c10::ScalarType dtype);

@@ -26,8 +26,11 @@
 #include <string_view>
 #include <vector>
 
+#include "loom/ac/activation_checkpoint.h"
+#include "loom/cp/ring_attention.h"
 #include "loom/distributed/device_mesh.h"
 #include "loom/distributed/parallel_dims.h"
+#include "loom/float8/convert.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/models/model_args.h"
 #include "loom/nn/module.h"
@@ -71,7 +74,7 @@ struct PipelineOptions {
 // parallelisms apply is decided by the mesh.
 struct ParallelizeOptions {
   TensorParallelOptions tp;
-  std::string cp_rotate_method = "allgather";  // parallelism.context_parallel_rotate_method
+  cp::RotateMethod cp_rotate_method = cp::RotateMethod::kAllGather;  // parallelism.context_parallel_rotate_method
   // parallelism.fsdp_reshard_after_forward as written: which of its modules a model reshards
   // ("default" keeps the last block gathered) is the model's plan, so the model parses it.
   std::string fsdp_reshard_after_forward = "default";
@@ -80,15 +83,12 @@ struct ParallelizeOptions {
   // AdamW8bit's quantization blocks (fsdp::adamw8bit_granularity), Muon's whole matrices
   // (fsdp::muon_granularity); unset = element granularity.
   fsdp::ParameterGranularity fsdp_parameter_granularity;
-  // activation_checkpoint.mode and .selective_ac_option as written: which modules a model
-  // checkpoints is its plan (llama3: its TransformerBlocks, see ac::ACOptions).
-  std::string activation_checkpoint_mode = "none";
-  std::string selective_ac_option = "2";
-  // float8.enable, .recipe and .filter_fqns as written: which linears a model converts is its plan
-  // (llama3: all but the filtered ones, before any parallelism; see float8::convert_to_float8).
-  bool float8 = false;
-  std::string float8_recipe = "rowwise";
-  std::string float8_filter_fqns = "output";
+  // [activation_checkpoint]: which modules a model checkpoints is its plan (the decoder: its
+  // blocks, see ac::ACOptions).
+  ac::ACConfig activation_checkpoint;
+  // [float8]: which linears a model converts is its plan (all but the filtered ones, before any
+  // parallelism; see float8::convert_to_float8).
+  float8::Float8Config float8;
   PipelineOptions pipeline;        // read when the mesh has "pp"
   // Autocast around each forward (mixed precision without FSDP); nullopt = full precision.
   std::optional<c10::ScalarType> autocast_dtype;

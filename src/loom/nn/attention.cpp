@@ -46,10 +46,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Attention::project_qkv(
   return {q, k, v};
 }
 
-AttentionMask parse_attention_mask(std::string_view name) {
-  if (name == "causal") return AttentionMask::kCausal;
-  if (name == "block_causal") return AttentionMask::kBlockCausal;
-  fail_usage("model.attention_mask: unknown mask '", name, "'; use \"causal\" or \"block_causal\"");
+const options::EnumNames<AttentionMask>& option_names(AttentionMask) {
+  static const options::EnumNames<AttentionMask> names = {{"causal", AttentionMask::kCausal},
+                                                          {"block_causal", AttentionMask::kBlockCausal}};
+  return names;
 }
 
 torch::Tensor block_causal_mask(const torch::Tensor& document_ids) {

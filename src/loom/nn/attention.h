@@ -10,6 +10,7 @@
 #include <optional>
 #include <string_view>
 
+#include "loom/core/options.h"
 #include "loom/nn/layers.h"
 #include "loom/nn/module.h"
 
@@ -35,8 +36,8 @@ enum class AttentionMask {
   kCausal,       // every earlier token of its row
   kBlockCausal,  // only those of its own document (TokenLayout::document_ids)
 };
-// "causal" | "block_causal"; anything else is a loom::UsageError naming both.
-AttentionMask parse_attention_mask(std::string_view name);
+// "causal" | "block_causal" (core/options.h's enum protocol).
+const options::EnumNames<AttentionMask>& option_names(AttentionMask);
 
 // The variants of attention the model families use, beside the head counts.
 struct AttentionOptions {

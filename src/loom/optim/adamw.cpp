@@ -150,14 +150,10 @@ void check_adamw_options(const AdamWOptions& o, const char* optimizer) {
   LOOM_REQUIRE(o.eps >= 0.0, optimizer, " eps must be >= 0, got ", o.eps);
 }
 
-AdamWImplementation parse_adamw_implementation(std::string_view name) {
-  if (name == "fused") return AdamWImplementation::kFused;
-  if (name == "foreach") return AdamWImplementation::kForeach;
-  fail_usage("unknown AdamW implementation '", name, "'; choose \"fused\" or \"foreach\"");
-}
-
-const char* to_string(AdamWImplementation implementation) {
-  return implementation == AdamWImplementation::kFused ? "fused" : "foreach";
+const options::EnumNames<AdamWImplementation>& option_names(AdamWImplementation) {
+  static const options::EnumNames<AdamWImplementation> names = {{"fused", AdamWImplementation::kFused},
+                                                                {"foreach", AdamWImplementation::kForeach}};
+  return names;
 }
 
 AdamWParamState AdamWParamState::zeros_like(const at::Tensor& param) {

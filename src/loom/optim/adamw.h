@@ -14,15 +14,15 @@
 #include <utility>
 #include <vector>
 
+#include "loom/core/options.h"
 #include "loom/optim/optimizer.h"
 
 namespace loom::optim {
 
 enum class AdamWImplementation { kFused, kForeach };
 
-// "fused" | "foreach"; anything else is a loom::UsageError naming the choices.
-AdamWImplementation parse_adamw_implementation(std::string_view name);
-const char* to_string(AdamWImplementation implementation);
+// optimizer.implementation: "fused" | "foreach" (core/options.h's enum protocol).
+const options::EnumNames<AdamWImplementation>& option_names(AdamWImplementation);
 
 struct AdamWOptions {
   double lr = 8e-4;

@@ -10,20 +10,48 @@
 
 namespace loom::optim {
 
-DecayType parse_decay_type(std::string_view name) {
-  if (name == "linear") return DecayType::kLinear;
-  if (name == "sqrt") return DecayType::kSqrt;
-  if (name == "cosine") return DecayType::kCosine;
-  fail_usage("unknown lr decay type '", name, "'; choose \"linear\", \"sqrt\" or \"cosine\"");
+const options::EnumNames<DecayType>& option_names(DecayType) {
+  static const options::EnumNames<DecayType> names = {
+      {"linear", DecayType::kLinear}, {"sqrt", DecayType::kSqrt}, {"cosine", DecayType::kCosine}};
+  return names;
 }
 
-const char* to_string(DecayType type) {
-  switch (type) {
-    case DecayType::kLinear: return "linear";
-    case DecayType::kSqrt: return "sqrt";
-    case DecayType::kCosine: return "cosine";
-  }
-  return "linear";
+namespace {
+void check_lr_scheduler(const LRScheduleOptions& o) {
+  const options::Section& s = lr_scheduler_section();
+  options::require(o.warmup_steps >= 0, s, "warmup_steps", ">= 0", &o);
+  options::require(!o.decay_ratio || *o.decay_ratio <= 1.0, s, "decay_ratio", "in [0, 1] or unset", &o);
+  options::require(o.min_lr_factor >= 0.0 && o.min_lr_factor <= 1.0, s, "min_lr_factor", "in [0, 1]", &o);
+}
+}  // namespace
+
+const options::Section& lr_scheduler_section() {
+  using S = LRScheduleOptions;
+  static const options::Section section{
+      "lr_scheduler",
+      {
+          {LOOM_OPTION(S, warmup_steps), "Linear warmup steps (shortened to `training.steps` if longer)."},
+          {LOOM_OPTION(S, decay_ratio),
+           "Fraction of the steps spent decaying at the end, in [0, 1] (Warmup-Stable-Decay, "
+           "arXiv:2404.06395). Unset, a negative value in TOML, or `none` on the command line = decay"
+           " over all steps after warmup."},
+          {LOOM_OPTION(S, decay_type), "Shape of the decay."},
+          {LOOM_OPTION(S, min_lr_factor), "The decay ends at `lr * min_lr_factor`, in [0, 1]."},
+      },
+      R"md(Linear warmup, an optional stable phase, then decay: TorchTitan's `linear_warmup_stable_decay`.
+Training step *k* (1-based) runs at `lr * factor(k - 1)`:
+
+- warmup (`k <= warmup_steps`): `factor = k / warmup_steps`, so the first step runs at
+  `lr / warmup_steps` and the last warmup step at `lr`;
+- `decay_steps = round(steps * decay_ratio)` (or `steps - warmup_steps` when `decay_ratio` is
+  unset), shortened if warmup + decay exceed the run; the stable phase is what is left plus one
+  virtual step, so the last training step is not at exactly the floor;
+- decay: with progress `p = (k - warmup - stable) / decay_steps`, `factor = min_lr_factor +
+  (1 - min_lr_factor) * f(p)`, `f = 1 - p` (linear), `1 - sqrt(p)` (sqrt) or `(1 + cos(pi p)) / 2`
+  (cosine).)md",
+      {},
+      &options::validate_as<S, check_lr_scheduler>};
+  return section;
 }
 
 WarmupStableDecaySchedule WarmupStableDecaySchedule::make(const LRScheduleOptions& options,

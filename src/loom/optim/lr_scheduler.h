@@ -14,16 +14,17 @@
 #include <optional>
 #include <string_view>
 
+#include "loom/core/options.h"
 #include "loom/optim/optimizer.h"
 
 namespace loom::optim {
 
 enum class DecayType { kLinear, kSqrt, kCosine };
 
-// "linear" | "sqrt" | "cosine"; anything else is a loom::UsageError naming the choices.
-DecayType parse_decay_type(std::string_view name);
-const char* to_string(DecayType type);
+// lr_scheduler.decay_type: "linear" | "sqrt" | "cosine" (core/options.h's enum protocol).
+const options::EnumNames<DecayType>& option_names(DecayType);
 
+// The [lr_scheduler] section of a job config (lr_scheduler_section() is its schema).
 struct LRScheduleOptions {
   int64_t warmup_steps = 200;
   // Fraction of training steps spent decaying at the end (WSD); unset = decay right after warmup.
@@ -31,7 +32,10 @@ struct LRScheduleOptions {
   DecayType decay_type = DecayType::kLinear;
   // The decay ends at lr * min_lr_factor instead of 0.
   double min_lr_factor = 0.0;
+
+  bool operator==(const LRScheduleOptions&) const = default;
 };
+const options::Section& lr_scheduler_section();
 
 // The phase lengths resolved for a run of `training_steps`, and the multiplier per step.
 struct WarmupStableDecaySchedule {

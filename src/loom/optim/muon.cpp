@@ -11,15 +11,10 @@
 
 namespace loom::optim {
 
-MuonLRAdjust parse_muon_lr_adjust(std::string_view name) {
-  if (name == "match_rms_adamw") return MuonLRAdjust::kMatchRmsAdamW;
-  if (name == "original") return MuonLRAdjust::kOriginal;
-  fail_usage("unknown Muon learning-rate adjustment '", name,
-             "'; choose \"match_rms_adamw\" or \"original\"");
-}
-
-const char* to_string(MuonLRAdjust adjust) {
-  return adjust == MuonLRAdjust::kMatchRmsAdamW ? "match_rms_adamw" : "original";
+const options::EnumNames<MuonLRAdjust>& option_names(MuonLRAdjust) {
+  static const options::EnumNames<MuonLRAdjust> names = {{"match_rms_adamw", MuonLRAdjust::kMatchRmsAdamW},
+                                                         {"original", MuonLRAdjust::kOriginal}};
+  return names;
 }
 
 bool is_muon_parameter(std::string_view name, c10::IntArrayRef full_shape) {

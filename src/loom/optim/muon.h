@@ -34,9 +34,8 @@ namespace loom::optim {
 
 enum class MuonLRAdjust { kMatchRmsAdamW, kOriginal };
 
-// "match_rms_adamw" | "original"; anything else is a loom::UsageError naming the choices.
-MuonLRAdjust parse_muon_lr_adjust(std::string_view name);
-const char* to_string(MuonLRAdjust adjust);
+// optimizer.muon_adjust_lr: "match_rms_adamw" | "original" (core/options.h's enum protocol).
+const options::EnumNames<MuonLRAdjust>& option_names(MuonLRAdjust);
 
 struct MuonOptions {
   double momentum = 0.95;

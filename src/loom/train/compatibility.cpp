@@ -58,23 +58,24 @@ const std::vector<Incompatibility>& incompatibilities() {
       // Only an optimizer whose update takes the device-side guard (optim::StepGuard).
       {"training.step_readback = \"log_steps\"", "an optimizer without a device-side step guard",
        [](const JobConfig& c, Dims) {
-         return c.training.step_readback == "log_steps" && !parallel::optimizer_spec(c.optimizer.name).applies_step_guard;
+         return c.training.step_readback == StepReadback::kLogSteps && !parallel::optimizer_spec(c.optimizer.name).applies_step_guard;
        },
        false,
        [](const JobConfig& c) {
          return c10::str("config key 'training.step_readback' must be \"every_step\" or \"auto\" with optimizer.name = \"",
-                         c.optimizer.name, "\" (\"log_steps\" needs AdamW), got \"", c.training.step_readback, "\"");
+                         c.optimizer.name, "\" (\"log_steps\" needs AdamW), got \"",
+                         options::enum_name(c.training.step_readback), "\"");
        }},
       // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in
       // TorchTitan: float32 master weights, gradients and optimizer state; DDP all-reduces the
       // float32 gradients, so a bfloat16 reduce has nothing to apply to.
       {"training.mixed_precision_reduce = \"bfloat16\"", "no FSDP",
        [](const JobConfig& c, Dims dims) {
-         return dims != nullptr && c.training.mixed_precision_reduce != "float32" && !dims->fsdp_enabled();
+         return dims != nullptr && c.training.mixed_precision_reduce != Precision::kFloat32 && !dims->fsdp_enabled();
        },
        true,
        [](const JobConfig& c) {
-         return c10::str("training.mixed_precision_reduce = \"", c.training.mixed_precision_reduce,
+         return c10::str("training.mixed_precision_reduce = \"", options::enum_name(c.training.mixed_precision_reduce),
                          "\" needs FSDP (parallelism.data_parallel_shard_degree > 1): without it gradients are "
                          "float32 master-weight gradients; set it to \"float32\"");
        }},

@@ -95,7 +95,7 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   // Loom's CUDA kernels the config keeps (all by default; the ATen compositions for the others).
   const nn::CudaKernelSet cuda_kernels = nn::parse_cuda_kernels(config_.training.cuda_kernels);
   nn::set_cuda_kernels(cuda_kernels);
-  block_causal_ = nn::parse_attention_mask(config_.model.attention_mask) == nn::AttentionMask::kBlockCausal;
+  block_causal_ = config_.model.attention_mask == nn::AttentionMask::kBlockCausal;
   optim::set_cuda_adamw_kernel(cuda_kernels.has(nn::CudaKernel::kAdamW));
   // One job per run folder: a second one would interleave metrics and mix checkpoints.
   if (dist_->rank() == 0) run_folder_lock_ = std::make_unique<RunFolderLock>(config_.job.dump_folder);
@@ -171,7 +171,7 @@ void Trainer::init_distributed(const distributed::LaunchEnv& env) {
 }
 
 void Trainer::init_profiling() {
-  const ProfilingSection& p = config_.profiling;
+  const profiling::ProfilingConfig& p = config_.profiling;
   const fs::path dump(config_.job.dump_folder);
   if (p.enable_profiling) {
     profiling::ProfilerOptions options;
@@ -203,7 +203,7 @@ void Trainer::init_data() {
   const auto& t = config_.training;
   Timer timer;
   data::SourceOptions source;
-  source.format = data::parse_dataset_format(t.dataset_format);
+  source.format = data::source_format(t.dataset_format);
   source.jsonl_field = t.jsonl_field;
   source.format_setting = "training.dataset_format";
   source.jsonl_field_setting = "training.jsonl_field";
@@ -288,18 +288,13 @@ void Trainer::parallelize() {
   options.fsdp_reshard_after_forward = config_.parallelism.fsdp_reshard_after_forward;
   // What the optimizer needs FSDP's planner never to cut (its registry entry says).
   const parallel::OptimizerSpec& optimizer = parallel::optimizer_spec(config_.optimizer.name);
-  if (optimizer.fsdp_granularity) options.fsdp_parameter_granularity = optimizer.fsdp_granularity(optimizer_request(config_));
-  options.fsdp_mixed_precision.param_dtype =
-      parse_dtype(t.mixed_precision_param, "training.mixed_precision_param");
-  options.fsdp_mixed_precision.reduce_dtype =
-      parse_dtype(t.mixed_precision_reduce, "training.mixed_precision_reduce");
+  if (optimizer.fsdp_granularity) options.fsdp_parameter_granularity = optimizer.fsdp_granularity(config_.optimizer.request());
+  options.fsdp_mixed_precision.param_dtype = scalar_type(t.mixed_precision_param);
+  options.fsdp_mixed_precision.reduce_dtype = scalar_type(t.mixed_precision_reduce);
   options.seed = static_cast<uint64_t>(t.seed);
   options.device = device_;
-  options.activation_checkpoint_mode = config_.activation_checkpoint.mode;
-  options.selective_ac_option = config_.activation_checkpoint.selective_ac_option;
-  options.float8 = config_.float8.enable;
-  options.float8_recipe = config_.float8.recipe;
-  options.float8_filter_fqns = config_.float8.filter_fqns;
+  options.activation_checkpoint = config_.activation_checkpoint;
+  options.float8 = config_.float8;
   options.pipeline = pipeline_options();
   if (!parallel_dims_->fsdp_enabled() && options.fsdp_mixed_precision.param_dtype != torch::kFloat32) {
     // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in
@@ -313,13 +308,13 @@ void Trainer::parallelize() {
 
 void Trainer::init_optimizer() {
   optimizer_ = parallel_model_->build_optimizer(parallel::optimizer_spec(config_.optimizer.name),
-                                               optimizer_request(config_), device_);
-  lr_scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, lr_schedule_options(config_),
+                                               config_.optimizer.request(), device_);
+  lr_scheduler_ = std::make_unique<optim::LRScheduler>(*optimizer_, config_.lr_scheduler,
                                                   config_.training.steps);
   // Deferring the read-back pays where the host and the device run apart (a GPU): the host no
   // longer waits for the backward before queueing the update. On the CPU there is nothing to
   // overlap, so "auto" keeps the every-step read-back (and its exact clipping).
-  const StepReadback readback = parse_step_readback(config_.training.step_readback);
+  const StepReadback readback = config_.training.step_readback;
   deferred_readback_ = optimizer_->applies_step_guard() &&
                        (readback == StepReadback::kLogSteps || (readback == StepReadback::kAuto && !device_.is_cpu()));
 }
@@ -355,10 +350,10 @@ void Trainer::init_checkpointing() {
     options.folder = fs::path(config_.job.dump_folder) / c.folder;
     options.interval = c.interval;
     options.keep_latest_k = static_cast<int>(c.keep_latest_k);
-    options.async = checkpoint::parse_async_mode(c.async_mode);
+    options.async = c.async_mode == checkpoint::AsyncMode::kAsync;
     options.last_save_model_only = c.model_only;
     // export_dtype applies to the final model-only save (TorchTitan's model_weights_only).
-    if (c.model_only) options.export_dtype = checkpoint::parse_export_dtype(c.export_dtype);
+    if (c.model_only) options.export_dtype = checkpoint::scalar_type(c.export_dtype);
     options.validate();
     // Every rank writes its own files: find an unwritable or blocked folder now, not at the first
     // save after `interval` steps of compute.
@@ -498,13 +493,6 @@ void Trainer::maybe_inject_fault(bool after_step) {
     log::warn("LOOM_FAULT_HANG: rank ", rank, " hangs after step ", step_);
     for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
   }
-}
-
-StepReadback parse_step_readback(std::string_view name) {
-  if (name == "auto") return StepReadback::kAuto;
-  if (name == "every_step") return StepReadback::kEveryStep;
-  if (name == "log_steps") return StepReadback::kLogSteps;
-  fail_usage("training.step_readback: unknown value '", name, "'; use \"auto\", \"every_step\" or \"log_steps\"");
 }
 
 double Trainer::global_mean_loss(double local_loss) {

@@ -50,15 +50,6 @@
 namespace loom::train {
 
 // What one optimizer step produced (rank-local view; loss is the global mean over the DP group).
-// training.step_readback: when the host reads a step's loss and gradient norm.
-enum class StepReadback {
-  kAuto,       // kLogSteps on an accelerator with an optimizer that applies a StepGuard, else kEveryStep
-  kEveryStep,  // after the backward, before the optimizer step
-  kLogSteps,   // at log steps only; clipping and the non-finite guard on the device
-};
-// "auto" | "every_step" | "log_steps"; anything else is a loom::UsageError naming the three.
-StepReadback parse_step_readback(std::string_view name);
-
 struct StepResult {
   int64_t step = 0;
   double loss = 0.0;

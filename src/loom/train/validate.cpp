@@ -21,7 +21,7 @@ Validator::Validator(ValidatorOptions options, const data::Tokenizer& tokenizer,
   // which ParallelizedModel::forward_loss refuses under a pipeline too).
   Timer timer;
   data::SourceOptions source;
-  if (v.dataset_format != "auto") source.format = data::parse_source_format(v.dataset_format);
+  source.format = data::source_format(v.dataset_format);
   source.format_setting = "validation.dataset_format";
   // Every problem with the held-out data (missing, a FIFO, empty, shorter than a row) is then
   // named as validation.* with exit 2, not taken for the training data's.

@@ -116,10 +116,10 @@ void expect_bitwise(const Result& want, const Result& got, const std::string& wh
 }
 
 std::vector<std::pair<std::string, ACOptions>> modes() {
-  return {{"full", ACOptions::parse("full", "")},
-          {"selective 2", ACOptions::parse("selective", "2")},
-          {"selective 1", ACOptions::parse("selective", "1")},
-          {"selective op", ACOptions::parse("selective", "op")}};
+  return {{"full", ACOptions::from({Mode::kFull, ""})},
+          {"selective 2", ACOptions::from({Mode::kSelective, "2"})},
+          {"selective 1", ACOptions::from({Mode::kSelective, "1"})},
+          {"selective op", ACOptions::from({Mode::kSelective, "op"})}};
 }
 
 TEST(ActivationCheckpoint, EveryModeGivesBitwiseTheOutputAndGradientsOfNoCheckpointing) {
@@ -269,7 +269,7 @@ TEST(ActivationCheckpoint, InputWithoutGradientStillTrainsTheParameters) {
 
 TEST(ActivationCheckpoint, WithoutGradModeItIsThePlainForward) {
   Stack plain(2), wrapped(2);
-  wrapped.apply(ACOptions::parse("selective", "op"));
+  wrapped.apply(ACOptions::from({Mode::kSelective, "op"}));
   torch::NoGradGuard no_grad;
   const torch::Tensor x = torch::randn({1, 8, kDim});
   EXPECT_TRUE(torch::equal(plain.forward(x), wrapped.forward(x)));
@@ -331,24 +331,24 @@ TEST(ActivationCheckpoint, SavedActivationsShrink) {
 }
 
 TEST(ActivationCheckpoint, OptionsParseAndBadValuesNameTheNearest) {
-  EXPECT_EQ(ACOptions::parse("none", "op").mode, Mode::kNone);
-  const ACOptions two = ACOptions::parse("selective", "2");
+  EXPECT_EQ(ACOptions::from({Mode::kNone, "op"}).mode, Mode::kNone);
+  const ACOptions two = ACOptions::from({Mode::kSelective, "2"});
   EXPECT_EQ(two.every, 2);
   EXPECT_FALSE(two.wraps(0));
   EXPECT_TRUE(two.wraps(1));
   EXPECT_FALSE(two.wraps(2));
   EXPECT_TRUE(two.wraps(3));
-  EXPECT_TRUE(ACOptions::parse("selective", "op").per_op);
-  EXPECT_TRUE(ACOptions::parse("full", "").wraps(5));
+  EXPECT_TRUE(ACOptions::from({Mode::kSelective, "op"}).per_op);
+  EXPECT_TRUE(ACOptions::from({Mode::kFull, ""}).wraps(5));
   auto usage = [](const std::string& mode, const std::string& option) {
     try {
-      ACOptions::parse(mode, option);
+      ACOptions::from({loom::options::parse_enum<Mode>(mode, "activation_checkpoint.mode"), option});
     } catch (const loom::UsageError& e) {
       return std::string(e.what());
     }
     return std::string("no error");
   };
-  EXPECT_NE(usage("ful", "2").find("(did you mean 'full'?)"), std::string::npos) << usage("ful", "2");
+  EXPECT_NE(usage("ful", "2").find("(did you mean \"full\"?)"), std::string::npos) << usage("ful", "2");
   EXPECT_NE(usage("selective", "opp").find("(did you mean 'op'?)"), std::string::npos);
   EXPECT_NE(usage("selective", "0").find("is not \"op\" or a positive integer"), std::string::npos);
 }

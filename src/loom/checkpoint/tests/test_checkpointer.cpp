@@ -4,6 +4,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "loom/core/dtype.h"
 #include "loom/checkpoint/checkpointer.h"
 #include "loom/checkpoint/metadata.h"
 #include "loom/checkpoint/tests/layouts.h"
@@ -133,7 +134,7 @@ TEST(Checkpointer, SavesOnIntervalAndLastStepAndResumes) {
   options.interval = 2;
   options.async = true;
   options.last_save_model_only = true;
-  options.export_dtype = parse_export_dtype("bf16");
+  options.export_dtype = loom::parse_dtype("bf16", "checkpoint.export_dtype");
   int provided = 0;
   {
     Checkpointer ckpt(options, single_process_group());
@@ -189,8 +190,8 @@ TEST(Checkpointer, RejectsBadOptions) {
   o.validate();
   o.staging_max_bytes = 10;
   EXPECT_THROW(Checkpointer(o, single_process_group()), loom::UsageError);
-  EXPECT_THROW(parse_export_dtype("int8"), loom::UsageError);
-  EXPECT_EQ(parse_export_dtype("float16"), c10::kHalf);
+  EXPECT_THROW(loom::parse_dtype("int8", "checkpoint.export_dtype"), loom::UsageError);
+  EXPECT_EQ(loom::parse_dtype("float16", "checkpoint.export_dtype"), c10::kHalf);
 }
 
 // About 96 MiB of float32 state: sync save, async save (training-thread time and total), load and

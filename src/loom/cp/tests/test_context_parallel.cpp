@@ -27,8 +27,10 @@ TEST(ContextParallel, HeadTailShardingBalancesCausalWork) {
   loom::testing::expect_error<loom::UsageError>(
       [] { loom::cp::shard_sequence(torch::zeros({2, 30}), 1, 0, 4); },
       {"context parallel degree 4 needs the sequence length to be divisible by 2 x 4 = 8, got 30"});
-  loom::testing::expect_error<loom::UsageError>([] { loom::cp::parse_rotate_method("alltoall"); },
-                                                {"'alltoall' is not one of ring, allgather"});
+  loom::testing::expect_error<loom::UsageError>([] {
+        loom::options::parse_enum<loom::cp::RotateMethod>("alltoall", "parallelism.context_parallel_rotate_method");
+      },
+      {"parallelism.context_parallel_rotate_method must be \"allgather\" or \"ring\", got \"alltoall\""});
 }
 
 // One rank: ring attention is whole-sequence causal attention.

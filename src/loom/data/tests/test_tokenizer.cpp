@@ -485,3 +485,18 @@ TEST(TokenizerCli, MissingJsonlFieldNamesTheFlag) {
   EXPECT_NE(encode.output.find("choose the field with --field)"), std::string::npos) << encode.output;
   fs::remove_all(dir);
 }
+
+// One parser for token ids on every command line (score --tokens, generate --prompt-tokens,
+// tokenizer decode --ids and --ids-file lines): commas or whitespace, non-negative integers.
+TEST(Tokenizer, TokenIdListsParseCommasAndSpacesAndNameTheBadEntry) {
+  using loom::data::parse_token_ids;
+  EXPECT_EQ(parse_token_ids("1,2,3", "--tokens"), (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(parse_token_ids(" 4 5,\t6\n", "--ids"), (std::vector<int64_t>{4, 5, 6}));
+  EXPECT_EQ(parse_token_ids("7, 8", "--prompt-tokens"), (std::vector<int64_t>{7, 8}));
+  EXPECT_TRUE(parse_token_ids("", "--ids").empty());
+  for (const char* bad : {"1,x,3", "1,-2", "3.5", "1,99999999999999999999"}) {
+    SCOPED_TRACE(bad);
+    loom::testing::expect_error<loom::UsageError>([&] { parse_token_ids(bad, "--tokens"); },
+                                                  {"--tokens: '", "' is not a token id"});
+  }
+}

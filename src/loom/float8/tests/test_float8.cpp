@@ -83,13 +83,13 @@ Problem make_problem(int64_t m, int64_t k, int64_t n) {
 double max_abs(const torch::Tensor& t) { return t.abs().max().item<double>(); }
 
 TEST(Float8, RecipesAreTorchaosAndUnknownNamesSuggestTheNearest) {
-  EXPECT_EQ(f8::parse_recipe("rowwise"), Recipe::kRowwise);
-  EXPECT_EQ(f8::parse_recipe("tensorwise"), Recipe::kTensorwise);
+  EXPECT_EQ(loom::options::parse_enum<Recipe>("rowwise", "float8.recipe"), Recipe::kRowwise);
+  EXPECT_EQ(loom::options::parse_enum<Recipe>("tensorwise", "float8.recipe"), Recipe::kTensorwise);
   try {
-    f8::parse_recipe("rowwize");
+    loom::options::parse_enum<Recipe>("rowwize", "float8.recipe");
     FAIL() << "no error";
   } catch (const loom::UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("did you mean 'rowwise'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("did you mean \"rowwise\""), std::string::npos) << e.what();
   }
   EXPECT_DOUBLE_EQ(f8::float8_max(torch::kFloat8_e4m3fn), 448.0);
   EXPECT_DOUBLE_EQ(f8::float8_max(torch::kFloat8_e5m2), 57344.0);
@@ -139,7 +139,7 @@ TEST(Float8, ValuesNeverOverflowAndZeroRowsStayZero) {
     for (auto recipe : {Recipe::kRowwise, Recipe::kTensorwise}) {
       const f8::Float8Operand w = f8::quantize(wild, dtype, recipe);
       const torch::Tensor v = w.data.to(torch::kFloat32);
-      EXPECT_TRUE(torch::isfinite(v).all().item<bool>()) << f8::recipe_name(recipe);
+      EXPECT_TRUE(torch::isfinite(v).all().item<bool>()) << loom::options::enum_name(recipe);
       EXPECT_LE(max_abs(v), f8::float8_max(dtype));
       EXPECT_TRUE(torch::isfinite(w.scale).all().item<bool>());
       EXPECT_EQ(max_abs(w.dequantize()[1]), 0.0) << "the zero row stays zero";
@@ -171,7 +171,7 @@ TEST_P(Float8Linear, ForwardAndBackwardMatchTheQuantizeDequantizeReference) {
   const double ey = max_abs(y.detach().view({b * t, n}).to(torch::kFloat64) - want_y) / max_abs(want_y);
   const double edx = max_abs(x.grad().view({b * t, k}).to(torch::kFloat64) - want_dx) / max_abs(want_dx);
   const double edw = max_abs(w.grad().to(torch::kFloat64) - want_dw) / max_abs(want_dw);
-  std::cout << "[" << f8::recipe_name(recipe) << "] max |float8 - reference| / max |reference|: y " << ey
+  std::cout << "[" << loom::options::enum_name(recipe) << "] max |float8 - reference| / max |reference|: y " << ey
             << ", dx " << edx << ", dw " << edw << "\n";
   EXPECT_LT(ey, 1e-6);
   EXPECT_LT(edx, 1e-6);
@@ -182,7 +182,7 @@ TEST_P(Float8Linear, ForwardAndBackwardMatchTheQuantizeDequantizeReference) {
   // Quantization changes the result (this is not the high-precision linear), but not by much.
   const torch::Tensor exact = at::linear(p.x, p.w);
   const double rel = (y.detach().view({b * t, n}) - exact).norm().item<double>() / exact.norm().item<double>();
-  std::cout << "[" << f8::recipe_name(recipe) << "] ||y - x W^T|| / ||x W^T|| = " << rel << "\n";
+  std::cout << "[" << loom::options::enum_name(recipe) << "] ||y - x W^T|| / ||x W^T|| = " << rel << "\n";
   EXPECT_GT(rel, 0.0);
   EXPECT_LT(rel, 0.1);
 }
@@ -201,7 +201,7 @@ TEST_P(Float8Linear, AutocastGivesTheAutocastDtypeFromTheFloat32Emulation) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, Float8Linear, ::testing::Values(Recipe::kRowwise, Recipe::kTensorwise),
-                         [](const auto& info) { return f8::recipe_name(info.param); });
+                         [](const auto& info) { return std::string(loom::options::enum_name(info.param)); });
 
 // A tiny model: two FFNs and an output head.
 class Tiny : public nn::Module {
@@ -227,7 +227,7 @@ class Tiny : public nn::Module {
 TEST(ConvertToFloat8, ConvertsEveryLinearButTheFilteredOnes) {
   torch::manual_seed(0);
   Tiny model(32);
-  const auto options = f8::Float8Options::parse("rowwise", " output , ,");
+  const auto options = f8::Float8Options::from({.filter_fqns = " output , ,"});
   EXPECT_EQ(options.filter_fqns, (std::vector<std::string>{"output"}));
   const auto report = f8::convert_to_float8(model, options);
   EXPECT_EQ(report.converted,
@@ -251,7 +251,7 @@ TEST(ConvertToFloat8, ConvertsEveryLinearButTheFilteredOnes) {
 TEST(ConvertToFloat8, DimsNotMultipleOf16AreRefusedNamingTheLayerAndTheFix) {
   Tiny model(40);  // w1, w3: 40 -> 64, w2: 64 -> 40
   try {
-    f8::convert_to_float8(model, f8::Float8Options::parse("rowwise", "output"));
+    f8::convert_to_float8(model, f8::Float8Options::from({}));
     FAIL() << "no error";
   } catch (const loom::UsageError& e) {
     const std::string msg = e.what();
@@ -261,7 +261,7 @@ TEST(ConvertToFloat8, DimsNotMultipleOf16AreRefusedNamingTheLayerAndTheFix) {
   }
   // Filtering the FFN keeps it in high precision: nothing left to convert.
   Tiny kept(40);
-  const auto report = f8::convert_to_float8(kept, f8::Float8Options::parse("rowwise", "output,feed_forward"));
+  const auto report = f8::convert_to_float8(kept, f8::Float8Options::from({.filter_fqns = "output,feed_forward"}));
   EXPECT_TRUE(report.converted.empty());
   EXPECT_EQ(report.kept.size(), 4u);
 }

@@ -33,24 +33,6 @@ struct GenerateOptions {
   SamplingOptions sampling;
 };
 
-std::vector<int64_t> parse_ids(const std::string& text) {
-  std::vector<int64_t> ids;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) {
-    size_t used = 0;
-    int64_t id = -1;
-    try {
-      id = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    LOOM_REQUIRE_USAGE(used > 0 && id >= 0, "--prompt-tokens entry '", item,
-                       "' is not a non-negative integer id; give comma-separated ids like 1,2,3");
-    ids.push_back(id);
-  }
-  return ids;
-}
-
 // The text of `ids`, leaving out ids the tokenizer has no token for. A model's vocabulary may be
 // larger than its tokenizer's: checkpoints pad the embedding table (to a multiple of 64 or 128 for
 // the GEMMs, or to fit a TP degree), and the padding rows can still be sampled. Hugging Face
@@ -83,7 +65,7 @@ void run_generate(GenerateOptions o) {
                      o.checkpoint, "'), or give --prompt-tokens");
   std::vector<int64_t> prompt;
   if (!o.prompt_tokens.empty()) {
-    prompt = parse_ids(o.prompt_tokens);
+    prompt = data::parse_token_ids(o.prompt_tokens, "--prompt-tokens");
   } else {
     prompt = tokenizer->encode(o.prompt, /*add_bos=*/!o.no_bos && tokenizer->bos_id() >= 0, /*add_eos=*/false);
   }

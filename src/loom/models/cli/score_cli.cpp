@@ -30,30 +30,6 @@ struct ScoreOptions {
   bool no_bos = false;
 };
 
-std::vector<int64_t> parse_token_list(const std::string& text) {
-  std::vector<int64_t> ids;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    const size_t b = item.find_first_not_of(" \t");
-    const size_t e = item.find_last_not_of(" \t");
-    LOOM_REQUIRE_USAGE(b != std::string::npos, "--tokens has an empty entry in '", text,
-                       "'; give comma-separated ids like 1,2,3");
-    const std::string trimmed = item.substr(b, e - b + 1);
-    size_t used = 0;
-    int64_t id = -1;
-    try {
-      id = std::stoll(trimmed, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    LOOM_REQUIRE_USAGE(used == trimmed.size() && id >= 0, "--tokens entry '", trimmed,
-                       "' is not a non-negative integer id");
-    ids.push_back(id);
-  }
-  return ids;
-}
-
 std::vector<int64_t> tokens_from_text(const ScoreOptions& o) {
   std::string tokenizer_path = o.tokenizer;
   if (tokenizer_path.empty()) {
@@ -71,7 +47,7 @@ std::vector<int64_t> tokens_from_text(const ScoreOptions& o) {
 
 void run_score(const ScoreOptions& o) {
   const std::vector<int64_t> ids =
-      o.text_file.empty() ? parse_token_list(o.tokens) : tokens_from_text(o);
+      o.text_file.empty() ? data::parse_token_ids(o.tokens, "--tokens") : tokens_from_text(o);
   LOOM_REQUIRE_USAGE(ids.size() >= 2, "need at least 2 tokens to score, got ", ids.size());
   const auto seq_len = static_cast<int64_t>(ids.size());
 

@@ -21,15 +21,15 @@ FSDPReshardSetting FSDPReshardSetting::parse(const std::string& text) {
 PlanOptions PlanOptions::from(const ParallelizeOptions& options) {
   PlanOptions plan;
   plan.tp = options.tp;
-  plan.cp_rotate_method = cp::parse_rotate_method(options.cp_rotate_method);
+  plan.cp_rotate_method = options.cp_rotate_method;
   const auto reshard = FSDPReshardSetting::parse(options.fsdp_reshard_after_forward);
   plan.fsdp.reshard_after_forward = reshard.blocks;
   plan.fsdp_reshard_last_block = reshard.last_block;
   plan.fsdp.mixed_precision = options.fsdp_mixed_precision;
   plan.fsdp.parameter_granularity = options.fsdp_parameter_granularity;
   plan.fsdp.device = options.device;  // FSDP's buffers on the rank's device (caching allocator on GPUs)
-  plan.ac = ac::ACOptions::parse(options.activation_checkpoint_mode, options.selective_ac_option);
-  if (options.float8) plan.float8 = float8::Float8Options::parse(options.float8_recipe, options.float8_filter_fqns);
+  plan.ac = ac::ACOptions::from(options.activation_checkpoint);
+  if (options.float8.enable) plan.float8 = float8::Float8Options::from(options.float8);
   plan.seed = options.seed;
   plan.device = options.device;
   plan.autocast_dtype = options.autocast_dtype;

@@ -56,9 +56,9 @@ TEST(Llama3AC, UnderFSDPTheRecomputeUsesTheBackwardGatherAndGradientBuffer) {
   const Outcome want = train_step(ac::ACOptions{}, 0);
   EXPECT_EQ(want.unsharded_after, 0);
   const std::vector<std::pair<std::string, std::pair<ac::ACOptions, int64_t>>> modes = {
-      {"full", {ac::ACOptions::parse("full", ""), 4}},
-      {"selective 2", {ac::ACOptions::parse("selective", "2"), 2}},
-      {"selective op", {ac::ACOptions::parse("selective", "op"), 4}},
+      {"full", {ac::ACOptions::from({loom::ac::Mode::kFull, ""}), 4}},
+      {"selective 2", {ac::ACOptions::from({loom::ac::Mode::kSelective, "2"}), 2}},
+      {"selective op", {ac::ACOptions::from({loom::ac::Mode::kSelective, "op"}), 4}},
   };
   for (const auto& [name, mode] : modes) {
     const Outcome got = train_step(mode.first, mode.second);
@@ -77,7 +77,7 @@ TEST(Llama3AC, SelectiveEveryNthBlockCountsLayerIds) {
   // still means layer 3 (of the remaining 2 and 3), as in the whole model.
   model->layers().remove_module("0");
   model->layers().remove_module("1");
-  EXPECT_EQ(models::apply_ac(*model, ac::ACOptions::parse("selective", "2")), 1);
+  EXPECT_EQ(models::apply_ac(*model, ac::ACOptions::from({loom::ac::Mode::kSelective, "2"})), 1);
   EXPECT_FALSE(model->layers().submodule("2").forward_override());
   EXPECT_TRUE(model->layers().submodule("3").forward_override());
 }

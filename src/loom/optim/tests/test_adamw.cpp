@@ -177,7 +177,7 @@ TEST_P(AdamWImplementations, NonContiguousTensorsMatchReference) {
 INSTANTIATE_TEST_SUITE_P(Optim, AdamWImplementations,
                          ::testing::Values(AdamWImplementation::kFused,
                                            AdamWImplementation::kForeach),
-                         [](const auto& info) { return std::string(to_string(info.param)); });
+                         [](const auto& info) { return std::string(loom::options::enum_name(info.param)); });
 
 TEST(AdamW, WeightDecayGroupsFollowTorchTitanRule) {
   EXPECT_TRUE(is_weight_decayed("tok_embeddings.weight", {2048, 256}));
@@ -307,7 +307,7 @@ TEST(AdamW, RejectsBadConstructionAndGradients) {
   }
   EXPECT_THROW(opt.step({{torch::zeros({2, 2}, torch::kDouble)}}), loom::Error);
   try {
-    parse_adamw_implementation("for-loop");
+    loom::options::parse_enum<AdamWImplementation>("for-loop", "optimizer.implementation");
     FAIL() << "unknown implementation accepted";
   } catch (const loom::UsageError& e) {
     EXPECT_EQ(e.exit_code(), loom::kExitUsage);

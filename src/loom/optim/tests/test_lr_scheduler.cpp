@@ -29,7 +29,7 @@ TEST(LRSchedule, DecayAfterWarmupBoundariesForEachDecayType) {
         0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress_last))}},
   };
   for (const auto& [type, values] : expected) {
-    SCOPED_TRACE(to_string(type));
+    SCOPED_TRACE(std::string(loom::options::enum_name(type)));
     const auto s = make(100, 10, std::nullopt, type, 0.1);
     EXPECT_EQ(s.warmup_steps, 10);
     EXPECT_EQ(s.decay_steps, 90);
@@ -83,13 +83,13 @@ TEST(LRSchedule, RejectsBadOptions) {
   EXPECT_THROW(make(100, -1, std::nullopt, DecayType::kLinear, 0.0), loom::UsageError);
   EXPECT_THROW(make(100, 10, std::nullopt, DecayType::kLinear, 2.0), loom::UsageError);
   EXPECT_THROW(make(0, 10, std::nullopt, DecayType::kLinear, 0.0), loom::UsageError);
-  EXPECT_EQ(parse_decay_type("cosine"), DecayType::kCosine);
+  EXPECT_EQ(loom::options::parse_enum<DecayType>("cosine", "lr_scheduler.decay_type"), DecayType::kCosine);
   try {
-    parse_decay_type("cos");
+    loom::options::parse_enum<DecayType>("cos", "lr_scheduler.decay_type");
     FAIL() << "unknown decay type accepted";
   } catch (const loom::UsageError& e) {
     EXPECT_EQ(std::string(e.what()),
-              "unknown lr decay type 'cos'; choose \"linear\", \"sqrt\" or \"cosine\"");
+              "lr_scheduler.decay_type must be \"linear\", \"sqrt\" or \"cosine\", got \"cos\" (did you mean \"cosine\"?)");
   }
 }
 

@@ -110,8 +110,8 @@ TEST(Muon, LearningRateScale) {
   EXPECT_DOUBLE_EQ(muon_lr_scale(768, 256, MuonLRAdjust::kMatchRmsAdamW), 0.2 * std::sqrt(768.0));
   EXPECT_DOUBLE_EQ(muon_lr_scale(768, 256, MuonLRAdjust::kOriginal), std::sqrt(3.0));
   EXPECT_DOUBLE_EQ(muon_lr_scale(256, 768, MuonLRAdjust::kOriginal), 1.0);
-  EXPECT_EQ(parse_muon_lr_adjust("original"), MuonLRAdjust::kOriginal);
-  EXPECT_THROW(parse_muon_lr_adjust("spectral"), loom::UsageError);
+  EXPECT_EQ(loom::options::parse_enum<MuonLRAdjust>("original", "optimizer.muon_adjust_lr"), MuonLRAdjust::kOriginal);
+  EXPECT_THROW(loom::options::parse_enum<MuonLRAdjust>("spectral", "optimizer.muon_adjust_lr"), loom::UsageError);
 }
 
 // Two steps of a matrix, a 1-D scale and an embedding: the matrix follows the formula written out

@@ -20,7 +20,7 @@ int main(int argc, char** argv) {
     loom::optim::MuonOptions options;
     options.momentum = std::stod(argv[5]);
     options.nesterov = std::string(argv[6]) == "1";
-    options.adjust_lr = loom::optim::parse_muon_lr_adjust(argv[7]);
+    options.adjust_lr = loom::options::parse_enum<loom::optim::MuonLRAdjust>(argv[7], "adjust_lr");
     loom::checkpoint::NamedTensors out;
     for (const auto& name : in.names()) {
       if (name.rfind("x.", 0) == 0) {

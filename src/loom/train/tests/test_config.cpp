@@ -41,10 +41,10 @@ TEST(Config, DefaultsMirrorTorchTitanAndValidate) {
   EXPECT_EQ(c.optimizer.name, "AdamW");
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 8e-4);
   EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
-  EXPECT_EQ(c.optimizer.implementation, "fused");
+  EXPECT_EQ(c.optimizer.implementation, loom::optim::AdamWImplementation::kFused);
   EXPECT_EQ(c.lr_scheduler.warmup_steps, 200);
   EXPECT_FALSE(c.lr_scheduler.decay_ratio.has_value());
-  EXPECT_EQ(c.lr_scheduler.decay_type, "linear");
+  EXPECT_EQ(c.lr_scheduler.decay_type, loom::optim::DecayType::kLinear);
   EXPECT_EQ(c.training.dataset_path, "data/default/corpus.jsonl");
   EXPECT_EQ(c.training.global_batch_size, -1);
   EXPECT_EQ(c.parallelism.data_parallel_shard_degree, -1);
@@ -65,7 +65,7 @@ TEST(Config, LoadsTheDebugConfig) {
   EXPECT_EQ(c.training.local_batch_size, 4);
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 4e-3);
   EXPECT_EQ(c.lr_scheduler.warmup_steps, 10);
-  EXPECT_EQ(c.lr_scheduler.decay_type, "cosine");
+  EXPECT_EQ(c.lr_scheduler.decay_type, loom::optim::DecayType::kCosine);
   EXPECT_DOUBLE_EQ(c.training.max_norm, 1.0);
   EXPECT_EQ(c.metrics.log_freq, 10);
   EXPECT_EQ(c.parallelism.data_parallel_shard_degree, -1);
@@ -131,7 +131,7 @@ TEST(Config, FileValuesOfEveryType) {
   EXPECT_EQ(c.training.steps, 7);
   EXPECT_DOUBLE_EQ(c.training.max_norm, 2.0);
   EXPECT_TRUE(c.training.deterministic);
-  EXPECT_EQ(c.training.dataset_format, "text");
+  EXPECT_EQ(c.training.dataset_format, loom::data::DatasetFormat::kText);
   EXPECT_EQ(c.lr_scheduler.decay_ratio, 0.25);
   EXPECT_EQ(c.parallelism.fsdp_reshard_after_forward, "4");
   EXPECT_FALSE(parse("[lr_scheduler]\ndecay_ratio = -1\n").lr_scheduler.decay_ratio.has_value());
@@ -276,7 +276,7 @@ TEST(Config, DocsAreGeneratedFromTheSchema) {
   ASSERT_NE(at, std::string::npos) << "docs/config.md lost its '" << marker << "' line";
   const std::string generated = doc.str().substr(doc.str().find('\n', at) + 1);
   EXPECT_EQ(generated, config_reference_markdown())
-      << "docs/config.md differs from the config schema: run `make docs` (src/loom/train/config.cpp "
+      << "docs/config.md differs from the config schema: run `make docs` (each section's options::Section "
          "holds each key's type, default and meaning)";
   for (const ConfigKey& key : config_schema()) {
     EXPECT_NE(generated.find("| `" + key.name() + "` |"), std::string::npos) << key.name();
@@ -288,12 +288,12 @@ TEST(Config, OptimizerAndScheduleOptions) {
   const JobConfig c = load_job_config(kSource + "/configs/llama3_debug.toml",
                                       {"--optimizer.implementation=foreach",
                                        "--lr_scheduler.decay_ratio=0.3"});
-  const optim::AdamWOptions adamw = adamw_options(c);
+  const optim::AdamWOptions adamw = c.optimizer.request().adamw;
   EXPECT_DOUBLE_EQ(adamw.lr, 4e-3);
   EXPECT_DOUBLE_EQ(adamw.beta2, 0.95);
   EXPECT_DOUBLE_EQ(adamw.eps, 1e-8);
   EXPECT_EQ(adamw.implementation, optim::AdamWImplementation::kForeach);
-  const optim::LRScheduleOptions schedule = lr_schedule_options(c);
+  const optim::LRScheduleOptions& schedule = c.lr_scheduler;
   EXPECT_EQ(schedule.warmup_steps, 10);
   EXPECT_EQ(schedule.decay_ratio, 0.3);
   EXPECT_EQ(schedule.decay_type, optim::DecayType::kCosine);
@@ -371,10 +371,10 @@ TEST(Config, ConfigPathThatIsADirectory) {
 // Issue 8 A/B: the data format is a choice that includes "auto", and the JSONL field is a key.
 TEST(Config, DatasetFormatAndJsonlField) {
   const JobConfig defaults;
-  EXPECT_EQ(defaults.training.dataset_format, "jsonl");
+  EXPECT_EQ(defaults.training.dataset_format, loom::data::DatasetFormat::kJsonl);
   EXPECT_EQ(defaults.training.jsonl_field, "text");
   const JobConfig c = load_job_config("", {"--training.dataset_format=auto", "--training.jsonl_field=body"});
-  EXPECT_EQ(c.training.dataset_format, "auto");
+  EXPECT_EQ(c.training.dataset_format, loom::data::DatasetFormat::kAuto);
   EXPECT_EQ(c.training.jsonl_field, "body");
   EXPECT_EQ(parse("[training]\ndataset_format = \"tokens\"\njsonl_field = \"content\"\n").training.jsonl_field,
             "content");

@@ -24,7 +24,7 @@ double max_relative_diff(const torch::Tensor& a, const torch::Tensor& b) {
 void check_case(const tensor::CommPtr& comm, int64_t heads, int64_t kv_heads, cp::RotateMethod method,
                 bool documents) {
   const int c = comm->size(), r = comm->rank();
-  const std::string name = c10::str("cp=", c, " heads=", heads, "/", kv_heads, " ", cp::to_string(method),
+  const std::string name = c10::str("cp=", c, " heads=", heads, "/", kv_heads, " ", options::enum_name(method),
                                     documents ? " block_causal" : " causal");
   constexpr int64_t kBatch = 2, kSeq = 64, kDim = 16;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
