@@ -16,7 +16,10 @@ function(loom_discover_tests target folder kind filter processors)
   # One label "<kind>.<folder>" (e.g. unit.fsdp, multirank.train): gtest_discover_tests cannot pass a
   # list of labels through its generated scripts, and ctest -L takes a regular expression, so
   # `ctest -L unit` and `ctest -L fsdp` both select by it.
-  set(props LABELS "${kind}.${folder}" ENVIRONMENT "OMP_NUM_THREADS=1" PROCESSORS ${processors})
+  # LOOM_CACHE_DIR: the token cache (training.token_cache) in the build folder, so a test run
+  # neither reads nor fills the user's ~/.cache/loom.
+  set(props LABELS "${kind}.${folder}" ENVIRONMENT "OMP_NUM_THREADS=1" PROCESSORS ${processors}
+      ENVIRONMENT_MODIFICATION "LOOM_CACHE_DIR=set:${CMAKE_BINARY_DIR}/cache")
   # Discovery runs the binary at test time, so ctest sees every TEST() as its own test.
   # NO_PRETTY_VALUES: a parameterised test is named by its parameter's name alone (…/tp2).
   gtest_discover_tests(${target} DISCOVERY_MODE PRE_TEST TEST_FILTER "${filter}" NO_PRETTY_VALUES

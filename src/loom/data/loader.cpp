@@ -1,13 +1,120 @@
 #include "loom/data/loader.h"
 
 #include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <optional>
 
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
+#include "loom/core/strings.h"
 #include "loom/core/timer.h"
 
 namespace loom::data {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A 64-bit hash of bytes, 8 at a time (a cache key, not a checksum against an adversary: the
+// length is mixed in too). Gigabytes of corpus hash in about a second.
+class Hasher {
+ public:
+  explicit Hasher(uint64_t seed) : h_(seed) {}
+  // Every chunk but the last must hold a multiple of 8 bytes.
+  void update(std::string_view bytes) {
+    size_t i = 0;
+    for (; i + 8 <= bytes.size(); i += 8) {
+      uint64_t word;
+      std::memcpy(&word, bytes.data() + i, 8);
+      mix(word);
+    }
+    if (i < bytes.size()) {
+      uint64_t tail = 0;
+      std::memcpy(&tail, bytes.data() + i, bytes.size() - i);
+      mix(tail);
+    }
+    length_ += bytes.size();
+  }
+  uint64_t digest() const {
+    uint64_t h = (h_ ^ (length_ * kMul)) * kMul;
+    return h ^ (h >> 32);
+  }
+
+ private:
+  static constexpr uint64_t kMul = 0x9E3779B97F4A7C15ull;
+  void mix(uint64_t word) {
+    h_ = (h_ ^ word) * kMul;
+    h_ ^= h_ >> 29;
+  }
+  uint64_t h_;
+  uint64_t length_ = 0;
+};
+
+uint64_t hash_file(const std::string& path, uint64_t seed) {
+  Hasher hasher(seed);
+  std::ifstream in(path, std::ios::binary);
+  LOOM_REQUIRE(in.good(), "cannot read '", path, "' to hash it: ", errno_text());
+  std::vector<char> buffer(size_t{1} << 20);
+  while (in) {
+    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    hasher.update(std::string_view(buffer.data(), static_cast<size_t>(in.gcount())));
+  }
+  return hasher.digest();
+}
+
+uint64_t hash_text(std::string_view text, uint64_t seed) {
+  Hasher hasher(seed);
+  hasher.update(text);
+  return hasher.digest();
+}
+
+// The token cache entry of `path` read with `options` and tokenized by `tokenizer`: a name keyed by
+// everything that decides its tokens (both files' contents, the format and how documents are cut).
+std::optional<fs::path> token_cache_entry(const std::string& path, SourceFormat format, const Tokenizer& tokenizer,
+                                          const SourceOptions& options) {
+  std::error_code ec;
+  if (!fs::is_regular_file(tokenizer.path(), ec)) return std::nullopt;  // a tokenizer not read from a file
+  static std::mutex mutex;
+  static std::map<std::string, uint64_t> tokenizer_hashes;  // by path: a run reads one or two
+  uint64_t key = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = tokenizer_hashes.find(tokenizer.path());
+    if (it == tokenizer_hashes.end()) {
+      it = tokenizer_hashes.emplace(tokenizer.path(), hash_file(tokenizer.path(), 1)).first;
+    }
+    key = it->second;
+  }
+  key = hash_file(path, key);
+  const std::string how = c10::str(source_format_name(format), '\0', options.jsonl_field, '\0',
+                                   options.text_separator, '\0', options.skip_empty, '\0', kTokenFileVersion);
+  key = hash_text(how, key);
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(key));
+  return fs::path(options.token_cache_dir) / c10::str(fs::path(path).filename().string(), ".", hex, ".tokens");
+}
+
+// The cached tokens of the entry, when a complete file written for this tokenizer is there.
+std::shared_ptr<const TokenFile> open_cached(const fs::path& entry, const Tokenizer& tokenizer) {
+  std::error_code ec;
+  if (!fs::is_regular_file(entry, ec)) return nullptr;
+  try {
+    auto file = std::make_shared<const TokenFile>(entry.string());
+    const TokenFileHeader& h = file->header();
+    if (h.vocab_size == tokenizer.vocab_size() && h.bos_id == tokenizer.bos_id() && h.eos_id == tokenizer.eos_id()) {
+      return file;
+    }
+  } catch (const std::exception& e) {
+    log::debug("data: token cache entry ", entry.string(), " is unusable (", e.what(), "); tokenizing again");
+  }
+  return nullptr;
+}
+
+}  // namespace
 
 // ---- TokenCorpus ------------------------------------------------------------------------------
 
@@ -109,9 +216,50 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
     } else {
       LOOM_REQUIRE(tokenizer, source_format_name(format), " input '", path,
                    "' needs a tokenizer (or pre-tokenize it with 'loom tokenizer pretokenize')");
+      if (options.token_cache_dir.empty()) {
+        for_each_text_document(path, options, [&](std::string_view text) {
+          corpus->add_memory_document(tokenizer->encode(text));
+        });
+        continue;
+      }
+      const std::optional<fs::path> entry = token_cache_entry(path, format, *tokenizer, options);
+      if (auto cached = entry ? open_cached(*entry, *tokenizer) : nullptr) {
+        corpus->add_token_file(std::move(cached), model_vocab_size);
+        continue;
+      }
+      // Tokenize, and keep the tokens for the next load. A document holding the EOS id itself
+      // (its text spells the special token) would be cut in two when read back from a token file,
+      // so such a file is not cached; nor is one the cache folder cannot take.
+      std::unique_ptr<TokenFileWriter> writer;
+      if (entry) {
+        try {
+          std::error_code ec;
+          fs::create_directories(entry->parent_path(), ec);
+          writer = std::make_unique<TokenFileWriter>(entry->string(), tokenizer->vocab_size(), tokenizer->bos_id(),
+                                                     tokenizer->eos_id());
+        } catch (const std::exception& e) {
+          log::debug("data: not caching the tokens of ", path, ": ", e.what());
+        }
+      }
       for_each_text_document(path, options, [&](std::string_view text) {
-        corpus->add_memory_document(tokenizer->encode(text));
+        const std::vector<int64_t> tokens = tokenizer->encode(text);
+        corpus->add_memory_document(tokens);
+        if (writer && std::find(tokens.begin(), tokens.end(), corpus->eos_id_) != tokens.end()) writer.reset();
+        if (!writer) return;
+        try {
+          writer->add_document(tokens);
+        } catch (const std::exception& e) {  // e.g. the disk filled up: train on, uncached
+          log::debug("data: not caching the tokens of ", path, ": ", e.what());
+          writer.reset();
+        }
       });
+      if (writer) {
+        try {
+          writer->close();
+        } catch (const std::exception& e) {
+          log::debug("data: not caching the tokens of ", path, ": ", e.what());
+        }
+      }
     }
   }
   // Bad input, which no restart can fix: exit 2, naming the setting (training or validation data).

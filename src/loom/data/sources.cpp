@@ -314,8 +314,22 @@ constexpr size_t kWriteBufferBytes = 1 << 20;
 
 }  // namespace
 
+std::string default_token_cache_dir() {
+  for (const char* var : {"LOOM_CACHE_DIR", "XDG_CACHE_HOME", "HOME"}) {
+    const char* value = std::getenv(var);
+    if (value == nullptr || *value == '\0') continue;
+    const fs::path base(value);
+    if (std::string_view(var) == "LOOM_CACHE_DIR") return (base / "tokens").string();
+    if (std::string_view(var) == "XDG_CACHE_HOME") return (base / "loom" / "tokens").string();
+    return (base / ".cache" / "loom" / "tokens").string();
+  }
+  return {};
+}
+
 TokenFileWriter::TokenFileWriter(const std::string& path, int64_t vocab_size, int64_t bos_id, int64_t eos_id)
-    : path_(path), tmp_path_(path + ".tmp") {
+    // The temporary name is the process's own: several processes (the ranks of a job filling the
+    // token cache) may write the same file at once, and each renames a complete file into place.
+    : path_(path), tmp_path_(c10::str(path, ".tmp.", ::getpid())) {
   LOOM_REQUIRE(vocab_size > 0 && vocab_size <= (int64_t{1} << 32), "token file '", path,
                "': vocab size ", vocab_size, " does not fit in uint32 ids");
   LOOM_REQUIRE(eos_id >= 0 && eos_id < vocab_size, "token file '", path, "': EOS id ", eos_id,

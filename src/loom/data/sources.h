@@ -48,6 +48,10 @@ struct SourceOptions {
   std::string text_separator;        // empty: one text file is one document
   std::string jsonl_field = "text";  // the JSONL field holding a document's text
   bool skip_empty = true;            // false: empty documents are passed on too (as "")
+  // Non-empty: TokenCorpus::load tokenizes each text or JSONL file once and keeps its tokens as a
+  // token file in this folder, keyed by the file's and the tokenizer's contents and the options
+  // above; a later load with the same key memory-maps it instead of tokenizing again.
+  std::string token_cache_dir;
   // Every file's format; unset = guess each file's (detect_format).
   std::optional<SourceFormat> format;
   // How the user sets `format` and `jsonl_field` where these options come from (a config key or a
@@ -71,6 +75,10 @@ std::string input_description(const std::string& spec, const std::string& settin
 // Directories contribute their regular files only. Only metadata is read (stat, never open).
 std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, const std::string& setting = {});
 
+
+// Where tokenized inputs are cached (SourceOptions::token_cache_dir): $LOOM_CACHE_DIR/tokens, else
+// $XDG_CACHE_HOME/loom/tokens, else $HOME/.cache/loom/tokens; empty when none of them is set.
+std::string default_token_cache_dir();
 
 // "text", "jsonl" or "tokens"; throws loom::UsageError for anything else.
 SourceFormat parse_source_format(std::string_view name);

@@ -205,6 +205,8 @@ LaunchEnv detect_launch_env() {
   // Restarts apply to one process too (`loom launch --nproc 1 --max-restarts R`).
   e.restart_count = std::max(0, env_int("TORCHELASTIC_RESTART_COUNT").value_or(0));
   e.max_restarts = std::max(0, env_int("TORCHELASTIC_MAX_RESTARTS").value_or(0));
+  // torch.distributed compares the value with str(True) as well.
+  e.agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
   if (e.launcher == LauncherKind::kSingleProcess) return e;
   validate(e);
   read_master(e);

@@ -35,6 +35,10 @@ struct LaunchEnv {
   // torchrun and `loom launch`); 0 when not launched so.
   int restart_count = 0;
   int max_restarts = 0;
+  // The launcher already serves the rendezvous store at MASTER_ADDR:MASTER_PORT
+  // (TORCHELASTIC_USE_AGENT_STORE=True, set by torchrun and `loom launch`): every rank connects to
+  // it as a client, under the prefix "/worker/attempt_<restart_count>", and rank 0 serves none.
+  bool agent_store = false;
 
   bool distributed() const { return world_size > 1; }
   // All ranks on this node: loopback transport suffices and no MASTER_ADDR is needed.

@@ -18,6 +18,8 @@
 #include <optional>
 #include <set>
 
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
 #include "loom/core/error.h"
 #include "loom/distributed/watchdog.h"
 
@@ -453,6 +455,7 @@ class WorkerGroup {
         {"MASTER_ADDR", o.master_addr},
         {"MASTER_PORT", std::to_string(master_port_)},
         {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_)},
+        {"TORCHELASTIC_USE_AGENT_STORE", "True"},
         {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts)},
         {"LOOM_RESTART_COUNT", std::to_string(restart_count_)},
         {"LOOM_MAX_RESTARTS", std::to_string(o.max_restarts)},
@@ -623,14 +626,32 @@ int launch(const LaunchOptions& options) {
   const int attempts = max_restarts + 1;
   SignalScope signals;
   const ErrorFolder errors;
+  // The rendezvous store, served by the launcher of node 0 for the whole launch (as torchrun's agent
+  // does): it listens before any rank starts, so no rank waits out c10d's connect backoff for rank
+  // 0's process to come up, and rank 0 dying does not take it down. Without --master-port it binds
+  // a free port itself (no window between picking a port and binding it). Each attempt's ranks
+  // use their own key prefix (init_distributed), so a restart's rendezvous is fresh.
+  const int master_port = plan.options.master_port.value_or(0);
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  if (plan.options.node_rank == 0) {
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<uint16_t>(master_port);
+    store_options.isServer = true;
+    store_options.waitWorkers = false;
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>(plan.options.master_addr, store_options);
+    } catch (const c10::Error& e) {
+      throw UsageError(c10::str("loom launch cannot serve the rendezvous store on port ", master_port, ": ",
+                                e.what_without_backtrace(), "; pass a free --master-port"));
+    }
+  }
+  const int store_port = store ? static_cast<int>(store->getPort()) : master_port;
   // One iteration per attempt: start every local rank, monitor until they all finish or one fails.
-  // A failed attempt has been fully stopped and reaped (rank 0's store included) before the next
-  // one starts, so the next rendezvous is fresh even on a fixed --master-port.
+  // A failed attempt has been fully stopped and reaped before the next one starts.
   for (int restart = 0;; ++restart) {
-    const int master_port = plan.options.master_port ? *plan.options.master_port : pick_free_port();
     GroupOutcome outcome;
     {
-      WorkerGroup group(plan, restart, master_port, errors.path());
+      WorkerGroup group(plan, restart, store_port, errors.path());
       group.start();
       outcome = group.monitor(signals);
     }

@@ -249,13 +249,21 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
 
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(env.master_port);
-  options.isServer = env.rank == 0;
+  // Under a launcher that serves the store (torchrun, `loom launch`) every rank is a client, so
+  // none waits for rank 0's process to start listening: a refused connection costs a client c10d's
+  // retry backoff (hundreds of milliseconds at each start-up). Else rank 0 serves it.
+  options.isServer = env.rank == 0 && !env.agent_store;
   options.numWorkers = static_cast<size_t>(env.world_size);
   options.waitWorkers = true;
   options.timeout = timeout;
   c10::intrusive_ptr<c10d::Store> store;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+    // The launcher's store outlives an attempt: each attempt's keys live under their own prefix
+    // (torch.distributed's convention), so a restart never reads a failed attempt's keys.
+    if (env.agent_store) {
+      store = c10::make_intrusive<c10d::PrefixStore>(c10::str("/worker/attempt_", env.restart_count), store);
+    }
   } catch (const c10::Error& e) {
     fail("rendezvous at ", env.master_addr, ":", env.master_port, " failed on rank ", env.rank,
          " of ", env.world_size, ": ", e.what_without_backtrace(),

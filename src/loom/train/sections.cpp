@@ -84,6 +84,12 @@ const options::Section& training_section() {
            "`jsonl`/`text`, or any other file under `tokens`, is an error naming the file. Token ids "
            "are checked against the model's vocabulary at load."},
           {LOOM_OPTION(S, jsonl_field), "The JSONL field holding each document's text."},
+          {LOOM_OPTION(S, token_cache),
+           "Tokenize each text or JSONL file once: its tokens are kept as a token file in "
+           "`$LOOM_CACHE_DIR/tokens` (else `$XDG_CACHE_HOME/loom/tokens`, else `~/.cache/loom/tokens`), "
+           "named by the file's and the tokenizer's contents, and later runs (every rank, any layout, "
+           "validation too) memory-map it instead of tokenizing again. A changed file or tokenizer gets "
+           "a new entry; delete the folder to reclaim the space. `false`: tokenize at every start."},
           {LOOM_OPTION(S, local_batch_size), "Sequences per rank per micro-batch."},
           {LOOM_OPTION(S, global_batch_size),
            "Sequences per optimizer step over all ranks. `-1` = `local_batch_size x` data-parallel "

@@ -34,6 +34,7 @@ struct TrainingSection {
   std::string dataset_path = "data/default/corpus.jsonl";
   data::DatasetFormat dataset_format = data::DatasetFormat::kJsonl;
   std::string jsonl_field = "text";  // the JSONL field holding each document's text
+  bool token_cache = true;  // text/JSONL inputs tokenized once, kept in data::default_token_cache_dir()
   int64_t local_batch_size = 8;
   int64_t global_batch_size = -1;  // -1 = local_batch_size x data-parallel degree
   int64_t seq_len = 2048;

@@ -205,6 +205,7 @@ void Trainer::init_data() {
   data::SourceOptions source;
   source.format = data::source_format(t.dataset_format);
   source.jsonl_field = t.jsonl_field;
+  if (t.token_cache) source.token_cache_dir = data::default_token_cache_dir();
   source.format_setting = "training.dataset_format";
   source.jsonl_field_setting = "training.jsonl_field";
   source.inputs_setting = "training.dataset_path";
@@ -328,6 +329,7 @@ void Trainer::init_validation() {
   options.dp_rank = parallel_dims_->dp_rank();
   options.dp_degree = parallel_dims_->dp_degree();
   if (parallel_dims_->dp_cp_enabled()) options.dp_cp = mesh_->comm("dp_cp");
+  if (config_.training.token_cache) options.token_cache_dir = data::default_token_cache_dir();
   validator_ = std::make_unique<Validator>(options, *tokenizer_, model_vocab_size(), *parallel_model_,
                                            [this](const data::Batch& batch) { return model_batch(batch); });
 }

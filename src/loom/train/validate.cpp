@@ -23,6 +23,7 @@ Validator::Validator(ValidatorOptions options, const data::Tokenizer& tokenizer,
   data::SourceOptions source;
   source.format = data::source_format(v.dataset_format);
   source.format_setting = "validation.dataset_format";
+  source.token_cache_dir = options_.token_cache_dir;
   // Every problem with the held-out data (missing, a FIFO, empty, shorter than a row) is then
   // named as validation.* with exit 2, not taken for the training data's.
   source.inputs_setting = "validation.dataset_path";

@@ -46,6 +46,7 @@ struct ValidatorOptions {
   int64_t dp_degree = 1;
   // The data- and context-parallel ranks whose token sums add up (the mesh's "dp_cp"); null: one.
   std::shared_ptr<distributed::Comm> dp_cp;
+  std::string token_cache_dir;  // data::SourceOptions::token_cache_dir (training.token_cache)
 };
 
 class Validator {

@@ -197,7 +197,9 @@ TEST(TokenFile, RoundTripsBothWidths) {
     expect_error([&] { writer.add_document({5, 2000}); }, {"token id 2000", "[0, 1002)"});
   }
   EXPECT_FALSE(fs::exists(dir / "bad.bin"));  // never closed: nothing left behind
-  EXPECT_FALSE(fs::exists(dir / "bad.bin.tmp"));
+  for (const auto& entry : fs::directory_iterator(dir)) {  // nor its temporary file ("bad.bin.tmp.<pid>")
+    EXPECT_NE(entry.path().filename().string().rfind("bad.bin", 0), 0u) << entry.path();
+  }
   fs::remove_all(dir);
 }
 
@@ -446,4 +448,89 @@ TEST(Loader, LogsEachNewEpochOnce) {
   ::testing::internal::CaptureStdout();
   resumed.next();  // row 6: epoch 3
   EXPECT_NE(::testing::internal::GetCapturedStdout().find("starting epoch 3"), std::string::npos);
+}
+
+namespace {
+
+// Every token, position and document id of a corpus, in stream order.
+std::vector<int64_t> whole_stream(const TokenCorpus& corpus) {
+  const int64_t n = corpus.num_tokens();
+  std::vector<int64_t> tokens(n), positions(n), docs(n);
+  corpus.read_stream(0, n, tokens.data(), positions.data(), docs.data());
+  tokens.insert(tokens.end(), positions.begin(), positions.end());
+  tokens.insert(tokens.end(), docs.begin(), docs.end());
+  return tokens;
+}
+
+std::vector<fs::path> cache_entries(const fs::path& dir) {
+  std::vector<fs::path> out;
+  if (!fs::exists(dir)) return out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+// training.token_cache: a text or JSONL file is tokenized once; later loads memory-map the cached
+// token file and see exactly the same stream. The key covers the file's and the tokenizer's bytes
+// and the reading options; a document spelling the EOS token is never cached (a token file would
+// cut it in two); a folder that cannot be written only costs the cache.
+TEST(Sources, TokenCacheServesTheSameStreamAndFollowsTheContents) {
+  const fs::path dir = temp_dir();
+  BpeTrainerOptions options;
+  options.vocab_size = 300;
+  BpeTrainer trainer(options);
+  for (const char* t : {"the cat sat on the mat", "the dog sat on the log", "a cat and a dog"}) trainer.add_text(t);
+  trainer.train();
+  trainer.save((dir / "tokenizer.json").string());
+  const Tokenizer tok = Tokenizer::from_file((dir / "tokenizer.json").string());
+  write(dir / "data.jsonl", "{\"text\": \"the cat sat on the mat\"}\n{\"text\": \"a dog\"}\n");
+
+  SourceOptions uncached;
+  SourceOptions cached;
+  cached.token_cache_dir = (dir / "cache").string();
+  const std::vector<int64_t> want = whole_stream(*TokenCorpus::load({(dir / "data.jsonl").string()}, &tok, uncached));
+  EXPECT_TRUE(cache_entries(dir / "cache").empty());  // nothing cached without a folder
+
+  // First load: tokenized (same stream) and cached; second: read from the cache file.
+  EXPECT_EQ(whole_stream(*TokenCorpus::load({(dir / "data.jsonl").string()}, &tok, cached)), want);
+  const std::vector<fs::path> entries = cache_entries(dir / "cache");
+  ASSERT_EQ(entries.size(), 1u);
+  EXPECT_EQ(entries[0].filename().string().rfind("data.jsonl.", 0), 0u) << entries[0];
+  const auto first_write = fs::last_write_time(entries[0]);
+  EXPECT_EQ(whole_stream(*TokenCorpus::load({(dir / "data.jsonl").string()}, &tok, cached)), want);
+  EXPECT_EQ(cache_entries(dir / "cache"), entries);
+  EXPECT_EQ(fs::last_write_time(entries[0]), first_write);  // read, not rewritten
+  // The cached stream is what the loader would read from the entry as a token file.
+  EXPECT_EQ(whole_stream(*TokenCorpus::load({entries[0].string()}, &tok, uncached)), want);
+
+  // Another text, or another JSONL field: new entries, each with its own stream.
+  write(dir / "data.jsonl", "{\"text\": \"the dog sat on the log\", \"body\": \"a cat\"}\n");
+  const std::vector<int64_t> changed = whole_stream(*TokenCorpus::load({(dir / "data.jsonl").string()}, &tok, uncached));
+  EXPECT_EQ(whole_stream(*TokenCorpus::load({(dir / "data.jsonl").string()}, &tok, cached)), changed);
+  EXPECT_EQ(cache_entries(dir / "cache").size(), 2u);
+  SourceOptions body = cached;
+  body.jsonl_field = "body";
+  EXPECT_EQ(whole_stream(*TokenCorpus::load({(dir / "data.jsonl").string()}, &tok, body)),
+            whole_stream(*TokenCorpus::load({(dir / "data.jsonl").string()}, &tok, [] {
+              SourceOptions o;
+              o.jsonl_field = "body";
+              return o;
+            }())));
+  EXPECT_EQ(cache_entries(dir / "cache").size(), 3u);
+
+  // A document whose text is the EOS token's: loaded, not cached.
+  const std::string eos_text = tok.decode({tok.eos_id()}, false);
+  write(dir / "eos.txt", "before " + eos_text + " after");
+  EXPECT_EQ(whole_stream(*TokenCorpus::load({(dir / "eos.txt").string()}, &tok, cached)),
+            whole_stream(*TokenCorpus::load({(dir / "eos.txt").string()}, &tok, uncached)));
+  EXPECT_EQ(cache_entries(dir / "cache").size(), 3u);
+
+  // A cache "folder" that is a file: the load works, uncached.
+  write(dir / "not_a_folder", "x");
+  SourceOptions broken;
+  broken.token_cache_dir = (dir / "not_a_folder").string();
+  EXPECT_EQ(whole_stream(*TokenCorpus::load({(dir / "data.jsonl").string()}, &tok, broken)), changed);
+  fs::remove_all(dir);
 }

@@ -34,8 +34,8 @@ bool contains(const std::string& haystack, const std::string& needle) {
 }
 
 TEST(Restart, RankKilledOnTheFirstAttemptIsRestartedOnTheSamePort) {
-  // A fixed --master-port: the second attempt's rank 0 hosts its store on the port the first
-  // attempt's store (killed with its rank) had.
+  // A fixed --master-port: the launcher serves the store there for every attempt, each attempt's
+  // ranks under their own prefix.
   const int port = loom::distributed::pick_free_port();
   const RunResult r = run_briefly(launch(2, c10::str("--max-restarts 2 --master-port ", port, " ",
                                              worker("die_once"))));
