@@ -10,7 +10,7 @@
    the two directions differ only by the factor (1 - mu), which the normalisation inside
    Newton-Schulz removes.
 
-Loom's side is build/bin/loom_muon_reference (src/loom/optim/tools/muon_reference.cpp).
+Loom's side is build/bin/loom_muon_reference (tests/parity/muon_worker.cpp).
 """
 import os
 import subprocess

@@ -223,7 +223,7 @@ std::string failure_message(const GroupOutcome& o, const LaunchOptions& opts) {
       same.push_back(r.rank);
       continue;
     }
-    // "stopping: rank R: <the root cause's line>" (dist/peer_abort.h): it only repeats it.
+    // "stopping: rank R: <the root cause's line>" (distributed/peer_abort.h): it only repeats it.
     if (quotes_root && r.reported_code == kExitPeerFailed &&
         r.error_line.find(root_text) != std::string::npos) {
       echoes.push_back(r.rank);
