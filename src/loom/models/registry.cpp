@@ -6,13 +6,14 @@
 #include "loom/core/error.h"
 #include "loom/models/llama3/spec.h"
 #include "loom/models/qwen3/spec.h"
+#include "loom/models/qwen3_moe/spec.h"
 #include "loom/models/spec.h"
 
 namespace loom::models {
 namespace {
 
 const std::vector<ModelSpec>& registered_specs() {
-  static const std::vector<ModelSpec> specs = {llama3::model_spec(), qwen3::model_spec()};
+  static const std::vector<ModelSpec> specs = {llama3::model_spec(), qwen3::model_spec(), qwen3_moe::model_spec()};
   return specs;
 }
 

@@ -118,6 +118,23 @@ struct HfFormat {
   // Name mapping; nullopt for a name that is not one of the family's weights.
   std::function<std::optional<std::string>(const std::string& hf_name)> to_loom_name;
   std::function<std::optional<std::string>(const std::string& loom_name)> to_hf_name;
+
+  // Families whose Loom tensors are not one HF tensor each (an MoE layer's experts, stacked in
+  // Loom, one tensor per expert or fused gate_up in HF) state where each HF tensor goes: a piece
+  // of which Loom tensor. A name without pieces falls back to to_loom_name.
+  struct Piece {
+    std::string loom_name;
+    std::optional<int64_t> row;  // fills the Loom tensor's row `row` (dim 0); nullopt: all of it
+    int64_t hf_dim = -1;         // >= 0: from the HF tensor's [hf_begin, hf_begin + hf_length) along hf_dim
+    int64_t hf_begin = 0;
+    int64_t hf_length = 0;
+  };
+  std::function<std::vector<Piece>(const std::string& hf_name, c10::IntArrayRef hf_shape)> to_loom_pieces;
+  // Export of such a Loom tensor: its HF tensors (empty: a Loom-only tensor HF has no place for).
+  // Unset, or nullopt for a name: to_hf_name.
+  std::function<std::optional<std::vector<std::pair<std::string, torch::Tensor>>>(const std::string& loom_name,
+                                                                                  const torch::Tensor& value)>
+      to_hf_tensors;
 };
 
 struct ModelSpec {

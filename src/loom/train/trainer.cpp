@@ -278,6 +278,7 @@ void Trainer::build_model() {
   flops_per_token_ = model_spec_->flops_per_token(*model_args_, config_.training.seq_len);
   log::info("model: ", model_spec_->name, " ", config_.model.flavor, " (", model_args_->summary(),
             "): ", counts.total, " parameters, ", counts.non_embedding, " non-embedding, ",
+            counts.active != counts.total ? c10::str(counts.active, " active per token, ") : std::string(),
             flops_per_token_ / 1e6, " MFLOP/token");
 }
 

@@ -62,6 +62,12 @@ void run_info(const InfoOptions& o) {
     if (p.name == "tok_embeddings.weight") counts.embedding += p.tensor().numel();
   }
   counts.non_embedding = counts.total - counts.embedding;
+  // Active parameters from the spec's count by shapes (the built model does not say which a token
+  // skips); the built and the counted totals must agree.
+  const ParameterCounts counted = spec.count_parameters(*args);
+  LOOM_REQUIRE(counted.total == counts.total, "model '", spec.name, "': its parameter count by shapes (", counted.total,
+               ") differs from the built model's (", counts.total, ")");
+  counts.active = counted.active;
   const double flops = spec.flops_per_token(*args, seq_len);
   const double seconds = timer.seconds();
 
@@ -71,7 +77,12 @@ void run_info(const InfoOptions& o) {
               human(static_cast<double>(counts.embedding)).c_str(),
               human(static_cast<double>(counts.non_embedding)).c_str(),
               static_cast<long>(counts.non_embedding));
-  std::printf("training FLOPs/token at seq_len %ld: %.4e (6N + 12 L H d_head T)\n",
+  if (counts.active != counts.total) {
+    std::printf("active per token: %s (%ld) of %s (the experts a token is routed to)\n",
+                human(static_cast<double>(counts.active)).c_str(), static_cast<long>(counts.active),
+                human(static_cast<double>(counts.total)).c_str());
+  }
+  std::printf("training FLOPs/token at seq_len %ld: %.4e (6N + 12 L H d_head T, N = active non-embedding)\n",
               static_cast<long>(seq_len), flops);
   std::printf("fp32 weights: %.2f GiB; output head %s\n", static_cast<double>(counts.total) * 4 / (1 << 30),
               decoder != nullptr && decoder->tie_embeddings ? "tied to the token embedding" : "untied");

@@ -75,6 +75,9 @@ void Decoder::reset_buffers() {
   torch::Tensor values = nn::rope_cache(
       nn::rope_inverse_frequencies(a.head_dim(), a.rope_theta, a.rope_scaling_or_none()), a.max_seq_len);
   cache = values.to(cache.device(), cache.scalar_type());
+  for (const auto& [id, block] : layers_->named_children()) {
+    if (auto* b = dynamic_cast<DecoderBlock*>(block.get())) b->reset_buffers();
+  }
 }
 
 nn::Embedding& Decoder::tok_embeddings() {
@@ -203,6 +206,7 @@ ParameterCounts count_parameters(Decoder& model) {
     if (p.name == "tok_embeddings.weight") c.embedding += p.tensor().numel();
   }
   c.non_embedding = c.total - c.embedding;
+  c.active = c.total;  // (a built model does not say which parameters a token skips)
   return c;
 }
 
@@ -215,6 +219,7 @@ ParameterCounts count_transformer_parameters(const DecoderArgs& a) {
   c.embedding = a.vocab_size * a.dim;
   c.total = c.embedding + a.n_layers * per_layer + a.dim + (a.tie_embeddings ? 0 : a.vocab_size * a.dim);
   c.non_embedding = c.total - c.embedding;
+  c.active = c.total;
   return c;
 }
 

@@ -63,6 +63,9 @@ class DecoderBlock : public nn::Module {
                                 const nn::TokenLayout& layout) = 0;
   // The block's self-attention, whose core parallelisms and the KV cache replace from outside.
   virtual nn::Attention& attention() = 0;
+  // Sets the block's buffers on their device after materialization (to_empty): an MoE block's
+  // routing state starts at zero. Called by Decoder::reset_buffers.
+  virtual void reset_buffers() {}
   int64_t layer_id() const { return layer_id_; }
 
  private:

@@ -35,7 +35,8 @@ ModelSpec decoder_spec(DecoderFamily family) {
   spec.count_parameters = [f](const ModelArgs& args) { return f->count_parameters(decoder_args_of(args, f->name)); };
   spec.flops_per_token = [f](const ModelArgs& args, int64_t seq_len) {
     const DecoderArgs& a = decoder_args_of(args, f->name);
-    return flops_per_token(a, f->count_parameters(a).non_embedding, seq_len);
+    const ParameterCounts counts = f->count_parameters(a);
+    return flops_per_token(a, counts.active - counts.embedding, seq_len);
   };
   spec.validate_layout = [f](const ModelArgs& args, const distributed::ParallelDims& dims, int64_t seq_len,
                              const TensorParallelOptions& tp, const PipelineOptions& pipeline) {

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <map>
 #include <set>
 
 #include "loom/checkpoint/loader.h"
@@ -172,8 +173,37 @@ LoadedModel load_hf_model_dir(const fs::path& dir, const LoadOptions& options) {
   auto model = build_empty(*config.spec, *config.args, options);
 
   std::set<std::string> filled;
+  // Loom tensors gathered from pieces: the rows (or row slices) filled so far, by name.
+  std::map<std::string, int64_t> piece_elements;
   for (const std::string& hf_name : ckpt.names()) {
     if (is_ignorable_hf_tensor(hf_name)) continue;
+    if (hf.to_loom_pieces) {
+      const checkpoint::SafetensorsEntry& entry = ckpt.entry(hf_name);
+      const std::vector<HfFormat::Piece> pieces = hf.to_loom_pieces(hf_name, entry.shape);
+      if (!pieces.empty()) {
+        const torch::Tensor value = ckpt.tensor(hf_name);
+        for (const HfFormat::Piece& piece : pieces) {
+          LOOM_REQUIRE(model->find_submodule(piece.loom_name.substr(0, piece.loom_name.rfind('.'))) != nullptr,
+                       "tensor '", hf_name, "' in '", ckpt.source().string(), "' does not fit config.json");
+          nn::ParameterSlot& slot = model->parameter_slot(piece.loom_name);
+          torch::Tensor source = piece.hf_dim >= 0 ? value.narrow(piece.hf_dim, piece.hf_begin, piece.hf_length) : value;
+          torch::Tensor target = slot.tensor;
+          if (piece.row) {
+            LOOM_REQUIRE(*piece.row >= 0 && *piece.row < target.size(0), "tensor '", hf_name, "' in '",
+                         ckpt.source().string(), "' is row ", *piece.row, " of '", piece.loom_name, "', which has ",
+                         target.size(0));
+            target = target[*piece.row];
+          }
+          LOOM_REQUIRE(source.sizes() == target.sizes(), "tensor '", hf_name, "' in '", ckpt.source().string(),
+                       "' gives shape ", source.sizes(), " for ", piece.loom_name,
+                       piece.row ? c10::str("[", *piece.row, "]") : std::string(), ", which has ", target.sizes());
+          torch::NoGradGuard no_grad;
+          target.copy_(source);
+          piece_elements[piece.loom_name] += target.numel();
+        }
+        continue;
+      }
+    }
     const auto loom_name = hf.to_loom_name(hf_name);
     LOOM_REQUIRE(loom_name.has_value(), "unexpected tensor '", hf_name, "' in '",
                  ckpt.source().string(), "'; not a weight of this ", config.spec->name, " model");
@@ -196,6 +226,13 @@ LoadedModel load_hf_model_dir(const fs::path& dir, const LoadOptions& options) {
                  "' has no lm_head.weight and config.json does not set tie_word_embeddings");
     fill(*model, "output.weight", ckpt, *hf.to_hf_name("tok_embeddings.weight"));
     filled.insert("output.weight");
+  }
+  for (const auto& [name, elements] : piece_elements) {
+    // Every row exactly once (a duplicate would overfill, a missing expert underfill).
+    const int64_t want = model->parameter_slot(name).tensor.numel();
+    LOOM_REQUIRE(elements == want, "'", ckpt.source().string(), "' fills ", elements, " of the ", want,
+                 " values of '", name, "' (an expert missing or given twice)");
+    filled.insert(name);
   }
   for (const auto& p : model->named_parameters()) {
     LOOM_REQUIRE(filled.count(p.name), "'", ckpt.source().string(), "' is missing '",
@@ -276,6 +313,12 @@ void export_hf_model_dir(const ModelSpec& spec, Decoder& model, const fs::path& 
   const std::string dtype_name = hf_dtype_name(out_dtype);
   checkpoint::NamedTensors tensors;
   for (auto& [name, tensor] : model.state_dict()) {
+    if (spec.hf->to_hf_tensors) {
+      if (auto pieces = spec.hf->to_hf_tensors(name, tensor)) {
+        for (auto& [hf_name, value] : *pieces) tensors.emplace_back(hf_name, value.to(out_dtype).contiguous());
+        continue;
+      }
+    }
     const auto hf_name = spec.hf->to_hf_name(name);
     TORCH_CHECK(hf_name.has_value(), "no Hugging Face name for Loom parameter '", name, "'");
     tensors.emplace_back(*hf_name, tensor.to(out_dtype));

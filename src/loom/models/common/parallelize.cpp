@@ -4,6 +4,7 @@
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
 #include "loom/nn/init.h"
+#include "loom/models/common/moe_balance.h"
 #include "loom/parallel/synchronizers.h"
 
 namespace loom::models {
@@ -168,6 +169,18 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
       }
     }
   }
+  // 5. MoE load balancing: the selection biases move after each step's last backward, from the
+  //    token counts of every rank that routed a share of the batch through the same layers.
+  std::vector<moe::MoE*> balanced;
+  for (const auto& model : models) {
+    for (moe::MoE* layer : balanced_moe_layers(*model)) balanced.push_back(layer);
+  }
+  if (!balanced.empty()) {
+    std::vector<tensor::CommPtr> comms;
+    if (dims.dp_cp_enabled()) comms.push_back(mesh.comm("dp_cp"));
+    if (dims.tp_enabled()) comms.push_back(mesh.comm("tp"));
+    parts.synchronizers.push_back(std::make_shared<MoEBalanceSync>(std::move(balanced), std::move(comms)));
+  }
   return parts;
 }
 
@@ -184,7 +197,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Decoder
     AutocastScope scope(device, autocast);
     return raw->forward_loss(batch.tokens, batch.labels, batch.layout);
   });
-  // 5. Without sharding, replicas average their gradients in backward (DDP's buckets).
+  // 6. Without sharding, replicas average their gradients in backward (DDP's buckets).
   if (!dims.fsdp_enabled() && dims.dp_replicate_enabled()) {
     parts.synchronizers.push_back(std::make_shared<parallel::DdpSync>(
         std::make_unique<ddp::DataParallel>(*model, mesh.comm("dp_replicate"))));

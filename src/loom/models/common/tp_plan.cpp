@@ -97,6 +97,9 @@ void apply_tp(Decoder& model, tp::TensorParallel& tp, const TPPlan& plan, const 
         tp.colwise_output(as<nn::Linear>(*module, fqn, "colwise output"), fqn, options.loss_parallel);
         break;
       case TPStyle::kReplicatePartialGrad: tp.replicate_partial_grad(*module, fqn); break;
+      case TPStyle::kTokenwise:
+        if (options.sequence_parallel) tp.replicate_partial_grad(*module, fqn);
+        break;
     }
   }
   if (!model.has_head() || !options.loss_parallel) return;

@@ -23,6 +23,10 @@ enum class TPStyle {
   kPrepareInput,          // any module: gather the sequence before it (SP)
   kColwiseOutput,         // the output head; with loss parallel its logits stay vocabulary-sharded
   kReplicatePartialGrad,  // any module whose replicated weights see this rank's heads (QK-norm)
+  // Any module computing on its own tokens alone (an MoE layer, no expert TP): replicated weights
+  // whose gradients are summed over the group under sequence parallelism (each rank routes other
+  // tokens), and need nothing without it (every rank computes the same).
+  kTokenwise,
 };
 
 struct TPRule {

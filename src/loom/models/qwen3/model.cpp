@@ -99,7 +99,9 @@ Qwen3::Qwen3(ModelArgs args, const torch::TensorOptions& options)
                       options),
       args_(static_cast<const ModelArgs&>(decoder_args())) {}
 
-nn::ParameterInit Qwen3::parameter_init(const std::string& name) const {
+nn::ParameterInit Qwen3::parameter_init(const std::string& name) const { return qwen3::parameter_init(args_, name); }
+
+nn::ParameterInit parameter_init(const ModelArgs& args_, const std::string& name) {
   constexpr double kStd = 0.02;
   const double out_std = 1.0 / std::sqrt(static_cast<double>(args_.dim));
   const auto head = nn::ParameterInit::truncated_normal(out_std, -3 * out_std, 3 * out_std);

@@ -37,6 +37,10 @@ std::vector<std::string> flavor_names();
 nlohmann::json to_json(const ModelArgs& args);
 ModelArgs model_args_from_json(const nlohmann::json& json, const std::string& source);
 
+// The initialization table below (Qwen3::parameter_init), for the families that share Qwen3's
+// layers (Qwen3-MoE).
+nn::ParameterInit parameter_init(const ModelArgs& args, const std::string& name);
+
 class Qwen3 : public models::Decoder {
  public:
   explicit Qwen3(ModelArgs args, const torch::TensorOptions& options = torch::TensorOptions());

@@ -1,0 +1,27 @@
+#include "loom/models/common/moe_block.h"
+
+namespace loom::models {
+
+MoETransformerBlock::MoETransformerBlock(int64_t layer_id, const DecoderArgs& args, const moe::MoEOptions& moe_options,
+                                         const torch::TensorOptions& options)
+    : DecoderBlock("MoETransformerBlock", layer_id) {
+  nn::AttentionOptions variant;
+  variant.head_dim = args.head_dim();
+  if (args.qk_norm) variant.qk_norm_eps = args.norm_eps;
+  attention_norm_ = register_module("attention_norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps, options));
+  attention_ = register_module(
+      "attention", std::make_shared<nn::Attention>(args.dim, args.n_heads, args.n_kv_heads, options, variant));
+  ffn_norm_ = register_module("ffn_norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps, options));
+  moe_ = register_module("moe", std::make_shared<moe::MoE>(args.dim, moe_options, options));
+}
+
+torch::Tensor MoETransformerBlock::forward(const torch::Tensor& x, const torch::Tensor& rope_cache,
+                                           const nn::TokenLayout& layout) {
+  // As TransformerBlock: the lambda owns its arguments so activation checkpointing may re-run it.
+  return call_with_hooks(x, [this, rope_cache, layout](const torch::Tensor& in) {
+    torch::Tensor h = in + attention_->forward(attention_norm_->forward(in), rope_cache, layout);
+    return h + moe_->forward(ffn_norm_->forward(h));
+  });
+}
+
+}  // namespace loom::models

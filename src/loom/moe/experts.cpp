@@ -1,0 +1,49 @@
+#include "loom/moe/experts.h"
+
+#include "loom/core/error.h"
+#include "loom/nn/layers.h"
+
+namespace loom::moe {
+
+GroupedExperts::GroupedExperts(int64_t n_experts, int64_t dim, int64_t hidden_dim, const torch::TensorOptions& options)
+    : nn::Module("GroupedExperts"), n_experts_(n_experts), dim_(dim), hidden_dim_(hidden_dim) {
+  TORCH_CHECK(n_experts > 0 && dim > 0 && hidden_dim > 0, "GroupedExperts needs positive sizes");
+  w1_ = register_parameter("w1", torch::empty({n_experts, hidden_dim, dim}, options));
+  w2_ = register_parameter("w2", torch::empty({n_experts, dim, hidden_dim}, options));
+  w3_ = register_parameter("w3", torch::empty({n_experts, hidden_dim, dim}, options));
+}
+
+torch::Tensor GroupedExperts::forward(const torch::Tensor& x, const std::vector<int64_t>& counts) {
+  return call_with_hooks(x, [this, &counts](const torch::Tensor& in) {
+    const torch::Tensor& w1 = w1_->tensor;
+    const torch::Tensor& w2 = w2_->tensor;
+    const torch::Tensor& w3 = w3_->tensor;
+    // Under expert parallelism the slots hold this rank's experts only: counts follow them.
+    const int64_t local = w1.size(0);
+    TORCH_CHECK(static_cast<int64_t>(counts.size()) == local, "GroupedExperts: ", counts.size(),
+                " token counts for ", local, " experts");
+    TORCH_CHECK(in.dim() == 2 && in.size(1) == dim_, "GroupedExperts: input must be [M, ", dim_, "], got ",
+                in.sizes());
+    // One GEMM pair per expert over its contiguous rows (the per-expert loop; a grouped GEMM
+    // would run them in one launch on a GPU).
+    std::vector<torch::Tensor> outputs;
+    int64_t begin = 0;
+    for (int64_t e = 0; e < local; ++e) {
+      const int64_t n = counts[e];
+      if (n == 0) continue;
+      const torch::Tensor xe = in.narrow(0, begin, n);
+      const torch::Tensor h = nn::swiglu(at::linear(xe, w1[e]), at::linear(xe, w3[e]));
+      outputs.push_back(at::linear(h, w2[e]));
+      begin += n;
+    }
+    TORCH_CHECK(begin == in.size(0), "GroupedExperts: counts sum to ", begin, " but ", in.size(0), " rows came");
+    if (outputs.empty()) {
+      // No token here: an empty output that still reaches every weight, so backward gives them
+      // zero gradients (a rank whose tokens all went elsewhere must reduce like the others).
+      return in.new_zeros({0, dim_}) + (w1.sum() + w2.sum() + w3.sum()) * 0;
+    }
+    return outputs.size() == 1 ? outputs[0] : torch::cat(outputs);
+  });
+}
+
+}  // namespace loom::moe

@@ -1,0 +1,171 @@
+"""Qwen3-MoE against Hugging Face transformers' Qwen3MoeForCausalLM, through the `loom` commands.
+
+A small random Qwen3-MoE (8 experts, top 2, layer 0 dense through mlp_only_layers, grouped-query
+attention with head_dim 24 != hidden_size / heads, QK-norms away from 1), once with norm_topk_prob
+and once without, is saved with save_pretrained (per-expert tensors). Checked, in fp32:
+  * `loom score` logits within 1e-4 of transformers', and the mean NLL it prints equals torch's;
+  * `loom convert` HF -> Loom -> HF: every tensor byte-identical (per-expert keys written back);
+  * the same weights in transformers 5's fused in-memory layout (experts.gate_up_proj [E, 2F, D],
+    experts.down_proj [E, D, F]) load to the same logits;
+  * `loom generate --temperature 0` equals transformers' greedy generate token for token;
+  * `loom info --checkpoint` counts transformers' parameters and the active ones per token.
+
+Environment: LOOM_BIN (the loom executable). Exits non-zero on any mismatch.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.utils import logging as hf_logging
+
+LOGIT_TOLERANCE = 1e-4
+NLL_TOLERANCE = 1e-5
+SEQ_LEN = 40
+NEW_TOKENS = 16
+EXPERTS, TOP_K, MOE_FFN, HIDDEN = 8, 2, 48, 64
+
+
+def make_config(norm_topk_prob):
+    return Qwen3MoeConfig(
+        hidden_size=HIDDEN, intermediate_size=160, moe_intermediate_size=MOE_FFN, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=24, vocab_size=257, max_position_embeddings=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False,
+        use_sliding_window=False, num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=[0], decoder_sparse_step=1)
+
+
+def random_model(config, seed):
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p))  # routing far from ties
+            else:
+                p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.15))
+    return model
+
+
+def loom(*args):
+    proc = subprocess.run([os.environ["LOOM_BIN"], *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"loom {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def loom_score(checkpoint, tokens, logits_out):
+    out = loom("score", "--checkpoint", checkpoint, "--tokens", ",".join(map(str, tokens)), "--logits-out", logits_out)
+    match = re.search(r"mean NLL: ([0-9.eE+-]+)", out)
+    if not match:
+        sys.exit(f"no 'mean NLL' in loom score output:\n{out}")
+    return load_file(logits_out)["logits"], float(match.group(1))
+
+
+def tensors(folder):
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, f)))
+    return out
+
+
+def hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].to(torch.float32)
+
+
+def check_model(label, norm_topk_prob, tmp, failures):
+    model = random_model(make_config(norm_topk_prob), seed=7 if norm_topk_prob else 8)
+    hf_dir, loom_dir, back_dir, fused_dir = (os.path.join(tmp, f"{label}-{d}") for d in ("hf", "loom", "back", "fused"))
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    tokens = [int(x) for x in torch.randint(0, 257, (SEQ_LEN,), generator=torch.Generator().manual_seed(3))]
+    reference = hf_logits(model, tokens)
+
+    logits, nll = loom_score(hf_dir, tokens, os.path.join(tmp, f"{label}.safetensors"))
+    diff = (logits - reference).abs().max().item()
+    ref_nll = torch.nn.functional.cross_entropy(reference[:-1].double(), torch.tensor(tokens[1:])).item()
+    print(f"{label}: score max |dlogit| {diff:.3e} (max |logit| {reference.abs().max().item():.2f}), "
+          f"mean NLL loom {nll:.8f} torch {ref_nll:.8f}")
+    if diff > LOGIT_TOLERANCE:
+        failures.append(f"{label}: score logits differ by {diff:.3e}")
+    if abs(nll - ref_nll) > NLL_TOLERANCE:
+        failures.append(f"{label}: mean NLL differs by {abs(nll - ref_nll):.3e}")
+
+    loom("convert", "--input", hf_dir, "--output", loom_dir, "--to", "loom")
+    loom("convert", "--input", loom_dir, "--output", back_dir, "--to", "hf")
+    original, result = tensors(hf_dir), tensors(back_dir)
+    if sorted(original) != sorted(result):
+        failures.append(f"{label}: tensor names differ after the round trip: {sorted(set(original) ^ set(result))}")
+    for name, t in original.items():
+        r = result.get(name)
+        if r is None or r.dtype != t.dtype or r.shape != t.shape or not torch.equal(r.view(torch.uint8), t.view(torch.uint8)):
+            failures.append(f"{label}: {name} not byte-identical after the round trip")
+    reloaded = Qwen3MoeForCausalLM.from_pretrained(back_dir, dtype=torch.float32).eval()
+    back_diff = (hf_logits(reloaded, tokens) - reference).abs().max().item()
+    print(f"{label}: HF -> Loom -> HF {len(original)} tensors, byte-identical: "
+          f"{not any(f.startswith(label) for f in failures)}; transformers on the result {back_diff:.3e}")
+    if back_diff > 0:
+        failures.append(f"{label}: round-trip logits differ ({back_diff:.3e})")
+
+    # transformers 5's fused layout, as its in-memory state dict holds it.
+    os.makedirs(fused_dir)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if not any(k.endswith("experts.gate_up_proj") for k in state):
+        failures.append(f"{label}: transformers' state dict has no fused gate_up_proj to test")
+    save_file(state, os.path.join(fused_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(hf_dir, "config.json")) as f, open(os.path.join(fused_dir, "config.json"), "w") as g:
+        json.dump(json.load(f), g)
+    fused_logits, _ = loom_score(fused_dir, tokens, os.path.join(tmp, f"{label}-fused.safetensors"))
+    fused_diff = (fused_logits - logits).abs().max().item()
+    print(f"{label}: fused gate_up_proj/down_proj layout: logits equal to the per-expert load: {fused_diff == 0}")
+    if fused_diff != 0:
+        failures.append(f"{label}: the fused layout scores differently ({fused_diff:.3e})")
+    return model, hf_dir, loom_dir
+
+
+def main():
+    hf_logging.set_verbosity_error()
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model, hf_dir, loom_dir = check_model("norm_topk_prob", True, tmp, failures)
+        check_model("unnormalised", False, tmp, failures)
+
+        prompt = [3, 17, 250, 9, 42, 1, 77]
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                      min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+        out = loom("generate", "--checkpoint", hf_dir, "--prompt-tokens", ",".join(map(str, prompt)),
+                   "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0", "--ids")
+        got = [int(t) for t in out.strip().split(",")]
+        print(f"greedy generate: loom {got[:8]}... transformers {expected[:8]}... equal: {got == expected}")
+        if got != expected:
+            failures.append(f"greedy generate differs: loom {got} transformers {expected}")
+
+        info = loom("info", "--checkpoint", loom_dir)
+        total = sum(p.numel() for p in model.parameters())
+        expert = 3 * HIDDEN * MOE_FFN
+        active = total - 2 * (EXPERTS - TOP_K) * expert  # two sparse layers
+        m_total = re.search(r"parameters: total \S+ \((\d+)\)", info)
+        m_active = re.search(r"active per token: \S+ \((\d+)\)", info)
+        print(f"info --checkpoint: {info.splitlines()[0]}; total {m_total.group(1) if m_total else '?'} vs "
+              f"transformers {total}; active {m_active.group(1) if m_active else '?'} vs {active}")
+        if "qwen3_moe" not in info or not m_total or int(m_total.group(1)) != total or not m_active or \
+                int(m_active.group(1)) != active:
+            failures.append(f"loom info --checkpoint does not describe the Qwen3-MoE checkpoint:\n{info}")
+    if failures:
+        print("FAILED:\n  " + "\n  ".join(failures))
+        sys.exit(1)
+    print("Qwen3-MoE parity: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
