@@ -243,6 +243,13 @@ ParameterLayouts ParallelizedModel::parameter_layouts() {
 
 void ParallelizedModel::add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer) {
   parts_.storage->add_to_state_dict(state, optimizer, parameter_layouts());
+  // Persistent buffers (state the model learns outside the gradients, e.g. an MoE layer's
+  // selection bias) are identical on every rank that holds their module: saved whole, loaded in place.
+  for (const auto& module : parts_.modules) {
+    for (const auto& b : module->named_buffers()) {
+      if (b.slot->persistent) state.add_full(b.name, checkpoint::kModelComponent, b.slot->tensor);
+    }
+  }
 }
 
 void ParallelizedModel::load_full_parameters(const optim::TensorDict& full) {

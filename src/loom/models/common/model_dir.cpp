@@ -249,6 +249,9 @@ LoadedModel load_loom_checkpoint(const fs::path& path, const LoadOptions& option
   LoadedModel loaded{recorded.spec, model, ModelDirFormat::kLoom, dir};
   checkpoint::ShardedStateDict dest;
   for (const auto& p : model->named_parameters()) dest.add_full(p.name, checkpoint::kModelComponent, p.tensor().detach());
+  for (const auto& b : model->named_buffers()) {
+    if (b.slot->persistent) dest.add_full(b.name, checkpoint::kModelComponent, b.slot->tensor);
+  }
   // The recorded config and the saved model tensors must agree both ways; optimizer and other
   // state of a training checkpoint is simply not read.
   const auto saved = checkpoint::CheckpointMetadata::read(dir).tensors;
@@ -287,6 +290,9 @@ void save_loom_checkpoint(const ModelSpec& spec, Decoder& model, const fs::path&
   checkpoint::ShardedStateDict state;
   for (const auto& p : model.named_parameters()) {
     state.add_full(p.name, checkpoint::kModelComponent, p.tensor().detach());
+  }
+  for (const auto& b : model.named_buffers()) {
+    if (b.slot->persistent) state.add_full(b.name, checkpoint::kModelComponent, b.slot->tensor);
   }
   state.json()[kModelConfigKey] = spec.model_config_json(model.decoder_args());
   state.json()["step"] = 0;

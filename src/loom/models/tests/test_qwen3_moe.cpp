@@ -69,6 +69,40 @@ TEST(Qwen3Moe, ForwardCountsTokensForBalancing) {
   EXPECT_TRUE(model.parameter("layers.2.moe.experts.w2").grad().defined());
 }
 
+// The selection biases are model state: a checkpoint keeps them and a resumed run routes as the
+// uninterrupted one, step for step (one process, bitwise). FSDP 2 resumes it too.
+TEST(Qwen3Moe, CheckpointsKeepTheSelectionBias) {
+  using loom::testing::layout_train_args;
+  using loom::testing::loom_command;
+  using loom::testing::run;
+  using loom::testing::TempDir;
+  const std::string flags = "--model.name=qwen3_moe --checkpoint.enable=true --checkpoint.interval=4";
+  TempDir full("moe_full");
+  auto r = run(loom_command(1, layout_train_args(full, 8, 8, flags)), 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto saved = loom::testing::read_whole_checkpoint(full.path() / "checkpoint" / "step-4");
+  ASSERT_TRUE(saved.count("layers.1.moe.expert_bias")) << "the selection bias is not in the checkpoint";
+  EXPECT_GT(saved.at("layers.1.moe.expert_bias").abs().sum().item<double>(), 0.0);  // it moved in 4 steps
+  const auto want = loom::testing::logged_losses(full.path());
+  for (int nproc : {1, 2}) {
+    TempDir resumed(nproc == 1 ? "moe_resume" : "moe_resume_fsdp2");
+    std::filesystem::create_directories(resumed.path() / "checkpoint");
+    std::filesystem::copy(full.path() / "checkpoint" / "step-4", resumed.path() / "checkpoint" / "step-4",
+                          std::filesystem::copy_options::recursive);
+    r = run(loom_command(nproc, layout_train_args(resumed, 8, 8 / nproc, flags)), 300);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto got = loom::testing::logged_losses(resumed.path());
+    ASSERT_EQ(got.size(), 4u) << r.output;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (nproc == 1) {
+        EXPECT_EQ(got[i], want[4 + i]) << "step " << 5 + i;
+      } else {
+        EXPECT_NEAR(got[i], want[4 + i], 1e-5 * want[4 + i]) << "step " << 5 + i;
+      }
+    }
+  }
+}
+
 // The tiny Qwen3-MoE (8 experts, top 2, layer 0 dense) in parallel layouts against the single
 // process over 20 steps (8 rows of 64 tokens a step): FSDP 2 (each rank routes its rows, the counts
 // summed before the bias moves), TP 2 with sequence parallelism (each rank routes its tokens, the
