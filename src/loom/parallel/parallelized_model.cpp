@@ -241,6 +241,12 @@ ParameterLayouts ParallelizedModel::parameter_layouts() {
   return layouts;
 }
 
+std::map<std::string, double> ParallelizedModel::step_metrics() const {
+  std::map<std::string, double> out;
+  for (const auto& s : parts_.synchronizers) s->add_metrics(out);
+  return out;
+}
+
 void ParallelizedModel::add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer) {
   parts_.storage->add_to_state_dict(state, optimizer, parameter_layouts());
   // Persistent buffers (state the model learns outside the gradients, e.g. an MoE layer's

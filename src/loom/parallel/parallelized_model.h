@@ -55,6 +55,8 @@ class ParallelizedModel {
 
   const std::vector<std::shared_ptr<nn::Module>>& modules() const { return parts_.modules; }
   std::string describe() const;  // "TP 2 (sequence parallel) + FSDP over 2 ranks"
+  // The synchronizers' metrics of the last step (Synchronizer::add_metrics), by key.
+  std::map<std::string, double> step_metrics() const;
 
   // ---- The step ----
   // The loaded rows [B, T] (and, for block-causal attention, their document ids [B, T]) as this

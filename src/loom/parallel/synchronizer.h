@@ -19,6 +19,7 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -62,6 +63,8 @@ class Synchronizer {
   virtual tensor::CommPtr norm_comm(const std::string& /*param*/) const { return nullptr; }
   // What the optimizer's layout check reads of this parallelism (its degree, its shards' dtype).
   virtual void describe_layout(OptimizerLayout& /*layout*/) const {}
+  // Metrics of the last step for metrics.jsonl and TensorBoard (e.g. MoE expert loads), by key.
+  virtual void add_metrics(std::map<std::string, double>& /*out*/) const {}
 };
 
 using Synchronizers = std::vector<std::shared_ptr<Synchronizer>>;

@@ -802,6 +802,8 @@ std::vector<StepResult> Trainer::train() {
         m.file_only = window_memory->as_metrics();
       }
       add_comm_metrics(m, distributed::comm_stats().snapshot(), window_steps);
+      // What the applied parallelisms and layers report of the last step (MoE expert loads).
+      for (const auto& [key, value] : parallel_model_->step_metrics()) m.file_only[key] = value;
       progress.record_log(m);
       metrics_->log(m, progress.prefix());
       window_seconds = 0.0;

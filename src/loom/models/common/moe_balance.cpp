@@ -2,8 +2,14 @@
 
 namespace loom::models {
 
-MoEBalanceSync::MoEBalanceSync(std::vector<moe::MoE*> layers, std::vector<tensor::CommPtr> comms)
-    : layers_(std::move(layers)), comms_(std::move(comms)) {}
+MoEBalanceSync::MoEBalanceSync(std::vector<std::pair<std::string, moe::MoE*>> layers,
+                               std::vector<tensor::CommPtr> comms)
+    : comms_(std::move(comms)) {
+  for (auto& [name, layer] : layers) {
+    names_.push_back(name);
+    layers_.push_back(layer);
+  }
+}
 
 std::string MoEBalanceSync::describe() const {
   return c10::str("MoE load balancing (", layers_.size(), " layer", layers_.size() == 1 ? "" : "s", ")");
@@ -17,18 +23,32 @@ void MoEBalanceSync::finish(parallel::ParameterStorage&) {
   torch::Tensor all = torch::cat(counts);
   for (const tensor::CommPtr& comm : comms_) comm->all_reduce(all, distributed::ReduceOp::kSum);
   int64_t offset = 0;
+  last_.clear();
   for (moe::MoE* layer : layers_) {
     const int64_t n = layer->tokens_per_expert().numel();
-    layer->balance_experts(all.narrow(0, offset, n));
+    const torch::Tensor counts = all.narrow(0, offset, n);
+    layer->balance_experts(counts);
+    const double mean = counts.mean().item<double>();
+    last_.push_back({mean > 0 ? counts.max().item<double>() / mean : 0.0,
+                     mean > 0 ? counts.min().item<double>() / mean : 0.0,
+                     layer->expert_bias().norm().item<double>()});
     offset += n;
   }
 }
 
-std::vector<moe::MoE*> balanced_moe_layers(nn::Module& root) {
-  std::vector<moe::MoE*> out;
+void MoEBalanceSync::add_metrics(std::map<std::string, double>& out) const {
+  for (size_t i = 0; i < last_.size(); ++i) {
+    out["moe/" + names_[i] + "/load_max"] = last_[i][0];
+    out["moe/" + names_[i] + "/load_min"] = last_[i][1];
+    out["moe/" + names_[i] + "/bias_norm"] = last_[i][2];
+  }
+}
+
+std::vector<std::pair<std::string, moe::MoE*>> balanced_moe_layers(nn::Module& root) {
+  std::vector<std::pair<std::string, moe::MoE*>> out;
   for (const auto& [name, module] : root.named_modules()) {
     auto* layer = dynamic_cast<moe::MoE*>(module);
-    if (layer != nullptr && layer->options().load_balance_coeff > 0) out.push_back(layer);
+    if (layer != nullptr && layer->options().load_balance_coeff > 0) out.emplace_back(name, layer);
   }
   return out;
 }

@@ -4,6 +4,8 @@
 // parallel ranks route their own tokens) and the layer's selection bias moves against the load
 // (moe::MoE::balance_experts). Every rank then holds the same bias, as one process would.
 #pragma once
+#include <array>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,16 +20,21 @@ class MoEBalanceSync : public parallel::Synchronizer {
  public:
   // `comms`: the groups to sum the counts over, each once (summing over ranks that routed the same
   // tokens only scales the counts, which the rule's sign ignores).
-  MoEBalanceSync(std::vector<moe::MoE*> layers, std::vector<tensor::CommPtr> comms);
+  MoEBalanceSync(std::vector<std::pair<std::string, moe::MoE*>> layers, std::vector<tensor::CommPtr> comms);
   std::string describe() const override;
   void finish(parallel::ParameterStorage& storage) override;
+  // Per layer, of the last step: moe/<layer>/load_max and load_min (the busiest and idlest expert's
+  // tokens over the mean: 1 when balanced) and bias_norm (the selection bias's L2 norm).
+  void add_metrics(std::map<std::string, double>& out) const override;
 
  private:
+  std::vector<std::string> names_;  // each layer's module path ("layers.3.moe")
   std::vector<moe::MoE*> layers_;
+  std::vector<std::array<double, 3>> last_;  // load_max, load_min, bias_norm per layer
   std::vector<tensor::CommPtr> comms_;
 };
 
-// Every MoE layer under `root` that balances its experts (load_balance_coeff > 0).
-std::vector<moe::MoE*> balanced_moe_layers(nn::Module& root);
+// Every MoE layer under `root` that balances its experts (load_balance_coeff > 0), with its path.
+std::vector<std::pair<std::string, moe::MoE*>> balanced_moe_layers(nn::Module& root);
 
 }  // namespace loom::models

@@ -171,9 +171,9 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
   }
   // 5. MoE load balancing: the selection biases move after each step's last backward, from the
   //    token counts of every rank that routed a share of the batch through the same layers.
-  std::vector<moe::MoE*> balanced;
+  std::vector<std::pair<std::string, moe::MoE*>> balanced;
   for (const auto& model : models) {
-    for (moe::MoE* layer : balanced_moe_layers(*model)) balanced.push_back(layer);
+    for (auto& layer : balanced_moe_layers(*model)) balanced.push_back(layer);
   }
   if (!balanced.empty()) {
     std::vector<tensor::CommPtr> comms;

@@ -84,6 +84,19 @@ TEST(Qwen3Moe, CheckpointsKeepTheSelectionBias) {
   ASSERT_TRUE(saved.count("layers.1.moe.expert_bias")) << "the selection bias is not in the checkpoint";
   EXPECT_GT(saved.at("layers.1.moe.expert_bias").abs().sum().item<double>(), 0.0);  // it moved in 4 steps
   const auto want = loom::testing::logged_losses(full.path());
+  // Every logged step reports each MoE layer's expert loads (over the mean: >= 1 for the busiest,
+  // <= 1 for the idlest) and the bias norm.
+  const auto rows = loom::testing::read_jsonl(full.path() / "metrics.jsonl");
+  ASSERT_FALSE(rows.empty());
+  const auto& last = rows.back();
+  for (const char* layer : {"layers.1.moe", "layers.2.moe", "layers.3.moe"}) {
+    const std::string key = std::string("moe/") + layer;
+    ASSERT_TRUE(last.contains(key + "/load_max")) << last.dump();
+    EXPECT_GE(last[key + "/load_max"].get<double>(), 1.0);
+    EXPECT_LE(last[key + "/load_min"].get<double>(), 1.0);
+    EXPECT_GT(last[key + "/bias_norm"].get<double>(), 0.0);
+  }
+  EXPECT_FALSE(last.contains("moe/layers.0.moe/load_max"));  // layer 0 is dense
   for (int nproc : {1, 2}) {
     TempDir resumed(nproc == 1 ? "moe_resume" : "moe_resume_fsdp2");
     std::filesystem::create_directories(resumed.path() / "checkpoint");
