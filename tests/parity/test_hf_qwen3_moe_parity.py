@@ -16,14 +16,15 @@ Environment: LOOM_BIN (the loom executable). Exits non-zero on any mismatch.
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.utils import logging as hf_logging
+
+from loom_parity import compare_round_trip, hf_logits, loom, loom_score
 
 LOGIT_TOLERANCE = 1e-4
 NLL_TOLERANCE = 1e-5
@@ -55,34 +56,6 @@ def random_model(config, seed):
     return model
 
 
-def loom(*args):
-    proc = subprocess.run([os.environ["LOOM_BIN"], *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"loom {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc.stdout
-
-
-def loom_score(checkpoint, tokens, logits_out):
-    out = loom("score", "--checkpoint", checkpoint, "--tokens", ",".join(map(str, tokens)), "--logits-out", logits_out)
-    match = re.search(r"mean NLL: ([0-9.eE+-]+)", out)
-    if not match:
-        sys.exit(f"no 'mean NLL' in loom score output:\n{out}")
-    return load_file(logits_out)["logits"], float(match.group(1))
-
-
-def tensors(folder):
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, f)))
-    return out
-
-
-def hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].to(torch.float32)
-
-
 def check_model(label, norm_topk_prob, tmp, failures):
     model = random_model(make_config(norm_topk_prob), seed=7 if norm_topk_prob else 8)
     hf_dir, loom_dir, back_dir, fused_dir = (os.path.join(tmp, f"{label}-{d}") for d in ("hf", "loom", "back", "fused"))
@@ -102,13 +75,7 @@ def check_model(label, norm_topk_prob, tmp, failures):
 
     loom("convert", "--input", hf_dir, "--output", loom_dir, "--to", "loom")
     loom("convert", "--input", loom_dir, "--output", back_dir, "--to", "hf")
-    original, result = tensors(hf_dir), tensors(back_dir)
-    if sorted(original) != sorted(result):
-        failures.append(f"{label}: tensor names differ after the round trip: {sorted(set(original) ^ set(result))}")
-    for name, t in original.items():
-        r = result.get(name)
-        if r is None or r.dtype != t.dtype or r.shape != t.shape or not torch.equal(r.view(torch.uint8), t.view(torch.uint8)):
-            failures.append(f"{label}: {name} not byte-identical after the round trip")
+    original, result = compare_round_trip(label, hf_dir, back_dir, failures)
     reloaded = Qwen3MoeForCausalLM.from_pretrained(back_dir, dtype=torch.float32).eval()
     back_diff = (hf_logits(reloaded, tokens) - reference).abs().max().item()
     print(f"{label}: HF -> Loom -> HF {len(original)} tensors, byte-identical: "

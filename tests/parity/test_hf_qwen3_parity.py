@@ -17,14 +17,14 @@ Environment: LOOM_BIN (the loom executable). Exits non-zero on any mismatch.
 
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
 import torch
-from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
+
+from loom_parity import compare_round_trip, hf_logits, loom, loom_score
 
 LOGIT_TOLERANCE = 1e-4
 NLL_TOLERANCE = 1e-5
@@ -64,35 +64,6 @@ def random_model(config, seed):
     return model
 
 
-def loom(*args):
-    proc = subprocess.run([os.environ["LOOM_BIN"], *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"loom {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc.stdout
-
-
-def loom_score(checkpoint, tokens, logits_out):
-    out = loom("score", "--checkpoint", checkpoint, "--tokens", ",".join(map(str, tokens)),
-               "--logits-out", logits_out)
-    match = re.search(r"mean NLL: ([0-9.eE+-]+)", out)
-    if not match:
-        sys.exit(f"no 'mean NLL' in loom score output:\n{out}")
-    return load_file(logits_out)["logits"], float(match.group(1))
-
-
-def tensors(folder):
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, f)))
-    return out
-
-
-def hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].to(torch.float32)
-
-
 def check_model(label, tied, tmp, failures):
     model = random_model(make_config(tied), seed=5 if tied else 6)
     hf_dir, loom_dir, back_dir = (os.path.join(tmp, f"{label}-{d}") for d in ("hf", "loom", "back"))
@@ -112,15 +83,9 @@ def check_model(label, tied, tmp, failures):
 
     loom("convert", "--input", hf_dir, "--output", loom_dir, "--to", "loom")
     loom("convert", "--input", loom_dir, "--output", back_dir, "--to", "hf")
-    original, result = tensors(hf_dir), tensors(back_dir)
+    original, result = compare_round_trip(label, hf_dir, back_dir, failures)
     if tied and "lm_head.weight" in result:
         failures.append(f"{label}: lm_head.weight written for a tied model")
-    if sorted(original) != sorted(result):
-        failures.append(f"{label}: tensor names differ after the round trip: {sorted(set(original) ^ set(result))}")
-    for name, t in original.items():
-        r = result.get(name)
-        if r is None or r.dtype != t.dtype or r.shape != t.shape or not torch.equal(r.view(torch.uint8), t.view(torch.uint8)):
-            failures.append(f"{label}: {name} not byte-identical after the round trip")
     reloaded = Qwen3ForCausalLM.from_pretrained(back_dir, dtype=torch.float32).eval()
     if reloaded.config.tie_word_embeddings != tied or reloaded.config.head_dim != 24:
         failures.append(f"{label}: the exported config.json loads as tie={reloaded.config.tie_word_embeddings}, "
