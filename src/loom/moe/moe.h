@@ -38,7 +38,8 @@ class MoE : public nn::Module {
  public:
   MoE(int64_t dim, MoEOptions options, const torch::TensorOptions& tensor_options);
 
-  // x [..., dim] -> [..., dim]. Adds this call's per-expert token counts to tokens_per_expert.
+  // x [..., dim] -> [..., dim]. With gradients enabled (a training forward) adds this call's
+  // per-expert token counts to tokens_per_expert.
   torch::Tensor forward(const torch::Tensor& x);
 
   Router& router() { return *router_; }

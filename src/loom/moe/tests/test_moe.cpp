@@ -230,6 +230,11 @@ TEST(MoE, BalancingMovesTheBiasAgainstTheLoad) {
   moe.forward(a);
   moe.forward(b);
   EXPECT_EQ(moe.tokens_per_expert().sum().item<double>(), (5 + 7) * 2);
+  {
+    torch::NoGradGuard no_grad;  // an evaluation forward does not count
+    moe.forward(a);
+  }
+  EXPECT_EQ(moe.tokens_per_expert().sum().item<double>(), (5 + 7) * 2);
   const torch::Tensor counts = moe.tokens_per_expert().clone();
   moe.balance_experts(counts);
   EXPECT_TRUE(torch::allclose(moe.expert_bias(), loom::moe::expert_bias_update(counts, 1e-3)));
