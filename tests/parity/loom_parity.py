@@ -54,3 +54,16 @@ def compare_round_trip(label, original_dir, result_dir, failures):
         if r is None or r.dtype != t.dtype or r.shape != t.shape or not torch.equal(r.view(torch.uint8), t.view(torch.uint8)):
             failures.append(f"{label}: {name} not byte-identical after the round trip")
     return original, result
+
+
+def compare_greedy_generate(model, checkpoint, prompt, new_tokens, failures):
+    """`loom generate --temperature 0` from `checkpoint` against transformers' greedy generate."""
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                                  min_new_tokens=new_tokens)[0, len(prompt):].tolist()
+    out = loom("generate", "--checkpoint", checkpoint, "--prompt-tokens", ",".join(map(str, prompt)),
+               "--max-new-tokens", str(new_tokens), "--temperature", "0", "--ids")
+    got = [int(t) for t in out.strip().split(",")]
+    print(f"greedy generate: loom {got[:8]}... transformers {expected[:8]}... equal: {got == expected}")
+    if got != expected:
+        failures.append(f"greedy generate differs: loom {got} transformers {expected}")

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.utils import logging as hf_logging
 
-from loom_parity import compare_round_trip, hf_logits, loom, loom_score
+from loom_parity import compare_greedy_generate, compare_round_trip, hf_logits, loom, loom_score
 
 LOGIT_TOLERANCE = 1e-4
 NLL_TOLERANCE = 1e-5
@@ -106,16 +106,7 @@ def main():
         model, hf_dir, loom_dir = check_model("norm_topk_prob", True, tmp, failures)
         check_model("unnormalised", False, tmp, failures)
 
-        prompt = [3, 17, 250, 9, 42, 1, 77]
-        with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                      min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
-        out = loom("generate", "--checkpoint", hf_dir, "--prompt-tokens", ",".join(map(str, prompt)),
-                   "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0", "--ids")
-        got = [int(t) for t in out.strip().split(",")]
-        print(f"greedy generate: loom {got[:8]}... transformers {expected[:8]}... equal: {got == expected}")
-        if got != expected:
-            failures.append(f"greedy generate differs: loom {got} transformers {expected}")
+        compare_greedy_generate(model, hf_dir, [3, 17, 250, 9, 42, 1, 77], NEW_TOKENS, failures)
 
         info = loom("info", "--checkpoint", loom_dir)
         total = sum(p.numel() for p in model.parameters())

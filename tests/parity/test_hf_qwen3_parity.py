@@ -24,7 +24,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from loom_parity import compare_round_trip, hf_logits, loom, loom_score
+from loom_parity import compare_greedy_generate, compare_round_trip, hf_logits, loom, loom_score
 
 LOGIT_TOLERANCE = 1e-4
 NLL_TOLERANCE = 1e-5
@@ -108,16 +108,7 @@ def main():
         tied_model, tied_hf, tied_loom = check_model("tied", True, tmp, failures)
         check_model("untied", False, tmp, failures)
 
-        prompt = [3, 17, 250, 9, 42, 1, 77]
-        with torch.no_grad():
-            expected = tied_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                           min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
-        out = loom("generate", "--checkpoint", tied_hf, "--prompt-tokens", ",".join(map(str, prompt)),
-                   "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0", "--ids")
-        got = [int(t) for t in out.strip().split(",")]
-        print(f"greedy generate: loom {got[:8]}... transformers {expected[:8]}... equal: {got == expected}")
-        if got != expected:
-            failures.append(f"greedy generate differs: loom {got} transformers {expected}")
+        compare_greedy_generate(tied_model, tied_hf, [3, 17, 250, 9, 42, 1, 77], NEW_TOKENS, failures)
 
         info = loom("info", "--checkpoint", tied_loom)
         total = sum(p.numel() for p in tied_model.parameters())
