@@ -143,6 +143,20 @@ void DeviceMesh::flatten(const std::vector<std::string>& dims, const std::string
   flattened_.push_back(name);
 }
 
+void DeviceMesh::add_view(const MeshLayout& view) {
+  LOOM_REQUIRE(view.world_size() == layout_.world_size(), "mesh view ", view.describe(), " has ",
+               view.world_size(), " ranks but the mesh has ", layout_.world_size());
+  for (const auto& name : view.dim_names()) {
+    if (has(name)) {
+      LOOM_REQUIRE(group_ranks(name) == view.group_ranks(rank(), {name}), "mesh view ", view.describe(),
+                   " gives dim '", name, "' other ranks than the mesh ", layout_.describe());
+      continue;
+    }
+    entries_.emplace(name, Entry{{name}, dist_->new_group(view.group_ranks(rank(), {name}), name)});
+    flattened_.push_back(name);
+  }
+}
+
 bool DeviceMesh::has(const std::string& name) const { return entries_.count(name) > 0; }
 
 const DeviceMesh::Entry& DeviceMesh::entry(const std::string& name) const {

@@ -55,6 +55,12 @@ class DeviceMesh {
   // Registers `name` as the flattening of `dims` (distinct, in mesh order) and creates its group.
   // Every rank must register the same flattenings in the same order.
   void flatten(const std::vector<std::string>& dims, const std::string& name);
+  // Registers the dims of `view`, another row-major layout of the same world (TorchTitan's sparse
+  // mesh for experts: (pp, dp_replicate, efsdp, ep) beside (pp, dp_replicate, dp_shard, cp, tp)),
+  // each with its group, under its own name; names already registered (dims the two layouts share)
+  // keep their groups. A dim of size 1 gets a group of this rank alone. Every rank must call it
+  // with the same view.
+  void add_view(const MeshLayout& view);
 
   // Names below are real dims or flattened ones.
   bool has(const std::string& name) const;

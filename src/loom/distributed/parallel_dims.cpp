@@ -10,6 +10,7 @@ ParallelDims::ParallelDims(const ParallelDegrees& d, int world_size, int rank)
       cp_(d.cp),
       tp_(d.tp),
       pp_(d.pp),
+      ep_(d.ep),
       world_size_(world_size),
       rank_(rank) {
   LOOM_REQUIRE_USAGE(world_size >= 1, "world size ", world_size, " must be >= 1");
@@ -42,6 +43,29 @@ ParallelDims::ParallelDims(const ParallelDegrees& d, int world_size, int rank)
                      dp_shard_, " x cp ", cp_, " x tp ", tp_, " x pp ", pp_, " = ", product,
                      " != world size ", world_size, "; make the degrees multiply to ", world_size,
                      " (or set dp_shard = -1)");
+  LOOM_REQUIRE_USAGE(ep_ >= 1, "expert_parallel_degree = ", ep_, " is not a valid parallel degree; use a degree >= 1");
+  const int borrowed = dp_shard_ * cp_ * tp_;
+  LOOM_REQUIRE_USAGE(borrowed % ep_ == 0, "expert_parallel_degree ", ep_, " does not divide dp_shard ", dp_shard_,
+                     " x cp ", cp_, " x tp ", tp_, " = ", borrowed,
+                     "; experts are split over ranks of that block: pick a divisor of ", borrowed);
+}
+
+MeshLayout ParallelDims::sparse_mesh_layout() const {
+  std::vector<std::string> names;
+  std::vector<int> sizes;
+  if (pp_ > 1) {
+    names.emplace_back("pp");
+    sizes.push_back(pp_);
+  }
+  if (dp_replicate_ > 1) {
+    names.emplace_back("dp_replicate");
+    sizes.push_back(dp_replicate_);
+  }
+  names.emplace_back("efsdp");
+  sizes.push_back(efsdp());
+  names.emplace_back("ep");
+  sizes.push_back(ep_);
+  return MeshLayout(std::move(names), std::move(sizes));
 }
 
 MeshLayout ParallelDims::mesh_layout() const {
@@ -90,6 +114,7 @@ DeviceMesh ParallelDims::build_mesh(const std::shared_ptr<Distributed>& dist) co
   MeshLayout layout = mesh_layout();
   DeviceMesh mesh(dist, layout.dim_names(), layout.dim_sizes());
   for (const auto& [name, parts] : flattened_dims()) mesh.flatten(parts, name);
+  if (ep_enabled()) mesh.add_view(sparse_mesh_layout());
   return mesh;
 }
 
@@ -108,7 +133,8 @@ int ParallelDims::dp_rank() const { return dp_replicate_rank() * dp_shard_ + dp_
 
 std::string ParallelDims::describe() const {
   return c10::str("dp_replicate=", dp_replicate_, " dp_shard=", dp_shard_, " cp=", cp_, " tp=",
-                  tp_, " pp=", pp_, " (world ", world_size_, ")");
+                  tp_, " pp=", pp_, ep_ > 1 ? c10::str(" ep=", ep_, " efsdp=", efsdp()) : std::string(),
+                  " (world ", world_size_, ")");
 }
 
 }  // namespace loom::distributed

@@ -4,6 +4,11 @@
 // order [pp, dp_replicate, dp_shard, cp, tp] (tp innermost: neighbouring ranks), and registers the
 // flattened dims "dp" (dp_replicate, dp_shard), "dp_shard_cp" (dp_shard, cp) and "dp_cp"
 // (dp_replicate, dp_shard, cp) — each only when one of its parts is enabled.
+//
+// Expert parallelism (ep) borrows its ranks from dp_shard x cp x tp, as TorchTitan's: the routed
+// experts are split over `ep` consecutive ranks of that block and FSDP-sharded over the
+// efsdp = dp_shard x cp x tp / ep ranks left, on a second, sparse view of the same ranks:
+// [pp, dp_replicate, efsdp, ep] (ep innermost). With ep > 1 the mesh registers "efsdp" and "ep".
 #pragma once
 #include <memory>
 #include <string>
@@ -20,6 +25,7 @@ struct ParallelDegrees {
   int cp = 1;
   int tp = 1;
   int pp = 1;
+  int ep = 1;  // expert parallel: a divisor of dp_shard x cp x tp
 };
 
 class ParallelDims {
@@ -33,6 +39,9 @@ class ParallelDims {
   int cp() const { return cp_; }
   int tp() const { return tp_; }
   int pp() const { return pp_; }
+  int ep() const { return ep_; }
+  // The ranks each expert's FSDP shards over: dp_shard x cp x tp / ep.
+  int efsdp() const { return dp_shard_ * cp_ * tp_ / ep_; }
   int world_size() const { return world_size_; }
   int rank() const { return rank_; }
 
@@ -42,6 +51,7 @@ class ParallelDims {
   bool cp_enabled() const { return cp_ > 1; }
   bool tp_enabled() const { return tp_ > 1; }
   bool pp_enabled() const { return pp_ > 1; }
+  bool ep_enabled() const { return ep_ > 1; }
   // FSDP shards over dp_shard x cp (cp ranks hold different sequence chunks of the same batch, so
   // their parameters are sharded and gradients reduced together with dp_shard).
   bool fsdp_enabled() const { return dp_shard_enabled() || cp_enabled(); }
@@ -62,17 +72,20 @@ class ParallelDims {
 
   // The mesh layout: dims > 1 in [pp, dp_replicate, dp_shard, cp, tp] order.
   MeshLayout mesh_layout() const;
+  // The experts' view with ep > 1: [pp, dp_replicate, efsdp, ep] (pp and dp_replicate when > 1;
+  // efsdp even at size 1, so expert FSDP always has its group).
+  MeshLayout sparse_mesh_layout() const;
   // The flattened dims to register: (name, parts), in registration order.
   std::vector<std::pair<std::string, std::vector<std::string>>> flattened_dims() const;
   // Creates the mesh with its groups. `dist` must match world size and rank.
   DeviceMesh build_mesh(const std::shared_ptr<Distributed>& dist) const;
 
-  std::string describe() const;  // "dp_replicate=1 dp_shard=4 cp=1 tp=2 pp=1 (world 8)"
+  std::string describe() const;  // "dp_replicate=1 dp_shard=4 cp=1 tp=2 pp=1 (world 8)", "... ep=2 ..." with EP
 
  private:
   int coordinate(const char* dim) const;
 
-  int dp_replicate_, dp_shard_, cp_, tp_, pp_;
+  int dp_replicate_, dp_shard_, cp_, tp_, pp_, ep_;
   int world_size_;
   int rank_;
 };

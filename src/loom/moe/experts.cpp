@@ -39,8 +39,10 @@ torch::Tensor GroupedExperts::forward(const torch::Tensor& x, const std::vector<
     TORCH_CHECK(begin == in.size(0), "GroupedExperts: counts sum to ", begin, " but ", in.size(0), " rows came");
     if (outputs.empty()) {
       // No token here: an empty output that still reaches every weight, so backward gives them
-      // zero gradients (a rank whose tokens all went elsewhere must reduce like the others).
-      return in.new_zeros({0, dim_}) + (w1.sum() + w2.sum() + w3.sum()) * 0;
+      // zero gradients (a rank whose tokens all went elsewhere must reduce like the others), and
+      // the (empty) input, so the backward of whatever brought it runs on every rank alike (expert
+      // parallelism's all-to-all is a collective).
+      return in * 0 + (w1.sum() + w2.sum() + w3.sum()) * 0;
     }
     return outputs.size() == 1 ? outputs[0] : torch::cat(outputs);
   });

@@ -16,7 +16,9 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <vector>
 
 #include "loom/moe/experts.h"
 #include "loom/moe/router.h"
@@ -34,6 +36,13 @@ struct MoEOptions {
   double load_balance_coeff = 0.0;
 };
 
+// How the permuted tokens reach the routed experts: `rows` [M, dim] sorted by expert, counts[e]
+// of them for each of the n_experts experts (global ids) -> the experts' outputs for the same rows
+// in the same order. The default calls the experts in place; expert parallelism (ep/) replaces it
+// with a dispatch to the ranks that hold them and back.
+using ExpertCompute =
+    std::function<torch::Tensor(GroupedExperts& experts, const torch::Tensor& rows, const std::vector<int64_t>& counts)>;
+
 class MoE : public nn::Module {
  public:
   MoE(int64_t dim, MoEOptions options, const torch::TensorOptions& tensor_options);
@@ -41,6 +50,9 @@ class MoE : public nn::Module {
   // x [..., dim] -> [..., dim]. With gradients enabled (a training forward) adds this call's
   // per-expert token counts to tokens_per_expert.
   torch::Tensor forward(const torch::Tensor& x);
+
+  // Replaces how the sorted tokens reach the experts (see ExpertCompute); applied from outside.
+  void set_expert_compute(ExpertCompute compute) { expert_compute_ = std::move(compute); }
 
   Router& router() { return *router_; }
   GroupedExperts& experts() { return *experts_; }
@@ -64,6 +76,7 @@ class MoE : public nn::Module {
   std::shared_ptr<Router> router_;
   std::shared_ptr<GroupedExperts> experts_;
   std::shared_ptr<nn::FeedForward> shared_experts_;
+  ExpertCompute expert_compute_;  // empty: the experts on this rank, in place
   nn::BufferSlot* expert_bias_ = nullptr;
   nn::BufferSlot* tokens_per_expert_ = nullptr;
 };

@@ -39,6 +39,7 @@ void check_parallelism(const ParallelismConfig& p) {
   options::require(p.tensor_parallel_degree >= 1, s, "tensor_parallel_degree", ">= 1", &p);
   options::require(p.context_parallel_degree >= 1, s, "context_parallel_degree", ">= 1", &p);
   options::require(p.pipeline_parallel_degree >= 1, s, "pipeline_parallel_degree", ">= 1", &p);
+  options::require(p.expert_parallel_degree >= 1, s, "expert_parallel_degree", ">= 1", &p);
   options::require(p.pipeline_parallel_microbatch_size >= 1, s, "pipeline_parallel_microbatch_size", ">= 1", &p);
   options::require(p.pipeline_parallel_layers_per_stage >= 0, s, "pipeline_parallel_layers_per_stage",
                    ">= 0 (0 = not set)", &p);
@@ -144,6 +145,13 @@ const options::Section& parallelism_section() {
            "How context-parallel attention reaches the other ranks' keys and values: `allgather` (one "
            "all-gather per layer, then local blocks) or `ring` (they travel around the ring, each "
            "transfer overlapped with the previous block's attention)."},
+          {LOOM_OPTION(S, expert_parallel_degree),
+           "Expert-parallel ranks (Mixture-of-Experts models only): each MoE layer's routed experts are split "
+           "into `degree` equal groups over consecutive ranks of the dp_shard x cp x tp block, tokens travel to "
+           "their experts' rank and back by all-to-all, and each expert is FSDP-sharded over the "
+           "efsdp = dp_shard x cp x tp / degree ranks left (the mesh [pp, dp_replicate, efsdp, ep]). Must divide "
+           "dp_shard x cp x tp and the number of routed experts; with tensor parallelism it needs sequence "
+           "parallelism, and without FSDP (dp_shard = cp = 1) it must equal the TP degree. See docs/moe.md."},
           {LOOM_OPTION(S, pipeline_parallel_degree),
            "Pipeline ranks: the model's layers are split into stages (one per rank, or several with the "
            "multi-stage schedules) that pass activations forward and gradients back point to point; "

@@ -44,6 +44,7 @@ struct ParallelismConfig {
   int64_t context_parallel_degree = 1;
   cp::RotateMethod context_parallel_rotate_method = cp::RotateMethod::kAllGather;
   int64_t pipeline_parallel_degree = 1;
+  int64_t expert_parallel_degree = 1;  // a divisor of dp_shard x cp x tp and of the routed experts
   std::string pipeline_parallel_schedule = "1F1B";  // TorchTitan's names (pipeline/generators.h)
   std::string pipeline_parallel_schedule_csv;       // a hand-written schedule; "" = none
   int64_t pipeline_parallel_microbatch_size = 1;    // rows per micro-batch

@@ -182,7 +182,44 @@ struct AllToAllFn : torch::autograd::Function<AllToAllFn> {
   }
 };
 
+torch::Tensor exchange_rows(const torch::Tensor& rows, const std::vector<int64_t>& output_splits,
+                            const std::vector<int64_t>& input_splits, distributed::Comm& comm) {
+  int64_t out_rows = 0;
+  for (int64_t n : output_splits) out_rows += n;
+  std::vector<int64_t> shape = rows.sizes().vec();
+  shape[0] = out_rows;
+  const torch::Tensor input = rows.contiguous();
+  torch::Tensor out = torch::empty(shape, input.options());
+  comm.all_to_all(out, input, output_splits, input_splits);
+  return out;
+}
+
+struct AllToAllRowsFn : torch::autograd::Function<AllToAllRowsFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const std::vector<int64_t>& output_splits,
+                               const std::vector<int64_t>& input_splits, const CommPtr& comm) {
+    save_comm(ctx, comm);
+    ctx->saved_data["out"] = output_splits;
+    ctx->saved_data["in"] = input_splits;
+    return exchange_rows(x, output_splits, input_splits, *comm);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const std::vector<int64_t> out = ctx->saved_data["out"].toIntVector();
+    const std::vector<int64_t> in = ctx->saved_data["in"].toIntVector();
+    return {exchange_rows(g[0], in, out, saved_comm(ctx)), {}, {}, {}};
+  }
+};
+
 }  // namespace
+
+torch::Tensor all_to_all_rows(const torch::Tensor& rows, const std::vector<int64_t>& output_splits,
+                              const std::vector<int64_t>& input_splits, const CommPtr& comm) {
+  LOOM_REQUIRE(static_cast<int>(output_splits.size()) == comm->size() &&
+                   static_cast<int>(input_splits.size()) == comm->size(),
+               "all_to_all_rows over ", comm->describe(), " needs one split per rank, got ", output_splits.size(),
+               " and ", input_splits.size());
+  if (comm->size() == 1) return rows;
+  return AllToAllRowsFn::apply(rows, output_splits, input_splits, comm);
+}
 
 torch::Tensor all_gather(const torch::Tensor& local, int64_t dim, const CommPtr& comm,
                          ReplicatedGrad grad) {

@@ -13,6 +13,7 @@
 //                                                                  linear's input without SP)
 //   scatter(x, d)                         Replicate  -> Shard(d)   all-gather along d
 //   all_to_all(x, from, to)               Shard(from)-> Shard(to)  all-to-all back
+//   all_to_all_rows(x, out, in)           rows to their ranks      rows back (splits swapped)
 //
 // A Replicate tensor whose consumers differ per rank (a colwise linear's sharded weight after it)
 // receives, per rank, only its own consumers' share of the gradient: all_gather's backward must
@@ -44,6 +45,13 @@ torch::Tensor all_reduce_in_backward(const torch::Tensor& replicated, const Comm
 torch::Tensor scatter(const torch::Tensor& replicated, int64_t dim, const CommPtr& comm);
 torch::Tensor all_to_all(const torch::Tensor& local, int64_t from_dim, int64_t to_dim,
                          const CommPtr& comm);
+
+// Token dispatch (expert parallelism): this rank's rows [offset_j, offset_j + input_splits[j]) go
+// to group rank j; the result holds, in source-rank order, output_splits[s] rows from rank s. Every
+// rank's output_splits must be what the others send it (exchanged beforehand). The backward sends
+// each gradient row back to the rank its row came from. Any split may be 0, as may the whole input.
+torch::Tensor all_to_all_rows(const torch::Tensor& rows, const std::vector<int64_t>& output_splits,
+                              const std::vector<int64_t>& input_splits, const CommPtr& comm);
 
 // Moves `local` (this rank's piece under `from`) to its piece under `to` with the ops above.
 // Supported: any placement to itself (identity), Shard -> Replicate (gradient as `grad` says),

@@ -140,6 +140,7 @@ void Trainer::check_layout(const distributed::LaunchEnv& env) {
   degrees.cp = static_cast<int>(p.context_parallel_degree);
   degrees.tp = static_cast<int>(p.tensor_parallel_degree);
   degrees.pp = static_cast<int>(p.pipeline_parallel_degree);
+  degrees.ep = static_cast<int>(p.expert_parallel_degree);
   parallel_dims_ = std::make_unique<distributed::ParallelDims>(degrees, env.world_size, env.rank);
   tokenizer_ = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(config_.model.tokenizer_path));
   model_spec_ = &models::get_spec(config_.model.name);

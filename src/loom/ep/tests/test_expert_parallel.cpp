@@ -1,0 +1,55 @@
+// Expert parallelism: the experts' sharding and volume formula (one process), and the EP MoE layer
+// against the whole layer on 2 and 4 ranks (tests/worker/ep_worker.cpp: outputs, input, router and
+// expert gradients within 1e-5; experts and whole ranks without tokens).
+#include <gtest/gtest.h>
+
+#include "loom/core/error.h"
+#include "loom/distributed/process_group.h"
+#include "loom/ep/expert_parallel.h"
+#include "loom/testing/errors.h"
+#include "loom/testing/worker.h"
+
+namespace ep_tests {
+
+void expect_workers(const std::string& scenario, int nproc) {
+  loom::testing::expect_workers("loom_ep_worker", scenario, nproc);
+}
+
+loom::moe::MoEOptions options(int64_t experts) {
+  loom::moe::MoEOptions o;
+  o.router.n_experts = experts;
+  o.router.top_k = 2;
+  o.hidden_dim = 6;
+  return o;
+}
+
+}  // namespace ep_tests
+
+TEST(ExpertParallel, OneRankKeepsEveryExpertAndTheLayerUnchanged) {
+  auto comm = loom::distributed::Comm::single("ep", 0);
+  auto layer = std::make_shared<loom::moe::MoE>(8, ep_tests::options(4), torch::TensorOptions());
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : layer->named_parameters()) p.slot->tensor.normal_();
+  }
+  const torch::Tensor x = torch::randn({10, 8});
+  const torch::Tensor before = layer->forward(x);
+  loom::ep::ExpertParallel ep(comm);
+  ep.apply(*layer, "layers.1.moe");
+  EXPECT_TRUE(ep.is_sharded("layers.1.moe.experts.w2"));
+  const auto& layout = *layer->experts().parameter_slot("w1").layout;
+  EXPECT_EQ(layout.describe(), "[4, 6, 8] ep:Shard(0)");
+  EXPECT_TRUE(torch::equal(layer->forward(x), before));
+}
+
+TEST(ExpertParallel, RowsSentCountTheTokensOfOtherRanksExperts) {
+  // 8 experts over 4 ranks: rank 1 holds experts 2 and 3.
+  const std::vector<int64_t> counts = {3, 0, 5, 1, 0, 2, 4, 4};
+  EXPECT_EQ(loom::ep::rows_sent_to_other_ranks(counts, 1, 4), 3 + 0 + 0 + 2 + 4 + 4);
+  EXPECT_EQ(loom::ep::rows_sent_to_other_ranks(counts, 0, 1), 0);
+}
+
+TEST(ExpertParallel, MatchesTheWholeLayerOnTwoRanks) { ep_tests::expect_workers("dispatch", 2); }
+TEST(ExpertParallel, MatchesTheWholeLayerOnFourRanks) { ep_tests::expect_workers("dispatch", 4); }
+TEST(ExpertParallel, StarvedExpertsAndRanksOnTwoRanks) { ep_tests::expect_workers("starved", 2); }
+TEST(ExpertParallel, StarvedExpertsAndRanksOnFourRanks) { ep_tests::expect_workers("starved", 4); }

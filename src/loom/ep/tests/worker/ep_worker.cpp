@@ -1,0 +1,124 @@
+// Per-rank scenarios of the expert-parallel tests, started as
+//   loom launch --nproc N --exec -- loom_ep_worker <scenario>
+// Every rank builds the same MoE layer (seeded weights) and draws its own tokens and output
+// gradient. The reference is the whole layer on this rank's tokens; the EP layer holds this rank's
+// E/N experts and dispatches by all-to-all. Outputs, input gradients and router gradients must
+// match the reference's on every rank; each local expert's weight gradient must match the sum of
+// every rank's reference gradient for that expert (the tokens of all ranks reach it). Exits 1
+// with one line naming the rank, case and mismatch.
+//   dispatch   softmax and sigmoid routing, several token counts per rank (the ranks differ)
+//   starved    a selection bias sends every token to experts 0 and 1: the other experts get no
+//              token and the ranks holding only those receive no rows at all; one rank brings
+//              no tokens either
+#include <cstdio>
+#include <string>
+
+#include "loom/core/error.h"
+#include "loom/ep/expert_parallel.h"
+#include "loom/testing/worker.h"
+
+namespace ep_worker {
+
+using namespace loom;
+
+double max_relative_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  if (b.numel() == 0) return a.numel() == 0 ? 0.0 : 1.0;
+  const double scale = std::max(b.abs().max().item<double>(), 1e-12);
+  return (a - b).abs().max().item<double>() / scale;
+}
+
+moe::MoEOptions layer_options(int64_t n_experts, int64_t top_k, moe::ScoreFunction score, bool bias) {
+  moe::MoEOptions o;
+  o.router.n_experts = n_experts;
+  o.router.top_k = top_k;
+  o.router.score_function = score;
+  o.router.normalize = score == moe::ScoreFunction::kSigmoid;
+  o.hidden_dim = 12;
+  o.shared_hidden_dim = score == moe::ScoreFunction::kSigmoid ? 8 : 0;
+  o.load_balance_coeff = bias ? 1e-3 : 0.0;
+  return o;
+}
+
+std::shared_ptr<moe::MoE> build(int64_t dim, const moe::MoEOptions& o) {
+  auto layer = std::make_shared<moe::MoE>(dim, o, torch::TensorOptions().dtype(torch::kFloat));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  torch::NoGradGuard no_grad;
+  for (const auto& p : layer->named_parameters()) p.slot->tensor.copy_(torch::randn(p.slot->tensor.sizes(), gen) * 0.3);
+  return layer;
+}
+
+void check_case(const tensor::CommPtr& comm, const std::string& name, const moe::MoEOptions& o, int64_t tokens,
+                const torch::Tensor& bias) {
+  const int n = comm->size(), r = comm->rank();
+  constexpr int64_t kDim = 16;
+  auto reference = build(kDim, o);
+  auto parallel = build(kDim, o);
+  if (bias.defined()) {
+    torch::NoGradGuard no_grad;
+    reference->expert_bias().copy_(bias);
+    parallel->expert_bias().copy_(bias);
+  }
+  ep::ExpertParallel ep(comm);
+  ep.apply(*parallel, "moe");
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + r);
+  const torch::Tensor x = torch::randn({tokens, kDim}, gen);
+  const torch::Tensor dout = torch::randn({tokens, kDim}, gen);
+
+  torch::Tensor x_ref = x.clone().requires_grad_();
+  const torch::Tensor out_ref = reference->forward(x_ref);
+  out_ref.backward(dout);
+  torch::Tensor x_ep = x.clone().requires_grad_();
+  const torch::Tensor out = parallel->forward(x_ep);
+  out.backward(dout);
+
+  double worst_expert = 0;
+  const int64_t local = o.router.n_experts / n;
+  for (const char* w : {"w1", "w2", "w3"}) {
+    torch::Tensor summed = reference->experts().parameter_slot(w).tensor.grad().clone();
+    comm->all_reduce(summed);
+    const torch::Tensor mine = summed.narrow(0, r * local, local);
+    worst_expert = std::max(worst_expert, max_relative_diff(parallel->experts().parameter_slot(w).tensor.grad(), mine));
+  }
+  const double d_out = max_relative_diff(out, out_ref);
+  const double d_x = max_relative_diff(x_ep.grad(), x_ref.grad());
+  const double d_router = max_relative_diff(parallel->router().gate().weight().grad(),
+                                            reference->router().gate().weight().grad());
+  LOOM_REQUIRE(d_out <= 1e-5 && d_x <= 1e-5 && d_router <= 1e-5 && worst_expert <= 1e-5, name, " rank ", r,
+               ": relative differences from the whole layer: out ", d_out, ", dx ", d_x, ", router ", d_router,
+               ", experts ", worst_expert);
+  LOOM_REQUIRE(torch::equal(parallel->tokens_per_expert(), reference->tokens_per_expert()), name, " rank ", r,
+               ": the EP layer counted other tokens per expert than the whole layer");
+  if (r == 0) {
+    std::printf("%s: max relative difference out %.2e dx %.2e router %.2e experts %.2e\n", name.c_str(), d_out, d_x,
+                d_router, worst_expert);
+  }
+}
+
+void scenario_dispatch(const tensor::CommPtr& comm) {
+  const int n = comm->size();
+  for (auto score : {moe::ScoreFunction::kSoftmax, moe::ScoreFunction::kSigmoid}) {
+    const moe::MoEOptions o = layer_options(4 * n, 2, score, false);
+    for (int64_t tokens : {5, 24}) {
+      // Ranks bring different numbers of tokens.
+      check_case(comm, c10::str("ep=", n, " ", score == moe::ScoreFunction::kSoftmax ? "softmax" : "sigmoid",
+                                " tokens=", tokens),
+                 o, tokens + comm->rank(), torch::Tensor());
+    }
+  }
+}
+
+void scenario_starved(const tensor::CommPtr& comm) {
+  const int n = comm->size();
+  const moe::MoEOptions o = layer_options(4 * n, 2, moe::ScoreFunction::kSigmoid, true);
+  torch::Tensor bias = torch::zeros({4 * n});
+  bias.narrow(0, 0, 2).fill_(10.0);  // every token picks experts 0 and 1, on rank 0
+  // The last rank brings no token at all.
+  check_case(comm, c10::str("ep=", n, " starved"), o, comm->rank() + 1 == n ? 0 : 7, bias);
+}
+
+}  // namespace ep_worker
+
+int main(int argc, char** argv) {
+  return loom::testing::worker_main(argc, argv,
+                                    {{"dispatch", ep_worker::scenario_dispatch}, {"starved", ep_worker::scenario_starved}});
+}
