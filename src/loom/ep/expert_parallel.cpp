@@ -54,8 +54,8 @@ torch::Tensor dispatch_to_experts(moe::GroupedExperts& experts, const torch::Ten
   const int64_t n_experts = static_cast<int64_t>(counts.size());
   LOOM_REQUIRE(n_experts % p == 0, "dispatch_to_experts: ", n_experts, " experts over ", p, " ranks");
   const int64_t local = n_experts / p;
-  LOOM_REQUIRE(experts.w1().size(0) == local, "dispatch_to_experts: this rank holds ", experts.w1().size(0),
-               " experts, expected ", local, " of ", n_experts);
+  // (GroupedExperts::forward checks that it holds `local` experts: only there, inside FSDP's hooks,
+  // are its parameters unsharded.)
   // 1. Counts: rank s learns received[s][j], the rows rank s sends for its local expert j.
   const torch::Tensor sent_counts = torch::tensor(counts, torch::kLong);
   torch::Tensor received_counts = torch::empty({n_experts}, torch::kLong);

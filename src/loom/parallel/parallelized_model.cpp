@@ -125,7 +125,7 @@ torch::Tensor ParallelizedModel::grad_norm() {
   // the storage's (FSDP's shard group), then each parallelism's, innermost last.
   auto comms_of = [&](const std::string& name) {
     std::vector<tensor::CommPtr> comms;
-    if (auto c = storage.norm_comm()) comms.push_back(c);
+    if (auto c = storage.norm_comm(name)) comms.push_back(c);
     for (auto it = parts_.synchronizers.rbegin(); it != parts_.synchronizers.rend(); ++it) {
       if (auto c = (*it)->norm_comm(name)) comms.push_back(c);
     }

@@ -134,12 +134,18 @@ NamedGradients FsdpParameters::local_gradients() {
 
 std::vector<torch::Tensor> FsdpParameters::norm_gradients() {
   std::vector<torch::Tensor> out;
-  for (fsdp::FSDPParamGroup* group : fsdp_->param_groups()) {
-    LOOM_REQUIRE(group->mesh().shard == fsdp_->mesh().shard, "FSDP group '", group->name(),
-                 "' shards over another group than its root; fix: fully_shard every module with the same FSDPMesh");
-    out.push_back(group->sharded_grads());
-  }
+  for (fsdp::FSDPParamGroup* group : fsdp_->param_groups()) out.push_back(group->sharded_grads());
   return out;
+}
+
+tensor::CommPtr FsdpParameters::norm_comm(const std::string& param) const {
+  if (shard_comms_.empty()) {
+    for (fsdp::FSDPParamGroup* group : fsdp_->param_groups()) {
+      for (const auto& p : group->params()) shard_comms_[fsdp_->param_fqn(*group, p)] = group->mesh().shard;
+    }
+  }
+  const auto it = shard_comms_.find(param);
+  return it != shard_comms_.end() ? it->second : fsdp_->mesh().shard;
 }
 
 std::vector<torch::Tensor> FsdpParameters::resident_parameters() {

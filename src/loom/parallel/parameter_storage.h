@@ -35,8 +35,9 @@ class ParameterStorage {
   // The tensors the gradient norm and clipping read: every element of local_gradients() once
   // (FSDP: its flat shards, whose padding is zero).
   virtual std::vector<torch::Tensor> norm_gradients() = 0;
-  // The groups over which every gradient's squares are summed (FSDP: its shard group); null: none.
-  virtual tensor::CommPtr norm_comm() const { return nullptr; }
+  // The group over which the squares of parameter `param`'s gradient are summed (FSDP: the shard
+  // group of its FSDP group: the experts' own under expert parallelism); null: none.
+  virtual tensor::CommPtr norm_comm(const std::string& /*param*/) const { return nullptr; }
   virtual std::vector<torch::Tensor> resident_parameters() = 0;
   virtual bool gradients_persist() const = 0;
   virtual void zero_grad() = 0;
@@ -77,7 +78,7 @@ class FsdpParameters : public ParameterStorage {
   void complete_reductions() override { fsdp_->finalize_backward(); }
   NamedGradients local_gradients() override;
   std::vector<torch::Tensor> norm_gradients() override;
-  tensor::CommPtr norm_comm() const override { return fsdp_->mesh().shard; }
+  tensor::CommPtr norm_comm(const std::string& param) const override;
   std::vector<torch::Tensor> resident_parameters() override;
   bool gradients_persist() const override { return true; }
   void zero_grad() override { fsdp_->zero_grad(); }
@@ -90,6 +91,7 @@ class FsdpParameters : public ParameterStorage {
 
  private:
   std::shared_ptr<fsdp::FSDPModule> fsdp_;
+  mutable std::map<std::string, tensor::CommPtr> shard_comms_;  // by parameter, filled on first use
 };
 
 }  // namespace loom::parallel

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "loom/ddp/ddp.h"
+#include "loom/ep/expert_parallel.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/parallel/synchronizer.h"
 #include "loom/pipeline/executor.h"
@@ -25,6 +26,21 @@ class TensorParallelSync : public Synchronizer {
 
  private:
   std::shared_ptr<tp::TensorParallel> tp_;
+};
+
+// Expert parallelism: the routed experts' pieces live on the ep ranks, so their squares are
+// summed over ep for the norm. Their gradients need no step of their own: the dispatch's backward
+// brings each expert every rank's contribution, and the experts' FSDP (efsdp) averages them.
+class ExpertParallelSync : public Synchronizer {
+ public:
+  explicit ExpertParallelSync(std::shared_ptr<ep::ExpertParallel> ep) : ep_(std::move(ep)) {}
+  std::string describe() const override { return c10::str("EP ", ep_->degree()); }
+  tensor::CommPtr norm_comm(const std::string& param) const override {
+    return ep_->is_sharded(param) ? ep_->comm() : nullptr;
+  }
+
+ private:
+  std::shared_ptr<ep::ExpertParallel> ep_;
 };
 
 // Context parallelism: each loaded row becomes this rank's head-tail chunks, with their positions

@@ -121,7 +121,13 @@ void TensorParallel::sequence_parallel(nn::RMSNorm& norm, const std::string& fqn
 }
 
 void TensorParallel::replicate_partial_grad(nn::Module& module, const std::string& fqn) {
-  for (const auto& p : module.named_parameters()) partial_grads_.push_back(fqn.empty() ? p.name : fqn + "." + p.name);
+  for (const auto& p : module.named_parameters()) {
+    // A parameter another parallelism already split (an MoE layer's experts under expert
+    // parallelism) has its gradient completed by that parallelism: summing it here would add
+    // other ranks' pieces.
+    if (p.slot->layout) continue;
+    partial_grads_.push_back(fqn.empty() ? p.name : fqn + "." + p.name);
+  }
 }
 
 void TensorParallel::colwise_output(nn::Linear& output, const std::string& fqn, bool loss_parallel) {

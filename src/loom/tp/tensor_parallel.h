@@ -19,6 +19,7 @@
 //   replicate_partial_grad    weights Replicate      runs on this rank's heads (a QK-norm inside a
 //     (module)                                       colwise attention): every parameter's gradient
 //                                                    is summed over the group, with or without SP
+//                                                    (not those another parallelism split: EP's experts)
 //
 // Async TP (`async_tp`, needs SP): the all-gather before a module's colwise projections and the
 // reduce-scatter after a rowwise one become collective matmuls (tp/collective_matmul.h) that

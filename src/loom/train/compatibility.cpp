@@ -55,6 +55,31 @@ const std::vector<Incompatibility>& incompatibilities() {
                          c.parallelism.pipeline_parallel_degree,
                          "; set the degree to the CSV's number of rows, or leave the CSV unset");
        }},
+      // Tokens must be split over the tp ranks before dispatch (each rank routes its own): without
+      // sequence parallelism every tp rank would send the same tokens to the experts.
+      {"parallelism.expert_parallel_degree > 1", "tensor parallelism without sequence parallelism",
+       [](const JobConfig& c, Dims) {
+         return c.parallelism.expert_parallel_degree > 1 && c.parallelism.tensor_parallel_degree > 1 &&
+                c.parallelism.disable_sequence_parallel;
+       },
+       false,
+       [](const JobConfig& c) {
+         return c10::str("parallelism.expert_parallel_degree = ", c.parallelism.expert_parallel_degree,
+                         " with tensor parallelism needs sequence parallelism (each tp rank dispatches its own "
+                         "tokens); set parallelism.disable_sequence_parallel = false");
+       }},
+      // Without FSDP nothing reduces the experts' gradients over ranks outside the ep group.
+      {"parallelism.expert_parallel_degree", "no FSDP, unless it equals the TP degree",
+       [](const JobConfig& c, Dims dims) {
+         return dims != nullptr && dims->ep_enabled() && !dims->fsdp_enabled() && dims->ep() != dims->tp();
+       },
+       true,
+       [](const JobConfig& c) {
+         return c10::str("parallelism.expert_parallel_degree = ", c.parallelism.expert_parallel_degree,
+                         " without FSDP (data_parallel_shard_degree = context_parallel_degree = 1) must equal "
+                         "tensor_parallel_degree = ", c.parallelism.tensor_parallel_degree,
+                         "; set it to the TP degree or shard the data-parallel ranks (data_parallel_shard_degree > 1)");
+       }},
       // Only an optimizer whose update takes the device-side guard (optim::StepGuard).
       {"training.step_readback = \"log_steps\"", "an optimizer without a device-side step guard",
        [](const JobConfig& c, Dims) {

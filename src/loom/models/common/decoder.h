@@ -47,6 +47,8 @@ struct DecoderArgs : ModelArgs {
 
   int64_t head_dim() const { return fixed_head_dim.value_or(n_heads > 0 ? dim / n_heads : 0); }
   virtual int64_t ffn_hidden_dim() const = 0;
+  // The routed experts of each MoE layer (what expert parallelism splits); 0: a dense model.
+  virtual int64_t routed_experts() const { return 0; }
   // RoPE frequency scaling (Llama 3.1's); none by default.
   virtual std::optional<nn::RopeScaling> rope_scaling_or_none() const { return std::nullopt; }
   // Throws loom::UsageError naming the first inconsistent field. Families extend it.

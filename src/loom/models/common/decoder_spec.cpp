@@ -43,6 +43,15 @@ ModelSpec decoder_spec(DecoderFamily family) {
     const DecoderArgs& a = decoder_args_of(args, f->name);
     validate_tp_degree(a, dims.tp(), seq_len, tp);
     if (dims.pp_enabled()) validate_pipeline_layout(a, dims, pipeline);
+    if (dims.ep_enabled()) {
+      const int64_t experts = a.routed_experts();
+      LOOM_REQUIRE_USAGE(experts > 0, "parallelism.expert_parallel_degree = ", dims.ep(),
+                         " needs a Mixture-of-Experts model, but this ", f->name,
+                         " model has no routed experts; set parallelism.expert_parallel_degree = 1");
+      LOOM_REQUIRE_USAGE(experts % dims.ep() == 0, "parallelism.expert_parallel_degree ", dims.ep(),
+                         " does not divide the ", experts, " routed experts of each MoE layer; pick a divisor of ",
+                         experts);
+    }
   };
   spec.parallelize = [f](std::shared_ptr<nn::Module> module, const ModelArgs& args,
                          const distributed::ParallelDims& dims, const distributed::DeviceMesh& mesh,

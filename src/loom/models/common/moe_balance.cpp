@@ -44,11 +44,18 @@ void MoEBalanceSync::add_metrics(std::map<std::string, double>& out) const {
   }
 }
 
-std::vector<std::pair<std::string, moe::MoE*>> balanced_moe_layers(nn::Module& root) {
+std::vector<std::pair<std::string, moe::MoE*>> moe_layers(nn::Module& root) {
   std::vector<std::pair<std::string, moe::MoE*>> out;
   for (const auto& [name, module] : root.named_modules()) {
-    auto* layer = dynamic_cast<moe::MoE*>(module);
-    if (layer != nullptr && layer->options().load_balance_coeff > 0) out.emplace_back(name, layer);
+    if (auto* layer = dynamic_cast<moe::MoE*>(module)) out.emplace_back(name, layer);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, moe::MoE*>> balanced_moe_layers(nn::Module& root) {
+  std::vector<std::pair<std::string, moe::MoE*>> out;
+  for (const auto& [name, layer] : moe_layers(root)) {
+    if (layer->options().load_balance_coeff > 0) out.emplace_back(name, layer);
   }
   return out;
 }

@@ -36,5 +36,7 @@ class MoEBalanceSync : public parallel::Synchronizer {
 
 // Every MoE layer under `root` that balances its experts (load_balance_coeff > 0), with its path.
 std::vector<std::pair<std::string, moe::MoE*>> balanced_moe_layers(nn::Module& root);
+// Every MoE layer under `root`, by path, in module order (what expert parallelism applies to).
+std::vector<std::pair<std::string, moe::MoE*>> moe_layers(nn::Module& root);
 
 }  // namespace loom::models

@@ -55,24 +55,51 @@ std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Decoder& model, const distributed::
   return apply_fsdp(model, fsdp::make_fsdp_mesh(mesh, policy), policy, reshard_last_block);
 }
 
-void init_sharded_weights(Decoder& model, fsdp::FSDPModule& fsdp, uint64_t seed, c10::Device device,
-                          const tp::TensorParallel* tp) {
+namespace {
+
+// Draws parameter `name`'s value into `piece`, this rank's part of it: the whole tensor drawn as
+// init_weights(seed) would, then the box its slot's layout (TP, EP) gives this rank.
+void draw_piece(Decoder& model, const std::map<std::string, tensor::TensorLayout>& layouts, const std::string& name,
+                torch::Tensor& piece, uint64_t seed) {
+  const auto it = layouts.find(name);
+  if (it == layouts.end()) {
+    nn::init_parameter(model.parameter_init(name), name, seed, piece);
+    return;
+  }
+  torch::Tensor full = torch::empty(it->second.global_shape, piece.options());
+  nn::init_parameter(model.parameter_init(name), name, seed, full);
+  const tensor::Box box = it->second.local_box();
+  torch::Tensor part = full;
+  for (size_t d = 0; d < box.sizes.size(); ++d) part = part.narrow(static_cast<int64_t>(d), box.offsets[d], box.sizes[d]);
+  torch::NoGradGuard no_grad;
+  piece.copy_(part);
+}
+
+std::map<std::string, tensor::TensorLayout> slot_layouts(Decoder& model) {
+  std::map<std::string, tensor::TensorLayout> layouts;
+  for (const auto& p : model.named_parameters()) {
+    if (p.slot->layout) layouts.emplace(p.name, *p.slot->layout);
+  }
+  return layouts;
+}
+
+}  // namespace
+
+void init_sharded_weights(Decoder& model, fsdp::FSDPModule& fsdp, uint64_t seed, c10::Device device) {
   for (const auto& b : model.named_buffers()) {
     if (b.slot->tensor.is_meta()) {
       b.slot->tensor = torch::empty(b.slot->tensor.sizes(), b.slot->tensor.options().device(device));
     }
   }
   model.reset_buffers();
-  auto draw = [&](const std::string& name, torch::Tensor& full) {
-    nn::init_parameter(model.parameter_init(name), name, seed, full);
-  };
-  fsdp.init_parameters([&](const std::string& name, torch::Tensor& full) {
-    if (tp != nullptr) {
-      tp->init_local(name, full, draw);
-    } else {
-      draw(name, full);
-    }
-  });
+  const auto layouts = slot_layouts(model);
+  fsdp.init_parameters([&](const std::string& name, torch::Tensor& full) { draw_piece(model, layouts, name, full, seed); });
+}
+
+void init_placed_weights(Decoder& model, uint64_t seed) {
+  const auto layouts = slot_layouts(model);
+  for (const auto& p : model.named_parameters()) draw_piece(model, layouts, p.name, p.slot->tensor, seed);
+  model.reset_buffers();
 }
 
 int64_t apply_ac(Decoder& model, const ac::ACOptions& options) {
@@ -115,7 +142,24 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
       log::info("float8: ", report.describe(options.float8->recipe));
     }
   }
-  // 1. Tensor parallelism: parameters become this rank's shards (still on the meta device, each
+  // 1. Expert parallelism: each MoE layer keeps its share of the routed experts (Shard(0) on "ep",
+  //    in the slots' layouts) and sends its tokens to them by all-to-all. Before TP, whose
+  //    token-wise MoE rule then leaves the experts' gradients alone (the dispatch completes them).
+  std::shared_ptr<ep::ExpertParallel> ep;
+  if (dims.ep_enabled()) {
+    ep = std::make_shared<ep::ExpertParallel>(mesh.comm(ep::kMeshDim));
+    int64_t layers = 0;
+    for (const auto& model : models) {
+      for (const auto& [fqn, layer] : moe_layers(*model)) {
+        ep->apply(*layer, fqn);
+        ++layers;
+      }
+    }
+    LOOM_REQUIRE(layers > 0 || models.empty() || dims.pp_enabled(),
+                 "expert parallelism on a model without MoE layers (refused by the model's validate_layout)");
+    parts.synchronizers.push_back(std::make_shared<parallel::ExpertParallelSync>(ep));
+  }
+  // 2. Tensor parallelism: parameters become this rank's shards (still on the meta device, each
   //    slot carrying its layout); one plan records every part's parameters.
   std::shared_ptr<tp::TensorParallel> tp;
   if (dims.tp_enabled()) {
@@ -123,14 +167,14 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
     for (const auto& model : models) apply_tp(*model, *tp, tp_plan, options.tp);
     parts.synchronizers.push_back(std::make_shared<parallel::TensorParallelSync>(tp));
   }
-  // 2. Context parallelism: attention over the sequence chunks of the cp group (the batches carry
+  // 3. Context parallelism: attention over the sequence chunks of the cp group (the batches carry
   //    each chunk's positions and documents to every part).
   if (dims.cp_enabled()) {
     const tensor::CommPtr cp = mesh.comm("cp");
     for (const auto& model : models) apply_cp(*model, cp, options.cp_rotate_method);
     parts.synchronizers.push_back(std::make_shared<parallel::ContextParallelSync>(cp));
   }
-  // 3. Activation checkpointing: the blocks' forwards become checkpointed ones. Between TP/CP and
+  // 4. Activation checkpointing: the blocks' forwards become checkpointed ones. Between TP/CP and
   //    FSDP: the TP/CP hooks inside a block are part of its recomputed forward (the sequence
   //    collectives and ring attention run again in backward, as in Megatron-LM / TorchTitan), while
   //    FSDP's hooks, added after this on the block itself, stay outside it: the all-gather before
@@ -146,30 +190,55 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
     log::info("activation checkpointing: ", options.ac.describe(), " (", wrapped, " of ", blocks,
               " blocks on this rank)");
   }
-  // 4. FSDP over the TP-local parameters, or materialization; then every parameter from the seed
+  // 5. FSDP over the TP-local parameters, or materialization; then every parameter from the seed
   //    by its global name (a part keeps the whole model's names, so each gets the whole model's
-  //    values: each TP rank its piece, each FSDP rank its shard of that). The cp ranks hold the same
-  //    parameters and see different tokens: FSDP shards over dp_shard x cp (TorchTitan's
-  //    dp_shard_cp), so its gradient average spans them.
+  //    values: each TP/EP rank its piece, each FSDP rank its shard of that). The cp ranks hold the
+  //    same parameters and see different tokens: FSDP shards over dp_shard x cp (TorchTitan's
+  //    dp_shard_cp), so its gradient average spans them. Under expert parallelism each MoE layer's
+  //    experts are their own FSDP group over efsdp (the ranks of dp_shard x cp x tp that hold the
+  //    same experts), created before their block's so the block leaves them out. Their gradients
+  //    arrive summed over the ep ranks' tokens, so they are divided by the data-parallel degree
+  //    (dp_replicate x dp_shard x cp) rather than by efsdp: the same mean as every other gradient.
   if (dims.fsdp_enabled()) {
     LOOM_REQUIRE(models.size() == 1, "FSDP needs one model part per rank (one pipeline stage)");
     fsdp::FSDPPolicy policy = options.fsdp;
     if (dims.cp_enabled()) policy.shard_dim = "dp_shard_cp";
+    if (ep) {
+      fsdp::FSDPPolicy experts = policy;
+      experts.shard_dim = "efsdp";
+      experts.gradient_divide_factor = static_cast<double>(dims.dp_replicate()) * dims.dp_shard() * dims.cp();
+      const auto layers = moe_layers(*models[0]);
+      if (!layers.empty() && layers.front().second->experts().w1().size(0) % dims.efsdp() == 0) {
+        // Whole experts per rank where they divide evenly (veScale's structure-aware planning).
+        experts.granularity = tensor::Granularity::row();
+      }
+      const fsdp::FSDPMesh experts_mesh = fsdp::make_fsdp_mesh(mesh, experts);
+      const std::string last_block = models[0]->layers().named_children().empty()
+                                         ? std::string()
+                                         : "layers." + models[0]->layers().named_children().back().first + ".";
+      for (const auto& [fqn, layer] : layers) {
+        fsdp::FSDPPolicy layer_policy = experts;
+        if (!options.fsdp_reshard_last_block && fqn.rfind(last_block, 0) == 0) {
+          layer_policy.reshard_after_forward = fsdp::ReshardAfterForward::never();
+        }
+        fsdp::fully_shard(layer->experts(), experts_mesh, layer_policy, fqn + ".experts");
+      }
+    }
     auto fsdp = apply_fsdp(*models[0], mesh, policy, options.fsdp_reshard_last_block);
-    init_sharded_weights(*models[0], *fsdp, options.seed, options.device, tp.get());
+    init_sharded_weights(*models[0], *fsdp, options.seed, options.device);
     parts.storage = std::make_unique<parallel::FsdpParameters>(fsdp);
     parts.synchronizers.push_back(std::make_shared<parallel::FsdpSync>(fsdp));
   } else {
     for (const auto& model : models) {
       model->to_empty(options.device);
-      if (tp) {
-        init_tp_weights(*model, *tp, options.seed);
+      if (tp || ep) {
+        init_placed_weights(*model, options.seed);
       } else {
         model->init_weights(options.seed);
       }
     }
   }
-  // 5. MoE load balancing: the selection biases move after each step's last backward, from the
+  // 6. MoE load balancing: the selection biases move after each step's last backward, from the
   //    token counts of every rank that routed a share of the batch through the same layers.
   std::vector<std::pair<std::string, moe::MoE*>> balanced;
   for (const auto& model : models) {
@@ -197,7 +266,7 @@ std::unique_ptr<parallel::ParallelizedModel> parallelize(std::shared_ptr<Decoder
     AutocastScope scope(device, autocast);
     return raw->forward_loss(batch.tokens, batch.labels, batch.layout);
   });
-  // 6. Without sharding, replicas average their gradients in backward (DDP's buckets).
+  // 7. Without sharding, replicas average their gradients in backward (DDP's buckets).
   if (!dims.fsdp_enabled() && dims.dp_replicate_enabled()) {
     parts.synchronizers.push_back(std::make_shared<parallel::DdpSync>(
         std::make_unique<ddp::DataParallel>(*model, mesh.comm("dp_replicate"))));

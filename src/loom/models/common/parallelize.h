@@ -16,6 +16,7 @@
 #include "loom/cp/ring_attention.h"
 #include "loom/distributed/device_mesh.h"
 #include "loom/distributed/parallel_dims.h"
+#include "loom/ep/expert_parallel.h"
 #include "loom/float8/convert.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/models/common/decoder.h"
@@ -78,10 +79,14 @@ std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Decoder& model, const fsdp::FSDPMes
 // Initializes the sharded parameters exactly as init_weights(seed) would the whole model (each
 // parameter drawn in full on the CPU on its own, this rank keeping its piece, so every device gets
 // the same values), and materializes the model's non-persistent buffers (RoPE cache) on `device`,
-// the rank's device (FSDPPolicy::device), if they are still on the meta device. With `tp`, FSDP
-// shards TP-local pieces: each is cut from its parameter's whole value.
+// the rank's device (FSDPPolicy::device), if they are still on the meta device. FSDP shards the
+// pieces other parallelisms left (TP, EP: their slots' layouts): each is cut from its parameter's
+// whole value.
 void init_sharded_weights(Decoder& model, fsdp::FSDPModule& fsdp, uint64_t seed,
-                          c10::Device device = c10::Device(c10::kCPU), const tp::TensorParallel* tp = nullptr);
+                          c10::Device device = c10::Device(c10::kCPU));
+// The same without FSDP: every parameter's piece of its slot's layout (the whole parameter when it
+// has none), for a model already materialized on its device.
+void init_placed_weights(Decoder& model, uint64_t seed);
 
 // The one composition, applied to the model parts this rank holds (the whole model, or its
 // pipeline stages), in TorchTitan's order: the Float8 conversion of the linears (float8 set; the

@@ -1,5 +1,7 @@
 #include "loom/models/common/tp_plan.h"
 
+#include "loom/models/common/parallelize.h"
+
 #include "loom/core/error.h"
 #include "loom/nn/init.h"
 
@@ -122,13 +124,9 @@ std::shared_ptr<tp::TensorParallel> apply_tp(Decoder& model, tensor::CommPtr com
   return tp;
 }
 
-void init_tp_weights(Decoder& model, const tp::TensorParallel& tp, uint64_t seed) {
-  for (const auto& p : model.named_parameters()) {
-    tp.init_local(p.name, p.slot->tensor, [&](const std::string& name, torch::Tensor& full) {
-      nn::init_parameter(model.parameter_init(name), name, seed, full);
-    });
-  }
-  model.reset_buffers();
+void init_tp_weights(Decoder& model, const tp::TensorParallel& /*tp*/, uint64_t seed) {
+  // The plan recorded each shard's layout in its slot.
+  init_placed_weights(model, seed);
 }
 
 void validate_tp_degree(const DecoderArgs& args, int64_t degree, int64_t seq_len, const TensorParallelOptions& options) {

@@ -31,6 +31,13 @@ moe::MoEOptions ModelArgs::moe_options() const {
   return o;
 }
 
+int64_t ModelArgs::routed_experts() const {
+  for (int64_t i = 0; i < n_layers; ++i) {
+    if (is_sparse(i)) return n_experts;
+  }
+  return 0;
+}
+
 void ModelArgs::validate() const {
   qwen3::ModelArgs::validate();
   LOOM_REQUIRE_USAGE(n_experts >= 1 && top_k >= 1 && top_k <= n_experts, "Qwen3-MoE: top_k = ", top_k,

@@ -29,6 +29,7 @@ struct ModelArgs : qwen3::ModelArgs {
   double load_balance_coeff = 1e-3;
 
   bool is_sparse(int64_t layer_id) const;
+  int64_t routed_experts() const override;
   moe::MoEOptions moe_options() const;
   void validate() const override;
   std::string summary() const override;
