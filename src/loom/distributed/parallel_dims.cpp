@@ -43,9 +43,9 @@ ParallelDims::ParallelDims(const ParallelDegrees& d, int world_size, int rank)
                      dp_shard_, " x cp ", cp_, " x tp ", tp_, " x pp ", pp_, " = ", product,
                      " != world size ", world_size, "; make the degrees multiply to ", world_size,
                      " (or set dp_shard = -1)");
-  LOOM_REQUIRE_USAGE(ep_ >= 1, "expert_parallel_degree = ", ep_, " is not a valid parallel degree; use a degree >= 1");
+  LOOM_REQUIRE_USAGE(ep_ >= 1, "parallelism.expert_parallel_degree = ", ep_, " is not a valid parallel degree; use a degree >= 1");
   const int borrowed = dp_shard_ * cp_ * tp_;
-  LOOM_REQUIRE_USAGE(borrowed % ep_ == 0, "expert_parallel_degree ", ep_, " does not divide dp_shard ", dp_shard_,
+  LOOM_REQUIRE_USAGE(borrowed % ep_ == 0, "parallelism.expert_parallel_degree ", ep_, " does not divide dp_shard ", dp_shard_,
                      " x cp ", cp_, " x tp ", tp_, " = ", borrowed,
                      "; experts are split over ranks of that block: pick a divisor of ", borrowed);
 }
