@@ -224,7 +224,21 @@ torch::Tensor FSDPModule::pre_forward(torch::Tensor input) {
       }
     }
   }
+  // A module's nested groups (an MoE layer's experts, sharded over their own mesh inside a block)
+  // are gathered with it: an around-hook on the module sees the parameters its forward will read,
+  // which activation checkpointing takes as its inputs (their gradients reach FSDP through them).
+  // Not for the root, whose nested groups are the blocks.
+  std::vector<FSDPParamGroup*> nested;
+  if (!is_root()) {
+    for (const auto& state : states()) {
+      if (state.get() != this && state->group_ && !state->group_->is_unsharded()) {
+        state->group_->unshard_async();
+        nested.push_back(state->group_.get());
+      }
+    }
+  }
   group_->wait_for_unshard();
+  for (FSDPParamGroup* g : nested) g->wait_for_unshard();
   return input;
 }
 

@@ -4,7 +4,9 @@
 // process's. The bias moves by +-coeff per step from the summed token counts, so an entry that
 // differs means some routing decision differed: the test reports how many entries do.
 // Layouts: EP 2 and EP 4 over the FSDP ranks (efsdp 1), EP 2 with FSDP over efsdp 2 (4 ranks),
-// EP 2 x TP 2 (the tp ranks as the ep group; with and without FSDP), EP 2 x PP 2, EP 2 x CP 2.
+// EP 2 x TP 2 (the tp ranks as the ep group; with and without FSDP), EP 2 x PP 2, EP 2 with HSDP
+// (2 replicas), with full activation checkpointing (the recompute dispatches again), with gradient
+// accumulation (2 micro-batches), and EP 2 x CP 2.
 #include <gtest/gtest.h>
 
 #include "loom/train/tests/layout_runs.h"
@@ -67,6 +69,9 @@ INSTANTIATE_TEST_SUITE_P(
         Layout{"ep2_pp2", 4, 4,
                "--parallelism.expert_parallel_degree=2 --parallelism.pipeline_parallel_degree=2"
                " --parallelism.pipeline_parallel_schedule=1F1B --parallelism.pipeline_parallel_microbatch_size=2"},
+        Layout{"ep2_hsdp", 4, 2, "--parallelism.expert_parallel_degree=2 --parallelism.data_parallel_replicate_degree=2"},
+        Layout{"ep2_efsdp2_ac_full", 4, 2, "--parallelism.expert_parallel_degree=2 --activation_checkpoint.mode=full"},
+        Layout{"ep2_accumulate", 2, 2, "--parallelism.expert_parallel_degree=2 --training.global_batch_size=8"},
         Layout{"ep2_cp2", 2, 8,
                "--parallelism.expert_parallel_degree=2 --parallelism.context_parallel_degree=2"
                " --parallelism.data_parallel_shard_degree=1"}),
