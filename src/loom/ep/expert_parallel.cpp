@@ -39,13 +39,22 @@ void ExpertParallel::apply(moe::MoE& moe, const std::string& fqn) {
   });
 }
 
-int64_t rows_sent_to_other_ranks(const std::vector<int64_t>& counts, int rank, int degree) {
-  const int64_t per_rank = static_cast<int64_t>(counts.size()) / degree;
-  int64_t sent = 0;
-  for (size_t e = 0; e < counts.size(); ++e) {
-    if (static_cast<int64_t>(e) / per_rank != rank) sent += counts[e];
+int64_t dispatch_wire_bytes(const std::vector<std::vector<int64_t>>& counts, int rank, int64_t dim,
+                            int64_t element_bytes) {
+  const int p = static_cast<int>(counts.size());
+  if (p <= 1) return 0;
+  const int64_t n_experts = static_cast<int64_t>(counts[rank].size());
+  const int64_t local = n_experts / p;
+  int64_t sent = 0, returned = 0;
+  for (int64_t e = 0; e < n_experts; ++e) {
+    if (e / local != rank) sent += counts[rank][e];
   }
-  return sent;
+  for (int s = 0; s < p; ++s) {
+    if (s == rank) continue;
+    for (int64_t e = rank * local; e < (rank + 1) * local; ++e) returned += counts[s][e];
+  }
+  const int64_t counts_bytes = static_cast<int64_t>(sizeof(int64_t)) * (n_experts - local);
+  return counts_bytes + 2 * (sent + returned) * dim * element_bytes;
 }
 
 torch::Tensor dispatch_to_experts(moe::GroupedExperts& experts, const torch::Tensor& rows,

@@ -59,8 +59,13 @@ class ExpertParallel {
 torch::Tensor dispatch_to_experts(moe::GroupedExperts& experts, const torch::Tensor& rows,
                                   const std::vector<int64_t>& counts, const tensor::CommPtr& comm);
 
-// Rows this rank sends to other ranks of the group in one dispatch (the same count comes back in
-// the combine), for counts[e] tokens per global expert: the all-to-all volume of docs/moe.md.
-int64_t rows_sent_to_other_ranks(const std::vector<int64_t>& counts, int rank, int degree);
+// Bytes this rank sends to the other ranks of the group (all-to-all wire bytes) for one MoE
+// layer's forward and backward: the counts exchange (E int64, all but its own E/P), then the rows
+// it dispatches to other ranks' experts and the rows it returns to them, each once in forward and
+// once (as gradients) in backward. `counts[s][e]`: the tokens rank s routes to expert e; `dim`
+// rows of `element_bytes`. The formula of docs/moe.md, exact (the EP tests compare it with the
+// measured counters).
+int64_t dispatch_wire_bytes(const std::vector<std::vector<int64_t>>& counts, int rank, int64_t dim,
+                            int64_t element_bytes);
 
 }  // namespace loom::ep

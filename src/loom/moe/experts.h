@@ -2,6 +2,12 @@
 // dim], w2 [E, dim, hidden] (TorchTitan's GroupedExperts; expert e computes
 // w2[e] (silu(w1[e] x) * w3[e] x)). Stacked weights are what expert parallelism shards (dim 0) and
 // what FSDP's planner keeps whole per expert.
+//
+// The three GEMMs of all experts are grouped GEMMs (at::_grouped_mm: one call over the token rows
+// cut at the experts' offsets) where the device allows: on the CPU for any floating dtype, on
+// CUDA for bfloat16, with both expert dims a multiple of 16 bytes (its alignment). Elsewhere, or with
+// set_grouped_mm(false), a loop of two GEMMs and one per expert over its rows. Both give the same
+// values (the CPU kernel runs the same per-group GEMMs).
 #pragma once
 #include <torch/torch.h>
 
@@ -22,6 +28,11 @@ class GroupedExperts : public nn::Module {
   // same parameters whatever its tokens.
   torch::Tensor forward(const torch::Tensor& x, const std::vector<int64_t>& counts);
 
+  // Whether forward may use at::_grouped_mm (default true; false forces the per-expert loop).
+  void set_grouped_mm(bool enabled) { grouped_mm_ = enabled; }
+  // Whether at::_grouped_mm takes these tokens and weights (device, dtype, alignment).
+  static bool grouped_mm_supported(const torch::Tensor& x, const torch::Tensor& w);
+
   const torch::Tensor& w1() const { return w1_->tensor; }
   const torch::Tensor& w2() const { return w2_->tensor; }
   const torch::Tensor& w3() const { return w3_->tensor; }
@@ -30,6 +41,7 @@ class GroupedExperts : public nn::Module {
 
  private:
   int64_t n_experts_, dim_, hidden_dim_;
+  bool grouped_mm_ = true;
   nn::ParameterSlot* w1_;
   nn::ParameterSlot* w2_;
   nn::ParameterSlot* w3_;

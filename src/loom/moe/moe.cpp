@@ -33,8 +33,8 @@ torch::Tensor MoE::forward(const torch::Tensor& x) {
     const int64_t n = tokens.size(0), k = options_.router.top_k;
     const Routing routing = router_->forward(tokens, expert_bias());
     // Training forwards only: validation and generation run without gradients and must not move
-    // the balance. (Activation checkpointing's recompute counts a layer's tokens twice, which the
-    // rule's sign ignores.)
+    // the balance. (Under activation checkpointing the first forward runs with gradients off inside
+    // the checkpoint function: the recompute counts the layer's tokens, once.)
     if (torch::GradMode::is_enabled()) {
       torch::NoGradGuard no_grad;
       tokens_per_expert_->tensor.add_(routing.counts.to(tokens_per_expert_->tensor.device(), torch::kFloat));

@@ -1,6 +1,7 @@
 // Expert parallelism: the experts' sharding and volume formula (one process), and the EP MoE layer
 // against the whole layer on 2 and 4 ranks (tests/worker/ep_worker.cpp: outputs, input, router and
-// expert gradients within 1e-5; experts and whole ranks without tokens).
+// expert gradients within 1e-5; experts and whole ranks without tokens; the all-to-all bytes equal
+// to the formula).
 #include <gtest/gtest.h>
 
 #include "loom/core/error.h"
@@ -42,11 +43,14 @@ TEST(ExpertParallel, OneRankKeepsEveryExpertAndTheLayerUnchanged) {
   EXPECT_TRUE(torch::equal(layer->forward(x), before));
 }
 
-TEST(ExpertParallel, RowsSentCountTheTokensOfOtherRanksExperts) {
-  // 8 experts over 4 ranks: rank 1 holds experts 2 and 3.
-  const std::vector<int64_t> counts = {3, 0, 5, 1, 0, 2, 4, 4};
-  EXPECT_EQ(loom::ep::rows_sent_to_other_ranks(counts, 1, 4), 3 + 0 + 0 + 2 + 4 + 4);
-  EXPECT_EQ(loom::ep::rows_sent_to_other_ranks(counts, 0, 1), 0);
+TEST(ExpertParallel, DispatchBytesFollowTheFormula) {
+  // 8 experts over 2 ranks: rank 1 holds experts 4-7. Rank 1 routes 1 + 2 tokens to rank 0's
+  // experts and receives 3 + 4 from rank 0 for its own.
+  const std::vector<std::vector<int64_t>> counts = {{5, 0, 0, 0, 3, 0, 4, 0}, {1, 0, 2, 0, 6, 6, 0, 0}};
+  const int64_t dim = 16, bytes = 4;
+  EXPECT_EQ(loom::ep::dispatch_wire_bytes(counts, 1, dim, bytes), 8 * 4 + 2 * (3 + 7) * dim * bytes);
+  EXPECT_EQ(loom::ep::dispatch_wire_bytes(counts, 0, dim, bytes), 8 * 4 + 2 * (7 + 3) * dim * bytes);
+  EXPECT_EQ(loom::ep::dispatch_wire_bytes({{1, 2}}, 0, dim, bytes), 0);  // one rank sends nothing
 }
 
 TEST(ExpertParallel, MatchesTheWholeLayerOnTwoRanks) { ep_tests::expect_workers("dispatch", 2); }

@@ -216,6 +216,39 @@ TEST(MoE, ExpertsWithoutTokensAndNoTokensAtAll) {
   }
 }
 
+// The grouped GEMM (at::_grouped_mm, the CPU kernel here) and the per-expert loop give the same
+// outputs and gradients, with an expert that gets no rows, and with the expanded (stride-0) output
+// gradient a plain sum() gives, which at::_grouped_mm's backward would reject.
+TEST(MoE, GroupedGemmMatchesThePerExpertLoop) {
+  torch::manual_seed(6);
+  loom::moe::GroupedExperts experts(4, 16, 8, torch::TensorOptions());
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : experts.named_parameters()) p.slot->tensor.normal_(0, 0.3);
+  }
+  ASSERT_TRUE(loom::moe::GroupedExperts::grouped_mm_supported(torch::randn({2, 16}), experts.w1()));
+  const torch::Tensor x = torch::randn({9, 16});
+  const std::vector<int64_t> counts = {3, 0, 5, 1};
+  auto run = [&](bool grouped, bool plain_sum) {
+    experts.set_grouped_mm(grouped);
+    for (auto& p : experts.named_parameters()) p.slot->tensor.mutable_grad() = torch::Tensor();
+    torch::Tensor xi = x.clone().requires_grad_(true);
+    const torch::Tensor y = experts.forward(xi, counts);
+    (plain_sum ? y.sum() : (y * torch::linspace(-1, 1, y.numel()).view(y.sizes())).sum()).backward();
+    std::vector<torch::Tensor> out = {y.detach(), xi.grad()};
+    for (auto& p : experts.named_parameters()) out.push_back(p.slot->tensor.grad());
+    return out;
+  };
+  for (bool plain_sum : {false, true}) {
+    const auto grouped = run(true, plain_sum), loop = run(false, plain_sum);
+    for (size_t i = 0; i < grouped.size(); ++i) {
+      EXPECT_LE((grouped[i] - loop[i]).abs().max().item<double>(), 1e-6 * (1 + loop[i].abs().max().item<double>()))
+          << "tensor " << i << (plain_sum ? " (sum)" : "");
+    }
+    EXPECT_EQ(grouped[3][1].abs().max().item<double>(), 0.0);  // w1 of the expert without rows
+  }
+}
+
 // Auxiliary-loss-free balancing: experts above the mean load lose `coeff`, those below gain it,
 // re-centred to mean 0; the counts accumulate over forwards (micro-batches) until the step.
 TEST(MoE, BalancingMovesTheBiasAgainstTheLoad) {

@@ -463,6 +463,9 @@ TEST(Compatibility, EveryRowIsAOneLineUsageErrorBeforeRendezvous) {
        "validation.enable = true is not supported with pipeline parallelism"},
       {{"--parallelism.pipeline_parallel_schedule_csv=my.csv"}, "needs pipeline parallelism"},
       {{"--optimizer.name=Muon", "--training.step_readback=log_steps"}, "\"log_steps\" needs AdamW"},
+      {{"--parallelism.expert_parallel_degree=2", "--parallelism.tensor_parallel_degree=2",
+        "--parallelism.disable_sequence_parallel=true"},
+       "with tensor parallelism needs sequence parallelism"},
   };
   for (const Case& c : cases) {
     const std::string message = usage_error([&] { load_job_config(config, c.overrides); });
@@ -474,12 +477,21 @@ TEST(Compatibility, EveryRowIsAOneLineUsageErrorBeforeRendezvous) {
   const distributed::ParallelDims one_rank({1, 1, 1, 1, 1}, 1, 0), fsdp2({1, 2, 1, 1, 1}, 2, 0);
   EXPECT_NE(usage_error([&] { check_compatibility(bf16, &one_rank); }).find("needs FSDP"), std::string::npos);
   check_compatibility(bf16, &fsdp2);
+  // EP without FSDP must be the TP degree: refused at tp 4 / ep 2 on 4 ranks without dp_shard,
+  // accepted at tp 2 / ep 2, and with FSDP over the rest.
+  const JobConfig ep2 = load_job_config(config, {"--parallelism.expert_parallel_degree=2"});
+  distributed::ParallelDegrees tp4{1, 1, 1, 4, 1, 2}, tp2{1, 1, 1, 2, 1, 2}, fsdp2_tp2{1, 2, 1, 2, 1, 2};
+  const distributed::ParallelDims tp4_ep2(tp4, 4, 0), tp2_ep2(tp2, 2, 0), fsdp_ep2(fsdp2_tp2, 4, 0);
+  EXPECT_NE(usage_error([&] { check_compatibility(ep2, &tp4_ep2); }).find("must equal tensor_parallel_degree"),
+            std::string::npos);
+  check_compatibility(ep2, &tp2_ep2);
+  check_compatibility(ep2, &fsdp_ep2);
   // Every row is listed in docs/config.md's table.
   const std::string table = compatibility_markdown();
   for (const Incompatibility& row : incompatibilities()) {
     EXPECT_NE(table.find("`" + row.first + "` | " + row.second), std::string::npos) << row.first;
   }
-  EXPECT_EQ(incompatibilities().size(), cases.size() + 1);
+  EXPECT_EQ(incompatibilities().size(), cases.size() + 2);
 }
 
 }  // namespace

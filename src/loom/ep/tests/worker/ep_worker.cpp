@@ -68,8 +68,12 @@ void check_case(const tensor::CommPtr& comm, const std::string& name, const moe:
   const torch::Tensor out_ref = reference->forward(x_ref);
   out_ref.backward(dout);
   torch::Tensor x_ep = x.clone().requires_grad_();
+  const distributed::CommSnapshot before = distributed::comm_stats().snapshot();
   const torch::Tensor out = parallel->forward(x_ep);
   out.backward(dout);
+  const distributed::CommSnapshot after = distributed::comm_stats().snapshot();
+  const double sent = after.get(distributed::CommOp::kAllToAll, comm->name()).wire_bytes.value() -
+                      before.get(distributed::CommOp::kAllToAll, comm->name()).wire_bytes.value();
 
   double worst_expert = 0;
   const int64_t local = o.router.n_experts / n;
@@ -88,9 +92,23 @@ void check_case(const tensor::CommPtr& comm, const std::string& name, const moe:
                ", experts ", worst_expert);
   LOOM_REQUIRE(torch::equal(parallel->tokens_per_expert(), reference->tokens_per_expert()), name, " rank ", r,
                ": the EP layer counted other tokens per expert than the whole layer");
+  // The all-to-all bytes of the forward and backward against the formula, from every rank's counts.
+  torch::Tensor all_counts = torch::empty({n * o.router.n_experts});
+  comm->all_gather_into_tensor(all_counts, parallel->tokens_per_expert().contiguous());
+  std::vector<std::vector<int64_t>> counts(n, std::vector<int64_t>(o.router.n_experts));
+  for (int s = 0; s < n; ++s) {
+    for (int64_t e = 0; e < o.router.n_experts; ++e) {
+      counts[s][e] = static_cast<int64_t>(all_counts[s * o.router.n_experts + e].item<float>());
+    }
+  }
+  const int64_t want_bytes = ep::dispatch_wire_bytes(counts, r, kDim, 4);
+  LOOM_REQUIRE(sent == static_cast<double>(want_bytes), name, " rank ", r, ": all-to-all sent ", sent,
+               " bytes, the formula says ", want_bytes);
   if (r == 0) {
-    std::printf("%s: max relative difference out %.2e dx %.2e router %.2e experts %.2e\n", name.c_str(), d_out, d_x,
-                d_router, worst_expert);
+    std::printf("%s: max relative difference out %.2e dx %.2e router %.2e experts %.2e; all-to-all %lld bytes "
+                "(formula %lld)\n",
+                name.c_str(), d_out, d_x, d_router, worst_expert, static_cast<long long>(sent),
+                static_cast<long long>(want_bytes));
   }
 }
 
