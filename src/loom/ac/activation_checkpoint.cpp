@@ -336,9 +336,9 @@ void hook_linear(nn::Linear& linear, const std::shared_ptr<OpCache>& cache) {
   });
 }
 
-void hook_attention(nn::Attention& attention, const std::shared_ptr<OpCache>& cache) {
-  nn::Attention* self = &attention;
-  nn::Attention::AttendFn core = attention.attend_fn();
+void hook_attention(nn::SelfAttention& attention, const std::shared_ptr<OpCache>& cache) {
+  nn::SelfAttention* self = &attention;
+  nn::SelfAttention::AttendFn core = attention.attend_fn();
   attention.set_attend([cache, self, core](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                            const nn::TokenLayout& layout) {
     auto run = [&](const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c) {
@@ -391,7 +391,7 @@ void checkpoint_module(nn::Module& module, bool per_op) {
         // A biased linear is at::linear's addmm, and a linear with an around-hook computes
         // something else (async TP's collective matmul): both are recomputed.
         if (!linear->has_bias() && !linear->forward_override()) hook_linear(*linear, cache);
-      } else if (auto* attention = dynamic_cast<nn::Attention*>(m)) {
+      } else if (auto* attention = dynamic_cast<nn::SelfAttention*>(m)) {
         hook_attention(*attention, cache);
       }
     }

@@ -132,7 +132,7 @@ torch::Tensor checkpoint(const nn::ForwardFn& forward, const torch::Tensor& inpu
 // Checkpoints every forward of `module` (see the top of this file): an around-hook chained to any
 // the module already has. With `per_op`, also hooks the module's ops: every nn::Linear below it
 // without a bias and without an around-hook of its own (async TP's collective matmuls have one:
-// those are recomputed), and every nn::Attention's core. Call once per module.
+// those are recomputed), and every attention's core (nn::SelfAttention). Call once per module.
 void checkpoint_module(nn::Module& module, bool per_op = false);
 
 // The replays the op-level policy builds the recomputed graph with, public for their tests.

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "loom/core/error.h"
+#include "loom/models/deepseek_v3/spec.h"
 #include "loom/models/llama3/spec.h"
 #include "loom/models/qwen3/spec.h"
 #include "loom/models/qwen3_moe/spec.h"
@@ -13,7 +14,8 @@ namespace loom::models {
 namespace {
 
 const std::vector<ModelSpec>& registered_specs() {
-  static const std::vector<ModelSpec> specs = {llama3::model_spec(), qwen3::model_spec(), qwen3_moe::model_spec()};
+  static const std::vector<ModelSpec> specs = {llama3::model_spec(), qwen3::model_spec(), qwen3_moe::model_spec(),
+                                                deepseek_v3::model_spec()};
   return specs;
 }
 

@@ -7,7 +7,7 @@ namespace loom::nn {
 
 Attention::Attention(int64_t dim, int64_t n_heads, int64_t n_kv_heads,
                      const torch::TensorOptions& options, const AttentionOptions& variant)
-    : Module("Attention"), n_heads_(n_heads), n_kv_heads_(n_kv_heads) {
+    : SelfAttention("Attention"), n_heads_(n_heads), n_kv_heads_(n_kv_heads) {
   LOOM_REQUIRE(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
                "n_heads (", n_heads, ") must be a positive multiple of n_kv_heads (", n_kv_heads,
                ")");
@@ -58,13 +58,13 @@ torch::Tensor block_causal_mask(const torch::Tensor& document_ids) {
   return (document_ids.unsqueeze(2) == document_ids.unsqueeze(1)).logical_and(causal).unsqueeze(1);
 }
 
-torch::Tensor Attention::attend(const torch::Tensor& q, const torch::Tensor& k,
-                                const torch::Tensor& v, const TokenLayout& layout) const {
+torch::Tensor SelfAttention::attend(const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, const TokenLayout& layout) const {
   return attend_ ? attend_(q, k, v, layout) : sdpa_attend(q, k, v, layout);
 }
 
-torch::Tensor Attention::sdpa_attend(const torch::Tensor& q, const torch::Tensor& k,
-                                     const torch::Tensor& v, const TokenLayout& layout) const {
+torch::Tensor SelfAttention::sdpa_attend(const torch::Tensor& q, const torch::Tensor& k,
+                                         const torch::Tensor& v, const TokenLayout& layout) const {
   const int64_t batch = q.size(0);
   const int64_t seq = q.size(1);
   const int64_t heads = q.size(2);  // this rank's query heads (all of them without TP)
@@ -81,7 +81,7 @@ torch::Tensor Attention::sdpa_attend(const torch::Tensor& q, const torch::Tensor
       /*enable_gqa=*/heads != k.size(2));
   // The CPU/CUDA flash kernels allocate the output as [B, T, H, D] and return a transposed view,
   // so this reshape is a view, not a copy.
-  return out.transpose(1, 2).reshape({batch, seq, heads * head_dim_});
+  return out.transpose(1, 2).reshape({batch, seq, heads * v.size(3)});
 }
 
 torch::Tensor Attention::forward(const torch::Tensor& x, const torch::Tensor& rope_cache, const TokenLayout& layout) {

@@ -1,5 +1,6 @@
 // Causal grouped-query self-attention with rotary embeddings, through
-// at::scaled_dot_product_attention (flash kernel on CPU and CUDA). Key/value heads are shared by
+// at::scaled_dot_product_attention (flash kernel on CPU and CUDA); SelfAttention is the part every
+// attention variant shares (the replaceable core; nn/mla.h is the other variant). Key/value heads are shared by
 // n_heads / n_kv_heads query heads via SDPA's enable_gqa, so K and V are never repeated in memory.
 #pragma once
 #include <torch/torch.h>
@@ -48,21 +49,16 @@ struct AttentionOptions {
   std::optional<double> qk_norm_eps;
 };
 
-class Attention : public Module {
+// What every self-attention of a decoder shares: the attention core between the projections and
+// the output projection, which parallelisms and generation replace from outside (context parallel's
+// ring attention, the KV cache). Its contract: q [B, T, H, Dqk], k [B, T, KV, Dqk], v [B, T, KV, Dv]
+// (after RoPE; KV divides H) -> [B, T, H * Dv], causal (or block-causal by the layout's documents),
+// softmax scale 1 / sqrt(Dqk). A variant with another scale folds it into q.
+class SelfAttention : public Module {
  public:
-  // n_heads must be a multiple of n_kv_heads; without options.head_dim, dim of n_heads.
-  Attention(int64_t dim, int64_t n_heads, int64_t n_kv_heads, const torch::TensorOptions& options,
-            const AttentionOptions& variant = {});
+  using Module::Module;
 
-  // x: [B, T, dim]; rope_cache: [2, >=T, head_dim] (loom/nn/rope.h), indexed by the layout's
-  // positions. Returns [B, T, dim].
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cache, const TokenLayout& layout = {});
-
-  // The steps of forward, separately callable (a fused-kernel path replaces them one at a time).
-  // Projects x to q [B, T, H, D] and k, v [B, T, KV, D] (q and k through the QK-norm when present).
-  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> project_qkv(const torch::Tensor& x);
-  // q [B, T, H, D], k/v [B, T, KV, D] (after RoPE) -> attention output [B, T, H * D]: causal SDPA,
-  // block-causal with the layout's documents, or the installed backend.
+  // The installed core, else the built-in SDPA one.
   torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        const TokenLayout& layout = {}) const;
   // Replaces the attention core (same contract as attend): a parallelism whose keys live on
@@ -75,6 +71,24 @@ class Attention : public Module {
   // The built-in core (what attend runs without an installed one): causal or block-causal SDPA.
   torch::Tensor sdpa_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const TokenLayout& layout = {}) const;
+
+ private:
+  AttendFn attend_;
+};
+
+class Attention : public SelfAttention {
+ public:
+  // n_heads must be a multiple of n_kv_heads; without options.head_dim, dim of n_heads.
+  Attention(int64_t dim, int64_t n_heads, int64_t n_kv_heads, const torch::TensorOptions& options,
+            const AttentionOptions& variant = {});
+
+  // x: [B, T, dim]; rope_cache: [2, >=T, head_dim] (loom/nn/rope.h), indexed by the layout's
+  // positions. Returns [B, T, dim].
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cache, const TokenLayout& layout = {});
+
+  // The steps of forward, separately callable (a fused-kernel path replaces them one at a time).
+  // Projects x to q [B, T, H, D] and k, v [B, T, KV, D] (q and k through the QK-norm when present).
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> project_qkv(const torch::Tensor& x);
 
   Linear& wq() { return *wq_; }
   Linear& wk() { return *wk_; }
@@ -95,7 +109,6 @@ class Attention : public Module {
   std::shared_ptr<Linear> wo_;
   std::shared_ptr<RMSNorm> q_norm_;  // null without QK-norm
   std::shared_ptr<RMSNorm> k_norm_;
-  AttendFn attend_;
 };
 
 }  // namespace loom::nn

@@ -1,5 +1,7 @@
 #include "loom/parallel/parallelized_model.h"
 
+#include <set>
+
 #include <ATen/record_function.h>
 
 #include <algorithm>
@@ -261,8 +263,21 @@ void ParallelizedModel::add_to_state_dict(checkpoint::ShardedStateDict& state, o
 void ParallelizedModel::load_full_parameters(const optim::TensorDict& full) {
   // Each parameter's piece of the other placements first (a TP box): what the storage holds whole.
   const ParameterLayouts layouts = parameter_layouts();
+  // Persistent buffers named in `full` (an MoE layer's selection bias) are whole on every rank
+  // that holds their module.
+  std::set<std::string> buffers;
+  torch::NoGradGuard no_grad;
+  for (const auto& module : parts_.modules) {
+    for (const auto& b : module->named_buffers()) {
+      const auto it = full.find(b.name);
+      if (!b.slot->persistent || it == full.end()) continue;
+      b.slot->tensor.copy_(it->second);
+      buffers.insert(b.name);
+    }
+  }
   optim::TensorDict pieces;
   for (const auto& [name, value] : full) {
+    if (buffers.count(name)) continue;
     torch::Tensor piece = value;
     if (const auto it = layouts.find(name); it != layouts.end()) {
       const tensor::Box box = it->second.local_box();

@@ -82,7 +82,7 @@ void run_info(const InfoOptions& o) {
                 human(static_cast<double>(counts.active)).c_str(), static_cast<long>(counts.active),
                 human(static_cast<double>(counts.total)).c_str());
   }
-  std::printf("training FLOPs/token at seq_len %ld: %.4e (6N + 12 L H d_head T, N = active non-embedding)\n",
+  std::printf("training FLOPs/token at seq_len %ld: %.4e (6N + 6 L H (d_qk + d_v) T, N = active non-embedding)\n",
               static_cast<long>(seq_len), flops);
   std::printf("fp32 weights: %.2f GiB; output head %s\n", static_cast<double>(counts.total) * 4 / (1 << 30),
               decoder != nullptr && decoder->tie_embeddings ? "tied to the token embedding" : "untied");

@@ -63,7 +63,7 @@ Decoder::Decoder(std::string type_name, std::shared_ptr<const DecoderArgs> args,
   }
   // The RoPE cache stays fp32 whatever the parameter dtype (bf16 angles lose positions).
   const auto cache_options = options.dtype(torch::kFloat32).requires_grad(false);
-  rope_cache_ = register_buffer("freqs", torch::empty({2, a.max_seq_len, a.head_dim()}, cache_options),
+  rope_cache_ = register_buffer("freqs", torch::empty({2, a.max_seq_len, a.rope_dim()}, cache_options),
                                 /*persistent=*/false);
   if (!rope_cache_->tensor.is_meta()) reset_buffers();
 }
@@ -72,9 +72,7 @@ void Decoder::reset_buffers() {
   torch::Tensor& cache = rope_cache_->tensor;
   LOOM_REQUIRE(!cache.is_meta(), "cannot compute the RoPE cache on the meta device; call to_empty(device) first");
   const DecoderArgs& a = *args_;
-  torch::Tensor values = nn::rope_cache(
-      nn::rope_inverse_frequencies(a.head_dim(), a.rope_theta, a.rope_scaling_or_none()), a.max_seq_len);
-  cache = values.to(cache.device(), cache.scalar_type());
+  cache = a.rope_cache_values().to(cache.device(), cache.scalar_type());
   for (const auto& [id, block] : layers_->named_children()) {
     if (auto* b = dynamic_cast<DecoderBlock*>(block.get())) b->reset_buffers();
   }
@@ -210,6 +208,10 @@ ParameterCounts count_parameters(Decoder& model) {
   return c;
 }
 
+torch::Tensor DecoderArgs::rope_cache_values() const {
+  return nn::rope_cache(nn::rope_inverse_frequencies(head_dim(), rope_theta, rope_scaling_or_none()), max_seq_len);
+}
+
 ParameterCounts count_transformer_parameters(const DecoderArgs& a) {
   const int64_t hd = a.head_dim();
   const int64_t attention = a.dim * a.n_heads * hd * 2 + a.dim * a.n_kv_heads * hd * 2 + (a.qk_norm ? 2 * hd : 0);
@@ -224,9 +226,10 @@ ParameterCounts count_transformer_parameters(const DecoderArgs& a) {
 }
 
 double flops_per_token(const DecoderArgs& args, int64_t non_embedding_params, int64_t seq_len) {
+  // Attention's score and value matmuls: 6 L H (d_qk + d_v) T (12 L H d T when the widths agree).
   return 6.0 * static_cast<double>(non_embedding_params) +
-         12.0 * static_cast<double>(args.n_layers) * static_cast<double>(args.n_heads) *
-             static_cast<double>(args.head_dim()) * static_cast<double>(seq_len);
+         6.0 * static_cast<double>(args.n_layers) * static_cast<double>(args.n_heads) *
+             static_cast<double>(args.qk_head_dim() + args.v_head_dim()) * static_cast<double>(seq_len);
 }
 
 void fail_unknown_flavor(const std::string& family, const std::string& name, const std::vector<std::string>& valid) {

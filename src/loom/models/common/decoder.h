@@ -51,6 +51,16 @@ struct DecoderArgs : ModelArgs {
   virtual int64_t routed_experts() const { return 0; }
   // RoPE frequency scaling (Llama 3.1's); none by default.
   virtual std::optional<nn::RopeScaling> rope_scaling_or_none() const { return std::nullopt; }
+  // The attention core's head widths (multi-head latent attention's differ) and key/value heads:
+  // what the FLOPs, a KV cache and context parallelism see. Default: head_dim and n_kv_heads.
+  virtual int64_t qk_head_dim() const { return head_dim(); }
+  virtual int64_t v_head_dim() const { return head_dim(); }
+  virtual int64_t attention_kv_heads() const { return n_kv_heads; }
+  // The rotated width of a head (MLA rotates only its rope part) and the decoder's RoPE cache
+  // [2, max_seq_len, rope_dim()] (nn/rope.h's layout). Default: head_dim() with
+  // rope_scaling_or_none().
+  virtual int64_t rope_dim() const { return head_dim(); }
+  virtual torch::Tensor rope_cache_values() const;
   // Throws loom::UsageError naming the first inconsistent field. Families extend it.
   virtual void validate() const;
 };
@@ -64,7 +74,7 @@ class DecoderBlock : public nn::Module {
   virtual torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cache,
                                 const nn::TokenLayout& layout) = 0;
   // The block's self-attention, whose core parallelisms and the KV cache replace from outside.
-  virtual nn::Attention& attention() = 0;
+  virtual nn::SelfAttention& attention() = 0;
   // Sets the block's buffers on their device after materialization (to_empty): an MoE block's
   // routing state starts at zero. Called by Decoder::reset_buffers.
   virtual void reset_buffers() {}

@@ -31,7 +31,7 @@ void check_generation_fits(int64_t prompt_tokens, int64_t max_new_tokens, int64_
 }
 
 int64_t kv_cache_bytes(const DecoderArgs& args, int64_t capacity, c10::ScalarType dtype) {
-  const int64_t per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim() *
+  const int64_t per_token = args.n_layers * args.attention_kv_heads() * (args.qk_head_dim() + args.v_head_dim()) *
                             static_cast<int64_t>(c10::elementSize(dtype));
   return per_token * capacity;
 }
@@ -58,8 +58,8 @@ Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory
       [&] {
         for (int64_t i = 0; i < layers; ++i) {
           auto cache = std::make_shared<LayerCache>();
-          cache->k = torch::empty({1, args.n_kv_heads, capacity, args.head_dim()}, options);
-          cache->v = torch::empty_like(cache->k);
+          cache->k = torch::empty({1, args.attention_kv_heads(), capacity, args.qk_head_dim()}, options);
+          cache->v = torch::empty({1, args.attention_kv_heads(), capacity, args.v_head_dim()}, options);
           caches_.push_back(std::move(cache));
         }
       },
@@ -71,8 +71,8 @@ Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory
     const int64_t cap = capacity;
     static_cast<DecoderBlock&>(*layer).attention().set_attend(
         [cache, cap](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const nn::TokenLayout&) {
-          // q [1, T, H, D], k/v [1, T, KV, D], already rotated at their positions.
-          const int64_t t = q.size(1), heads = q.size(2), head_dim = q.size(3);
+          // q [1, T, H, D], k [1, T, KV, D], v [1, T, KV, Dv], already rotated at their positions.
+          const int64_t t = q.size(1), heads = q.size(2), v_dim = v.size(3);
           const int64_t start = cache->length, end = start + t;
           LOOM_REQUIRE(end <= cap, "key/value cache full: ", end, " > ", cap);
           cache->k.narrow(2, start, t).copy_(k.transpose(1, 2));
@@ -91,7 +91,7 @@ Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory
           }
           const torch::Tensor out = at::scaled_dot_product_attention(
               q.transpose(1, 2), keys, values, mask, 0.0, causal, std::nullopt, heads != keys.size(1));
-          return out.transpose(1, 2).reshape({q.size(0), t, heads * head_dim});
+          return out.transpose(1, 2).reshape({q.size(0), t, heads * v_dim});
         });
   }
 }

@@ -50,7 +50,7 @@ std::shared_ptr<Decoder> build_empty(const ModelSpec& spec, const ModelArgs& arg
   int64_t bytes = 0;
   for (const auto& p : model->named_parameters()) bytes += p.tensor().numel() * p.tensor().element_size();
   // The RoPE table: cos and sin for every position (the decoder's "freqs" buffer).
-  bytes += 2 * a.max_seq_len * a.head_dim() * static_cast<int64_t>(sizeof(float));
+  bytes += 2 * a.max_seq_len * a.rope_dim() * static_cast<int64_t>(sizeof(float));
   memory::with_allocation_context(
       [&] {
         model->to_empty(load.options.device());
@@ -63,10 +63,49 @@ std::shared_ptr<Decoder> build_empty(const ModelSpec& spec, const ModelArgs& arg
 }
 
 // Copies checkpoint tensor `source_name` into the model's parameter `name`.
+// The scale tensor of a block-quantised fp8 weight (DeepSeek-V3's published checkpoints).
+constexpr const char* kScaleInvSuffix = "_scale_inv";
+constexpr int64_t kFp8Block = 128;
+
+bool is_fp8_scale(const checkpoint::SafetensorsCheckpoint& ckpt, const std::string& name) {
+  const std::string suffix = kScaleInvSuffix;
+  return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+         ckpt.contains(name.substr(0, name.size() - suffix.size()));
+}
+
+// A checkpoint tensor as float: a float8 weight with a `<name>_scale_inv` companion (one float32
+// scale per 128 x 128 block, DeepSeek's layout) is dequantised, w = q * scale of its block.
+torch::Tensor read_hf_tensor(const checkpoint::SafetensorsCheckpoint& ckpt, const std::string& name) {
+  torch::Tensor value = ckpt.tensor(name);
+  const c10::ScalarType type = value.scalar_type();
+  if (type != c10::kFloat8_e4m3fn && type != c10::kFloat8_e5m2) return value;
+  const std::string scale_name = name + kScaleInvSuffix;
+  LOOM_REQUIRE(ckpt.contains(scale_name), "tensor '", name, "' in '", ckpt.source().string(),
+               "' is float8 without '", scale_name, "' (its block scales); only block-quantised fp8 checkpoints load");
+  const torch::Tensor scale = ckpt.tensor(scale_name).to(torch::kFloat32);
+  LOOM_REQUIRE(value.dim() == 2 && scale.dim() == 2 && scale.size(0) == (value.size(0) + kFp8Block - 1) / kFp8Block &&
+                   scale.size(1) == (value.size(1) + kFp8Block - 1) / kFp8Block,
+               "'", scale_name, "' in '", ckpt.source().string(), "' has shape ", scale.sizes(), ", not one scale per ",
+               kFp8Block, "x", kFp8Block, " block of ", value.sizes());
+  const torch::Tensor blocks = scale.repeat_interleave(kFp8Block, 0)
+                                   .narrow(0, 0, value.size(0))
+                                   .repeat_interleave(kFp8Block, 1)
+                                   .narrow(1, 0, value.size(1));
+  return value.to(torch::kFloat32) * blocks;
+}
+
 void fill(Decoder& model, const std::string& name, const checkpoint::SafetensorsCheckpoint& ckpt,
           const std::string& source_name) {
+  torch::Tensor value = read_hf_tensor(ckpt, source_name);
+  // A persistent buffer (an MoE layer's selection bias, HF's e_score_correction_bias) loads too.
+  for (const auto& b : model.named_buffers()) {
+    if (b.name != name || !b.slot->persistent) continue;
+    LOOM_REQUIRE(value.sizes() == b.slot->tensor.sizes(), "tensor '", source_name, "' in '", ckpt.source().string(),
+                 "' has shape ", value.sizes(), " but buffer '", name, "' of the model has ", b.slot->tensor.sizes());
+    b.slot->tensor.copy_(value);
+    return;
+  }
   nn::ParameterSlot& slot = model.parameter_slot(name);
-  torch::Tensor value = ckpt.tensor(source_name);
   LOOM_REQUIRE(value.sizes() == slot.tensor.sizes(), "tensor '", source_name, "' in '",
                ckpt.source().string(), "' has shape ", value.sizes(), " but parameter '", name,
                "' of the model has ", slot.tensor.sizes());
@@ -176,12 +215,12 @@ LoadedModel load_hf_model_dir(const fs::path& dir, const LoadOptions& options) {
   // Loom tensors gathered from pieces: the rows (or row slices) filled so far, by name.
   std::map<std::string, int64_t> piece_elements;
   for (const std::string& hf_name : ckpt.names()) {
-    if (is_ignorable_hf_tensor(hf_name)) continue;
+    if (is_ignorable_hf_tensor(hf_name) || is_fp8_scale(ckpt, hf_name)) continue;
     if (hf.to_loom_pieces) {
       const checkpoint::SafetensorsEntry& entry = ckpt.entry(hf_name);
       const std::vector<HfFormat::Piece> pieces = hf.to_loom_pieces(hf_name, entry.shape);
       if (!pieces.empty()) {
-        const torch::Tensor value = ckpt.tensor(hf_name);
+        const torch::Tensor value = read_hf_tensor(ckpt, hf_name);
         for (const HfFormat::Piece& piece : pieces) {
           LOOM_REQUIRE(model->find_submodule(piece.loom_name.substr(0, piece.loom_name.rfind('.'))) != nullptr,
                        "tensor '", hf_name, "' in '", ckpt.source().string(), "' does not fit config.json");
@@ -344,6 +383,10 @@ InitialWeights read_initial_weights(const ModelSpec& spec, const fs::path& path)
   LOOM_REQUIRE_USAGE(loaded.spec->name == spec.name, "checkpoint.initial_load_path '", path.string(),
                      "' holds a ", loaded.spec->name, " model but model.name is ", spec.name);
   for (const auto& p : loaded.model->named_parameters()) weights.full_parameters[p.name] = p.tensor().detach();
+  // Persistent buffers (the selection bias) travel with them; load_full_parameters sets them.
+  for (const auto& b : loaded.model->named_buffers()) {
+    if (b.slot->persistent) weights.full_parameters[b.name] = b.slot->tensor;
+  }
   return weights;
 }
 
