@@ -319,13 +319,13 @@ void FSDPModule::pre_backward() {
     }
   }
   group_->wait_for_unshard();
-  group_->prepare_unsharded_grads();
+  if (group_->has_trainable()) group_->prepare_unsharded_grads();
 }
 
 void FSDPModule::post_backward() {
   in_backward_ = false;
   if (reshard_after_backward_) group_->reshard();
-  if (requires_gradient_sync_) {
+  if (requires_gradient_sync_ && group_->has_trainable()) {
     group_->reduce_grads_async();
     context().pending.push_back(group_.get());
   }

@@ -138,6 +138,9 @@ class FSDPParamGroup {
   void set_drain_pending(std::function<void()> callback) { drain_pending_ = std::move(callback); }
   void reset_backward_state();
   bool backward_started() const { return backward_started_; }
+  // Whether any parameter of the group is trainable; a frozen group (LoRA's base) gathers for
+  // forward and backward but has no gradients to reduce.
+  bool has_trainable() const { return num_trainable_ > 0; }
   void mark_backward_started() { backward_started_ = true; }
   // Issues the reduce-scatter of the unsharded gradients into the shard (async).
   void reduce_grads_async();

@@ -24,6 +24,7 @@ ShardedAdamW::ShardedAdamW(std::shared_ptr<FSDPModule> fsdp, optim::AdamWOptions
   LOOM_REQUIRE(fsdp_ != nullptr, "ShardedAdamW needs an FSDP module");
   LOOM_REQUIRE_USAGE(weight_decay_ >= 0.0, "weight decay must be >= 0, got ", weight_decay_);
   for (FSDPParamGroup* g : fsdp_->param_groups()) {
+    if (!g->has_trainable()) continue;  // a frozen group (LoRA's base): no state, no update
     Group group{g, optim::FlatAdamWState::zeros_like(g->sharded_params()), {}, {}};
     for (const auto& p : g->params()) {
       group.fqns.push_back(fsdp_->param_fqn(*g, p));

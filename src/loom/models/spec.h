@@ -31,6 +31,7 @@
 #include "loom/distributed/device_mesh.h"
 #include "loom/distributed/parallel_dims.h"
 #include "loom/float8/convert.h"
+#include "loom/lora/lora.h"
 #include "loom/fsdp/fully_shard.h"
 #include "loom/models/model_args.h"
 #include "loom/nn/module.h"
@@ -89,6 +90,9 @@ struct ParallelizeOptions {
   // [float8]: which linears a model converts is its plan (all but the filtered ones, before any
   // parallelism; see float8::convert_to_float8).
   float8::Float8Config float8;
+  // [lora]: which linears get adapters is the model's plan (by its Hugging Face module names);
+  // rank 0 = none.
+  lora::LoRAConfig lora;
   PipelineOptions pipeline;        // read when the mesh has "pp"
   // Autocast around each forward (mixed precision without FSDP); nullopt = full precision.
   std::optional<c10::ScalarType> autocast_dtype;

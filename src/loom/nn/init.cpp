@@ -61,6 +61,7 @@ void init_parameter(const ParameterInit& init, const std::string& name, uint64_t
       return;
     case ParameterInit::Kind::kNormal:
     case ParameterInit::Kind::kTruncatedNormal:
+    case ParameterInit::Kind::kKaimingUniform:
       break;
   }
   // Sample on the CPU in fp32 whatever the destination, so values do not depend on it.
@@ -70,6 +71,11 @@ void init_parameter(const ParameterInit& init, const std::string& name, uint64_t
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(parameter_seed(seed, name));
   if (init.kind == ParameterInit::Kind::kNormal) {
     normal_(values, init.mean, init.std, generator);
+  } else if (init.kind == ParameterInit::Kind::kKaimingUniform) {
+    LOOM_REQUIRE(full.dim() == 2 && full.size(1) > 0, "kaiming-uniform initialization of '", name,
+                 "' needs a 2-D [out, in] tensor, got ", full.sizes());
+    const double bound = 1.0 / std::sqrt(static_cast<double>(full.size(1)));
+    values.uniform_(-bound, bound, generator);
   } else {
     trunc_normal_(values, init.mean, init.std, init.lower, init.upper, generator);
   }

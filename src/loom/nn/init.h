@@ -14,7 +14,7 @@
 namespace loom::nn {
 
 struct ParameterInit {
-  enum class Kind { kNormal, kTruncatedNormal, kOnes, kZeros };
+  enum class Kind { kNormal, kTruncatedNormal, kOnes, kZeros, kKaimingUniform };
   Kind kind = Kind::kNormal;
   double mean = 0.0;
   double std = 1.0;
@@ -30,6 +30,9 @@ struct ParameterInit {
   }
   static ParameterInit ones() { return {Kind::kOnes, 0.0, 0.0, 0.0, 0.0}; }
   static ParameterInit zeros() { return {Kind::kZeros, 0.0, 0.0, 0.0, 0.0}; }
+  // torch.nn.init.kaiming_uniform_(a = sqrt(5)) of a 2-D [out, in] weight (nn.Linear's and PEFT's
+  // lora_A default): U(-1/sqrt(in), 1/sqrt(in)).
+  static ParameterInit kaiming_uniform() { return {Kind::kKaimingUniform, 0.0, 0.0, 0.0, 0.0}; }
 };
 
 // The generator seed of one parameter: a 64-bit mix of the run seed and the FNV-1a hash of its

@@ -1,6 +1,7 @@
 #include "loom/tp/tensor_parallel.h"
 
 #include "loom/core/error.h"
+#include "loom/lora/lora.h"
 #include "loom/tp/collective_matmul.h"
 
 namespace loom::tp {
@@ -43,11 +44,26 @@ void TensorParallel::reduce_partial_output(nn::Module& module) {
 void TensorParallel::colwise(nn::Linear& linear, const std::string& fqn) {
   shard_parameter(linear, fqn, "weight", 0);
   if (linear.has_bias()) shard_parameter(linear, fqn, "bias", 0);
+  // A LoRA adapter follows its base: B's output rows split like the weight's, A replicated (each
+  // rank's B rows give part of A's gradient, summed over the group).
+  if (nn::Module* adapter = linear.find_submodule(lora::kAdapterName)) {
+    const std::string path = (fqn.empty() ? "" : fqn + ".") + lora::kAdapterName;
+    shard_parameter(*adapter, path, "b", 0);
+    partial_grads_.push_back(path + ".a");
+  }
 }
 
 void TensorParallel::rowwise(nn::Linear& linear, const std::string& fqn) {
   LOOM_REQUIRE(!linear.has_bias(), "rowwise parallel linear ", fqn, " has a bias: not supported");
   shard_parameter(linear, fqn, "weight", 1);
+  // A LoRA adapter follows its base: A's input columns split like the weight's, B replicated; the
+  // adapter's output is then a partial sum like the base's, reduced with it.
+  if (nn::Module* adapter = linear.find_submodule(lora::kAdapterName)) {
+    LOOM_REQUIRE(!async_tp_, "LoRA with async tensor parallelism (refused by train/compatibility.cpp)");
+    const std::string path = (fqn.empty() ? "" : fqn + ".") + lora::kAdapterName;
+    shard_parameter(*adapter, path, "a", 1);
+    partial_grads_.push_back(path + ".b");
+  }
   if (async_tp_) {
     linear.set_forward_override([this](nn::Module& m, const torch::Tensor& x, const nn::ForwardFn&) {
       return matmul_reduce_scatter(x, static_cast<nn::Linear&>(m).weight(), kSequenceDim, comm_);

@@ -80,6 +80,23 @@ const std::vector<Incompatibility>& incompatibilities() {
                          "tensor_parallel_degree = ", c.parallelism.tensor_parallel_degree,
                          "; set it to the TP degree or shard the data-parallel ranks (data_parallel_shard_degree > 1)");
        }},
+      // Async TP replaces the linears' forward with collective matmuls, which know no adapter.
+      {"lora.rank > 0", "parallelism.enable_async_tensor_parallel",
+       [](const JobConfig& c, Dims) { return c.lora.rank > 0 && c.parallelism.enable_async_tensor_parallel; }, false,
+       [](const JobConfig&) {
+         return std::string("lora.rank > 0 does not compose with parallelism.enable_async_tensor_parallel (its collective "
+                            "matmuls replace the adapted linears); set enable_async_tensor_parallel = false");
+       }},
+      // The recompute would draw another dropout mask than the forward did.
+      {"lora.dropout > 0", "activation checkpointing",
+       [](const JobConfig& c, Dims) {
+         return c.lora.rank > 0 && c.lora.dropout > 0 && c.activation_checkpoint.mode != ac::Mode::kNone;
+       },
+       false,
+       [](const JobConfig& c) {
+         return c10::str("lora.dropout = ", c.lora.dropout, " does not compose with activation checkpointing (its "
+                         "recompute would draw another mask); set lora.dropout = 0 or activation_checkpoint.mode = \"none\"");
+       }},
       // Only an optimizer whose update takes the device-side guard (optim::StepGuard).
       {"training.step_readback = \"log_steps\"", "an optimizer without a device-side step guard",
        [](const JobConfig& c, Dims) {

@@ -22,6 +22,7 @@
 #include "loom/core/options.h"
 #include "loom/distributed/config.h"
 #include "loom/float8/convert.h"
+#include "loom/lora/lora.h"
 #include "loom/models/config.h"
 #include "loom/optim/lr_scheduler.h"
 #include "loom/parallel/config.h"
@@ -42,6 +43,7 @@ struct JobConfig {
   parallel::ParallelismConfig parallelism;
   ac::ACConfig activation_checkpoint;
   float8::Float8Config float8;
+  lora::LoRAConfig lora;
   MetricsSection metrics;
   checkpoint::CheckpointConfig checkpoint;
   ValidationSection validation;

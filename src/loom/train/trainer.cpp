@@ -298,6 +298,7 @@ void Trainer::parallelize() {
   options.device = device_;
   options.activation_checkpoint = config_.activation_checkpoint;
   options.float8 = config_.float8;
+  options.lora = config_.lora;
   options.pipeline = pipeline_options();
   if (!parallel_dims_->fsdp_enabled() && options.fsdp_mixed_precision.param_dtype != torch::kFloat32) {
     // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in

@@ -190,9 +190,16 @@ torch::Tensor Decoder::forward_part(const torch::Tensor& input, const torch::Ten
   });
 }
 
+nn::ParameterInit Decoder::initializer(const std::string& name) const {
+  for (const Initializer& init : initializers_) {
+    if (auto found = init(name)) return *found;
+  }
+  return parameter_init(name);
+}
+
 void Decoder::init_weights(uint64_t seed) {
   for (const auto& p : named_parameters()) {
-    nn::init_parameter(parameter_init(p.name), p.name, seed, p.slot->tensor);
+    nn::init_parameter(initializer(p.name), p.name, seed, p.slot->tensor);
   }
   reset_buffers();
 }

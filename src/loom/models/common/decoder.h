@@ -150,6 +150,12 @@ class Decoder : public nn::Module {
   // The family's initialization of parameter `name` (a dotted global name), read by
   // init_weights and by sharded materializations drawing one full parameter at a time.
   virtual nn::ParameterInit parameter_init(const std::string& name) const = 0;
+  // Initializers of parameters added from outside the family (LoRA adapters), consulted before
+  // parameter_init: the first that knows a name decides.
+  using Initializer = std::function<std::optional<nn::ParameterInit>(const std::string& name)>;
+  void add_initializer(Initializer initializer) { initializers_.push_back(std::move(initializer)); }
+  // What initializes parameter `name`: an added initializer's answer, else parameter_init(name).
+  nn::ParameterInit initializer(const std::string& name) const;
   // Initializes every parameter by name from `seed` and recomputes the RoPE cache. Identical
   // values whatever the device, dtype or later sharding.
   void init_weights(uint64_t seed);
@@ -178,6 +184,7 @@ class Decoder : public nn::Module {
   const torch::Tensor& rope_cache() const { return rope_cache_->tensor; }
 
  private:
+  std::vector<Initializer> initializers_;
   std::shared_ptr<const DecoderArgs> args_;
   std::shared_ptr<nn::Embedding> tok_embeddings_;
   std::shared_ptr<nn::ModuleDict> layers_;

@@ -58,7 +58,16 @@ ModelSpec decoder_spec(DecoderFamily family) {
                          const ParallelizeOptions& options) -> std::unique_ptr<parallel::ParallelizedModel> {
     auto model = std::dynamic_pointer_cast<Decoder>(std::move(module));
     LOOM_REQUIRE(model != nullptr, f->name, "'s parallelize was given a model its spec did not build");
-    const PlanOptions plan = PlanOptions::from(options);
+    PlanOptions plan = PlanOptions::from(options);
+    if (f->hf) {
+      // LoRA's targets are Hugging Face module names: a linear's HF path is its weight's minus ".weight".
+      const auto to_hf = f->hf->to_hf_name;
+      plan.lora_names = [to_hf](const std::string& path) -> std::optional<std::string> {
+        const auto name = to_hf(path + ".weight");
+        if (!name || name->size() < 7) return std::nullopt;
+        return name->substr(0, name->size() - 7);
+      };
+    }
     // Pipeline parallelism first splits the model into this rank's stages (built afresh, so the
     // whole meta model is not needed).
     if (dims.pp_enabled()) {

@@ -31,6 +31,7 @@ PlanOptions PlanOptions::from(const ParallelizeOptions& options) {
   plan.fsdp.device = options.device;  // FSDP's buffers on the rank's device (caching allocator on GPUs)
   plan.ac = ac::ACOptions::from(options.activation_checkpoint);
   if (options.float8.enable) plan.float8 = float8::Float8Options::from(options.float8);
+  if (options.lora.rank > 0) plan.lora = lora::LoRAOptions::from(options.lora);
   plan.seed = options.seed;
   plan.device = options.device;
   plan.autocast_dtype = options.autocast_dtype;
@@ -63,11 +64,11 @@ void draw_piece(Decoder& model, const std::map<std::string, tensor::TensorLayout
                 torch::Tensor& piece, uint64_t seed) {
   const auto it = layouts.find(name);
   if (it == layouts.end()) {
-    nn::init_parameter(model.parameter_init(name), name, seed, piece);
+    nn::init_parameter(model.initializer(name), name, seed, piece);
     return;
   }
   torch::Tensor full = torch::empty(it->second.global_shape, piece.options());
-  nn::init_parameter(model.parameter_init(name), name, seed, full);
+  nn::init_parameter(model.initializer(name), name, seed, full);
   const tensor::Box box = it->second.local_box();
   torch::Tensor part = full;
   for (size_t d = 0; d < box.sizes.size(); ++d) part = part.narrow(static_cast<int64_t>(d), box.offsets[d], box.sizes[d]);
@@ -145,6 +146,15 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
     for (const auto& model : models) {
       const auto report = float8::convert_to_float8(*model, *options.float8);
       log::info("float8: ", report.describe(options.float8->recipe));
+    }
+  }
+  // 0b. LoRA: adapters on the targeted linears (their around-hooks chained after Float8's), the
+  //     base frozen; the adapters' initialization joins the model's (A kaiming-uniform, B zero).
+  if (options.lora) {
+    for (const auto& model : models) {
+      const auto report = lora::apply_lora(*model, *options.lora, options.lora_names);
+      model->add_initializer(lora::adapter_init);
+      log::info("lora: ", report.describe(), " (rank ", options.lora->rank, ", scaling ", options.lora->scaling(), ")");
     }
   }
   // 1. Expert parallelism: each MoE layer keeps its share of the routed experts (Shard(0) on "ep",
@@ -229,7 +239,15 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
         fsdp::fully_shard(layer->experts(), experts_mesh, layer_policy, fqn + ".experts");
       }
     }
-    auto fsdp = apply_fsdp(*models[0], mesh, policy, options.fsdp_reshard_last_block);
+    const fsdp::FSDPMesh fsdp_mesh = fsdp::make_fsdp_mesh(mesh, policy);
+    if (options.lora) {
+      // Each adapter is its own (trainable) group, so the frozen base groups carry no gradient
+      // and no optimizer state.
+      for (const auto& [path, module] : models[0]->named_modules()) {
+        if (dynamic_cast<lora::Adapter*>(module) != nullptr) fsdp::fully_shard(*module, fsdp_mesh, policy, path);
+      }
+    }
+    auto fsdp = apply_fsdp(*models[0], fsdp_mesh, policy, options.fsdp_reshard_last_block);
     init_sharded_weights(*models[0], *fsdp, options.seed, options.device);
     parts.storage = std::make_unique<parallel::FsdpParameters>(fsdp);
     parts.synchronizers.push_back(std::make_shared<parallel::FsdpSync>(fsdp));

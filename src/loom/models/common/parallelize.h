@@ -40,6 +40,10 @@ struct FSDPReshardSetting {
 struct PlanOptions {
   // Float8 linears (convert_to_float8), applied before everything else; nullopt = off.
   std::optional<float8::Float8Options> float8;
+  // LoRA adapters on the targeted linears (after Float8, before any parallelism), the rest frozen;
+  // nullopt = off. `lora_names` maps a linear's path to its HF module path (the targets' names).
+  std::optional<lora::LoRAOptions> lora;
+  lora::HfModuleName lora_names;
   TensorParallelOptions tp;               // when the mesh has "tp"
   cp::RotateMethod cp_rotate_method = cp::RotateMethod::kAllGather;  // when the mesh has "cp"
   ac::ACOptions ac;                       // activation checkpointing of the blocks (apply_ac)

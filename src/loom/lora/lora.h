@@ -1,0 +1,91 @@
+// LoRA (Hu et al.; PEFT's LoraLayer, TorchTitan's LoRA converter), applied to a model from outside
+// like Float8: every nn::Linear the targets name gets a child "lora" (an Adapter with A [r, in] and
+// B [out, r]) and an around-hook computing
+//
+//     y = base(x) + s * B (A (dropout(x))),   s = alpha / r   (alpha / sqrt(r) with rsLoRA)
+//
+// chained after any hook already there (a Float8 base). A is kaiming-uniform (PEFT's
+// kaiming_uniform_(a = sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))), B zero, so the adapted model starts
+// as the base, bitwise. Every parameter outside the adapters is frozen (requires_grad false): no
+// gradient, no optimizer state, no gradient reduction.
+//
+// Targets are the Hugging Face module names PEFT's target_modules uses (q_proj, k_proj, v_proj,
+// o_proj, gate_proj, up_proj, down_proj, ...; a family's HF name map turns each Loom linear into its
+// HF path), or "all-linear" (every linear but the output head, as PEFT).
+#pragma once
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loom/core/options.h"
+#include "loom/nn/init.h"
+#include "loom/nn/layers.h"
+#include "loom/nn/module.h"
+
+namespace loom::lora {
+
+// The [lora] section of a job config (lora_section() is its schema). rank 0 = off.
+struct LoRAConfig {
+  int64_t rank = 0;
+  double alpha = 16.0;
+  double dropout = 0.0;
+  std::string target_modules = "q_proj,k_proj,v_proj,o_proj";
+  bool use_rslora = false;
+
+  bool operator==(const LoRAConfig&) const = default;
+};
+const options::Section& lora_section();
+
+struct LoRAOptions {
+  int64_t rank = 8;
+  double alpha = 16.0;
+  double dropout = 0.0;
+  std::vector<std::string> target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};  // or {"all-linear"}
+  bool use_rslora = false;
+
+  double scaling() const;
+  // target_modules split at commas, blanks trimmed.
+  static LoRAOptions from(const LoRAConfig& config);
+};
+
+// The adapter of one linear: a [rank, in] and b [out, rank] (PEFT's lora_A.weight, lora_B.weight).
+class Adapter : public nn::Module {
+ public:
+  Adapter(int64_t in_features, int64_t out_features, int64_t rank, const torch::TensorOptions& options);
+  // s * b (a (x)) for x [..., in] (dropout applied by the caller's hook).
+  torch::Tensor forward(const torch::Tensor& x, double scaling);
+  const torch::Tensor& a() const { return a_->tensor; }
+  const torch::Tensor& b() const { return b_->tensor; }
+
+ private:
+  nn::ParameterSlot* a_;
+  nn::ParameterSlot* b_;
+};
+
+inline constexpr const char* kAdapterName = "lora";  // the child a linear's adapter is registered as
+
+// Maps a linear's Loom path ("layers.0.attention.wq") to its HF module path
+// ("model.layers.0.self_attn.q_proj"); nullopt when the family has none.
+using HfModuleName = std::function<std::optional<std::string>(const std::string& loom_path)>;
+
+struct LoRAReport {
+  std::vector<std::string> adapted;  // Loom paths of the adapted linears, in module order
+  int64_t adapter_parameters = 0;
+  int64_t frozen_parameters = 0;
+  std::string describe() const;  // "28 linears adapted (rank 8): 1.84M adapter parameters, 494.03M frozen"
+};
+
+// Adds the adapters and their hooks to every targeted linear of `model` and freezes every other
+// parameter. The output head ("output") is never adapted. A target list that matches no linear is
+// a loom::UsageError listing the HF (or Loom) names of the model's linears.
+LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfModuleName& hf_name);
+
+// The initialization of an adapter parameter by name ("...lora.a": kaiming-uniform over its fan-in,
+// "...lora.b": zeros); nullopt for any other parameter.
+std::optional<nn::ParameterInit> adapter_init(const std::string& name);
+
+}  // namespace loom::lora

@@ -1,0 +1,101 @@
+// LoRA on a small stack of linears: the adapted model equals the base before training (B = 0),
+// the adapter adds s B A x afterwards (s = alpha / r, or alpha / sqrt(r) with rsLoRA), only the
+// adapters train, targets are matched by their HF names, and a target naming no linear is a
+// one-line error listing the model's.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "loom/core/error.h"
+#include "loom/lora/lora.h"
+#include "loom/testing/errors.h"
+
+namespace lora_tests {
+
+using loom::lora::LoRAOptions;
+
+// Two "attention" linears and an output head, named like a decoder's.
+class Tiny : public loom::nn::Module {
+ public:
+  Tiny() : loom::nn::Module("Tiny") {
+    wq = register_module("wq", std::make_shared<loom::nn::Linear>(8, 6, torch::TensorOptions()));
+    wo = register_module("wo", std::make_shared<loom::nn::Linear>(6, 8, torch::TensorOptions()));
+    output = register_module("output", std::make_shared<loom::nn::Linear>(8, 5, torch::TensorOptions()));
+    torch::NoGradGuard no_grad;
+    for (const auto& p : named_parameters()) p.slot->tensor.normal_();
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return output->forward(wo->forward(wq->forward(x))); }
+  std::shared_ptr<loom::nn::Linear> wq, wo, output;
+};
+
+std::optional<std::string> hf_name(const std::string& path) {
+  if (path == "wq") return "model.layers.0.self_attn.q_proj";
+  if (path == "wo") return "model.layers.0.self_attn.o_proj";
+  return std::nullopt;
+}
+
+TEST(LoRA, StartsAsTheBaseThenAddsTheScaledAdapter) {
+  torch::manual_seed(1);
+  Tiny model;
+  const torch::Tensor x = torch::randn({3, 8});
+  const torch::Tensor base = model.forward(x);
+  LoRAOptions o;
+  o.rank = 2, o.alpha = 4.0, o.target_modules = {"q_proj"};
+  const auto report = loom::lora::apply_lora(model, o, hf_name);
+  ASSERT_EQ(report.adapted, (std::vector<std::string>{"wq"}));
+  {
+    // PEFT's initialization: A kaiming-uniform, B zero.
+    torch::NoGradGuard no_grad;
+    model.parameter_slot("wq.lora.a").tensor.uniform_(-0.3, 0.3);
+    model.parameter_slot("wq.lora.b").tensor.zero_();
+  }
+  EXPECT_TRUE(torch::equal(model.forward(x), base));  // bitwise: B = 0
+  {
+    torch::NoGradGuard no_grad;
+    model.parameter_slot("wq.lora.b").tensor.normal_();
+  }
+  const torch::Tensor a = model.parameter("wq.lora.a"), b = model.parameter("wq.lora.b");
+  const torch::Tensor hq = at::linear(x, model.wq->weight()) + 2.0 * at::linear(at::linear(x, a), b);
+  const torch::Tensor want = at::linear(at::linear(hq, model.wo->weight()), model.output->weight());
+  EXPECT_TRUE(torch::allclose(model.forward(x), want, 1e-5, 1e-5));
+  // Only the adapter trains.
+  for (const auto& p : model.named_parameters()) {
+    const bool adapter = p.name.find(".lora.") != std::string::npos;
+    EXPECT_EQ(p.slot->requires_grad, adapter) << p.name;
+    EXPECT_EQ(p.tensor().requires_grad(), adapter) << p.name;
+  }
+  EXPECT_EQ(report.adapter_parameters, 2 * 8 + 6 * 2);
+  model.forward(x).sum().backward();
+  EXPECT_TRUE(model.parameter("wq.lora.a").grad().defined());
+  EXPECT_FALSE(model.wq->weight().grad().defined());
+}
+
+TEST(LoRA, ScalingAndInitialization) {
+  LoRAOptions o;
+  o.rank = 16, o.alpha = 8.0;
+  EXPECT_DOUBLE_EQ(o.scaling(), 0.5);
+  o.use_rslora = true;
+  EXPECT_DOUBLE_EQ(o.scaling(), 2.0);
+  EXPECT_EQ(loom::lora::adapter_init("layers.0.attention.wq.lora.a")->kind, loom::nn::ParameterInit::Kind::kKaimingUniform);
+  EXPECT_EQ(loom::lora::adapter_init("layers.0.attention.wq.lora.b")->kind, loom::nn::ParameterInit::Kind::kZeros);
+  EXPECT_FALSE(loom::lora::adapter_init("layers.0.attention.wq.weight").has_value());
+  // kaiming_uniform_(a = sqrt(5)) of [r, in]: U(-1/sqrt(in), 1/sqrt(in)).
+  torch::Tensor a = torch::empty({4, 64});
+  loom::nn::init_parameter(loom::nn::ParameterInit::kaiming_uniform(), "x.lora.a", 0, a);
+  EXPECT_LE(a.abs().max().item<double>(), 1.0 / 8.0);
+  EXPECT_GT(a.abs().max().item<double>(), 0.1);
+}
+
+TEST(LoRA, AllLinearSkipsTheHeadAndUnknownTargetsListTheModelsLinears) {
+  Tiny model;
+  LoRAOptions o;
+  o.rank = 2, o.target_modules = {"all-linear"};
+  EXPECT_EQ(loom::lora::apply_lora(model, o, hf_name).adapted, (std::vector<std::string>{"wq", "wo"}));
+  Tiny other;
+  o.target_modules = {"q_proj", "gate_proj"};
+  loom::testing::expect_error<loom::UsageError>(
+      [&] { loom::lora::apply_lora(other, o, hf_name); },
+      {"lora.target_modules names 'gate_proj', which is no linear of this model; its linears: o_proj, q_proj"});
+}
+
+}  // namespace lora_tests
