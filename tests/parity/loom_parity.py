@@ -67,3 +67,37 @@ def compare_greedy_generate(model, checkpoint, prompt, new_tokens, failures):
     print(f"greedy generate: loom {got[:8]}... transformers {expected[:8]}... equal: {got == expected}")
     if got != expected:
         failures.append(f"greedy generate differs: loom {got} transformers {expected}")
+
+
+def check_score(label, checkpoint, tokens, reference, logits_out, failures, logit_tolerance=1e-4, nll_tolerance=1e-5):
+    """`loom score` of `tokens` against transformers' `reference` logits and the NLL torch computes
+    from them; appends to `failures` what is off. Returns Loom's logits."""
+    logits, nll = loom_score(checkpoint, tokens, logits_out)
+    diff = (logits - reference).abs().max().item()
+    ref_nll = torch.nn.functional.cross_entropy(reference[:-1].double(), torch.tensor(tokens[1:])).item()
+    print(f"{label}: score max |dlogit| {diff:.3e} (max |logit| {reference.abs().max().item():.2f}), "
+          f"mean NLL loom {nll:.8f} torch {ref_nll:.8f}")
+    if diff > logit_tolerance:
+        failures.append(f"{label}: score logits differ by {diff:.3e}")
+    if abs(nll - ref_nll) > nll_tolerance:
+        failures.append(f"{label}: mean NLL differs by {abs(nll - ref_nll):.3e}")
+    return logits
+
+
+def check_fused_experts_layout(label, model, hf_dir, fused_dir, tokens, logits, logits_out, failures):
+    """The model's in-memory state dict (transformers 5's fused experts.gate_up_proj / down_proj)
+    saved with `hf_dir`'s config must score exactly like the per-expert checkpoint (`logits`)."""
+    from safetensors.torch import save_file
+    import json
+    os.makedirs(fused_dir)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if not any(k.endswith("experts.gate_up_proj") for k in state):
+        failures.append(f"{label}: transformers' state dict has no fused gate_up_proj to test")
+    save_file(state, os.path.join(fused_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(hf_dir, "config.json")) as f, open(os.path.join(fused_dir, "config.json"), "w") as g:
+        json.dump(json.load(f), g)
+    fused_logits, _ = loom_score(fused_dir, tokens, logits_out)
+    fused_diff = (fused_logits - logits).abs().max().item()
+    print(f"{label}: fused gate_up_proj/down_proj layout: logits equal to the per-expert load: {fused_diff == 0}")
+    if fused_diff != 0:
+        failures.append(f"{label}: the fused layout scores differently ({fused_diff:.3e})")

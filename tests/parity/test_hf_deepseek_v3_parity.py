@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from loom_parity import compare_greedy_generate, compare_round_trip, hf_logits, loom, loom_score
+from loom_parity import (check_fused_experts_layout, check_score, compare_greedy_generate, compare_round_trip,
+                         hf_logits, loom, loom_score)
 
 LOGIT_TOLERANCE = 1e-4
 NLL_TOLERANCE = 1e-5
@@ -74,15 +75,8 @@ def check_model(label, q_lora_rank, yarn, tmp, failures):
     tokens = [int(x) for x in torch.randint(0, 257, (SEQ_LEN,), generator=torch.Generator().manual_seed(3))]
     reference = hf_logits(model, tokens)
 
-    logits, nll = loom_score(hf_dir, tokens, os.path.join(tmp, f"{label}.safetensors"))
-    diff = (logits - reference).abs().max().item()
-    ref_nll = torch.nn.functional.cross_entropy(reference[:-1].double(), torch.tensor(tokens[1:])).item()
-    print(f"{label}: score max |dlogit| {diff:.3e} (max |logit| {reference.abs().max().item():.2f}), "
-          f"mean NLL loom {nll:.8f} torch {ref_nll:.8f}")
-    if diff > LOGIT_TOLERANCE:
-        failures.append(f"{label}: score logits differ by {diff:.3e}")
-    if abs(nll - ref_nll) > NLL_TOLERANCE:
-        failures.append(f"{label}: mean NLL differs by {abs(nll - ref_nll):.3e}")
+    logits = check_score(label, hf_dir, tokens, reference, os.path.join(tmp, f"{label}.safetensors"), failures,
+                         LOGIT_TOLERANCE, NLL_TOLERANCE)
 
     loom("convert", "--input", hf_dir, "--output", loom_dir, "--to", "loom")
     loom("convert", "--input", loom_dir, "--output", back_dir, "--to", "hf")
@@ -96,19 +90,8 @@ def check_model(label, q_lora_rank, yarn, tmp, failures):
     if back_diff > 0:
         failures.append(f"{label}: round-trip logits differ ({back_diff:.3e})")
 
-    # transformers 5's fused layout, as its in-memory state dict holds it.
-    os.makedirs(fused_dir)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if not any(k.endswith("experts.gate_up_proj") for k in state):
-        failures.append(f"{label}: transformers' state dict has no fused gate_up_proj to test")
-    save_file(state, os.path.join(fused_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(hf_dir, "config.json")) as f, open(os.path.join(fused_dir, "config.json"), "w") as g:
-        json.dump(json.load(f), g)
-    fused_logits, _ = loom_score(fused_dir, tokens, os.path.join(tmp, f"{label}-fused.safetensors"))
-    fused_diff = (fused_logits - logits).abs().max().item()
-    print(f"{label}: fused gate_up_proj/down_proj layout: logits equal to the per-expert load: {fused_diff == 0}")
-    if fused_diff != 0:
-        failures.append(f"{label}: the fused layout scores differently ({fused_diff:.3e})")
+    check_fused_experts_layout(label, model, hf_dir, fused_dir, tokens, logits,
+                               os.path.join(tmp, f"{label}-fused.safetensors"), failures)
     return model, hf_dir, loom_dir, tokens
 
 

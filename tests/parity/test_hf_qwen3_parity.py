@@ -24,7 +24,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from loom_parity import compare_greedy_generate, compare_round_trip, hf_logits, loom, loom_score
+from loom_parity import check_score, compare_greedy_generate, compare_round_trip, hf_logits, loom, loom_score
 
 LOGIT_TOLERANCE = 1e-4
 NLL_TOLERANCE = 1e-5
@@ -71,15 +71,8 @@ def check_model(label, tied, tmp, failures):
     tokens = [int(x) for x in torch.randint(0, 257, (SEQ_LEN,), generator=torch.Generator().manual_seed(2))]
     reference = hf_logits(model, tokens)
 
-    logits, nll = loom_score(hf_dir, tokens, os.path.join(tmp, f"{label}.safetensors"))
-    diff = (logits - reference).abs().max().item()
-    ref_nll = torch.nn.functional.cross_entropy(reference[:-1].double(), torch.tensor(tokens[1:])).item()
-    print(f"{label}: score max |dlogit| {diff:.3e} (max |logit| {reference.abs().max().item():.2f}), "
-          f"mean NLL loom {nll:.8f} torch {ref_nll:.8f}")
-    if diff > LOGIT_TOLERANCE:
-        failures.append(f"{label}: score logits differ by {diff:.3e}")
-    if abs(nll - ref_nll) > NLL_TOLERANCE:
-        failures.append(f"{label}: mean NLL differs by {abs(nll - ref_nll):.3e}")
+    logits = check_score(label, hf_dir, tokens, reference, os.path.join(tmp, f"{label}.safetensors"), failures,
+                         LOGIT_TOLERANCE, NLL_TOLERANCE)
 
     loom("convert", "--input", hf_dir, "--output", loom_dir, "--to", "loom")
     loom("convert", "--input", loom_dir, "--output", back_dir, "--to", "hf")

@@ -1,5 +1,9 @@
 #include "loom/models/common/hf_names.h"
 
+#include <regex>
+
+#include "loom/core/error.h"
+
 #include <array>
 #include <utility>
 
@@ -59,6 +63,45 @@ std::optional<std::string> loom_to_hf_decoder_name(const std::string& loom_name,
     }
   }
   return std::nullopt;
+}
+
+namespace {
+
+const std::regex kHfExpert(R"(model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight)");
+const std::regex kHfFusedExperts(R"(model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj))");
+const std::regex kLoomExperts(R"(layers\.(\d+)\.moe\.experts\.(w1|w2|w3))");
+
+const char* loom_expert_weight(const std::string& proj) { return proj == "gate" ? "w1" : proj == "up" ? "w3" : "w2"; }
+const char* hf_expert_proj(const std::string& w) { return w == "w1" ? "gate" : w == "w3" ? "up" : "down"; }
+
+}  // namespace
+
+std::vector<HfFormat::Piece> hf_expert_pieces(const std::string& name, c10::IntArrayRef shape) {
+  std::smatch m;
+  if (std::regex_match(name, m, kHfExpert)) {
+    return {{c10::str("layers.", m[1], ".moe.experts.", loom_expert_weight(m[3])), std::stoll(m[2].str())}};
+  }
+  if (std::regex_match(name, m, kHfFusedExperts)) {
+    const std::string prefix = c10::str("layers.", m[1], ".moe.experts.");
+    if (m[2] == "down_proj") return {{prefix + "w2"}};
+    // gate_up_proj [E, 2F, D]: gate rows first, then up (transformers' chunk(2) order).
+    LOOM_REQUIRE(shape.size() == 3 && shape[1] % 2 == 0, "'", name, "' must be [E, 2 x F, D], got ", shape);
+    const int64_t f = shape[1] / 2;
+    return {{prefix + "w1", std::nullopt, 1, 0, f}, {prefix + "w3", std::nullopt, 1, f, f}};
+  }
+  return {};
+}
+
+std::optional<std::vector<std::pair<std::string, torch::Tensor>>> experts_to_hf_tensors(const std::string& name,
+                                                                                       const torch::Tensor& value) {
+  std::smatch m;
+  if (!std::regex_match(name, m, kLoomExperts)) return std::nullopt;
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (int64_t e = 0; e < value.size(0); ++e) {
+    out.emplace_back(c10::str("model.layers.", m[1], ".mlp.experts.", e, ".", hf_expert_proj(m[2]), "_proj.weight"),
+                     value[e]);
+  }
+  return out;
 }
 
 bool is_ignorable_hf_tensor(const std::string& hf_name) {

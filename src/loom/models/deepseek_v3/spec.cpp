@@ -6,6 +6,7 @@
 
 #include "loom/core/error.h"
 #include "loom/models/common/decoder_spec.h"
+#include "loom/models/common/hf_names.h"
 
 namespace loom::deepseek_v3 {
 namespace {
@@ -43,10 +44,6 @@ const std::vector<std::pair<std::string, std::string>>& layer_names() {
 
 const std::regex kHfLayer(R"(model\.layers\.(\d+)\.(.+))");
 const std::regex kLoomLayer(R"(layers\.(\d+)\.(.+))");
-const std::regex kHfExpert(R"(model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight)");
-const std::regex kHfFused(R"(model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj))");
-const std::regex kLoomExperts(R"(layers\.(\d+)\.moe\.experts\.(w1|w2|w3))");
-
 std::optional<std::string> to_loom_name(const std::string& name) {
   if (name == "model.embed_tokens.weight") return "tok_embeddings.weight";
   if (name == "model.norm.weight") return "norm.weight";
@@ -69,36 +66,6 @@ std::optional<std::string> to_hf_name(const std::string& name) {
     if (m[2] == loom) return c10::str("model.layers.", m[1], ".", hf);
   }
   return std::nullopt;
-}
-
-const char* loom_weight(const std::string& proj) { return proj == "gate" ? "w1" : proj == "up" ? "w3" : "w2"; }
-const char* hf_proj(const std::string& w) { return w == "w1" ? "gate" : w == "w3" ? "up" : "down"; }
-
-std::vector<models::HfFormat::Piece> to_loom_pieces(const std::string& name, c10::IntArrayRef shape) {
-  std::smatch m;
-  if (std::regex_match(name, m, kHfExpert)) {
-    return {{c10::str("layers.", m[1], ".moe.experts.", loom_weight(m[3])), std::stoll(m[2].str())}};
-  }
-  if (std::regex_match(name, m, kHfFused)) {
-    const std::string prefix = c10::str("layers.", m[1], ".moe.experts.");
-    if (m[2] == "down_proj") return {{prefix + "w2"}};
-    // gate_up_proj [E, 2F, D]: gate rows first, then up (transformers' chunk(2) order).
-    LOOM_REQUIRE(shape.size() == 3 && shape[1] % 2 == 0, "'", name, "' must be [E, 2 x F, D], got ", shape);
-    const int64_t f = shape[1] / 2;
-    return {{prefix + "w1", std::nullopt, 1, 0, f}, {prefix + "w3", std::nullopt, 1, f, f}};
-  }
-  return {};
-}
-
-std::optional<std::vector<std::pair<std::string, torch::Tensor>>> to_hf_tensors(const std::string& name,
-                                                                                const torch::Tensor& value) {
-  std::smatch m;
-  if (!std::regex_match(name, m, kLoomExperts)) return std::nullopt;
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (int64_t e = 0; e < value.size(0); ++e) {
-    out.emplace_back(c10::str("model.layers.", m[1], ".mlp.experts.", e, ".", hf_proj(m[2]), "_proj.weight"), value[e]);
-  }
-  return out;
 }
 
 template <typename T>
@@ -284,8 +251,8 @@ models::ModelSpec model_spec() {
   };
   hf.to_loom_name = to_loom_name;
   hf.to_hf_name = to_hf_name;
-  hf.to_loom_pieces = to_loom_pieces;
-  hf.to_hf_tensors = to_hf_tensors;
+  hf.to_loom_pieces = models::hf_expert_pieces;
+  hf.to_hf_tensors = models::experts_to_hf_tensors;
   family.hf = std::move(hf);
   return models::decoder_spec(std::move(family));
 }

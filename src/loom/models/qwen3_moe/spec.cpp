@@ -21,41 +21,20 @@ const ModelArgs& args_of(const models::ModelArgs& args) {
 
 // HF's names of a sparse layer's MoE ("model.layers.<i>.mlp.<rest>") and Loom's ("layers.<i>.moe.<rest>").
 const std::regex kHfGate(R"(model\.layers\.(\d+)\.mlp\.gate\.weight)");
-const std::regex kHfExpert(R"(model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight)");
-const std::regex kHfFused(R"(model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj))");
 const std::regex kLoomGate(R"(layers\.(\d+)\.moe\.router\.gate\.weight)");
-const std::regex kLoomExperts(R"(layers\.(\d+)\.moe\.experts\.(w1|w2|w3))");
-
-const char* loom_weight(const std::string& proj) { return proj == "gate" ? "w1" : proj == "up" ? "w3" : "w2"; }
-const char* hf_proj(const std::string& w) { return w == "w1" ? "gate" : w == "w3" ? "up" : "down"; }
 
 std::vector<models::HfFormat::Piece> to_loom_pieces(const std::string& name, c10::IntArrayRef shape) {
+  auto pieces = models::hf_expert_pieces(name, shape);
+  if (!pieces.empty()) return pieces;
   std::smatch m;
-  if (std::regex_match(name, m, kHfExpert)) {
-    return {{c10::str("layers.", m[1], ".moe.experts.", loom_weight(m[3])), std::stoll(m[2].str())}};
-  }
-  if (std::regex_match(name, m, kHfFused)) {
-    const std::string prefix = c10::str("layers.", m[1], ".moe.experts.");
-    if (m[2] == "down_proj") return {{prefix + "w2"}};
-    // gate_up_proj [E, 2F, D]: gate rows first, then up (transformers' chunk(2) order).
-    LOOM_REQUIRE(shape.size() == 3 && shape[1] % 2 == 0, "'", name, "' must be [E, 2 x F, D], got ", shape);
-    const int64_t f = shape[1] / 2;
-    return {{prefix + "w1", std::nullopt, 1, 0, f}, {prefix + "w3", std::nullopt, 1, f, f}};
-  }
   if (std::regex_match(name, m, kHfGate)) return {{c10::str("layers.", m[1], ".moe.router.gate.weight")}};
   return {};
 }
 
 std::optional<std::vector<std::pair<std::string, torch::Tensor>>> to_hf_tensors(const std::string& name,
                                                                                 const torch::Tensor& value) {
+  if (auto experts = models::experts_to_hf_tensors(name, value)) return experts;
   std::smatch m;
-  if (std::regex_match(name, m, kLoomExperts)) {
-    std::vector<std::pair<std::string, torch::Tensor>> out;
-    for (int64_t e = 0; e < value.size(0); ++e) {
-      out.emplace_back(c10::str("model.layers.", m[1], ".mlp.experts.", e, ".", hf_proj(m[2]), "_proj.weight"), value[e]);
-    }
-    return out;
-  }
   if (std::regex_match(name, m, kLoomGate)) {
     return std::vector<std::pair<std::string, torch::Tensor>>{{c10::str("model.layers.", m[1], ".mlp.gate.weight"), value}};
   }
