@@ -466,6 +466,10 @@ TEST(Compatibility, EveryRowIsAOneLineUsageErrorBeforeRendezvous) {
       {{"--parallelism.expert_parallel_degree=2", "--parallelism.tensor_parallel_degree=2",
         "--parallelism.disable_sequence_parallel=true"},
        "with tensor parallelism needs sequence parallelism"},
+      {{"--lora.rank=4", "--parallelism.enable_async_tensor_parallel=true"},
+       "lora.rank > 0 does not compose with parallelism.enable_async_tensor_parallel"},
+      {{"--lora.rank=4", "--lora.dropout=0.1", "--activation_checkpoint.mode=full"},
+       "lora.dropout = 0.1 does not compose with activation checkpointing"},
   };
   for (const Case& c : cases) {
     const std::string message = usage_error([&] { load_job_config(config, c.overrides); });
