@@ -450,13 +450,14 @@ optim::TensorDict FSDPModule::full_state_dict() {
   return out;
 }
 
-void FSDPModule::load_full_state_dict(const optim::TensorDict& full) {
+void FSDPModule::load_full_state_dict(const optim::TensorDict& full, const std::set<std::string>& optional) {
   reshard();
   size_t used = 0;
   for (FSDPParamGroup* g : param_groups()) {
     for (size_t i = 0; i < g->params().size(); ++i) {
       const std::string name = param_fqn(*g, g->params()[i]);
       auto it = full.find(name);
+      if (it == full.end() && optional.count(name)) continue;
       LOOM_REQUIRE(it != full.end(), "FSDP load_full_state_dict: parameter '", name,
                    "' is missing from the state dict");
       g->load_full_param(i, it->second);
@@ -493,7 +494,7 @@ std::vector<ShardedTensor> FSDPModule::sharded_state_dict() {
   for (FSDPParamGroup* g : param_groups()) {
     for (const auto& p : g->params()) {
       out.push_back({param_fqn(*g, p), p.sharded, g->plan().tensors[p.index].shape,
-                     g->params_buffer().global_range(p.index).begin});
+                     g->params_buffer().global_range(p.index).begin, p.trainable});
     }
   }
   return out;

@@ -28,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -114,6 +115,7 @@ struct ShardedTensor {
   std::vector<int64_t> global_shape;  // the full tensor's shape
   // Row-major flat index in the full tensor of local's first element.
   int64_t global_offset = 0;
+  bool trainable = true;  // false: a frozen parameter (LoRA's base)
 };
 
 class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
@@ -173,7 +175,9 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   optim::TensorDict full_state_dict();
   // Writes this rank's piece of every parameter named in `full` (fully qualified names; every
   // parameter must be present). No communication.
-  void load_full_state_dict(const optim::TensorDict& full);
+  // Fills every parameter from `full` (whole tensors by name); `optional`: parameters `full` may
+  // lack, which keep their values (a LoRA adapter when `full` is the base).
+  void load_full_state_dict(const optim::TensorDict& full, const std::set<std::string>& optional = {});
   // Draws each parameter's full value with `fill(fqn, full)` (a CPU fp32 tensor of its shape, one
   // at a time) and keeps this rank's piece: initialization without materializing the model.
   void init_parameters(

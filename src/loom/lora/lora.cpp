@@ -151,6 +151,7 @@ LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfMod
     linear->register_module(kAdapterName, adapter);
     Adapter* raw = adapter.get();
     nn::ForwardOverride previous = linear->forward_override();
+    raw->set_previous_override(previous);
     linear->set_forward_override([previous, raw, scaling, dropout](nn::Module& m, const torch::Tensor& x,
                                                                  const nn::ForwardFn& forward) {
       const torch::Tensor base = previous ? previous(m, x, forward) : forward(x);
@@ -172,6 +173,67 @@ LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfMod
     }
   }
   return report;
+}
+
+Adapter* find_adapter(nn::Module& model, const std::string& linear_path) {
+  nn::Module* linear = linear_path.empty() ? &model : model.find_submodule(linear_path);
+  if (linear == nullptr) return nullptr;
+  return dynamic_cast<Adapter*>(linear->find_submodule(kAdapterName));
+}
+
+int64_t remove_lora(nn::Module& model) {
+  std::vector<std::pair<nn::Module*, Adapter*>> adapted;
+  for (const auto& [path, module] : model.named_modules()) {
+    if (auto* adapter = dynamic_cast<Adapter*>(module->find_submodule(kAdapterName))) adapted.emplace_back(module, adapter);
+  }
+  for (auto& [linear, adapter] : adapted) {
+    linear->set_forward_override(adapter->previous_override());
+    linear->remove_module(kAdapterName);  // the adapter is destroyed here
+  }
+  return static_cast<int64_t>(adapted.size());
+}
+
+void merge_lora(nn::Module& model, const LoRAOptions& options) {
+  const double scaling = options.scaling();
+  torch::NoGradGuard no_grad;
+  for (const auto& [path, module] : model.named_modules()) {
+    auto* linear = dynamic_cast<nn::Linear*>(module);
+    Adapter* adapter = linear != nullptr ? dynamic_cast<Adapter*>(linear->find_submodule(kAdapterName)) : nullptr;
+    if (adapter == nullptr) continue;
+    torch::Tensor w = linear->weight();
+    const torch::Tensor delta = at::matmul(adapter->b().to(torch::kFloat32), adapter->a().to(torch::kFloat32)) * scaling;
+    w.copy_((w.to(torch::kFloat32) + delta.to(w.device())).to(w.scalar_type()));
+  }
+  remove_lora(model);
+}
+
+nlohmann::json to_json(const LoRAOptions& options) {
+  return {{"rank", options.rank},
+          {"alpha", options.alpha},
+          {"dropout", options.dropout},
+          {"target_modules", options.target_modules},
+          {"use_rslora", options.use_rslora}};
+}
+
+LoRAOptions from_json(const nlohmann::json& entry, const std::string& source) {
+  static const std::set<std::string> keys = {"rank", "alpha", "dropout", "target_modules", "use_rslora"};
+  LOOM_REQUIRE(entry.is_object(), source, ": the \"", kCheckpointKey, "\" entry is not an object: ", entry.dump());
+  for (const auto& [key, value] : entry.items()) {
+    LOOM_REQUIRE(keys.count(key), source, ": unknown key '", key, "' in the \"", kCheckpointKey, "\" entry");
+  }
+  LoRAOptions o;
+  try {
+    o.rank = entry.at("rank").get<int64_t>();
+    o.alpha = entry.at("alpha").get<double>();
+    o.dropout = entry.value("dropout", 0.0);
+    o.target_modules = entry.at("target_modules").get<std::vector<std::string>>();
+    o.use_rslora = entry.value("use_rslora", false);
+  } catch (const nlohmann::json::exception& e) {
+    fail(source, ": malformed \"", kCheckpointKey, "\" entry ", entry.dump(), " (", e.what(), ")");
+  }
+  LOOM_REQUIRE(o.rank > 0 && o.alpha > 0 && !o.target_modules.empty(), source, ": the \"", kCheckpointKey,
+               "\" entry needs rank > 0, alpha > 0 and target modules: ", entry.dump());
+  return o;
 }
 
 std::optional<nn::ParameterInit> adapter_init(const std::string& name) {

@@ -13,6 +13,7 @@
 // o_proj, gate_proj, up_proj, down_proj, ...; a family's HF name map turns each Loom linear into its
 // HF path), or "all-linear" (every linear but the output head, as PEFT).
 #pragma once
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -60,10 +61,15 @@ class Adapter : public nn::Module {
   torch::Tensor forward(const torch::Tensor& x, double scaling);
   const torch::Tensor& a() const { return a_->tensor; }
   const torch::Tensor& b() const { return b_->tensor; }
+  // The around-hook its linear had before the adapter's (a Float8 base's), which remove_lora
+  // puts back.
+  const nn::ForwardOverride& previous_override() const { return previous_; }
+  void set_previous_override(nn::ForwardOverride previous) { previous_ = std::move(previous); }
 
  private:
   nn::ParameterSlot* a_;
   nn::ParameterSlot* b_;
+  nn::ForwardOverride previous_;
 };
 
 inline constexpr const char* kAdapterName = "lora";  // the child a linear's adapter is registered as
@@ -83,6 +89,25 @@ struct LoRAReport {
 // parameter. The output head ("output") is never adapted. A target list that matches no linear is
 // a loom::UsageError listing the HF (or Loom) names of the model's linears.
 LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfModuleName& hf_name);
+
+// Removes every adapter of `model` (children "lora" and their hooks; the previous hooks are put
+// back): the model computes the base again, so another adapter can be applied to the same
+// resident base. Returns how many were removed. Frozen parameters stay frozen.
+int64_t remove_lora(nn::Module& model);
+
+// Folds every adapter into its base weight, W <- W + s B A (computed in float32, stored in W's
+// dtype), then removes the adapters (PEFT's merge_and_unload). `options` must be those applied.
+void merge_lora(nn::Module& model, const LoRAOptions& options);
+
+// The adapter of the linear at `linear_path`, or null.
+Adapter* find_adapter(nn::Module& model, const std::string& linear_path);
+
+// A checkpoint's record of its adapters (the "lora" entry of its global JSON): rank, alpha,
+// dropout, target_modules (a list), use_rslora. from_json: a one-line loom::Error naming `source`
+// for a malformed entry.
+nlohmann::json to_json(const LoRAOptions& options);
+LoRAOptions from_json(const nlohmann::json& entry, const std::string& source);
+inline constexpr const char* kCheckpointKey = "lora";
 
 // The initialization of an adapter parameter by name ("...lora.a": kaiming-uniform over its fan-in,
 // "...lora.b": zeros); nullopt for any other parameter.

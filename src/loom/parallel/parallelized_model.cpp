@@ -249,8 +249,22 @@ std::map<std::string, double> ParallelizedModel::step_metrics() const {
   return out;
 }
 
-void ParallelizedModel::add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer) {
-  parts_.storage->add_to_state_dict(state, optimizer, parameter_layouts());
+void ParallelizedModel::add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer, bool frozen) {
+  const ParameterLayouts layouts = parameter_layouts();
+  parts_.storage->add_parameters(state, layouts, /*trainable=*/true);
+  if (frozen) parts_.storage->add_parameters(state, layouts, /*trainable=*/false);
+  parts_.storage->add_optimizer_state(state, optimizer, layouts);
+  add_persistent_buffers(state);
+}
+
+void ParallelizedModel::add_base_to_state_dict(checkpoint::ShardedStateDict& state) {
+  parts_.storage->add_parameters(state, parameter_layouts(), /*trainable=*/!has_frozen_parameters());
+  add_persistent_buffers(state);
+}
+
+bool ParallelizedModel::has_frozen_parameters() { return parts_.storage->has_frozen_parameters(); }
+
+void ParallelizedModel::add_persistent_buffers(checkpoint::ShardedStateDict& state) {
   // Persistent buffers (state the model learns outside the gradients, e.g. an MoE layer's
   // selection bias) are identical on every rank that holds their module: saved whole, loaded in place.
   for (const auto& module : parts_.modules) {
@@ -287,7 +301,16 @@ void ParallelizedModel::load_full_parameters(const optim::TensorDict& full) {
     }
     pieces[name] = piece;
   }
-  parts_.storage->load_pieces(pieces, parts_.step->holds_model_parts());
+  // Under a frozen base the values are the base's: the adapters keep their initialization.
+  std::set<std::string> optional;
+  if (has_frozen_parameters()) {
+    for (const auto& module : parts_.modules) {
+      for (const auto& p : module->named_parameters()) {
+        if (p.slot->requires_grad) optional.insert(p.name);
+      }
+    }
+  }
+  parts_.storage->load_pieces(pieces, parts_.step->holds_model_parts(), optional);
 }
 
 }  // namespace loom::parallel

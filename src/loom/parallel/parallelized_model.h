@@ -99,10 +99,19 @@ class ParallelizedModel {
   // (spec.build); spec.check_layout refuses this layout and `device` first.
   std::unique_ptr<optim::Optimizer> build_optimizer(const OptimizerSpec& spec, const OptimizerRequest& request,
                                                     const c10::Device& device);
-  // This rank's pieces of the parameters (component "model") and of `optimizer`'s state
-  // ("optimizer"), with their global shapes: what a checkpoint saves and any layout loads.
-  void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer);
-  // Writes this rank's pieces of the given whole parameters (e.g. a Hugging Face checkpoint).
+  // This rank's pieces of the parameters and persistent buffers (component "model") and of
+  // `optimizer`'s state ("optimizer"), with their global shapes: what a training checkpoint saves
+  // and any layout loads. `frozen`: whether the frozen parameters (LoRA's base) are in it; a
+  // checkpoint leaves them out when they come from a file it references instead.
+  void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer, bool frozen = true);
+  // The parameters initial weights fill (checkpoint.initial_load_path), component "model": the
+  // frozen ones when some are frozen (the base under LoRA adapters), else every parameter; and
+  // the persistent buffers.
+  void add_base_to_state_dict(checkpoint::ShardedStateDict& state);
+  bool has_frozen_parameters();
+  // Writes this rank's pieces of the given whole parameters (e.g. a Hugging Face checkpoint): every
+  // parameter of the base (add_base_to_state_dict); trainable parameters of a model with a frozen
+  // base (adapters) may be absent and keep their initialization.
   void load_full_parameters(const optim::TensorDict& full);
 
  private:
@@ -113,6 +122,7 @@ class ParallelizedModel {
   void finish_gradient_sync();
   // The layouts of the parameters a parallelism shards besides the storage (their slots'), by name.
   ParameterLayouts parameter_layouts();
+  void add_persistent_buffers(checkpoint::ShardedStateDict& state);
 
   ParallelParts parts_;
   StepCallbacks callbacks_;

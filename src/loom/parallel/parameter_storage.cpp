@@ -94,26 +94,41 @@ std::unique_ptr<optim::Optimizer> ModuleParameters::build_optimizer(const Optimi
   return spec.build(trainable, request);
 }
 
-void ModuleParameters::add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
-                                         const ParameterLayouts& layouts) {
+void ModuleParameters::add_parameters(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts,
+                                      bool trainable) {
   for (const auto& p : named_parameters()) {
+    if (p.slot->requires_grad != trainable) continue;
     add_piece(state, layouts, p.name, checkpoint::kModelComponent, p.name, p.slot->tensor.detach(), {}, std::nullopt);
   }
+}
+
+void ModuleParameters::add_optimizer_state(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
+                                           const ParameterLayouts& layouts) {
   for (const auto& [name, t] : optimizer.state_dict()) {
     add_piece(state, layouts, "optimizer." + name, checkpoint::kOptimizerComponent, moment_parameter(name), t, {},
               std::nullopt);
   }
 }
 
-void ModuleParameters::load_pieces(const optim::TensorDict& pieces, bool subset) {
+bool ModuleParameters::has_frozen_parameters() {
+  for (const auto& p : named_parameters()) {
+    if (!p.slot->requires_grad) return true;
+  }
+  return false;
+}
+
+void ModuleParameters::load_pieces(const optim::TensorDict& pieces, bool subset, const std::set<std::string>& optional) {
   auto params = named_parameters();
+  size_t required = 0;
+  for (const auto& p : params) required += optional.count(p.name) ? 0 : 1;
   // A pipeline rank holds some of the parameters; the others' values are for the other ranks.
-  LOOM_REQUIRE(params.size() == pieces.size() || (subset && params.size() < pieces.size()), "initial weights have ",
-               pieces.size(), " parameters but the model has ", params.size(),
+  LOOM_REQUIRE(required == pieces.size() || (subset && required < pieces.size()), "initial weights have ",
+               pieces.size(), " parameters but the model has ", required,
                "; check model.flavor and model.vocab_size");
   torch::NoGradGuard no_grad;
   for (const auto& p : params) {
     auto it = pieces.find(p.name);
+    if (it == pieces.end() && optional.count(p.name)) continue;
     LOOM_REQUIRE(it != pieces.end(), "initial weights have no parameter '", p.name,
                  "'; check model.flavor and model.vocab_size");
     LOOM_REQUIRE(it->second.sizes() == p.tensor().sizes(), "initial weight '", p.name, "' ", it->second.sizes(),
@@ -165,12 +180,26 @@ void FsdpParameters::describe_layout(OptimizerLayout& layout) const {
   layout.half_precision_shards = mp.param_dtype == c10::kBFloat16 || mp.reduce_dtype == c10::kBFloat16;
 }
 
-void FsdpParameters::add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
-                                       const ParameterLayouts& layouts) {
+void FsdpParameters::add_parameters(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts,
+                                    bool trainable) {
   for (const auto& st : fsdp_->sharded_state_dict()) {
+    if (st.trainable != trainable) continue;
     add_piece(state, layouts, st.name, checkpoint::kModelComponent, st.name, st.local, st.global_shape,
               st.global_offset);
   }
+}
+
+bool FsdpParameters::has_frozen_parameters() {
+  for (fsdp::FSDPParamGroup* group : fsdp_->param_groups()) {
+    for (const auto& p : group->params()) {
+      if (!p.trainable) return true;
+    }
+  }
+  return false;
+}
+
+void FsdpParameters::add_optimizer_state(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
+                                         const ParameterLayouts& layouts) {
   const auto* sharded = dynamic_cast<const fsdp::ShardedOptimizer*>(&optimizer);
   LOOM_REQUIRE(sharded, "an FSDP model's optimizer must keep its state on the shards (fsdp::ShardedOptimizer); "
                "build it with build_optimizer");
@@ -188,8 +217,8 @@ void FsdpParameters::add_to_state_dict(checkpoint::ShardedStateDict& state, opti
   }
 }
 
-void FsdpParameters::load_pieces(const optim::TensorDict& pieces, bool /*subset*/) {
-  fsdp_->load_full_state_dict(pieces);
+void FsdpParameters::load_pieces(const optim::TensorDict& pieces, bool /*subset*/, const std::set<std::string>& optional) {
+  fsdp_->load_full_state_dict(pieces, optional);
 }
 
 }  // namespace loom::parallel

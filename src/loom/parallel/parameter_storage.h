@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -44,12 +45,19 @@ class ParameterStorage {
   virtual std::unique_ptr<optim::Optimizer> build_optimizer(const OptimizerSpec& spec,
                                                             const OptimizerRequest& request) = 0;
   virtual void describe_layout(OptimizerLayout& /*layout*/) const {}
-  // This rank's pieces of the parameters (component "model") and of `optimizer`'s state.
-  virtual void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
-                                 const ParameterLayouts& layouts) = 0;
+  // This rank's pieces of the trainable parameters (`trainable`) or of the frozen ones (LoRA's
+  // base), component "model".
+  virtual void add_parameters(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts,
+                              bool trainable) = 0;
+  // This rank's pieces of `optimizer`'s state, component "optimizer".
+  virtual void add_optimizer_state(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
+                                   const ParameterLayouts& layouts) = 0;
+  // Whether any parameter this rank holds is frozen (requires_grad false).
+  virtual bool has_frozen_parameters() = 0;
   // Writes the given values (each parameter's piece of this rank's placement, e.g. its TP box)
-  // into the storage; `subset`: the modules hold only some of them (pipeline stages).
-  virtual void load_pieces(const optim::TensorDict& pieces, bool subset) = 0;
+  // into the storage; `subset`: the modules hold only some of them (pipeline stages); `optional`:
+  // parameters the values may lack, which keep theirs (LoRA's adapters when loading the base).
+  virtual void load_pieces(const optim::TensorDict& pieces, bool subset, const std::set<std::string>& optional) = 0;
 };
 
 // The modules' own parameters.
@@ -62,9 +70,11 @@ class ModuleParameters : public ParameterStorage {
   bool gradients_persist() const override { return false; }
   void zero_grad() override;
   std::unique_ptr<optim::Optimizer> build_optimizer(const OptimizerSpec& spec, const OptimizerRequest& request) override;
-  void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
-                         const ParameterLayouts& layouts) override;
-  void load_pieces(const optim::TensorDict& pieces, bool subset) override;
+  void add_parameters(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts, bool trainable) override;
+  void add_optimizer_state(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
+                           const ParameterLayouts& layouts) override;
+  bool has_frozen_parameters() override;
+  void load_pieces(const optim::TensorDict& pieces, bool subset, const std::set<std::string>& optional) override;
 
  private:
   std::vector<nn::NamedParameter> named_parameters();
@@ -84,9 +94,11 @@ class FsdpParameters : public ParameterStorage {
   void zero_grad() override { fsdp_->zero_grad(); }
   std::unique_ptr<optim::Optimizer> build_optimizer(const OptimizerSpec& spec, const OptimizerRequest& request) override;
   void describe_layout(OptimizerLayout& layout) const override;
-  void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
-                         const ParameterLayouts& layouts) override;
-  void load_pieces(const optim::TensorDict& pieces, bool subset) override;
+  void add_parameters(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts, bool trainable) override;
+  void add_optimizer_state(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
+                           const ParameterLayouts& layouts) override;
+  bool has_frozen_parameters() override;
+  void load_pieces(const optim::TensorDict& pieces, bool subset, const std::set<std::string>& optional) override;
   fsdp::FSDPModule& fsdp() { return *fsdp_; }
 
  private:

@@ -26,6 +26,8 @@
 #include "loom/distributed/launch_env.h"
 #include "loom/fsdp/sharded_muon.h"
 #include "loom/fsdp/sharded_optimizer.h"
+#include "loom/lora/lora.h"
+#include "loom/models/common/adapter_dir.h"
 #include "loom/nn/fused.h"
 #include "loom/optim/adamw.h"
 #include "loom/optim/clip_grad.h"
@@ -109,7 +111,8 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   build_model();       // 4. meta-device model (the spec's), counts, FLOPs/token
   parallelize();       // 5+6. the spec's plan: TP, FSDP or DDP; materialize, init
   init_optimizer();    // 7. AdamW + LR schedule
-  init_checkpointing();  // 8. resume or initial weights
+  base_reference_ = frozen_base_reference();  // 8. what a frozen base is (LoRA), then resume or
+  init_checkpointing();                       //    initial weights
 
   // 9. Run folder: resolved config and metrics.
   const fs::path dump(config_.job.dump_folder);
@@ -374,12 +377,16 @@ void Trainer::init_checkpointing() {
     auto group = dist_->world_size() > 1 ? checkpoint::comm_group(dist_->world())
                                          : checkpoint::single_process_group();
     checkpointer_ = std::make_unique<checkpoint::Checkpointer>(options, group);
+    // A frozen base (LoRA's) is no part of the training checkpoints, which hold the adapters: it
+    // is loaded first, resuming or not, and must be the base the checkpoint records.
+    if (base_reference_.is_object() && !c.initial_load_path.empty()) load_initial_weights(c.initial_load_path);
     checkpoint::LoadOptions load_options;
     load_options.skip_model_only = true;  // a model-only last save cannot resume training
     if (auto loaded = checkpointer_->load(state_dict(), load_options)) {
       LOOM_REQUIRE(!loaded->model_only, "checkpoint ", loaded->path.string(),
                    " holds only model weights and cannot resume training; set "
                    "checkpoint.initial_load_path to it instead, or remove it");
+      check_resumed_base(*loaded);
       step_ = loaded->json.at("step").get<int64_t>();
       LOOM_REQUIRE_USAGE(step_ < config_.training.steps, "checkpoint ", loaded->path.string(),
                          " is at step ", step_, ", which is not before training.steps = ",
@@ -399,7 +406,33 @@ void Trainer::init_checkpointing() {
       return;
     }
   }
-  if (!c.initial_load_path.empty()) load_initial_weights(c.initial_load_path);
+  if (!c.initial_load_path.empty() && !(checkpointer_ && base_reference_.is_object())) {
+    load_initial_weights(c.initial_load_path);
+  }
+}
+
+nlohmann::json Trainer::frozen_base_reference() {
+  if (!parallel_model_->has_frozen_parameters()) return nullptr;
+  const std::string& path = config_.checkpoint.initial_load_path;
+  if (path.empty()) return {{"seed", config_.training.seed}};
+  // Rank 0 reads the base's files; every rank gets its answer, so a mismatch on resume fails all.
+  std::string reference;
+  if (dist_->rank() == 0) reference = models::base_reference(path).dump();
+  auto group = dist_->world_size() > 1 ? checkpoint::comm_group(dist_->world()) : checkpoint::single_process_group();
+  return nlohmann::json::parse(group->all_gather(reference).at(0));
+}
+
+void Trainer::check_resumed_base(const checkpoint::LoadResult& loaded) const {
+  if (!base_reference_.is_object()) return;
+  const nlohmann::json saved = loaded.json.value(models::kBaseKey, nlohmann::json());
+  // The path may move; the checksum (or the seed) is what identifies the base.
+  const auto identity = [](const nlohmann::json& base) {
+    return base.is_object() && base.contains("checksum") ? base.at("checksum") : base.value("seed", nlohmann::json());
+  };
+  LOOM_REQUIRE_USAGE(identity(saved) == identity(base_reference_), "checkpoint ", loaded.path.string(),
+                     " trained adapters on the base ", saved.dump(), " but this run's base is ", base_reference_.dump(),
+                     "; set checkpoint.initial_load_path (and training.seed) to the base it was trained on, or "
+                     "start a new run in another job.dump_folder");
 }
 
 void Trainer::save_checkpoint_to(const fs::path& folder) {
@@ -418,12 +451,19 @@ checkpoint::ShardedStateDict Trainer::state_dict() {
   checkpoint::ShardedStateDict sd;
   // Each rank's pieces of the parameters and optimizer state, with their global shapes (TP boxes,
   // FSDP ranges): the checkpoint reshards on load.
-  parallel_model_->add_to_state_dict(sd, *optimizer_);
+  // A frozen base that comes from checkpoint.initial_load_path is referenced, not copied (LoRA's
+  // adapter-only checkpoints); one no file holds (a seeded initialization) is saved with them.
+  parallel_model_->add_to_state_dict(sd, *optimizer_, /*frozen=*/config_.checkpoint.initial_load_path.empty());
   lr_scheduler_state_ = lr_scheduler_->state_dict();
   for (const auto& [name, t] : lr_scheduler_state_) sd.add_full("lr_scheduler." + name, "lr_scheduler", t);
   sd.json()["step"] = step_;
   // The model config makes the checkpoint self-describing: `loom score` and `loom convert` read it.
   sd.json()[models::kModelConfigKey] = model_spec_->model_config_json(*model_args_);
+  // Adapters on a frozen base: their settings and the base they adapt (which is not copied).
+  if (base_reference_.is_object()) {
+    sd.json()[lora::kCheckpointKey] = lora::to_json(lora::LoRAOptions::from(config_.lora));
+    sd.json()[models::kBaseKey] = base_reference_;
+  }
   sd.json()["data_loader"] = loader_->state_dict();
   sd.rank_json()["rng"] = rng_state_bytes(at::detail::getDefaultCPUGenerator());
   if (!device_.is_cpu()) {
@@ -439,7 +479,10 @@ void Trainer::load_initial_weights(const std::string& path) {
     // A Loom checkpoint (`loom convert --to loom`, or another run's step-N): each rank reads only
     // the pieces of its own shards, whatever layout saved them; optimizer state is not read.
     const fs::path& dir = weights.loom_checkpoint;
-    checkpoint::load_checkpoint(dir, state_dict().only(checkpoint::kModelComponent), dist_->rank());
+    // The base's parameters (every one, or the frozen ones under LoRA adapters).
+    checkpoint::ShardedStateDict base;
+    parallel_model_->add_base_to_state_dict(base);
+    checkpoint::load_checkpoint(dir, base, dist_->rank());
     log::info("initial weights loaded from ", dir.string());
     return;
   }

@@ -112,6 +112,12 @@ class Trainer {
   // Everything a checkpoint holds, as views into the live state (used for save and for load).
   checkpoint::ShardedStateDict state_dict();
   void load_initial_weights(const std::string& path);
+  // The base a model with frozen parameters (LoRA) trains on: {"path", "checksum"} of
+  // checkpoint.initial_load_path, or {"seed"} of a randomly initialized one; null when nothing is
+  // frozen. Checkpoints record it (and copy the base's weights only when no file holds them).
+  nlohmann::json frozen_base_reference();
+  // A resumed checkpoint's recorded base must be this run's.
+  void check_resumed_base(const checkpoint::LoadResult& loaded) const;
   // The loaded batch as this rank's model takes it (documents, context-parallel chunks), on the
   // device.
   parallel::ModelBatch model_batch(const data::Batch& batch) const;
@@ -166,6 +172,7 @@ class Trainer {
   std::unique_ptr<Validator> validator_;  // null: validation.enable = false
   std::unique_ptr<profiling::Profiler> profiler_;              // profiling.enable_profiling
   std::unique_ptr<profiling::MemoryProfiler> memory_profiler_;  // profiling.enable_memory_snapshot
+  nlohmann::json base_reference_;  // frozen_base_reference()
   optim::TensorDict lr_scheduler_state_;  // staging for the schedule's state in checkpoints
   int64_t grad_accum_steps_ = 1;
   double flops_per_token_ = 0.0;

@@ -13,6 +13,8 @@
 #include "loom/data/tokenizer.h"
 #include "loom/models/cli/cli.h"
 #include "loom/models/common/generate.h"
+#include "loom/lora/lora.h"
+#include "loom/models/common/adapter_dir.h"
 #include "loom/models/common/model_dir.h"
 
 namespace loom::models {
@@ -31,6 +33,7 @@ struct GenerateOptions {
   // Parsed signed so that a negative seed is refused instead of wrapping to a huge unsigned one.
   int64_t seed = 0;
   SamplingOptions sampling;
+  std::vector<std::string> adapters;  // each generates in turn on the one loaded base
 };
 
 // The text of `ids`, leaving out ids the tokenizer has no token for. A model's vocabulary may be
@@ -103,36 +106,57 @@ void run_generate(GenerateOptions o) {
   model.eval();
   const double load_seconds = load_timer.seconds();
 
-  Generator generator(model, capacity,
-                      c10::str("lower --max-new-tokens (the cache grows with prompt + new tokens)",
-                               dtype != torch::kFloat32 ? "" : " or use --dtype bfloat16"));
-  std::vector<int64_t> produced;
-  std::string shown;  // decoded text already printed: a token may end inside a UTF-8 character
-  if (tokenizer && !o.print_ids) std::printf("%s", printable_text(*tokenizer, prompt).c_str());
-  // From here stdout holds a line without its newline: an error must start a line of its own.
-  set_stdout_line_open(true);
-  std::fflush(stdout);
-  Timer timer;
-  generator.generate(prompt, o.sampling, [&](int64_t id) {
-    produced.push_back(id);
-    if (o.print_ids || !tokenizer) {
-      std::printf("%s%lld", produced.size() == 1 ? "" : ",", static_cast<long long>(id));
-    } else {
-      const std::string text = printable_text(*tokenizer, produced);
-      if (text.size() > shown.size() && text.compare(0, shown.size(), shown) == 0) {
-        std::printf("%s", text.substr(shown.size()).c_str());
-        shown = text;
-      }
-    }
+  // One generation with whatever adapters the model carries now.
+  const auto generate_once = [&] {
+    Generator generator(model, capacity,
+                        c10::str("lower --max-new-tokens (the cache grows with prompt + new tokens)",
+                                 dtype != torch::kFloat32 ? "" : " or use --dtype bfloat16"));
+    std::vector<int64_t> produced;
+    std::string shown;  // decoded text already printed: a token may end inside a UTF-8 character
+    if (tokenizer && !o.print_ids) std::printf("%s", printable_text(*tokenizer, prompt).c_str());
+    // From here stdout holds a line without its newline: an error must start a line of its own.
+    set_stdout_line_open(true);
     std::fflush(stdout);
-  });
-  const double seconds = timer.seconds();
-  std::printf("\n");
-  std::fflush(stdout);
-  set_stdout_line_open(false);
-  std::fprintf(stderr, "%zu prompt + %zu new tokens in %.2f s (%.1f tokens/s; load %.2f s) from %s\n", prompt.size(),
-               produced.size(), seconds, static_cast<double>(produced.size()) / std::max(seconds, 1e-9), load_seconds,
-               loaded.source.string().c_str());
+    Timer timer;
+    generator.generate(prompt, o.sampling, [&](int64_t id) {
+      produced.push_back(id);
+      if (o.print_ids || !tokenizer) {
+        std::printf("%s%lld", produced.size() == 1 ? "" : ",", static_cast<long long>(id));
+      } else {
+        const std::string text = printable_text(*tokenizer, produced);
+        if (text.size() > shown.size() && text.compare(0, shown.size(), shown) == 0) {
+          std::printf("%s", text.substr(shown.size()).c_str());
+          shown = text;
+        }
+      }
+      std::fflush(stdout);
+    });
+    const double seconds = timer.seconds();
+    std::printf("\n");
+    std::fflush(stdout);
+    set_stdout_line_open(false);
+    std::fprintf(stderr, "%zu prompt + %zu new tokens in %.2f s (%.1f tokens/s; load %.2f s) from %s\n", prompt.size(),
+                 produced.size(), seconds, static_cast<double>(produced.size()) / std::max(seconds, 1e-9), load_seconds,
+                 loaded.source.string().c_str());
+  };
+  if (o.adapters.empty()) {
+    generate_once();
+    return;
+  }
+  // Many adapters over one resident base: each is attached (only its bytes are read), generates
+  // and is taken off again; the base is never reloaded. Sampling restarts from --seed for each.
+  LOOM_REQUIRE_USAGE(!loaded.adapter, "--checkpoint '", o.checkpoint, "' is itself an adapter; with --adapter, "
+                     "--checkpoint is the base model they share");
+  for (size_t i = 0; i < o.adapters.size(); ++i) {
+    const AdapterDir adapter = read_adapter_dir(o.adapters[i]);
+    check_adapter_base(adapter, loaded.source);
+    Timer attach_timer;
+    const int64_t bytes = attach_adapter(*loaded.spec, model, adapter);
+    std::fprintf(stderr, "adapter %zu/%zu: %s: attached in %.3f s, %ld bytes read\n", i + 1, o.adapters.size(),
+                 adapter.describe().c_str(), attach_timer.seconds(), static_cast<long>(bytes));
+    generate_once();
+    lora::remove_lora(model);
+  }
 }
 
 }  // namespace
@@ -159,6 +183,10 @@ void register_generate_command(CLI::App& app) {
   cmd->add_option("--seed", options->seed, "Sampling seed, >= 0: the same seed gives the same tokens (default 0)");
   cmd->add_flag("--no-bos", options->no_bos, "Do not prepend the tokenizer's BOS to --prompt");
   cmd->add_flag("--ids", options->print_ids, "Print the new token ids (comma-separated) instead of text");
+  cmd->add_option("--adapter", options->adapters,
+                  "LoRA adapter directory (PEFT, or a LoRA run's checkpoint) to generate with on the --checkpoint "
+                  "base; repeatable: the base is loaded once and each adapter in turn attached, run and removed")
+      ->check(CLI::ExistingDirectory);
   cmd->add_option("--device", options->device, "cpu, cuda, or auto (the GPU when there is one)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   cmd->add_option("--dtype", options->dtype, "Dtype the model computes in (default: float32)")

@@ -1,5 +1,7 @@
 #include "loom/models/common/decoder_spec.h"
 
+#include "loom/models/common/adapter_dir.h"
+
 #include <algorithm>
 
 #include "loom/core/error.h"
@@ -59,15 +61,8 @@ ModelSpec decoder_spec(DecoderFamily family) {
     auto model = std::dynamic_pointer_cast<Decoder>(std::move(module));
     LOOM_REQUIRE(model != nullptr, f->name, "'s parallelize was given a model its spec did not build");
     PlanOptions plan = PlanOptions::from(options);
-    if (f->hf) {
-      // LoRA's targets are Hugging Face module names: a linear's HF path is its weight's minus ".weight".
-      const auto to_hf = f->hf->to_hf_name;
-      plan.lora_names = [to_hf](const std::string& path) -> std::optional<std::string> {
-        const auto name = to_hf(path + ".weight");
-        if (!name || name->size() < 7) return std::nullopt;
-        return name->substr(0, name->size() - 7);
-      };
-    }
+    // LoRA's targets are Hugging Face module names.
+    if (f->hf) plan.lora_names = hf_module_names(*f->hf);
     // Pipeline parallelism first splits the model into this rank's stages (built afresh, so the
     // whole meta model is not needed).
     if (dims.pp_enabled()) {

@@ -195,11 +195,41 @@ ModelDirArgs read_checkpoint_model_args(const fs::path& path) {
 }
 
 ModelDirArgs read_model_dir_args(const fs::path& dir) {
+  // A PEFT directory has no model config of its own: its base's.
+  if (is_adapter_dir(dir) && !fs::exists(dir / checkpoint::kMetadataFile) && !holds_checkpoints(dir)) {
+    const AdapterDir adapter = read_adapter_dir(dir);
+    LOOM_REQUIRE_USAGE(!adapter.base_path.empty() && fs::is_directory(adapter.base_path), "adapter '", dir.string(),
+                       "' records no base model directory (base_model_name_or_path = '", adapter.base_path,
+                       "'); pass the base as --checkpoint and the adapter as --adapter");
+    return read_model_dir_args(adapter.base_path);
+  }
   if (detect_model_dir_format(dir) == ModelDirFormat::kLoom) return read_checkpoint_model_args(dir);
   return read_hf_args(dir);
 }
 
 LoadedModel load_model_dir(const fs::path& dir, const LoadOptions& options) {
+  // An adapter on a base elsewhere. (A LoRA run on a seeded base saved that base with its
+  // adapters: load_loom_checkpoint reads both.)
+  std::optional<AdapterDir> adapter_dir;
+  if (is_adapter_dir(dir)) adapter_dir = read_adapter_dir(dir);
+  if (adapter_dir && (adapter_dir->format == AdapterFormat::kPeft || !adapter_dir->base_path.empty() || options.base)) {
+    AdapterDir adapter = std::move(*adapter_dir);
+    fs::path base = options.base.value_or(fs::path(adapter.base_path));
+    LOOM_REQUIRE_USAGE(fs::is_directory(base), "adapter '", dir.string(), "' needs its base model '", base.string(),
+                       "', which is not a directory; pass the base model directory with --base");
+    LOOM_REQUIRE_USAGE(!is_adapter_dir(base), "the base of adapter '", dir.string(), "' is '", base.string(),
+                       "', itself an adapter; pass the base model directory with --base");
+    LoadedModel loaded = load_model_dir(base, options);
+    if (adapter.format == AdapterFormat::kLoom) {
+      const ModelDirArgs recorded = read_checkpoint_model_args(adapter.source);
+      LOOM_REQUIRE_USAGE(recorded.spec->name == loaded.spec->name, "adapter '", dir.string(), "' adapts a ",
+                         recorded.spec->name, " model but its base '", base.string(), "' is a ", loaded.spec->name);
+    }
+    check_adapter_base(adapter, base);
+    attach_adapter(*loaded.spec, *loaded.model, adapter);
+    loaded.adapter = std::move(adapter);
+    return loaded;
+  }
   return detect_model_dir_format(dir) == ModelDirFormat::kLoom ? load_loom_checkpoint(dir, options)
                                                                : load_hf_model_dir(dir, options);
 }
@@ -286,6 +316,13 @@ LoadedModel load_loom_checkpoint(const fs::path& path, const LoadOptions& option
   set_max_seq_len(*recorded.args, options.max_seq_len);
   auto model = build_empty(*recorded.spec, *recorded.args, options);
   LoadedModel loaded{recorded.spec, model, ModelDirFormat::kLoom, dir};
+  // A LoRA run's checkpoint that holds its (seeded) base too: the adapters are part of the model.
+  if (is_adapter_dir(dir)) {
+    AdapterDir adapter = read_adapter_dir(dir);
+    LOOM_REQUIRE_USAGE(recorded.spec->hf.has_value(), "model '", recorded.spec->name, "' has no module names for LoRA");
+    lora::apply_lora(*model, adapter.options, hf_module_names(*recorded.spec->hf));
+    loaded.adapter = std::move(adapter);
+  }
   checkpoint::ShardedStateDict dest;
   for (const auto& p : model->named_parameters()) dest.add_full(p.name, checkpoint::kModelComponent, p.tensor().detach());
   for (const auto& b : model->named_buffers()) {

@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/models/common/adapter_dir.h"
 #include "loom/models/common/decoder.h"
 #include "loom/models/spec.h"
 
@@ -56,6 +57,8 @@ struct LoadOptions {
   // What the command's user can change when the model does not fit in memory (e.g. "use --dtype
   // bfloat16"); the allocation error names it after the sizes.
   std::string memory_hint = "use a machine with more memory or a smaller model";
+  // For an adapter directory: the base to put it on, instead of the one it records.
+  std::optional<std::filesystem::path> base;
 };
 
 struct LoadedModel {
@@ -65,10 +68,15 @@ struct LoadedModel {
   // The directory the weights came from: `dir` itself, or the step-N a checkpoint folder resolved
   // to (an earlier one when the newest was corrupt; see load_loom_checkpoint).
   std::filesystem::path source;
+  // Set when `dir` was an adapter directory: the adapters now on the model (`source` is then the
+  // base's directory).
+  std::optional<AdapterDir> adapter;
 };
 
 // Builds the model on the meta device, materializes it on the target device and fills every
-// parameter from the directory. Missing, extra or mis-shaped tensors are errors.
+// parameter from the directory. Missing, extra or mis-shaped tensors are errors. An adapter
+// directory (adapter_dir.h: a PEFT directory, or a checkpoint of a LoRA run) loads its base
+// (options.base, else the one it records) and attaches the adapters to it.
 LoadedModel load_model_dir(const std::filesystem::path& dir, const LoadOptions& options = {});
 LoadedModel load_hf_model_dir(const std::filesystem::path& dir, const LoadOptions& options = {});
 // `dir` is a checkpoint (step-N) or a checkpoint folder. A folder loads like a training resume

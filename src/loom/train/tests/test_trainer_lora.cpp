@@ -2,9 +2,11 @@
 // down. Before any update the adapted model is the base (step 1's loss bitwise the full model's);
 // after 20 steps the base weights are bitwise those it started from; FSDP 2 and TP 2 train like one
 // process (per-step losses within 1e-5); optimizer state exists only for the adapters (bytes
-// against full fine-tuning reported); bad settings are one-line errors.
+// against full fine-tuning reported); a run on a base from a file saves adapter-only checkpoints and
+// resumes from them; bad settings are one-line errors.
 #include <gtest/gtest.h>
 
+#include "loom/checkpoint/metadata.h"
 #include "loom/train/tests/layout_runs.h"
 
 namespace test_trainer_lora {
@@ -63,6 +65,63 @@ TEST(TrainerLoRA, StartsAsTheBaseKeepsItFrozenAndTrainsLikeOneProcess) {
               full_state * (1 << 30), lora_state * (1 << 30), full_state / lora_state);
   EXPECT_GT(full_state, 0);
   EXPECT_LT(lora_state * 20, full_state);
+}
+
+// A LoRA run on a base from checkpoint.initial_load_path saves adapter-only checkpoints (the base
+// referenced by path and checksum), resumes from them exactly, and refuses to resume on another base.
+TEST(TrainerLoRA, AdapterCheckpointsReferenceTheBaseAndResume) {
+  namespace fs = std::filesystem;
+  T::TempDir base("lora_base"), other_base("lora_other_base"), whole("lora_whole"), resumed("lora_resumed");
+  const std::string base_flags = " --parallelism.data_parallel_shard_degree=1 --checkpoint.model_only=true" + T::kSaveLast;
+  auto r = T::run(T::loom_command(1, T::layout_train_args(base, 2, 8, base_flags)), 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = T::run(T::loom_command(1, T::layout_train_args(other_base, 2, 8, base_flags + " --training.seed=1")), 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const fs::path base_dir = base.path() / "checkpoint" / "step-2";
+  const std::string lora = kLora + " --checkpoint.enable=true --checkpoint.interval=3 --checkpoint.initial_load_path=";
+  // FSDP 2, uninterrupted.
+  r = T::run(T::loom_command(2, T::layout_train_args(whole, 6, 4, lora + base_dir.string())), 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const fs::path step3 = whole.path() / "checkpoint" / "step-3";
+  const auto meta = loom::checkpoint::CheckpointMetadata::read(step3);
+  int64_t adapters = 0;
+  for (const auto& [name, t] : meta.tensors) {
+    if (t.component != "model") continue;
+    EXPECT_NE(name.find(".lora."), std::string::npos) << name << ": a base weight in an adapter checkpoint";
+    ++adapters;
+  }
+  EXPECT_EQ(adapters, 4 * 4 * 2);
+  ASSERT_TRUE(meta.json.contains("base")) << meta.json.dump();
+  EXPECT_EQ(meta.json["base"]["path"], fs::absolute(base_dir).lexically_normal().string());
+  EXPECT_EQ(meta.json["base"]["checksum"].get<std::string>().rfind("crc32c:", 0), 0u);
+  EXPECT_EQ(meta.json["lora"]["rank"], 4);
+  const auto bytes = [](const fs::path& dir) {
+    uintmax_t total = 0;
+    for (const auto& f : fs::directory_iterator(dir)) total += f.file_size();
+    return total;
+  };
+  std::printf("adapter checkpoint (adapters + their AdamW state): %ju bytes; the base (model only): %ju bytes\n",
+              bytes(step3), bytes(base_dir));
+  // Killed after step 3 (its checkpoint saved) and started again: steps 4-6 as the uninterrupted
+  // run's, bitwise.
+  r = T::run("env LOOM_FAULT_KILL=1:3 " + T::loom_command(2, T::layout_train_args(resumed, 6, 4, lora + base_dir.string())),
+             300);
+  ASSERT_NE(r.exit_code, 0) << r.output;
+  r = T::run(T::loom_command(2, T::layout_train_args(resumed, 6, 4, lora + base_dir.string())), 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  // metrics.jsonl holds both attempts' steps: the last three are the resumed ones.
+  const auto want = T::logged_losses(whole.path()), got = T::logged_losses(resumed.path());
+  ASSERT_EQ(want.size(), 6u);
+  ASSERT_GE(got.size(), 6u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(got[got.size() - 3 + i], want[3 + i]) << "step " << i + 4 << " after the resume";
+  // Resuming the same checkpoints on another base is refused before any step.
+  r = T::run(T::loom_command(1, T::layout_train_args(resumed, 9, 8,
+                                                     lora + (other_base.path() / "checkpoint" / "step-2").string() +
+                                                         " --parallelism.data_parallel_shard_degree=1")),
+             300);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("trained adapters on the base"), std::string::npos) << r.output;
 }
 
 TEST(TrainerLoRA, BadSettingsAreOneLine) {
