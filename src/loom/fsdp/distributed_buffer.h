@@ -95,6 +95,9 @@ class DistributedBuffer {
   tensor::FlatRange global_range(size_t i) const { return global_ranges_[i]; }
   // Writes this rank's piece of tensor i from its full value (any dtype; converted).
   void write_shard_from_full(size_t i, const torch::Tensor& full);
+  // Frees the sharded storage for good (sharded() becomes empty; views taken before must not be
+  // used): a frozen group's gradient buffer, into which nothing is ever reduced.
+  void drop_sharded() { sharded_ = torch::empty({0}, sharded_.options()); }
 
   // ---- Unsharded: W·S elements, released between uses. ----
   const torch::Tensor& unsharded() const { return unsharded_.flat(); }

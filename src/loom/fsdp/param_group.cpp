@@ -106,6 +106,12 @@ FSDPParamGroup::FSDPParamGroup(std::string name, const NamedSlots& params, FSDPM
   }
   params_buffer_.release_unsharded();
   use_sharded_params();
+  // A frozen group (LoRA's base) never has a gradient: no gradient shard either (as much memory as
+  // its parameter shard otherwise). Its parameters' gradient pieces are empty.
+  if (num_trainable_ == 0) {
+    grads_buffer_.drop_sharded();
+    for (Param& p : params_) p.sharded_grad = grads_buffer_.sharded();
+  }
 
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].trainable) continue;

@@ -35,10 +35,10 @@ ShardedMuon::ShardedMuon(std::shared_ptr<FSDPModule> fsdp, optim::AdamWOptions a
       const std::string fqn = fsdp_->param_fqn(*g, p);
       const tensor::FlatRange local = g->params_buffer().local_range(p.index);
       const int64_t global_offset = g->params_buffer().global_range(p.index).begin;
-      const bool decayed = p.trainable && optim::is_weight_decayed(fqn, layout.shape);
-      // Frozen matrices go to AdamW without decay: zero gradients leave them unchanged there,
-      // whereas Muon would still apply weight decay.
-      if (p.trainable && optim::is_muon_parameter(fqn, layout.shape)) {
+      // A frozen parameter (LoRA's base) gets no state and no update.
+      if (!p.trainable) continue;
+      const bool decayed = optim::is_weight_decayed(fqn, layout.shape);
+      if (optim::is_muon_parameter(fqn, layout.shape)) {
         // The planner's guarantee this optimizer rests on: the matrix is whole on one rank.
         LOOM_REQUIRE(local.empty() || local.size() == layout.numel, "FSDP group '", g->name(),
                      "' cuts Muon matrix '", fqn, "' ", c10::IntArrayRef(layout.shape),

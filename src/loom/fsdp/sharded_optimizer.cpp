@@ -121,6 +121,7 @@ ShardedAdamW8bit::ShardedAdamW8bit(std::shared_ptr<FSDPModule> fsdp, optim::Adam
   LOOM_REQUIRE_USAGE(weight_decay >= 0.0, "weight decay must be >= 0, got ", weight_decay);
   LOOM_REQUIRE_USAGE(block_size_ >= 1, "AdamW8bit block_size must be >= 1, got ", block_size_);
   for (FSDPParamGroup* g : fsdp_->param_groups()) {
+    if (!g->has_trainable()) continue;  // a frozen group (LoRA's base): no state, no update
     Group group{g, torch::zeros({}, g->sharded_params().options().dtype(torch::kFloat)), {}};
     const torch::Tensor& shard = g->sharded_params();
     LOOM_REQUIRE_USAGE(shard.scalar_type() == torch::kFloat, "AdamW8bit updates float32 master "

@@ -99,3 +99,72 @@ TEST(LoRA, AllLinearSkipsTheHeadAndUnknownTargetsListTheModelsLinears) {
 }
 
 }  // namespace lora_tests
+
+namespace lora_tests {
+
+// One resident base takes adapter after adapter: remove_lora gives back the base's forward bitwise
+// (the hook the linear had before, here a scaling one standing for Float8's, is put back), and
+// merge_lora folds s B A into the weights (PEFT's merge_and_unload).
+TEST(LoRA, RemoveRestoresTheBaseAndMergeFoldsTheAdapter) {
+  torch::manual_seed(2);
+  Tiny model;
+  model.wq->set_forward_override(
+      [](loom::nn::Module&, const torch::Tensor& x, const loom::nn::ForwardFn& forward) { return forward(x) * 3.0; });
+  const torch::Tensor x = torch::randn({3, 8});
+  const torch::Tensor base = model.forward(x);
+  LoRAOptions o;
+  o.rank = 2, o.alpha = 4.0, o.target_modules = {"q_proj", "o_proj"};
+  for (int round = 0; round < 2; ++round) {
+    loom::lora::apply_lora(model, o, hf_name);
+    {
+      torch::NoGradGuard no_grad;
+      for (const auto& p : model.named_parameters()) {
+        if (p.name.find(".lora.") != std::string::npos) p.slot->tensor.normal_();
+      }
+    }
+    EXPECT_FALSE(torch::allclose(model.forward(x), base)) << "round " << round;
+    EXPECT_EQ(loom::lora::remove_lora(model), 2);
+    EXPECT_TRUE(torch::equal(model.forward(x), base)) << "round " << round << ": the base after removal";
+    EXPECT_EQ(model.find_submodule("wq.lora"), nullptr);
+  }
+  EXPECT_EQ(loom::lora::remove_lora(model), 0);
+
+  // Merge: without the hook (a merged Float8 base would be requantised; the plain weight is what
+  // a merged export writes).
+  model.wq->set_forward_override(nullptr);
+  loom::lora::apply_lora(model, o, hf_name);
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : model.named_parameters()) {
+      if (p.name.find(".lora.") != std::string::npos) p.slot->tensor.normal_();
+    }
+  }
+  const torch::Tensor adapted = model.forward(x);
+  const torch::Tensor wq = model.wq->weight().clone();
+  const torch::Tensor delta = 2.0 * at::matmul(model.parameter("wq.lora.b"), model.parameter("wq.lora.a"));
+  loom::lora::merge_lora(model, o);
+  EXPECT_EQ(model.find_submodule("wq.lora"), nullptr);
+  EXPECT_TRUE(torch::allclose(model.wq->weight(), wq + delta, 1e-6, 1e-6));
+  EXPECT_TRUE(torch::allclose(model.forward(x), adapted, 1e-5, 1e-5));
+}
+
+TEST(LoRA, CheckpointEntryRoundTripsAndRefusesMalformedOnes) {
+  LoRAOptions o;
+  o.rank = 4, o.alpha = 8.0, o.dropout = 0.05, o.use_rslora = true, o.target_modules = {"q_proj", "down_proj"};
+  const nlohmann::json entry = loom::lora::to_json(o);
+  const LoRAOptions back = loom::lora::from_json(entry, "metadata.json");
+  EXPECT_EQ(back.rank, 4);
+  EXPECT_EQ(back.alpha, 8.0);
+  EXPECT_EQ(back.dropout, 0.05);
+  EXPECT_TRUE(back.use_rslora);
+  EXPECT_EQ(back.target_modules, o.target_modules);
+  nlohmann::json bad = entry;
+  bad["rank"] = 0;
+  EXPECT_THROW(loom::lora::from_json(bad, "metadata.json"), loom::Error);
+  bad = entry;
+  bad["ranks"] = 3;
+  EXPECT_THROW(loom::lora::from_json(bad, "metadata.json"), loom::Error);
+  EXPECT_THROW(loom::lora::from_json(nlohmann::json::array(), "metadata.json"), loom::Error);
+}
+
+}  // namespace lora_tests

@@ -6,6 +6,8 @@
 // resumes from them; bad settings are one-line errors.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "loom/checkpoint/metadata.h"
 #include "loom/train/tests/layout_runs.h"
 
@@ -65,6 +67,25 @@ TEST(TrainerLoRA, StartsAsTheBaseKeepsItFrozenAndTrainsLikeOneProcess) {
               full_state * (1 << 30), lora_state * (1 << 30), full_state / lora_state);
   EXPECT_GT(full_state, 0);
   EXPECT_LT(lora_state * 20, full_state);
+  // The other sharded optimizers keep no state for the frozen base either, and the frozen FSDP
+  // groups hold no gradient shard.
+  for (const char* optimizer : {"AdamW8bit", "Muon"}) {
+    T::TempDir dir(std::string("lora_fsdp2_") + optimizer);
+    r = T::run(T::loom_command(2, T::layout_train_args(dir, 2, 4, kLora + " --optimizer.name=" + optimizer)), 300);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const double state = optimizer_gib(dir.path());
+    std::printf("FSDP 2 + LoRA, %s: optimizer state %.0f bytes per rank\n", optimizer, state * (1 << 30));
+    EXPECT_LT(state * 20, full_state) << optimizer;
+    const auto losses = T::logged_losses(dir.path());
+    ASSERT_EQ(losses.size(), 2u);
+    EXPECT_TRUE(std::isfinite(losses[1])) << optimizer;
+  }
+  const auto rows = T::read_jsonl(fsdp_lora.path() / "metrics.jsonl"), full_rows = T::read_jsonl(fsdp_full.path() / "metrics.jsonl");
+  ASSERT_TRUE(rows.back().contains("mem_grads_gib")) << rows.back().dump();
+  const double lora_grads = rows.back()["mem_grads_gib"], full_grads = full_rows.back()["mem_grads_gib"];
+  std::printf("FSDP 2 gradient shards per rank: full fine-tuning %.0f bytes, LoRA %.0f bytes\n", full_grads * (1 << 30),
+              lora_grads * (1 << 30));
+  EXPECT_LT(lora_grads * 20, full_grads);
 }
 
 // A LoRA run on a base from checkpoint.initial_load_path saves adapter-only checkpoints (the base
