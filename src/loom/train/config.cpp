@@ -46,6 +46,7 @@ const std::vector<SectionBinding>& section_bindings() {
       LOOM_CONFIG_SECTION(activation_checkpoint, ac::ac_section),
       LOOM_CONFIG_SECTION(float8, float8::float8_section),
       LOOM_CONFIG_SECTION(lora, lora::lora_section),
+      LOOM_CONFIG_SECTION(sft, data::sft_section),
       LOOM_CONFIG_SECTION(metrics, metrics_section),
       LOOM_CONFIG_SECTION(checkpoint, checkpoint::checkpoint_section),
       LOOM_CONFIG_SECTION(validation, validation_section),
