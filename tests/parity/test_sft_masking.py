@@ -18,8 +18,11 @@ once per template. The reference, built independently of Loom:
   * mean cross-entropy over the labels not masked.
 Checked in fp32: the step-1 loss in metrics.jsonl equals the reference within 1e-5 relative, and
 the references for what a bug would compute (no mask, the mask off by one token, documents of a row
-attending to each other) all miss it by more than 100 times that. Also: a line with an unknown role
-stops `loom train` with exit code 2 and one line naming file:line.
+attending to each other) all miss it by more than 100 times that. The same file as validation data
+(optimizer.lr = 0, so step 1 leaves the weights as loaded), scored in uneven batches of 3 rows,
+gives the same loss (validation weighs each batch by its trained tokens) and counts exactly the
+trained labels. Also: a line with an unknown role stops `loom train` with exit code 2 and one line
+naming file:line.
 
 Environment (set by ctest): LOOM_BIN. Exits non-zero on any mismatch.
 """
@@ -222,18 +225,26 @@ peak_flops = 1e12
 memory_breakdown = false
 [checkpoint]
 initial_load_path = "{hf_dir}"
+[optimizer]
+lr = 0.0
+[validation]
+enable = true
+dataset_path = "{data}"
+dataset_format = "sft"
+freq = 1
+local_batch_size = 3
 """)
     proc = subprocess.run([LOOM_BIN, "train", "--config", config, *extra], capture_output=True, text=True)
     return proc, folder
 
 
-def step_one_loss(folder):
+def step_one(folder, key):
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         for line in f:
             record = json.loads(line)
-            if record.get("step") == 1 and "loss" in record:
-                return record["loss"]
-    sys.exit(f"no step-1 loss in {folder}/metrics.jsonl")
+            if record.get("step") == 1 and key in record:
+                return record[key]
+    sys.exit(f"no step-1 {key} in {folder}/metrics.jsonl")
 
 
 def main():
@@ -263,7 +274,7 @@ def main():
             if proc.returncode != 0:
                 failures.append(f"{name}: loom train failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
                 continue
-            got = step_one_loss(folder)
+            got = step_one(folder, "loss")
             relative = abs(got - expected) / abs(expected)
             print(f"{name}: {len(rows)} rows of {SEQ_LEN}, {trained} of {len(rows) * SEQ_LEN} labels trained; "
                   f"step-1 loss loom {got:.8f} reference {expected:.8f} (relative {relative:.1e}); what a bug would give: "
@@ -276,6 +287,13 @@ def main():
                 if abs(losses[wrong] - expected) / abs(expected) < 100 * RELATIVE_TOLERANCE:
                     failures.append(f"{name}: the {wrong} loss {losses[wrong]} is too close to the masked one "
                                     f"{expected} for the check to tell them apart")
+            validation, validation_tokens = step_one(folder, "validation_loss"), step_one(folder, "validation_tokens")
+            validation_relative = abs(validation - expected) / abs(expected)
+            print(f"{name}: validation loss {validation:.8f} (relative {validation_relative:.1e}) over "
+                  f"{validation_tokens:.0f} tokens")
+            if validation_relative > RELATIVE_TOLERANCE or validation_tokens != trained:
+                failures.append(f"{name}: validation loss {validation} over {validation_tokens} tokens, expected "
+                                f"{expected} over {trained}")
             if not 0 < trained < len(rows) * SEQ_LEN:
                 failures.append(f"{name}: {trained} trained labels: the file should mix trained and masked tokens")
 

@@ -344,7 +344,8 @@ SequencePacker::SequencePacker(std::shared_ptr<const TokenCorpus> corpus, int64_
   LOOM_REQUIRE_USAGE(rows_per_epoch_ > 0, corpus_->description(), " packs into ", corpus_->stream_length(),
                      " tokens, fewer than one row of ", seq_len_setting, " + 1 = ", seq_len_ + 1,
                      "; use more data or a shorter ", seq_len_setting);
-  if (!corpus_->masked()) return;
+  // Every rank packs the same rows, so one of them says it.
+  if (!corpus_->masked() || log::rank() != 0) return;
   // A row whose every label is masked adds nothing to the loss, and a batch of only such rows has
   // none to average: the step's loss is NaN (stopped by the non-finite guard). Say so up front.
   const int64_t row_len = seq_len_ + 1;
