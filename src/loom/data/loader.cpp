@@ -118,18 +118,30 @@ std::shared_ptr<const TokenFile> open_cached(const fs::path& entry, const Tokeni
 
 // ---- TokenCorpus ------------------------------------------------------------------------------
 
-void TokenCorpus::add_memory_document(const std::vector<int64_t>& tokens) {
+void TokenCorpus::add_memory_document(const std::vector<int64_t>& tokens, const std::vector<uint8_t>* trained) {
   if (tokens.empty()) return;
-  if (shards_.empty() || shards_.back().file) {
+  const bool masked = trained != nullptr;
+  TORCH_CHECK(!masked || trained->size() == tokens.size() + 1, "a masked document of ", tokens.size(),
+              " tokens needs ", tokens.size() + 1, " flags (one per token and the EOS), got ", trained->size());
+  // A shard is masked or not as a whole, so unmasked data carries no flags at all.
+  if (shards_.empty() || shards_.back().file || shards_.back().masked != masked) {
     shards_.emplace_back();
     shards_.back().first_doc = num_documents();
+    shards_.back().masked = masked;
   }
-  std::vector<uint32_t>& memory = shards_.back().memory;
+  Shard& shard = shards_.back();
   for (int64_t id : tokens) {
     TORCH_CHECK(id >= 0 && id <= UINT32_MAX, "token id ", id, " does not fit in uint32");
-    memory.push_back(static_cast<uint32_t>(id));
+    shard.memory.push_back(static_cast<uint32_t>(id));
   }
-  memory.push_back(static_cast<uint32_t>(eos_id_));
+  shard.memory.push_back(static_cast<uint32_t>(eos_id_));
+  if (masked) {
+    shard.trained.insert(shard.trained.end(), trained->begin(), trained->end());
+    masked_ = true;
+    trained_tokens_ += std::count(trained->begin(), trained->end(), 1);
+  } else {
+    trained_tokens_ += static_cast<int64_t>(tokens.size()) + 1;
+  }
   doc_start_.push_back(doc_start_.back() + static_cast<int64_t>(tokens.size()) + 2);
 }
 
@@ -156,6 +168,7 @@ void TokenCorpus::add_token_file(std::shared_ptr<const TokenFile> file, int64_t 
       doc_begin = i + 1;
     }
   }
+  trained_tokens_ += file->size();  // every token and EOS of a token file is trained
   shard.file = std::move(file);
   shards_.push_back(std::move(shard));
 }
@@ -170,6 +183,16 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::from_documents(const std::vector
   return corpus;
 }
 
+std::shared_ptr<const TokenCorpus> TokenCorpus::from_examples(const std::vector<SftExample>& examples,
+                                                              int64_t bos_id, int64_t eos_id) {
+  LOOM_REQUIRE(bos_id >= 0 && eos_id >= 0, "packing needs BOS and EOS ids, got ", bos_id, " and ", eos_id);
+  auto corpus = std::shared_ptr<TokenCorpus>(new TokenCorpus());
+  corpus->bos_id_ = bos_id;
+  corpus->eos_id_ = eos_id;
+  for (const SftExample& e : examples) corpus->add_memory_document(e.tokens, &e.trained);
+  return corpus;
+}
+
 std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::string>& inputs,
                                                      const Tokenizer* tokenizer, const SourceOptions& options,
                                                      int64_t model_vocab_size) {
@@ -181,6 +204,7 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
   corpus->description_ = input_description(specs, options.inputs_setting);
   int64_t vocab_size = -1;
   std::string ids_from;  // what set vocab_size/BOS/EOS, for error messages
+  std::optional<SftRenderer> renderer;  // made at the first sft file
   if (tokenizer) {
     LOOM_REQUIRE(tokenizer->bos_id() >= 0 && tokenizer->eos_id() >= 0, "tokenizer '", tokenizer->path(),
                  "' has no BOS/EOS tokens (<|begin_of_text|>/<|end_of_text|> or <s>/</s>); the loader marks ",
@@ -216,6 +240,14 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
     } else {
       LOOM_REQUIRE(tokenizer, source_format_name(format), " input '", path,
                    "' needs a tokenizer (or pre-tokenize it with 'loom tokenizer pretokenize')");
+      if (format == SourceFormat::kSft) {
+        // Rendered at every load: a token file has no room for the masks, and SFT sets are small.
+        if (!renderer) renderer.emplace(*tokenizer, options.sft);
+        for_each_sft_example(path, options, *renderer, [&](const SftExample& example) {
+          corpus->add_memory_document(example.tokens, &example.trained);
+        });
+        continue;
+      }
       if (options.token_cache_dir.empty()) {
         for_each_text_document(path, options, [&](std::string_view text) {
           corpus->add_memory_document(tokenizer->encode(text));
@@ -272,7 +304,7 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
 }
 
 void TokenCorpus::read_stream(int64_t start, int64_t count, int64_t* tokens, int64_t* positions,
-                              int64_t* documents) const {
+                              int64_t* documents, uint8_t* trained) const {
   TORCH_CHECK(start >= 0 && count >= 0 && start + count <= stream_length(), "stream read [", start, ", ",
               start + count, ") outside [0, ", stream_length(), ")");
   int64_t doc = std::upper_bound(doc_start_.begin(), doc_start_.end(), start) - doc_start_.begin() - 1;
@@ -294,6 +326,9 @@ void TokenCorpus::read_stream(int64_t start, int64_t count, int64_t* tokens, int
       tokens[out] = o == 0 ? bos_id_ : shard->token(shard_offset + o - 1);
       positions[out] = o;
       documents[out] = doc;
+      // A masked document's BOS is never a target: it would train the end of one example to
+      // predict the start of an unrelated one.
+      if (trained) trained[out] = !shard->masked ? 1 : o == 0 ? 0 : shard->trained[shard_offset + o - 1];
     }
     ++doc;
   }
@@ -309,11 +344,29 @@ SequencePacker::SequencePacker(std::shared_ptr<const TokenCorpus> corpus, int64_
   LOOM_REQUIRE_USAGE(rows_per_epoch_ > 0, corpus_->description(), " packs into ", corpus_->stream_length(),
                      " tokens, fewer than one row of ", seq_len_setting, " + 1 = ", seq_len_ + 1,
                      "; use more data or a shorter ", seq_len_setting);
+  // Every rank packs the same rows, so one of them says it.
+  if (!corpus_->masked() || log::rank() != 0) return;
+  // A row whose every label is masked adds nothing to the loss, and a batch of only such rows has
+  // none to average: the step's loss is NaN (stopped by the non-finite guard). Say so up front.
+  const int64_t row_len = seq_len_ + 1;
+  std::vector<int64_t> tokens(row_len), positions(row_len), documents(row_len);
+  std::vector<uint8_t> trained(row_len);
+  int64_t empty_rows = 0;
+  for (int64_t row = 0; row < rows_per_epoch_; ++row) {
+    read_row(row, tokens.data(), positions.data(), documents.data(), trained.data());
+    if (std::find(trained.begin() + 1, trained.end(), 1) == trained.end()) ++empty_rows;
+  }
+  if (empty_rows > 0) {
+    log::warn("data: ", empty_rows, " of the ", rows_per_epoch_, " rows of ", corpus_->description(),
+              " have no trained label (prompts longer than a row); a batch made only of such rows has "
+              "a NaN loss: use a longer ", seq_len_setting, " or shorter prompts");
+  }
 }
 
-void SequencePacker::read_row(int64_t row, int64_t* tokens, int64_t* positions, int64_t* document_ids) const {
+void SequencePacker::read_row(int64_t row, int64_t* tokens, int64_t* positions, int64_t* document_ids,
+                              uint8_t* trained) const {
   const int64_t row_len = seq_len_ + 1;
-  corpus_->read_stream((row % rows_per_epoch_) * row_len, row_len, tokens, positions, document_ids);
+  corpus_->read_stream((row % rows_per_epoch_) * row_len, row_len, tokens, positions, document_ids, trained);
   const int64_t first = document_ids[0];
   for (int64_t i = 0; i < row_len; ++i) document_ids[i] -= first;
 }
@@ -324,11 +377,18 @@ Batch SequencePacker::read_rows(int64_t first_row, int64_t count) const {
   Batch batch{torch::empty({B, L}, opts), torch::empty({B, L}, opts), torch::empty({B, L}, opts),
               torch::empty({B, L}, opts)};
   std::vector<int64_t> tokens(L + 1), positions(L + 1), documents(L + 1);
+  const bool masked = corpus_->masked();
+  std::vector<uint8_t> trained(masked ? L + 1 : 0);
   for (int64_t b = 0; b < B; ++b) {
-    read_row(first_row + b, tokens.data(), positions.data(), documents.data());
+    read_row(first_row + b, tokens.data(), positions.data(), documents.data(), masked ? trained.data() : nullptr);
     const size_t bytes = static_cast<size_t>(L) * sizeof(int64_t);
     std::memcpy(batch.inputs.data_ptr<int64_t>() + b * L, tokens.data(), bytes);
-    std::memcpy(batch.labels.data_ptr<int64_t>() + b * L, tokens.data() + 1, bytes);
+    if (masked) {
+      int64_t* labels = batch.labels.data_ptr<int64_t>() + b * L;
+      for (int64_t i = 0; i < L; ++i) labels[i] = trained[i + 1] ? tokens[i + 1] : kIgnoreIndex;
+    } else {
+      std::memcpy(batch.labels.data_ptr<int64_t>() + b * L, tokens.data() + 1, bytes);
+    }
     std::memcpy(batch.positions.data_ptr<int64_t>() + b * L, positions.data(), bytes);
     std::memcpy(batch.document_ids.data_ptr<int64_t>() + b * L, documents.data(), bytes);
   }

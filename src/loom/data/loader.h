@@ -9,6 +9,12 @@
 // document index (0 for the document the row starts in, +1 at every BOS), which is what a
 // document-masked attention needs.
 //
+// Masks (SFT data, sft.h): a document may carry a "trained" flag per token (and its EOS). A label
+// whose token is not trained is kIgnoreIndex, which the loss skips; so is the label that predicts
+// the BOS of a masked document, so one SFT example never trains on the next. Documents without a
+// mask (every pretraining format) have every label, the next document's BOS included, exactly as
+// before masks existed.
+//
 // Data parallelism: the rows are one global sequence. With DP world size W and local batch B,
 // global step g takes rows [g*B*W, (g+1)*B*W) and rank r gets the slice [g*B*W + r*B,
 // g*B*W + (r+1)*B). So W ranks with batch B see exactly the rows of one process with batch W*B,
@@ -24,7 +30,9 @@
 //
 // Memory: text and JSONL inputs are tokenized once when the corpus is loaded and kept as uint32
 // ids (4 bytes per token); token files (sources.h) are memory-mapped and only indexed (8 bytes
-// per document), so pre-tokenize large corpora with `loom tokenizer pretokenize`.
+// per document), so pre-tokenize large corpora with `loom tokenizer pretokenize`. SFT documents
+// are rendered and tokenized at every load (the token cache does not keep masks) and take one
+// more byte per token for the flag.
 #pragma once
 #include <torch/types.h>
 
@@ -34,15 +42,19 @@
 #include <string>
 #include <vector>
 
+#include "loom/data/sft.h"
 #include "loom/data/sources.h"
 #include "loom/data/tokenizer.h"
 
 namespace loom::data {
 
+// The label of a token the loss skips (nn::fused_linear_cross_entropy's and PyTorch's default).
+inline constexpr int64_t kIgnoreIndex = -100;
+
 // int64 tensors of shape [local_batch, seq_len].
 struct Batch {
   torch::Tensor inputs;
-  torch::Tensor labels;
+  torch::Tensor labels;        // the next token, or kIgnoreIndex where it is not trained
   torch::Tensor positions;     // position of each input token inside its document
   torch::Tensor document_ids;  // row-local index of each input token's document
 };
@@ -66,6 +78,9 @@ class TokenCorpus {
   // Documents given as ids (without BOS/EOS), e.g. for tests or programmatic data.
   static std::shared_ptr<const TokenCorpus> from_documents(const std::vector<std::vector<int64_t>>& documents,
                                                            int64_t bos_id, int64_t eos_id);
+  // SFT examples (sft.h: ids without BOS/EOS, a flag per token and one for the EOS), e.g. for tests.
+  static std::shared_ptr<const TokenCorpus> from_examples(const std::vector<SftExample>& examples, int64_t bos_id,
+                                                          int64_t eos_id);
 
   int64_t num_documents() const { return static_cast<int64_t>(doc_start_.size()) - 1; }
   int64_t num_tokens() const { return stream_length() - 2 * num_documents(); }  // without BOS/EOS
@@ -76,24 +91,35 @@ class TokenCorpus {
   // and the inputs), "data input 'x'" without a setting, "the corpus" for from_documents().
   const std::string& description() const { return description_; }
 
+  // Whether some document carries a mask (SFT data): some labels are then kIgnoreIndex.
+  bool masked() const { return masked_; }
+  // Tokens (EOS included, BOS not) whose loss counts: num_tokens() + num_documents() unmasked.
+  int64_t num_trained_tokens() const { return trained_tokens_; }
+
   // Stream tokens [start, start + count): the token, its position in its document and the
-  // document's global index.
-  void read_stream(int64_t start, int64_t count, int64_t* tokens, int64_t* positions,
-                   int64_t* documents) const;
+  // document's global index; with `trained`, whether each token's loss counts (1 for every token
+  // of an unmasked document; a masked document's BOS is 0).
+  void read_stream(int64_t start, int64_t count, int64_t* tokens, int64_t* positions, int64_t* documents,
+                   uint8_t* trained = nullptr) const;
 
  private:
   struct Shard {
     std::shared_ptr<const TokenFile> file;  // or, when null:
     std::vector<uint32_t> memory;           // each document's tokens followed by EOS
+    std::vector<uint8_t> trained;           // a masked shard's flag of each entry of `memory`
+    bool masked = false;
     int64_t first_doc = 0;
     int64_t token(int64_t i) const { return file ? (*file)[i] : static_cast<int64_t>(memory[i]); }
   };
-  void add_memory_document(const std::vector<int64_t>& tokens);
+  // `trained`: null, or one flag per token and one for the EOS (SftExample::trained).
+  void add_memory_document(const std::vector<int64_t>& tokens, const std::vector<uint8_t>* trained = nullptr);
   void add_token_file(std::shared_ptr<const TokenFile> file, int64_t model_vocab_size);
 
   std::vector<Shard> shards_;
   std::vector<int64_t> doc_start_{0};  // stream offset of each document's BOS, then the end
   int64_t bos_id_ = -1, eos_id_ = -1;
+  bool masked_ = false;
+  int64_t trained_tokens_ = 0;
   std::string description_ = "the corpus";
 };
 
@@ -101,16 +127,20 @@ class TokenCorpus {
 class SequencePacker {
  public:
   // loom::UsageError, naming the corpus (TokenCorpus::description) and `seq_len_setting`, when
-  // the corpus is shorter than one row.
+  // the corpus is shorter than one row. A masked corpus is scanned once for rows with no trained
+  // label (prompts longer than a row): a batch of only such rows has no loss to average (NaN), so
+  // they are counted in a warning that names `seq_len_setting`.
   SequencePacker(std::shared_ptr<const TokenCorpus> corpus, int64_t seq_len,
                  const std::string& seq_len_setting = "seq_len");
   int64_t seq_len() const { return seq_len_; }
   int64_t rows_per_epoch() const { return rows_per_epoch_; }
   const TokenCorpus& corpus() const { return *corpus_; }
   // Global row `row` (epochs repeat: row % rows_per_epoch), seq_len + 1 entries per array;
-  // document ids are row-local.
-  void read_row(int64_t row, int64_t* tokens, int64_t* positions, int64_t* document_ids) const;
-  // Global rows [first_row, first_row + count) as a batch of `count` rows.
+  // document ids are row-local; `trained` as TokenCorpus::read_stream's.
+  void read_row(int64_t row, int64_t* tokens, int64_t* positions, int64_t* document_ids,
+                uint8_t* trained = nullptr) const;
+  // Global rows [first_row, first_row + count) as a batch of `count` rows; labels are
+  // kIgnoreIndex where the corpus masks the target token.
   Batch read_rows(int64_t first_row, int64_t count) const;
 
  private:

@@ -31,6 +31,7 @@ const char* source_format_name(SourceFormat format) {
     case SourceFormat::kText: return "text";
     case SourceFormat::kJsonl: return "jsonl";
     case SourceFormat::kTokens: return "tokens";
+    case SourceFormat::kSft: return "sft";
   }
   return "?";
 }
@@ -163,6 +164,7 @@ const options::EnumNames<DatasetFormat>& option_names(DatasetFormat) {
   static const options::EnumNames<DatasetFormat> names = {{"jsonl", DatasetFormat::kJsonl},
                                                           {"text", DatasetFormat::kText},
                                                           {"tokens", DatasetFormat::kTokens},
+                                                          {"sft", DatasetFormat::kSft},
                                                           {"auto", DatasetFormat::kAuto}};
   return names;
 }
@@ -172,6 +174,7 @@ std::optional<SourceFormat> source_format(DatasetFormat format) {
     case DatasetFormat::kJsonl: return SourceFormat::kJsonl;
     case DatasetFormat::kText: return SourceFormat::kText;
     case DatasetFormat::kTokens: return SourceFormat::kTokens;
+    case DatasetFormat::kSft: return SourceFormat::kSft;
     case DatasetFormat::kAuto: return std::nullopt;
   }
   return std::nullopt;
@@ -231,6 +234,9 @@ void for_each_text_document(const std::string& path, const SourceOptions& option
   const SourceFormat format = resolve_format(path, options);
   LOOM_REQUIRE(format != SourceFormat::kTokens, "'", path,
                "' is a pre-tokenized token file, not text; use it as loader input directly");
+  // An sft line is a conversation, not one text: only the loader renders it (with its template).
+  LOOM_REQUIRE_USAGE(format != SourceFormat::kSft, "'", path, "' is read as sft data (", options.format_setting,
+                     "), which only the trainer's loader takes; use \"jsonl\" for plain JSONL text");
   if (format == SourceFormat::kText) {
     const std::string text = read_file(path, "text file");
     if (options.text_separator.empty()) {
@@ -247,6 +253,18 @@ void for_each_text_document(const std::string& path, const SourceOptions& option
     }
     return;
   }
+  for_each_jsonl_record(path, options, [&](const nlohmann::json& record, int64_t line_no) {
+    auto field = record.is_object() ? record.find(options.jsonl_field) : record.end();
+    LOOM_REQUIRE(record.is_object() && field != record.end() && field->is_string(), path, ":", line_no,
+                 ": no string field '", options.jsonl_field, "' (each JSONL line must be an object with the",
+                 " document text in that field; choose the field with ", options.jsonl_field_setting, ")");
+    const std::string& text = field->get_ref<const std::string&>();
+    if (!text.empty() || !options.skip_empty) fn(text);
+  });
+}
+
+void for_each_jsonl_record(const std::string& path, const SourceOptions& options,
+                           const std::function<void(const nlohmann::json& record, int64_t line_no)>& fn) {
   // Streamed line by line (a JSONL corpus can exceed memory) from a descriptor opened without
   // blocking (open_regular_file).
   LineReader in(path, open_regular_file(path, "JSONL file"));
@@ -269,15 +287,11 @@ void for_each_text_document(const std::string& path, const SourceOptions& option
       m = excerpt(m, 240);  // any other message that quotes the record
       // A configured format may be the mistake (plain text read as JSONL): say how to change it.
       fail(path, ":", line_no, ": not valid JSON: ", m,
-           options.format ? c10::str(" (", options.format_setting, " is \"jsonl\"; set it to \"text\" for plain text)")
+           options.format ? c10::str(" (", options.format_setting, " is \"", source_format_name(*options.format),
+                                     "\"; set it to \"text\" for plain text)")
                           : std::string());
     }
-    auto field = record.is_object() ? record.find(options.jsonl_field) : record.end();
-    LOOM_REQUIRE(record.is_object() && field != record.end() && field->is_string(), path, ":", line_no,
-                 ": no string field '", options.jsonl_field, "' (each JSONL line must be an object with the",
-                 " document text in that field; choose the field with ", options.jsonl_field_setting, ")");
-    const std::string& text = field->get_ref<const std::string&>();
-    if (!text.empty() || !options.skip_empty) fn(text);
+    fn(record, line_no);
   }
 }
 

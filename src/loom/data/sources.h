@@ -11,6 +11,8 @@
 //               string field `jsonl_field` ("text" by default); blank lines are skipped;
 //   text        anything else: the whole file is one document, or, with a `text_separator`
 //               (e.g. "\n\n"), the pieces between separators are (empty pieces are skipped).
+// A fourth format is never guessed, only configured: `sft`, JSONL of prompt/completion pairs or
+// chat conversations, rendered with a chat template and trained on the answers only (sft.h).
 //
 // Token file format (version 1, all integers little-endian):
 //   offset  size  field
@@ -32,16 +34,18 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "loom/core/options.h"
+#include "loom/data/sft.h"
 
 namespace loom::data {
 
-enum class SourceFormat { kText, kJsonl, kTokens };
+enum class SourceFormat { kText, kJsonl, kTokens, kSft };
 const char* source_format_name(SourceFormat format);
 
 struct SourceOptions {
@@ -54,6 +58,8 @@ struct SourceOptions {
   std::string token_cache_dir;
   // Every file's format; unset = guess each file's (detect_format).
   std::optional<SourceFormat> format;
+  // How `sft` files are rendered (format kSft only).
+  SftConfig sft;
   // How the user sets `format` and `jsonl_field` where these options come from (a config key or a
   // command-line flag): error messages name them as the fix.
   std::string format_setting = "the data format option";
@@ -80,11 +86,12 @@ std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, c
 // $XDG_CACHE_HOME/loom/tokens, else $HOME/.cache/loom/tokens; empty when none of them is set.
 std::string default_token_cache_dir();
 
-// "text", "jsonl" or "tokens"; throws loom::UsageError for anything else.
+// "text", "jsonl" or "tokens"; throws loom::UsageError for anything else (`sft` is the trainer's
+// only: it needs a chat template and yields masks, not text).
 SourceFormat parse_source_format(std::string_view name);
 // training.dataset_format and validation.dataset_format: one format for every file, or kAuto
 // (guess each file's; core/options.h's enum protocol).
-enum class DatasetFormat { kJsonl, kText, kTokens, kAuto };
+enum class DatasetFormat { kJsonl, kText, kTokens, kSft, kAuto };
 const options::EnumNames<DatasetFormat>& option_names(DatasetFormat);
 // The format every file is read in; nullopt for kAuto (SourceOptions::format).
 std::optional<SourceFormat> source_format(DatasetFormat format);
@@ -100,9 +107,15 @@ SourceFormat resolve_format(const std::string& path, const SourceOptions& option
 
 // Calls fn(document) for every document of a text or JSONL file (format: resolve_format), in file
 // order. Throws loom::Error naming file:line for a JSONL line that is not an object with a string
-// field `jsonl_field`, and for a token file (which holds ids, not text).
+// field `jsonl_field`, and for a token file (which holds ids, not text) or an sft file.
 void for_each_text_document(const std::string& path, const SourceOptions& options,
                             const std::function<void(std::string_view)>& fn);
+
+// Calls fn(record, line_no) for every non-blank line of a JSONL file, parsed, in file order
+// (streamed: the file may exceed memory). Throws loom::Error naming file:line for a line that is
+// not valid JSON (when options.format is set, the message says which setting to change).
+void for_each_jsonl_record(const std::string& path, const SourceOptions& options,
+                           const std::function<void(const nlohmann::json& record, int64_t line_no)>& fn);
 
 // The whole file as bytes; `what` names the file's role in the error message.
 std::string read_file(const std::string& path, const char* what);

@@ -33,7 +33,9 @@ const options::Section& model_section() {
           {LOOM_OPTION(S, attention_mask),
            "Which earlier tokens a token attends to. `causal`: every earlier token of its row. "
            "`block_causal`: only those of its own document (documents are packed into rows, each "
-           "starting with BOS), TorchTitan's default for pre-training."},
+           "starting with BOS; the loader's own boundaries are used, so a BOS id inside a document's "
+           "text does not cut it, and packed SFT examples never see each other), TorchTitan's default "
+           "for pre-training."},
       },
       {},
       {},

@@ -46,6 +46,7 @@ const std::vector<SectionBinding>& section_bindings() {
       LOOM_CONFIG_SECTION(activation_checkpoint, ac::ac_section),
       LOOM_CONFIG_SECTION(float8, float8::float8_section),
       LOOM_CONFIG_SECTION(lora, lora::lora_section),
+      LOOM_CONFIG_SECTION(sft, data::sft_section),
       LOOM_CONFIG_SECTION(metrics, metrics_section),
       LOOM_CONFIG_SECTION(checkpoint, checkpoint::checkpoint_section),
       LOOM_CONFIG_SECTION(validation, validation_section),
@@ -292,6 +293,13 @@ const std::vector<ConfigKey>& config_schema() { return schema(); }
 
 std::string config_reference_markdown() {
   const JobConfig defaults;
+  // A '|' ends a table cell even inside a code span (GFM): help that quotes one (a chat template's
+  // "<|eot_id|>") is escaped.
+  const auto cell = [](std::string_view text) {
+    std::string escaped;
+    for (char ch : text) escaped += ch == '|' ? std::string("\\|") : std::string(1, ch);
+    return escaped;
+  };
   std::string out;
   for (const SectionBinding& binding : section_bindings()) {
     const options::Section& section = binding.schema();
@@ -302,7 +310,7 @@ std::string config_reference_markdown() {
       if (k.section != section.name) continue;
       const std::string value = k.value_as_toml(defaults);
       const std::string shown = value == "none" ? "unset" : c10::str("`", value, "`");
-      out += c10::str("| `", k.name(), "` | ", k.spec->doc_type(), " | ", shown, " | ", k.help, " |\n");
+      out += c10::str("| `", k.name(), "` | ", k.spec->doc_type(), " | ", cell(shown), " | ", cell(k.help), " |\n");
     }
     if (!section.doc_after.empty()) out += c10::str("\n", section.doc_after, "\n");
     out += "\n";

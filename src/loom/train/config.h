@@ -20,6 +20,7 @@
 #include "loom/ac/activation_checkpoint.h"
 #include "loom/checkpoint/config.h"
 #include "loom/core/options.h"
+#include "loom/data/sft.h"
 #include "loom/distributed/config.h"
 #include "loom/float8/convert.h"
 #include "loom/lora/lora.h"
@@ -44,6 +45,7 @@ struct JobConfig {
   ac::ACConfig activation_checkpoint;
   float8::Float8Config float8;
   lora::LoRAConfig lora;
+  data::SftConfig sft;
   MetricsSection metrics;
   checkpoint::CheckpointConfig checkpoint;
   ValidationSection validation;

@@ -79,9 +79,12 @@ const options::Section& training_section() {
           {LOOM_OPTION(S, dataset_format),
            "How every data file is read, whatever its name: `jsonl`: one `{\"text\": ...}` object per"
            " line; `text`: plain UTF-8, one document per file; `tokens`: a token file written by "
-           "`loom tokenizer pretokenize`; `auto`: guess each file's format (token files by their "
-           "magic, `.jsonl`/`.ndjson` as JSONL, anything else as text). A token file under "
-           "`jsonl`/`text`, or any other file under `tokens`, is an error naming the file. Token ids "
+           "`loom tokenizer pretokenize`; `sft`: supervised fine-tuning data, one `{\"prompt\": ..., "
+           "\"completion\": ...}` or `{\"messages\": [...]}` object per line, rendered with "
+           "`sft.chat_template`, the loss on completion and assistant tokens only (docs/lora.md; not "
+           "kept in the token cache); `auto`: guess each file's format (token files by their "
+           "magic, `.jsonl`/`.ndjson` as JSONL, anything else as text; never `sft`). A token file under "
+           "`jsonl`/`text`/`sft`, or any other file under `tokens`, is an error naming the file. Token ids "
            "are checked against the model's vocabulary at load."},
           {LOOM_OPTION(S, jsonl_field), "The JSONL field holding each document's text."},
           {LOOM_OPTION(S, token_cache),
@@ -203,7 +206,9 @@ const options::Section& validation_section() {
           {LOOM_OPTION(S, dataset_path),
            "The held-out data: a file, directory or glob in any format `training.dataset_path` takes "
            "(`data/default/validation.jsonl` is the default corpus's held-out set)."},
-          {LOOM_OPTION(S, dataset_format), "Format of `dataset_path`; `auto` guesses it from each file."},
+          {LOOM_OPTION(S, dataset_format),
+           "Format of `dataset_path` (the formats of `training.dataset_format`); `auto` guesses it from each "
+           "file. `sft` data is scored on its trained tokens only, rendered as `[sft]` says."},
           {LOOM_OPTION(S, freq), "Evaluate every this many steps, and at the last step."},
           {LOOM_OPTION(S, steps),
            "Batches per evaluation (each `local_batch_size` rows on every data-parallel rank), always "

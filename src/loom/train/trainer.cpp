@@ -213,6 +213,7 @@ void Trainer::init_data() {
   source.format_setting = "training.dataset_format";
   source.jsonl_field_setting = "training.jsonl_field";
   source.inputs_setting = "training.dataset_path";
+  source.sft = config_.sft;
   // Token ids are checked against the embedding here, so a token file from another tokenizer
   // fails at load naming the file, not mid-step inside the embedding lookup.
   auto corpus = data::TokenCorpus::load({t.dataset_path}, tokenizer_.get(), source, model_vocab_size());
@@ -224,8 +225,10 @@ void Trainer::init_data() {
   options.seq_len_setting = "training.seq_len";
   loader_ = std::make_unique<data::DataLoader>(corpus, options);
   grad_accum_steps_ = gradient_accumulation_steps(config_, parallel_dims_->dp_degree());
-  log::info("data: ", t.dataset_path, ": ", corpus->num_documents(), " documents, ",
-            corpus->num_tokens(), " tokens, ", loader_->packer().rows_per_epoch(),
+  log::info("data: ", t.dataset_path, ": ", corpus->num_documents(), " documents, ", corpus->num_tokens(),
+            " tokens",
+            corpus->masked() ? c10::str(" (", corpus->num_trained_tokens(), " trained, the rest masked)") : "",
+            ", ", loader_->packer().rows_per_epoch(),
             " rows of ", t.seq_len, " per epoch (", timer.seconds(), " s); global batch ",
             loader_->global_batch_size() * grad_accum_steps_, " rows, ", grad_accum_steps_,
             " micro-batch(es) per step");
@@ -336,6 +339,7 @@ void Trainer::init_validation() {
   options.dp_degree = parallel_dims_->dp_degree();
   if (parallel_dims_->dp_cp_enabled()) options.dp_cp = mesh_->comm("dp_cp");
   if (config_.training.token_cache) options.token_cache_dir = data::default_token_cache_dir();
+  options.sft = config_.sft;
   validator_ = std::make_unique<Validator>(options, *tokenizer_, model_vocab_size(), *parallel_model_,
                                            [this](const data::Batch& batch) { return model_batch(batch); });
 }
@@ -562,12 +566,11 @@ torch::Tensor Trainer::global_mean_loss(const torch::Tensor& local_loss) {
 }
 
 parallel::ModelBatch Trainer::model_batch(const data::Batch& batch) const {
-  // Documents are packed into rows, each starting with BOS: a row's document index is the count
-  // of BOS tokens up to each position (a row may begin inside a document: index 0).
+  // The loader's row-local document index of every token (data/loader.h): the packed documents
+  // themselves, whatever their text holds (a BOS id inside a document, or a tokenizer whose BOS is
+  // also its EOS, would cut a document counted by BOS tokens).
   torch::Tensor documents;
-  if (block_causal_) {
-    documents = (batch.inputs == tokenizer_->bos_id()).to(torch::kInt64).cumsum(1);
-  }
+  if (block_causal_) documents = batch.document_ids;
   parallel::ModelBatch local = parallel_model_->prepare_batch(batch.inputs, batch.labels, documents);
   local.tokens = to_device(local.tokens);
   local.labels = to_device(local.labels);

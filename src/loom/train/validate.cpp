@@ -27,6 +27,7 @@ Validator::Validator(ValidatorOptions options, const data::Tokenizer& tokenizer,
   // Every problem with the held-out data (missing, a FIFO, empty, shorter than a row) is then
   // named as validation.* with exit 2, not taken for the training data's.
   source.inputs_setting = "validation.dataset_path";
+  source.sft = options_.sft;
   auto corpus = data::TokenCorpus::load({v.dataset_path}, &tokenizer, source, model_vocab_size);
   packer_ = std::make_unique<data::SequencePacker>(corpus, v.seq_len, "validation.seq_len");
   const int64_t global_batch = v.local_batch_size * options_.dp_degree;
@@ -63,8 +64,7 @@ ValidationResult Validator::validate(int64_t step) {
   // Forward only: no graph is kept and no gradient touched (the model has no dropout, so the
   // forward is the training one).
   torch::NoGradGuard no_grad;
-  torch::Tensor loss_sum;  // on the device, read back once at the end
-  double local_tokens = 0.0;
+  torch::Tensor loss_sum, token_sum;  // on the device, read back once at the end
   for (int64_t first = 0; first < rows_; first += global_batch) {
     const int64_t mine = first + options_.dp_rank * B;
     const int64_t count = std::clamp<int64_t>(rows_ - mine, 0, B);
@@ -72,12 +72,15 @@ ValidationResult Validator::validate(int64_t step) {
     const parallel::ModelBatch batch = to_model_batch_(packer_->read_rows(count > 0 ? mine : 0, std::max<int64_t>(count, 1)));
     const torch::Tensor mean = model_.forward_loss(batch).to(torch::kFloat64);
     if (count == 0) continue;
-    // Tokens this rank scored (its context-parallel chunks of the rows), all labelled.
-    const auto tokens = static_cast<double>(batch.labels.numel());
-    loss_sum = loss_sum.defined() ? loss_sum + mean * tokens : mean * tokens;
-    local_tokens += tokens;
+    // Tokens this rank scored (its context-parallel chunks of the rows): the labelled ones (all of
+    // them but sft data's masked tokens). A batch with none has a NaN mean and adds nothing.
+    const torch::Tensor tokens = batch.labels.ne(data::kIgnoreIndex).sum().to(torch::kFloat64);
+    const torch::Tensor sum = torch::where(tokens > 0, mean * tokens, torch::zeros_like(mean));
+    loss_sum = loss_sum.defined() ? loss_sum + sum : sum;
+    token_sum = token_sum.defined() ? token_sum + tokens : tokens;
   }
-  torch::Tensor totals = torch::tensor({loss_sum.defined() ? loss_sum.item<double>() : 0.0, local_tokens},
+  torch::Tensor totals = torch::tensor({loss_sum.defined() ? loss_sum.item<double>() : 0.0,
+                                        token_sum.defined() ? token_sum.item<double>() : 0.0},
                                        torch::kFloat64);
   if (options_.dp_cp) options_.dp_cp->all_reduce(totals, distributed::ReduceOp::kSum);
   ValidationResult r;

@@ -13,7 +13,8 @@
 // loss = mean token cross-entropy over all held-out tokens scored (the definition `loom score`
 // prints as "mean NLL"): each rank sums mean-loss x tokens of its batches in float64, and the sums
 // and token counts are added over the data-parallel and context-parallel ranks (tensor-parallel
-// ranks of a group compute the same loss on the same rows). perplexity = exp(loss).
+// ranks of a group compute the same loss on the same rows). perplexity = exp(loss). With sft data
+// only the trained tokens (labels not data::kIgnoreIndex) are scored and counted.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -47,6 +48,7 @@ struct ValidatorOptions {
   // The data- and context-parallel ranks whose token sums add up (the mesh's "dp_cp"); null: one.
   std::shared_ptr<distributed::Comm> dp_cp;
   std::string token_cache_dir;  // data::SourceOptions::token_cache_dir (training.token_cache)
+  data::SftConfig sft;          // how sft data is rendered ([sft])
 };
 
 class Validator {

@@ -379,7 +379,7 @@ TEST(Config, DatasetFormatAndJsonlField) {
   EXPECT_EQ(parse("[training]\ndataset_format = \"tokens\"\njsonl_field = \"content\"\n").training.jsonl_field,
             "content");
   EXPECT_EQ(usage_error([] { parse("[training]\ndataset_format = \"json\"\n"); }),
-            "config key 'training.dataset_format' must be \"jsonl\", \"text\", \"tokens\" or \"auto\", "
+            "config key 'training.dataset_format' must be \"jsonl\", \"text\", \"tokens\", \"sft\" or \"auto\", "
             "got \"json\" in configs/x.toml:2:18 (did you mean \"jsonl\"?)");
 }
 
