@@ -12,7 +12,8 @@ saving adapter-only checkpoints. Checked, in fp32:
   * an adapter made by peft itself (random A and B, save_pretrained) loads into Loom and scores the
     same within 1e-4;
   * `loom score` with three adapters (the Loom checkpoint, its PEFT export, the peft-made one) loads
-    the base once and reports three results;
+    the base once and reports three results; `loom generate` with two adapters in turn samples
+    greedily what PeftModel.generate does;
   * bad input, one line and exit 2: a PEFT directory made for another base shape, target_modules
     naming no module of the model, a negative rank.
 
@@ -120,6 +121,23 @@ def main():
         print(f"trained adapter moves the logits by {moved:.3e}")
         if moved < 1e-3:
             failures.append(f"the trained adapter barely changes the logits ({moved:.3e}): nothing was tested")
+
+        # `loom generate` over the same base with two adapters in turn, greedy, against PeftModel's.
+        prompt, new_tokens = tokens[:6], 8
+        out = loom("generate", "--checkpoint", base_hf, "--prompt-tokens", ",".join(map(str, prompt)),
+                   "--max-new-tokens", str(new_tokens), "--temperature", "0", "--ids",
+                   "--adapter", peft_export, "--adapter", peft_made)
+        got = [[int(t) for t in line.split(",")] for line in out.strip().splitlines()]
+        for label, adapter_dir, ids in zip(["PEFT export", "peft-made"], [peft_export, peft_made], got):
+            _, model = peft_logits(adapter_dir)
+            with torch.no_grad():
+                expected = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                                          min_new_tokens=new_tokens)[0, len(prompt):].tolist()
+            print(f"generate --adapter ({label}): loom {ids} PeftModel {expected}")
+            if ids != expected:
+                failures.append(f"generate with the {label} adapter differs: loom {ids} PeftModel {expected}")
+        if len(got) != 2:
+            failures.append(f"loom generate with 2 adapters printed {len(got)} generations")
 
         merged = os.path.join(tmp, "merged")
         loom("convert", "--input", adapter_ckpt, "--output", merged, "--to", "hf", "--merge-adapter")

@@ -232,8 +232,10 @@ inline std::filesystem::path single_process_reference(const std::string& flags, 
 // optimizer, --model.n_layers): it runs `steps` steps in the layout and must match within `tol`.
 // The reference trains (its last loss below its first), so a table cannot pass on a model that
 // does not learn. Prints the measured differences.
-inline void expect_layout_matches_single_process(const Layout& l, const std::string& model_flags, int steps,
-                                                 Tolerance tol) {
+// `check_parameters`, when given (with tol.params >= 0), also sees the layout's gathered parameters.
+inline void expect_layout_matches_single_process(
+    const Layout& l, const std::string& model_flags, int steps, Tolerance tol,
+    const std::function<void(const std::map<std::string, torch::Tensor>&)>& check_parameters = nullptr) {
   const bool gather = tol.params >= 0;
   const auto reference = single_process_reference(model_flags, steps, gather);
   ASSERT_FALSE(reference.empty());
@@ -256,8 +258,10 @@ inline void expect_layout_matches_single_process(const Layout& l, const std::str
   }
   double worst_param = 0;
   if (gather) {
-    worst_param = worst_parameter_difference(gathered_parameters(reference, steps), gathered_parameters(dir, steps));
+    const auto parameters = gathered_parameters(dir, steps);
+    worst_param = worst_parameter_difference(gathered_parameters(reference, steps), parameters);
     EXPECT_LE(worst_param, tol.params) << l.name;
+    if (check_parameters) check_parameters(parameters);
   }
   std::printf("%-36s %2d ranks, %2d steps: max relative loss difference from the single process %.2e (final %.6f vs "
               "%.6f)%s\n",
