@@ -1,5 +1,7 @@
 #include "loom/distributed/comm.h"
 
+#include <ATen/record_function.h>
+
 #include <c10/util/StringUtil.h>
 
 #include <unistd.h>
@@ -68,12 +70,15 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 class CommWork : public c10d::Work {
  public:
   // `record` identifies the collective in error messages; record.seq == 0: not recorded.
+  // `dim`: the group's mesh dim, under which the time callers wait is counted (empty: not counted).
   CommWork(int rank, CommOp op, WorkHandle inner, std::function<void()> finalize,
-           FlightRecord record)
+           FlightRecord record, std::string dim = {})
       : c10d::Work(rank, op_type(op)),
         inner_(std::move(inner)),
         finalize_(std::move(finalize)),
-        record_(std::move(record)) {}
+        record_(std::move(record)),
+        op_(op),
+        dim_(std::move(dim)) {}
 
   // A collective that was complete when issued (groups of one rank).
   static WorkHandle completed(int rank, CommOp op) {
@@ -92,7 +97,17 @@ class CommWork : public c10d::Work {
   // A timeout that expires counts as a failure: collectives are ordered per group, so a group whose
   // collective did not finish cannot be used further anyway.
   bool wait(std::chrono::milliseconds timeout) override {
-    if (!settled_.load()) settle_from_inner(timeout);
+    if (!settled_.load()) {
+      // The time the caller is blocked here is the collective's exposed communication.
+      const auto start = std::chrono::steady_clock::now();
+      // A profiler trace shows the wait as its own range on the waiting thread.
+      RECORD_USER_SCOPE(c10::str("comm_wait ", to_string(op_), "@", dim_));  // a std::string: copied
+      settle_from_inner(timeout);
+      if (!dim_.empty()) {
+        comm_stats().record_wait(op_, dim_,
+                                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     if (exception_) std::rethrow_exception(exception_);
     return true;
@@ -152,6 +167,8 @@ class CommWork : public c10d::Work {
   WorkHandle inner_;
   std::function<void()> finalize_;
   FlightRecord record_;
+  CommOp op_;
+  std::string dim_;
   std::mutex settle_mutex_;
   std::atomic<bool> settled_{false};
 };
@@ -243,6 +260,7 @@ CommCounter& CommCounter::operator+=(const CommCounter& other) {
   calls += other.calls;
   payload_bytes += other.payload_bytes;
   wire_bytes += other.wire_bytes;
+  wait_seconds += other.wait_seconds;
   return *this;
 }
 
@@ -270,7 +288,7 @@ std::string CommSnapshot::format() const {
   for (const auto& [key, c] : counters) {
     out += c10::str(to_string(key.first), "@", key.second, " calls=", c.calls,
                     " payload=", format_bytes(static_cast<double>(c.payload_bytes)),
-                    " wire=", format_bytes(c.wire_bytes.value()), "\n");
+                    " wire=", format_bytes(c.wire_bytes.value()), " waited=", c.wait_seconds * 1e3, "ms\n");
   }
   return out;
 }
@@ -282,6 +300,11 @@ void CommStats::record(CommOp op, const std::string& dim, int64_t payload_bytes,
   c.calls += 1;
   c.payload_bytes += payload_bytes;
   c.wire_bytes += wire_bytes;
+}
+
+void CommStats::record_wait(CommOp op, const std::string& dim, double seconds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  current_.counters[{op, dim}].wait_seconds += seconds;
 }
 
 CommSnapshot CommStats::snapshot() const {
@@ -618,7 +641,7 @@ WorkHandle Comm::launch(Issue issue, c10d::Backend* backend,
     });
   }
   return c10::make_intrusive<CommWork>(rank_, issue.op, std::move(inner), std::move(finalize),
-                                       std::move(identity));
+                                       std::move(identity), name_);
 }
 
 WorkHandle Comm::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {

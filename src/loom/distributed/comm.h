@@ -71,6 +71,11 @@ struct CommCounter {
   int64_t calls = 0;
   int64_t payload_bytes = 0;  // tensor bytes: the full tensor for all_gather / reduce_scatter
   ByteCount wire_bytes;       // ring model, see ring_wire_bytes
+  // Exposed communication: host seconds the caller spent blocked in these collectives' wait()
+  // (a synchronous collective waits for all of it; an async one only for what compute since its
+  // issue did not hide). On CUDA a wait only orders streams, so this counts host-side waits
+  // (Gloo's) and not what NCCL streams leave exposed on the device.
+  double wait_seconds = 0;
   CommCounter& operator+=(const CommCounter& other);
 };
 
@@ -89,6 +94,8 @@ struct CommSnapshot {
 class CommStats {
  public:
   void record(CommOp op, const std::string& dim, int64_t payload_bytes, ByteCount wire_bytes);
+  // Host seconds a caller blocked waiting for a collective (CommCounter::wait_seconds).
+  void record_wait(CommOp op, const std::string& dim, double seconds);
   CommSnapshot snapshot() const;
   void reset();
   // Puts back counts taken by snapshot(): traffic since then is left out (validation's forward is

@@ -99,14 +99,20 @@ double dense_transformer_flops_per_token(int64_t non_embedding_params, int64_t n
              static_cast<double>(head_dim) * static_cast<double>(seq_len);
 }
 
-void add_comm_metrics(StepMetrics& m, const distributed::CommSnapshot& snapshot, int64_t steps) {
+void add_comm_metrics(StepMetrics& m, const distributed::CommSnapshot& snapshot, int64_t steps, double step_seconds) {
   LOOM_REQUIRE(steps > 0, "add_comm_metrics needs a positive step count, got ", steps);
   const double per_step = 1.0 / static_cast<double>(steps);
   m.extra["comm_bytes"] = snapshot.total().wire_bytes.value() * per_step;
   for (const auto& [key, counter] : snapshot.counters) {
     const std::string name = "comm_bytes/" + key.second;
     if (m.extra.count(name) == 0) m.extra[name] = snapshot.total_for_dim(key.second).wire_bytes.value() * per_step;
+    const std::string exposed = "comm_exposed_s/" + key.second;
+    if (m.file_only.count(exposed) == 0) m.file_only[exposed] = snapshot.total_for_dim(key.second).wait_seconds * per_step;
   }
+  if (snapshot.counters.empty()) return;  // one process: nothing to wait for
+  const double exposed = snapshot.total().wait_seconds * per_step;
+  m.extra["comm_exposed_s"] = exposed;
+  if (step_seconds > 0) m.extra["comm_exposed_pct"] = 100.0 * exposed / step_seconds;
 }
 
 std::filesystem::path repair_cut_last_line(const std::filesystem::path& path) {
@@ -254,7 +260,14 @@ std::string MetricsLogger::console_line(const StepMetrics& m, const std::string&
         for (const auto& [dim, bytes] : dims) parts += (parts.empty() ? "" : ", ") + dim + " " + human_bytes(bytes);
         line += " (" + parts + ")";
       }
-    } else if (key.rfind(kComm + "/", 0) != 0) {
+      // The training thread's wait for collectives: what communication compute did not hide.
+      if (const auto exposed = m.extra.find("comm_exposed_s"); exposed != m.extra.end()) {
+        line += "  exposed: " + printf_string("%.1f", exposed->second * 1e3) + "ms";
+        if (const auto pct = m.extra.find("comm_exposed_pct"); pct != m.extra.end()) {
+          line += " (" + printf_string("%.1f", pct->second) + "%)";
+        }
+      }
+    } else if (key.rfind(kComm + "/", 0) != 0 && key != "comm_exposed_s" && key != "comm_exposed_pct") {
       line += c10::str("  ", key, ": ", value);
     }
   }

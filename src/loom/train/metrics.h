@@ -57,8 +57,12 @@ struct StepMetrics {
 // The communication keys of a logged step, per step of the `steps` the snapshot covers (ring-model
 // wire bytes this rank sent): "comm_bytes" over every mesh dim, and "comm_bytes/<dim>" for each
 // mesh dim that carried traffic (dp_shard, tp, cp, ...), so the total can be split by parallelism
-// (TensorBoard groups the per-dim keys under "comm_bytes").
-void add_comm_metrics(StepMetrics& metrics, const distributed::CommSnapshot& snapshot, int64_t steps);
+// (TensorBoard groups the per-dim keys under "comm_bytes"). When any collective ran, also the
+// exposed communication: "comm_exposed_s", the seconds per step the training thread waited for
+// collectives (CommCounter::wait_seconds), and, given the mean step time `step_seconds`,
+// "comm_exposed_pct", its share of the step; per mesh dim "comm_exposed_s/<dim>" (JSONL only).
+void add_comm_metrics(StepMetrics& metrics, const distributed::CommSnapshot& snapshot, int64_t steps,
+                      double step_seconds = 0.0);
 
 // A metrics.jsonl whose last line was cut (a crash or a full disk while logging: no '\n' at the
 // end) would be glued to the first line a resumed run appends, and every reader would then fail on

@@ -182,7 +182,10 @@ peak memory) and appends one JSON object to `<dump_folder>/metrics.jsonl` with t
 `loss`, `grad_norm`, `lr`, `tps` (tokens/s per rank), `mfu` (percent), `mem_peak_gib` (peak
 resident memory of the rank since the previous log; on a GPU, the peak allocated by the CUDA
 caching allocator), plus extra keys: `comm_bytes` (bytes sent per step) and `comm_bytes/<dim>`
-(the same per mesh dim that carried traffic: `dp_shard`, `tp`, `cp`, ...), and on a GPU
+(the same per mesh dim that carried traffic: `dp_shard`, `tp`, `cp`, ...), `comm_exposed_s` (the
+seconds per step the training thread blocked waiting for collectives: the communication compute did
+not hide; on a GPU only host-side waits, NCCL's stream waits are not counted), `comm_exposed_pct`
+(its share of the step) and `comm_exposed_s/<dim>`, and on a GPU
 `mem_reserved_gib` (held by the caching allocator) and `mem_peak_pct` (peak as a percentage of the
 device's memory). Each line is flushed when written; NaN/inf are written as `null` (and an MFU that
 cannot be computed prints as `n/a`). The console line starts with the step, the time since training

@@ -849,7 +849,8 @@ std::vector<StepResult> Trainer::train() {
       if (window_memory) {
         m.file_only = window_memory->as_metrics();
       }
-      add_comm_metrics(m, distributed::comm_stats().snapshot(), window_steps);
+      add_comm_metrics(m, distributed::comm_stats().snapshot(), window_steps,
+                       window_seconds / static_cast<double>(window_steps));
       // What the applied parallelisms and layers report of the last step (MoE expert loads).
       for (const auto& [key, value] : parallel_model_->step_metrics()) m.file_only[key] = value;
       progress.record_log(m);

@@ -65,6 +65,10 @@ TEST(MultiRank, ByteAccountingMatchesRingFormulas) {
   expect_all_ranks_ok(run_worker(3, {"accounting"}), 3, {"accounting"});
 }
 
+TEST(MultiRank, ExposedCommunicationIsTheTimeSpentWaiting) {
+  expect_all_ranks_ok(run_worker(2, {"exposed_wait"}), 2, {"exposed_wait"});
+}
+
 TEST(MultiRank, FlightRecorderNamesPendingCollective) {
   const RunResult r = run_worker(2, {"flight_recorder"});
   expect_all_ranks_ok(r, 2, {"flight_recorder"});

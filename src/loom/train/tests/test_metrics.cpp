@@ -404,11 +404,18 @@ TEST(Metrics, CommBytesInTotalAndPerMeshDim) {
   snapshot.counters[{CommOp::kAllGather, "dp_shard"}] = {4, 4096, ByteCount::exact(2048)};
   snapshot.counters[{CommOp::kReduceScatter, "dp_shard"}] = {2, 4096, ByteCount::exact(2048)};
   snapshot.counters[{CommOp::kAllReduce, "tp"}] = {2, 300, ByteCount::fraction(900, 2)};
+  snapshot.counters[{CommOp::kAllGather, "dp_shard"}].wait_seconds = 0.25;
+  snapshot.counters[{CommOp::kAllReduce, "tp"}].wait_seconds = 0.75;
   StepMetrics m = sample(10);
-  add_comm_metrics(m, snapshot, /*steps=*/2);
+  add_comm_metrics(m, snapshot, /*steps=*/2, /*step_seconds=*/5.0);
+  // Exposed: (0.25 + 0.75) s over 2 steps = 0.5 s per step, 10 % of a 5 s step.
   EXPECT_EQ(m.extra, (std::map<std::string, double>{{"comm_bytes", (2048 + 2048 + 450) / 2.0},
                                                     {"comm_bytes/dp_shard", 4096 / 2.0},
-                                                    {"comm_bytes/tp", 450 / 2.0}}));
+                                                    {"comm_bytes/tp", 450 / 2.0},
+                                                    {"comm_exposed_pct", 10.0},
+                                                    {"comm_exposed_s", 0.5}}));
+  EXPECT_EQ(m.file_only.at("comm_exposed_s/dp_shard"), 0.125);
+  EXPECT_EQ(m.file_only.at("comm_exposed_s/tp"), 0.375);
   StepMetrics none = sample(10);
   add_comm_metrics(none, distributed::CommSnapshot{}, 1);  // one process: no traffic, no dims
   EXPECT_EQ(none.extra, (std::map<std::string, double>{{"comm_bytes", 0.0}}));

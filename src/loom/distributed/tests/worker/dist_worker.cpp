@@ -456,6 +456,35 @@ void scenario_unwaited_async(const std::shared_ptr<Distributed>& dist) {
   dist->set_timeout(std::chrono::seconds(60));
 }
 
+// Exposed communication (CommCounter::wait_seconds): the time the caller blocks in a collective's
+// wait. A rank that reaches a synchronous all-reduce 300 ms before its peer waits those 300 ms; the
+// late rank hardly waits; an async all-reduce waited after 300 ms of (simulated) compute on every
+// rank is hidden behind it and waits next to nothing.
+void scenario_exposed_wait(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
+  world.barrier();
+  comm_stats().reset();
+  const auto waited = [] { return comm_stats().snapshot().get(CommOp::kAllReduce, "world").wait_seconds; };
+  at::Tensor t = at::ones({1024}, at::kFloat);
+  if (world.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  world.all_reduce(t);
+  const double sync = waited();
+  if (world.rank() == 0) {
+    LOOM_REQUIRE(sync >= 0.2, "the early rank waited ", sync, " s for a peer 300 ms late; expected >= 0.2 s");
+  } else {
+    LOOM_REQUIRE(sync < 0.15, "the late rank waited ", sync, " s for a peer that was there already");
+  }
+  world.barrier();
+  comm_stats().reset();
+  WorkHandle work = world.all_reduce_async(t);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  work->wait();
+  const double hidden = waited();
+  LOOM_REQUIRE(hidden < 0.1, "an async all-reduce behind 300 ms of compute left ", hidden, " s exposed");
+  std::printf("rank %d: exposed %.3f s in the synchronous all-reduce, %.4f s in the hidden async one\n", world.rank(),
+              sync, hidden);
+}
+
 const std::map<std::string, std::function<void(const std::shared_ptr<Distributed>&)>>& scenarios() {
   static const std::map<std::string, std::function<void(const std::shared_ptr<Distributed>&)>> all = {
       {"all_reduce", scenario_all_reduce},       {"all_gather", scenario_all_gather},
@@ -466,6 +495,7 @@ const std::map<std::string, std::function<void(const std::shared_ptr<Distributed
       {"die_once", scenario_die_once},           {"stall_once", scenario_stall_once},
       {"peer_exit", scenario_peer_exit},         {"unwaited_async", scenario_unwaited_async},
       {"killed_peer", scenario_killed_peer},     {"stopped_peer", scenario_stopped_peer},
+      {"exposed_wait", scenario_exposed_wait},
   };
   return all;
 }
