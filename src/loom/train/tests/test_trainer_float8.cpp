@@ -50,8 +50,8 @@ std::vector<double> train(const std::string& name, int nproc, int local_batch, c
 // with the GEMMs' inner dimension, and the tiny model's 64 would make tracking easy.
 TEST(TrainerFloat8, TracksFloat32) {
   const std::string single = " --parallelism.data_parallel_shard_degree=1 --model.flavor=debugmodel";
-  const auto fp32 = train("fp32", 1, 8, single);
-  const auto one = train("float8", 1, 8, single + kFloat8, true);
+  const auto fp32 = train("fp32", 1, 4, single);
+  const auto one = train("float8", 1, 4, single + kFloat8, true);
   ASSERT_EQ(fp32.size(), static_cast<size_t>(kFloat8Steps));
   ASSERT_EQ(one.size(), static_cast<size_t>(kFloat8Steps));
   EXPECT_LT(one.back(), one.front() * 0.85) << "Float8 training learns";
