@@ -147,16 +147,13 @@ void run_generate(GenerateOptions o) {
   // and is taken off again; the base is never reloaded. Sampling restarts from --seed for each.
   LOOM_REQUIRE_USAGE(!loaded.adapter, "--checkpoint '", o.checkpoint, "' is itself an adapter; with --adapter, "
                      "--checkpoint is the base model they share");
-  for (size_t i = 0; i < o.adapters.size(); ++i) {
-    const AdapterDir adapter = read_adapter_dir(o.adapters[i]);
-    check_adapter_base(adapter, loaded.source);
-    Timer attach_timer;
-    const int64_t bytes = attach_adapter(*loaded.spec, model, adapter);
-    std::fprintf(stderr, "adapter %zu/%zu: %s: attached in %.3f s, %ld bytes read\n", i + 1, o.adapters.size(),
-                 adapter.describe().c_str(), attach_timer.seconds(), static_cast<long>(bytes));
-    generate_once();
-    lora::remove_lora(model);
-  }
+  with_each_adapter(*loaded.spec, model, loaded.source, o.adapters,
+                    [&](size_t i, const AdapterDir& adapter, double attach_seconds, int64_t bytes) {
+                      std::fprintf(stderr, "adapter %zu/%zu: %s: attached in %.3f s, %ld bytes read\n", i + 1,
+                                   o.adapters.size(), adapter.describe().c_str(), attach_seconds,
+                                   static_cast<long>(bytes));
+                      generate_once();
+                    });
 }
 
 }  // namespace

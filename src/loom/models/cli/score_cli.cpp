@@ -124,18 +124,14 @@ void run_score(const ScoreOptions& o) {
   // taken off again; the base is never reloaded.
   LOOM_REQUIRE_USAGE(!loaded.adapter, "--checkpoint '", o.checkpoint, "' is itself an adapter; with --adapter, "
                      "--checkpoint is the base model they share");
-  for (size_t i = 0; i < o.adapters.size(); ++i) {
-    const AdapterDir adapter = read_adapter_dir(o.adapters[i]);
-    check_adapter_base(adapter, loaded.source);
-    Timer attach_timer;
-    const int64_t bytes = attach_adapter(*loaded.spec, model, adapter);
-    const double attach_seconds = attach_timer.seconds();
-    std::printf("\nadapter %zu/%zu: %s: attached in %.3f s, %ld bytes read\n", i + 1, o.adapters.size(),
-                adapter.describe().c_str(), attach_seconds, static_cast<long>(bytes));
-    score_once(model, tokens, ids, device, o.logits_out,
-               o.adapters.size() == 1 ? std::string("logits") : c10::str("logits.", i));
-    lora::remove_lora(model);
-  }
+  with_each_adapter(*loaded.spec, model, loaded.source, o.adapters,
+                    [&](size_t i, const AdapterDir& adapter, double attach_seconds, int64_t bytes) {
+                      std::printf("\nadapter %zu/%zu: %s: attached in %.3f s, %ld bytes read\n", i + 1,
+                                  o.adapters.size(), adapter.describe().c_str(), attach_seconds,
+                                  static_cast<long>(bytes));
+                      score_once(model, tokens, ids, device, o.logits_out,
+                                 o.adapters.size() == 1 ? std::string("logits") : c10::str("logits.", i));
+                    });
   std::printf("\n%zu adapters scored over 1 base load\n", o.adapters.size());
 }
 }  // namespace

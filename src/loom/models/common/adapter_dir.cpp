@@ -1,6 +1,7 @@
 #include "loom/models/common/adapter_dir.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -259,6 +260,18 @@ void check_adapter_base(const AdapterDir& adapter, const fs::path& base) {
     log::warn("adapter '", adapter.source.string(), "' was trained on a base with checksum ",
               adapter.base.at("checksum").get<std::string>(), " (", adapter.base_path, "), but '", base.string(),
               "' has ", here.at("checksum").get<std::string>());
+  }
+}
+
+void with_each_adapter(const ModelSpec& spec, Decoder& model, const fs::path& base_dir,
+                       const std::vector<std::string>& adapters, const AdapterUse& use) {
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    const AdapterDir adapter = read_adapter_dir(adapters[i]);
+    check_adapter_base(adapter, base_dir);
+    const auto start = std::chrono::steady_clock::now();
+    const int64_t bytes = attach_adapter(spec, model, adapter);
+    use(i, adapter, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), bytes);
+    lora::remove_lora(model);
   }
 }
 

@@ -17,8 +17,10 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "loom/lora/lora.h"
 #include "loom/models/common/decoder.h"
@@ -64,6 +66,14 @@ int64_t attach_adapter(const ModelSpec& spec, Decoder& model, const AdapterDir& 
 // Warns when a Loom adapter was trained on a base whose checksum is not `base`'s (its numbers
 // then mean something else); PEFT directories record no checksum.
 void check_adapter_base(const AdapterDir& adapter, const std::filesystem::path& base);
+
+// Many adapters over one resident base (`loom score` / `generate --adapter`): each of `adapters`
+// in turn is read, checked against the base (check_adapter_base with `base_dir`), attached (only
+// its bytes are read), handed to `use` (its index, settings, attach seconds and bytes read) and
+// removed again, so the base is never reloaded. The model must carry no adapter to begin with.
+using AdapterUse = std::function<void(size_t index, const AdapterDir& adapter, double attach_seconds, int64_t bytes)>;
+void with_each_adapter(const ModelSpec& spec, Decoder& model, const std::filesystem::path& base_dir,
+                       const std::vector<std::string>& adapters, const AdapterUse& use);
 
 // Writes `model`'s adapters (applied with `options`) as a PEFT directory `dir` (must not exist),
 // tensors in `dtype` (default: the adapters'). `base_name`: adapter_config's
