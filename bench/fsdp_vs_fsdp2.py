@@ -132,7 +132,10 @@ def run_loom(args, dump):
     # tps is per rank and per logged step (log_freq 1): turn it back into step times.
     return {"step_times": [tokens / r["tps"] for r in rows[args.warmup:]], "losses": [r["loss"] for r in rows],
             "peak_kib": peak_kib, "rank0_train_peak_kib": max(r["mem_peak_gib"] for r in rows) * 1024**2,
-            "comm_bytes": rows[-1].get("comm_bytes")}
+            "comm_bytes": rows[-1].get("comm_bytes"),
+            # Exposed communication: the seconds per step the training thread waited for collectives.
+            "exposed_s": [r.get("comm_exposed_s", 0.0) for r in rows[args.warmup:]],
+            "exposed_pct": [r.get("comm_exposed_pct", 0.0) for r in rows[args.warmup:]]}
 
 
 def run_fsdp2(args):

@@ -108,6 +108,10 @@ void add_comm_metrics(StepMetrics& m, const distributed::CommSnapshot& snapshot,
     if (m.extra.count(name) == 0) m.extra[name] = snapshot.total_for_dim(key.second).wire_bytes.value() * per_step;
     const std::string exposed = "comm_exposed_s/" + key.second;
     if (m.file_only.count(exposed) == 0) m.file_only[exposed] = snapshot.total_for_dim(key.second).wait_seconds * per_step;
+    // And per collective: which ones compute does not hide (the first all-gather, the last
+    // reduce-scatter, the gradient norm's all-reduce, ...).
+    m.file_only[c10::str("comm_exposed_s/", distributed::to_string(key.first), "@", key.second)] =
+        counter.wait_seconds * per_step;
   }
   if (snapshot.counters.empty()) return;  // one process: nothing to wait for
   const double exposed = snapshot.total().wait_seconds * per_step;

@@ -60,7 +60,8 @@ struct StepMetrics {
 // (TensorBoard groups the per-dim keys under "comm_bytes"). When any collective ran, also the
 // exposed communication: "comm_exposed_s", the seconds per step the training thread waited for
 // collectives (CommCounter::wait_seconds), and, given the mean step time `step_seconds`,
-// "comm_exposed_pct", its share of the step; per mesh dim "comm_exposed_s/<dim>" (JSONL only).
+// "comm_exposed_pct", its share of the step; per mesh dim "comm_exposed_s/<dim>" and per
+// collective "comm_exposed_s/<op>@<dim>" (JSONL only).
 void add_comm_metrics(StepMetrics& metrics, const distributed::CommSnapshot& snapshot, int64_t steps,
                       double step_seconds = 0.0);
 

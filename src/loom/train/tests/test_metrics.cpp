@@ -416,6 +416,8 @@ TEST(Metrics, CommBytesInTotalAndPerMeshDim) {
                                                     {"comm_exposed_s", 0.5}}));
   EXPECT_EQ(m.file_only.at("comm_exposed_s/dp_shard"), 0.125);
   EXPECT_EQ(m.file_only.at("comm_exposed_s/tp"), 0.375);
+  EXPECT_EQ(m.file_only.at("comm_exposed_s/all_gather@dp_shard"), 0.125);
+  EXPECT_EQ(m.file_only.at("comm_exposed_s/reduce_scatter@dp_shard"), 0.0);
   StepMetrics none = sample(10);
   add_comm_metrics(none, distributed::CommSnapshot{}, 1);  // one process: no traffic, no dims
   EXPECT_EQ(none.extra, (std::map<std::string, double>{{"comm_bytes", 0.0}}));
