@@ -139,8 +139,9 @@ struct FSDPModule::RootContext {
   bool recording = false;
   bool order_recorded = false;
   bool callback_queued = false;
-  // Groups with a reduction in flight, in issue order (= the order on every rank).
-  std::deque<FSDPParamGroup*> pending;
+  // Groups with a reduction in flight, in issue order (= the order on every rank); shared by the
+  // roots of one rank's pipeline stages (share_reductions).
+  std::shared_ptr<std::deque<FSDPParamGroup*>> pending = std::make_shared<std::deque<FSDPParamGroup*>>();
   PrefetchCounts prefetches;
 };
 
@@ -271,7 +272,7 @@ torch::Tensor FSDPModule::post_forward(torch::Tensor output) {
   }
   const bool backward_follows =
       output.defined() && output.requires_grad() && torch::GradMode::is_enabled();
-  if (group_ && !in_backward_) {
+  if (group_ && !in_backward_ && reshard_after_forward_) {
     if (!backward_follows) {
       group_->reshard();  // no backward will come for this forward
     } else if (!root) {
@@ -327,7 +328,7 @@ void FSDPModule::post_backward() {
   if (reshard_after_backward_) group_->reshard();
   if (requires_gradient_sync_ && group_->has_trainable()) {
     group_->reduce_grads_async();
-    context().pending.push_back(group_.get());
+    context().pending->push_back(group_.get());
   }
   group_->reset_backward_state();
   poll_reduces();
@@ -356,7 +357,7 @@ void FSDPModule::complete_backward() {
 // ---- Reductions ----
 
 void FSDPModule::drain_reduces(FSDPParamGroup* through, Progress progress) {
-  auto& queue = context().pending;
+  auto& queue = *context().pending;
   bool may_issue_all_reduce = true;
   for (auto it = queue.begin(); it != queue.end();) {
     FSDPParamGroup* g = *it;
@@ -377,7 +378,7 @@ void FSDPModule::finalize_backward() {
   // Let every reduce-scatter finish and issue the HSDP all-reduces in order, then wait for those.
   drain_reduces(nullptr, Progress::kWaitReduceScatter);
   drain_reduces(nullptr, Progress::kWaitAll);
-  TORCH_INTERNAL_ASSERT(context().pending.empty(), "FSDP reductions left after finalize");
+  TORCH_INTERNAL_ASSERT(context().pending->empty(), "FSDP reductions left after finalize");
 }
 
 // ---- Explicit control ----
@@ -388,8 +389,42 @@ void FSDPModule::unshard() {
   for (FSDPParamGroup* g : groups) g->wait_for_unshard();
 }
 
+void FSDPModule::unshard_async() {
+  for (FSDPParamGroup* g : param_groups()) g->unshard_async();
+}
+
 void FSDPModule::reshard() {
   for (FSDPParamGroup* g : param_groups()) g->reshard();
+}
+
+void FSDPModule::set_reshard_after_forward(bool enabled) {
+  for (auto& s : states()) s->reshard_after_forward_ = enabled;
+}
+
+void FSDPModule::reduce_gradients() {
+  const auto all = states();
+  for (const auto& s : all) {
+    s->in_backward_ = false;
+    if (s->group_) s->group_->reset_backward_state();
+  }
+  auto& queue = *context().pending;
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    FSDPParamGroup* g = (*it)->group_.get();
+    if (g == nullptr || !g->has_trainable()) continue;
+    g->reduce_grads_async();
+    queue.push_back(g);
+  }
+  poll_reduces();
+}
+
+void FSDPModule::share_reductions(const std::vector<std::shared_ptr<FSDPModule>>& roots) {
+  if (roots.empty()) return;
+  for (const auto& r : roots) {
+    LOOM_REQUIRE(r->is_root(), "share_reductions: '", r->fqn(), "' is not an FSDP root");
+    LOOM_REQUIRE(r->context().pending->empty(), "share_reductions with reductions in flight");
+  }
+  const auto queue = roots.front()->context().pending;
+  for (const auto& r : roots) r->context().pending = queue;
 }
 
 void FSDPModule::set_requires_gradient_sync(bool enabled) {
@@ -510,6 +545,50 @@ int64_t FSDPModule::unsharded_bytes_allocated() {
   int64_t bytes = 0;
   for (FSDPParamGroup* g : param_groups()) bytes += g->unsharded_bytes_allocated();
   return bytes;
+}
+
+// ---------------------------------------------------------------------------------------------
+// FSDPRoots
+
+FSDPRoots::FSDPRoots(std::shared_ptr<FSDPModule> root) {
+  if (root) roots_.push_back(std::move(root));
+}
+
+FSDPRoots::FSDPRoots(std::vector<std::shared_ptr<FSDPModule>> roots) : roots_(std::move(roots)) {
+  for (const auto& r : roots_) LOOM_REQUIRE(r != nullptr && r->is_root(), "FSDPRoots takes FSDP roots");
+}
+
+std::vector<FSDPParamGroup*> FSDPRoots::param_groups() const {
+  std::vector<FSDPParamGroup*> out;
+  for (const auto& r : roots_) {
+    for (FSDPParamGroup* g : r->param_groups()) out.push_back(g);
+  }
+  return out;
+}
+
+std::string FSDPRoots::param_fqn(const FSDPParamGroup& group, const FSDPParamGroup::Param& p) const {
+  for (const auto& r : roots_) {
+    for (FSDPParamGroup* g : r->param_groups()) {
+      if (g == &group) return r->param_fqn(group, p);
+    }
+  }
+  fail("FSDP group '", group.name(), "' is not below these FSDP roots");
+}
+
+void FSDPRoots::finalize_backward() const {
+  for (const auto& r : roots_) r->finalize_backward();
+}
+
+void FSDPRoots::zero_grad() const {
+  for (const auto& r : roots_) r->zero_grad();
+}
+
+std::vector<ShardedTensor> FSDPRoots::sharded_state_dict() const {
+  std::vector<ShardedTensor> out;
+  for (const auto& r : roots_) {
+    for (auto& t : r->sharded_state_dict()) out.push_back(std::move(t));
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -144,7 +144,15 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   // All-gathers every group (all issued before any is waited for) and keeps them unsharded until
   // reshard() or the next post-forward / post-backward reshard.
   void unshard();
+  // Issues every group's all-gather and returns; each group's forward (or backward) hook waits for
+  // its own (a pipeline's UNSHARD action, overlapping the gathers with the compute before it).
+  void unshard_async();
   void reshard();
+  // Off: the forward leaves the parameters unsharded (no free after a forward); a pipeline stage
+  // holds them from its UNSHARD to its RESHARD action across micro-batches, and the zero-bubble
+  // split's weight gradients (W, after the forward and backward of later micro-batches) find them
+  // there (FSDP2's set_reshard_after_forward). On by default (the policy's reshard_after_forward).
+  void set_reshard_after_forward(bool enabled);
   // Off: backward accumulates the unsharded gradients locally and issues no reduce-scatter
   // (gradient accumulation without resync; the micro-batch with sync on reduces the sum).
   void set_requires_gradient_sync(bool enabled);
@@ -154,6 +162,17 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   // micro-batches and reshards with its last backward of the step (FSDP2's
   // set_reshard_after_backward). On by default.
   void set_reshard_after_backward(bool enabled);
+
+  // The schedule's REDUCE_GRAD: issues the reduce-scatter (and, HSDP, then the all-reduce) of every
+  // trainable group's gradients accumulated since the last reduction, in reverse module order (a
+  // backward's), asynchronously; finalize_backward waits for them. Groups whose backward is still
+  // marked open (an I/W split leaves the hooks' bookkeeping so) are closed first without reducing.
+  // Meant with requires_gradient_sync off, so the hooks never reduce on their own.
+  void reduce_gradients();
+  // Makes `roots` (several FSDP roots on this rank: a pipeline rank's stages) keep one queue of
+  // in-flight reductions, so the HSDP all-reduces that follow their reduce-scatters are issued in
+  // the same order on every rank whatever the timing (each root alone keeps its own order only).
+  static void share_reductions(const std::vector<std::shared_ptr<FSDPModule>>& roots);
 
   // ---- Training step ----
   // Completes the backward of groups it did not finish (unused parameters), waits for every
@@ -232,11 +251,35 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   std::vector<std::pair<std::string, std::shared_ptr<FSDPModule>>> descendants_;
   std::unique_ptr<RootContext> context_;  // runtime state of the root's forward/backward
   bool requires_gradient_sync_ = true;
+  bool reshard_after_forward_ = true;
   bool reshard_after_backward_ = true;
   bool in_backward_ = false;  // pre-backward ran, post-backward not yet
   bool post_backward_done_ = false;
   nn::HookHandle pre_hook_;
   nn::HookHandle post_hook_;
+};
+
+// The FSDP roots of one rank stepped as one: the model's root, or each pipeline stage's (every
+// stage on a rank is its own root, as in PyTorch's pipelining with FSDP2). What the sharded
+// optimizers and the parameter storage iterate: every group of every root, in root order.
+class FSDPRoots {
+ public:
+  FSDPRoots() = default;
+  FSDPRoots(std::shared_ptr<FSDPModule> root);  // NOLINT: one root converts implicitly
+  explicit FSDPRoots(std::vector<std::shared_ptr<FSDPModule>> roots);
+
+  const std::vector<std::shared_ptr<FSDPModule>>& roots() const { return roots_; }
+  bool empty() const { return roots_.empty(); }
+  FSDPModule& front() const { return *roots_.front(); }
+  std::vector<FSDPParamGroup*> param_groups() const;
+  // The fully qualified name of `p` of `group`, from whichever root holds the group.
+  std::string param_fqn(const FSDPParamGroup& group, const FSDPParamGroup::Param& p) const;
+  void finalize_backward() const;
+  void zero_grad() const;
+  std::vector<ShardedTensor> sharded_state_dict() const;
+
+ private:
+  std::vector<std::shared_ptr<FSDPModule>> roots_;
 };
 
 // Shards `module`'s parameters not already owned by an FSDP descendant (shard those first) and

@@ -20,19 +20,19 @@ ParameterGranularity muon_granularity() {
   };
 }
 
-ShardedMuon::ShardedMuon(std::shared_ptr<FSDPModule> fsdp, optim::AdamWOptions adamw_options,
+ShardedMuon::ShardedMuon(FSDPRoots fsdp, optim::AdamWOptions adamw_options,
                          optim::MuonOptions muon_options, double weight_decay)
     : fsdp_(std::move(fsdp)), adamw_options_(adamw_options), muon_options_(muon_options) {
-  LOOM_REQUIRE(fsdp_ != nullptr, "ShardedMuon needs an FSDP module");
+  LOOM_REQUIRE(!fsdp_.empty(), "ShardedMuon needs an FSDP module");
   LOOM_REQUIRE_USAGE(weight_decay >= 0.0, "weight decay must be >= 0, got ", weight_decay);
   optim::check_muon_options(muon_options_);
   optim::ParamGroup decay{"decay", {}, {}, weight_decay}, no_decay{"no_decay", {}, {}, 0.0};
   std::vector<AdamWSlot> decay_slots, no_decay_slots;
-  for (FSDPParamGroup* g : fsdp_->param_groups()) {
+  for (FSDPParamGroup* g : fsdp_.param_groups()) {
     for (size_t i = 0; i < g->params().size(); ++i) {
       const auto& p = g->params()[i];
       const TensorLayout& layout = g->plan().tensors[p.index];
-      const std::string fqn = fsdp_->param_fqn(*g, p);
+      const std::string fqn = fsdp_.param_fqn(*g, p);
       const tensor::FlatRange local = g->params_buffer().local_range(p.index);
       const int64_t global_offset = g->params_buffer().global_range(p.index).begin;
       // A frozen parameter (LoRA's base) gets no state and no update.
@@ -79,7 +79,7 @@ void ShardedMuon::set_lr(double lr) {
 }
 
 void ShardedMuon::step() {
-  fsdp_->finalize_backward();
+  fsdp_.finalize_backward();
   // AdamW's pieces, including empty ones, so every rank counts the same steps (the step counts
   // are saved once, as replicated values).
   std::vector<std::vector<torch::Tensor>> grads(adamw_slots_.size());
@@ -107,7 +107,7 @@ void ShardedMuon::step() {
   }
 }
 
-void ShardedMuon::zero_grad(bool /*set_to_none*/) { fsdp_->zero_grad(); }
+void ShardedMuon::zero_grad(bool /*set_to_none*/) { fsdp_.zero_grad(); }
 
 optim::TensorDict ShardedMuon::state_dict() const {
   optim::TensorDict out = adamw_->state_dict();

@@ -33,7 +33,7 @@ class ShardedMuon : public ShardedOptimizer {
  public:
   // Throws loom::Error when a Muon matrix is cut across ranks (the groups were not planned with
   // muon_granularity()), loom::UsageError for a bad option.
-  ShardedMuon(std::shared_ptr<FSDPModule> fsdp, optim::AdamWOptions adamw_options,
+  ShardedMuon(FSDPRoots fsdp, optim::AdamWOptions adamw_options,
               optim::MuonOptions muon_options, double weight_decay);
 
   // Finalizes the backward, then updates every group whose gradient shard holds a reduction.
@@ -71,7 +71,7 @@ class ShardedMuon : public ShardedOptimizer {
     int64_t global_offset = 0;
   };
 
-  std::shared_ptr<FSDPModule> fsdp_;
+  FSDPRoots fsdp_;
   optim::AdamWOptions adamw_options_;
   optim::MuonOptions muon_options_;
   std::vector<MuonPiece> muon_;

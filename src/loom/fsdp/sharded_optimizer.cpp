@@ -18,16 +18,16 @@ torch::Tensor piece_of(const torch::Tensor& flat, const FSDPParamGroup& g,
 
 }  // namespace
 
-ShardedAdamW::ShardedAdamW(std::shared_ptr<FSDPModule> fsdp, optim::AdamWOptions options,
+ShardedAdamW::ShardedAdamW(FSDPRoots fsdp, optim::AdamWOptions options,
                            double weight_decay)
     : fsdp_(std::move(fsdp)), options_(options), weight_decay_(weight_decay) {
-  LOOM_REQUIRE(fsdp_ != nullptr, "ShardedAdamW needs an FSDP module");
+  LOOM_REQUIRE(!fsdp_.empty(), "ShardedAdamW needs an FSDP module");
   LOOM_REQUIRE_USAGE(weight_decay_ >= 0.0, "weight decay must be >= 0, got ", weight_decay_);
-  for (FSDPParamGroup* g : fsdp_->param_groups()) {
+  for (FSDPParamGroup* g : fsdp_.param_groups()) {
     if (!g->has_trainable()) continue;  // a frozen group (LoRA's base): no state, no update
     Group group{g, optim::FlatAdamWState::zeros_like(g->sharded_params()), {}, {}};
     for (const auto& p : g->params()) {
-      group.fqns.push_back(fsdp_->param_fqn(*g, p));
+      group.fqns.push_back(fsdp_.param_fqn(*g, p));
       const auto& shape = g->plan().tensors[p.index].shape;
       const tensor::FlatRange r = g->params_buffer().local_range(p.index);
       if (r.empty() || (p.trainable && optim::is_weight_decayed(group.fqns.back(), shape))) {
@@ -56,7 +56,7 @@ void ShardedAdamW::step() { step_groups(nullptr); }
 void ShardedAdamW::step_with_guard(const optim::StepGuard& guard) { step_groups(&guard); }
 
 void ShardedAdamW::step_groups(const optim::StepGuard* guard) {
-  fsdp_->finalize_backward();
+  fsdp_.finalize_backward();
   for (Group& g : groups_) {
     if (!g.group->has_sharded_grads()) continue;
     optim::adamw_step_flat(g.group->sharded_params(), g.group->sharded_grads(), g.state, options_,
@@ -64,7 +64,7 @@ void ShardedAdamW::step_groups(const optim::StepGuard* guard) {
   }
 }
 
-void ShardedAdamW::zero_grad(bool /*set_to_none*/) { fsdp_->zero_grad(); }
+void ShardedAdamW::zero_grad(bool /*set_to_none*/) { fsdp_.zero_grad(); }
 
 optim::TensorDict ShardedAdamW::state_dict() const {
   optim::TensorDict out;
@@ -114,13 +114,13 @@ ParameterGranularity adamw8bit_granularity(int64_t block_size) {
   };
 }
 
-ShardedAdamW8bit::ShardedAdamW8bit(std::shared_ptr<FSDPModule> fsdp, optim::AdamWOptions options,
+ShardedAdamW8bit::ShardedAdamW8bit(FSDPRoots fsdp, optim::AdamWOptions options,
                                    double weight_decay, int64_t block_size)
     : fsdp_(std::move(fsdp)), options_(options), block_size_(block_size) {
-  LOOM_REQUIRE(fsdp_ != nullptr, "ShardedAdamW8bit needs an FSDP module");
+  LOOM_REQUIRE(!fsdp_.empty(), "ShardedAdamW8bit needs an FSDP module");
   LOOM_REQUIRE_USAGE(weight_decay >= 0.0, "weight decay must be >= 0, got ", weight_decay);
   LOOM_REQUIRE_USAGE(block_size_ >= 1, "AdamW8bit block_size must be >= 1, got ", block_size_);
-  for (FSDPParamGroup* g : fsdp_->param_groups()) {
+  for (FSDPParamGroup* g : fsdp_.param_groups()) {
     if (!g->has_trainable()) continue;  // a frozen group (LoRA's base): no state, no update
     Group group{g, torch::zeros({}, g->sharded_params().options().dtype(torch::kFloat)), {}};
     const torch::Tensor& shard = g->sharded_params();
@@ -130,7 +130,7 @@ ShardedAdamW8bit::ShardedAdamW8bit(std::shared_ptr<FSDPModule> fsdp, optim::Adam
       const auto& p = g->params()[i];
       const TensorLayout& layout = g->plan().tensors[p.index];
       Piece piece;
-      piece.fqn = fsdp_->param_fqn(*g, p);
+      piece.fqn = fsdp_.param_fqn(*g, p);
       piece.param = i;
       piece.local = g->params_buffer().local_range(p.index);
       piece.global_offset = g->params_buffer().global_range(p.index).begin;
@@ -158,7 +158,7 @@ ShardedAdamW8bit::ShardedAdamW8bit(std::shared_ptr<FSDPModule> fsdp, optim::Adam
 }
 
 void ShardedAdamW8bit::step() {
-  fsdp_->finalize_backward();
+  fsdp_.finalize_backward();
   std::map<double, std::vector<optim::AdamW8bitPiece>> by_step;
   for (Group& g : groups_) {
     if (!g.group->has_sharded_grads()) continue;
@@ -177,7 +177,7 @@ void ShardedAdamW8bit::step() {
   for (const auto& [step, list] : by_step) optim::adamw8bit_step(list, options_, step, block_size_);
 }
 
-void ShardedAdamW8bit::zero_grad(bool /*set_to_none*/) { fsdp_->zero_grad(); }
+void ShardedAdamW8bit::zero_grad(bool /*set_to_none*/) { fsdp_.zero_grad(); }
 
 optim::TensorDict ShardedAdamW8bit::state_dict() const {
   optim::TensorDict out;

@@ -27,9 +27,9 @@ class ShardedOptimizer : public optim::Optimizer {
 
 class ShardedAdamW : public ShardedOptimizer {
  public:
-  // Steps every group below `fsdp` (normally the root). Matrices decay by `weight_decay`;
+  // Steps every group below the FSDP roots (the model's, or each pipeline stage's). Matrices decay by `weight_decay`;
   // parameters optim::is_weight_decayed exempts (by full shape) and frozen ones do not.
-  ShardedAdamW(std::shared_ptr<FSDPModule> fsdp, optim::AdamWOptions options, double weight_decay);
+  ShardedAdamW(FSDPRoots fsdp, optim::AdamWOptions options, double weight_decay);
 
   // Finalizes the backward (waits for the reductions), then one fused update per group whose
   // gradient shard holds a reduction since zero_grad (others are skipped, like a None .grad).
@@ -62,7 +62,7 @@ class ShardedAdamW : public ShardedOptimizer {
 
   void step_groups(const optim::StepGuard* guard);
 
-  std::shared_ptr<FSDPModule> fsdp_;
+  FSDPRoots fsdp_;
   optim::AdamWOptions options_;
   double weight_decay_;
   std::vector<Group> groups_;
@@ -84,7 +84,7 @@ ParameterGranularity adamw8bit_granularity(int64_t block_size);
 // and "<fqn>.exp_avg_sq.absmax" (float32, global shape [numel / block_size]).
 class ShardedAdamW8bit : public ShardedOptimizer {
  public:
-  ShardedAdamW8bit(std::shared_ptr<FSDPModule> fsdp, optim::AdamWOptions options,
+  ShardedAdamW8bit(FSDPRoots fsdp, optim::AdamWOptions options,
                    double weight_decay, int64_t block_size);
 
   // Finalizes the backward, then one fused pass over every block of every group with gradients.
@@ -118,7 +118,7 @@ class ShardedAdamW8bit : public ShardedOptimizer {
     std::vector<Piece> pieces;
   };
 
-  std::shared_ptr<FSDPModule> fsdp_;
+  FSDPRoots fsdp_;
   optim::AdamWOptions options_;
   int64_t block_size_;
   std::vector<Group> groups_;

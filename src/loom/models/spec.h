@@ -68,6 +68,10 @@ struct PipelineOptions {
   int64_t seq_len = 0;            // tokens per row on this rank: the activations' length
   int64_t layers_per_stage = 0;   // 0 = not set
   std::vector<std::string> split_points;  // empty = not set
+  // parallelism.fsdp_reshard_after_forward as written: with FSDP inside the stages, "default" and
+  // "never" hold each stage gathered from its UNSHARD to its RESHARD action (TorchTitan's default
+  // under PP), "always" or N re-gather it for every micro-batch's forward and backward.
+  std::string fsdp_reshard_after_forward = "default";
 };
 
 // The parallelism and training settings a model's plan reads (TorchTitan hands parallelize_fn the

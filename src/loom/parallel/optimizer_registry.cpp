@@ -24,7 +24,7 @@ OptimizerSpec adamw_spec() {
   s.build = [](const optim::NamedTensors& params, const OptimizerRequest& r) -> std::unique_ptr<optim::Optimizer> {
     return std::make_unique<optim::AdamW>(optim::weight_decay_param_groups(params, r.weight_decay), r.adamw);
   };
-  s.build_sharded = [](std::shared_ptr<fsdp::FSDPModule> fsdp,
+  s.build_sharded = [](fsdp::FSDPRoots fsdp,
                        const OptimizerRequest& r) -> std::unique_ptr<fsdp::ShardedOptimizer> {
     return std::make_unique<fsdp::ShardedAdamW>(std::move(fsdp), r.adamw, r.weight_decay);
   };
@@ -53,7 +53,7 @@ OptimizerSpec adamw8bit_spec() {
     return std::make_unique<optim::AdamW8bit>(optim::weight_decay_param_groups(params, r.weight_decay), r.adamw,
                                               r.block_size);
   };
-  s.build_sharded = [](std::shared_ptr<fsdp::FSDPModule> fsdp,
+  s.build_sharded = [](fsdp::FSDPRoots fsdp,
                        const OptimizerRequest& r) -> std::unique_ptr<fsdp::ShardedOptimizer> {
     return std::make_unique<fsdp::ShardedAdamW8bit>(std::move(fsdp), r.adamw, r.weight_decay, r.block_size);
   };
@@ -71,7 +71,7 @@ OptimizerSpec muon_spec() {
   s.build = [](const optim::NamedTensors& params, const OptimizerRequest& r) -> std::unique_ptr<optim::Optimizer> {
     return std::make_unique<optim::Muon>(optim::weight_decay_param_groups(params, r.weight_decay), r.adamw, r.muon);
   };
-  s.build_sharded = [](std::shared_ptr<fsdp::FSDPModule> fsdp,
+  s.build_sharded = [](fsdp::FSDPRoots fsdp,
                        const OptimizerRequest& r) -> std::unique_ptr<fsdp::ShardedOptimizer> {
     return std::make_unique<fsdp::ShardedMuon>(std::move(fsdp), r.adamw, r.muon, r.weight_decay);
   };

@@ -55,7 +55,7 @@ struct OptimizerSpec {
   // Over this rank's trainable parameters (weight-decay groups by optim::weight_decay_param_groups).
   std::function<std::unique_ptr<optim::Optimizer>(const optim::NamedTensors&, const OptimizerRequest&)> build;
   // Over FSDP's flat shards (groups planned with fsdp_granularity).
-  std::function<std::unique_ptr<fsdp::ShardedOptimizer>(std::shared_ptr<fsdp::FSDPModule>, const OptimizerRequest&)>
+  std::function<std::unique_ptr<fsdp::ShardedOptimizer>(fsdp::FSDPRoots, const OptimizerRequest&)>
       build_sharded;
 };
 

@@ -34,9 +34,6 @@ ParallelizedModel::ParallelizedModel(ParallelParts parts) : parts_(std::move(par
                "two owners of the same gradients (FSDP and DDP on the same parameters: HSDP replicates "
                "through FSDP, dp_replicate, not DDP)");
   callbacks_.begin_micro_batch = [this](bool last) { begin_micro_batch(last); };
-  callbacks_.begin_stage_backward = [this](bool step_ends) {
-    for (const auto& s : parts_.synchronizers) s->begin_stage_backward(step_ends);
-  };
   if (!gradients_persist()) {
     // Memory accounting (core/memory.h): gradients set to None between steps are created again by
     // each step's backward; the first one of each parameter in a step is counted as a gradient

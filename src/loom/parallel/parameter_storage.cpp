@@ -141,32 +141,32 @@ void ModuleParameters::load_pieces(const optim::TensorDict& pieces, bool subset,
 
 NamedGradients FsdpParameters::local_gradients() {
   NamedGradients out;
-  for (fsdp::FSDPParamGroup* group : fsdp_->param_groups()) {
-    for (const auto& p : group->params()) out.emplace_back(fsdp_->param_fqn(*group, p), p.sharded_grad);
+  for (fsdp::FSDPParamGroup* group : fsdp_.param_groups()) {
+    for (const auto& p : group->params()) out.emplace_back(fsdp_.param_fqn(*group, p), p.sharded_grad);
   }
   return out;
 }
 
 std::vector<torch::Tensor> FsdpParameters::norm_gradients() {
   std::vector<torch::Tensor> out;
-  for (fsdp::FSDPParamGroup* group : fsdp_->param_groups()) out.push_back(group->sharded_grads());
+  for (fsdp::FSDPParamGroup* group : fsdp_.param_groups()) out.push_back(group->sharded_grads());
   return out;
 }
 
 tensor::CommPtr FsdpParameters::norm_comm(const std::string& param) const {
   if (shard_comms_.empty()) {
-    for (fsdp::FSDPParamGroup* group : fsdp_->param_groups()) {
-      for (const auto& p : group->params()) shard_comms_[fsdp_->param_fqn(*group, p)] = group->mesh().shard;
+    for (fsdp::FSDPParamGroup* group : fsdp_.param_groups()) {
+      for (const auto& p : group->params()) shard_comms_[fsdp_.param_fqn(*group, p)] = group->mesh().shard;
     }
   }
   const auto it = shard_comms_.find(param);
-  return it != shard_comms_.end() ? it->second : fsdp_->mesh().shard;
+  return it != shard_comms_.end() ? it->second : fsdp_.front().mesh().shard;
 }
 
 std::vector<torch::Tensor> FsdpParameters::resident_parameters() {
   // The unsharded parameters are views of FSDP's releasable buffers: buffers in flight.
   std::vector<torch::Tensor> out;
-  for (fsdp::FSDPParamGroup* group : fsdp_->param_groups()) out.push_back(group->sharded_params());
+  for (fsdp::FSDPParamGroup* group : fsdp_.param_groups()) out.push_back(group->sharded_params());
   return out;
 }
 
@@ -176,13 +176,13 @@ std::unique_ptr<optim::Optimizer> FsdpParameters::build_optimizer(const Optimize
 }
 
 void FsdpParameters::describe_layout(OptimizerLayout& layout) const {
-  const auto& mp = fsdp_->policy().mixed_precision;
+  const auto& mp = fsdp_.front().policy().mixed_precision;
   layout.half_precision_shards = mp.param_dtype == c10::kBFloat16 || mp.reduce_dtype == c10::kBFloat16;
 }
 
 void FsdpParameters::add_parameters(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts,
                                     bool trainable) {
-  for (const auto& st : fsdp_->sharded_state_dict()) {
+  for (const auto& st : fsdp_.sharded_state_dict()) {
     if (st.trainable != trainable) continue;
     add_piece(state, layouts, st.name, checkpoint::kModelComponent, st.name, st.local, st.global_shape,
               st.global_offset);
@@ -190,7 +190,7 @@ void FsdpParameters::add_parameters(checkpoint::ShardedStateDict& state, const P
 }
 
 bool FsdpParameters::has_frozen_parameters() {
-  for (fsdp::FSDPParamGroup* group : fsdp_->param_groups()) {
+  for (fsdp::FSDPParamGroup* group : fsdp_.param_groups()) {
     for (const auto& p : group->params()) {
       if (!p.trainable) return true;
     }
@@ -217,8 +217,31 @@ void FsdpParameters::add_optimizer_state(checkpoint::ShardedStateDict& state, op
   }
 }
 
-void FsdpParameters::load_pieces(const optim::TensorDict& pieces, bool /*subset*/, const std::set<std::string>& optional) {
-  fsdp_->load_full_state_dict(pieces, optional);
+void FsdpParameters::load_pieces(const optim::TensorDict& pieces, bool subset, const std::set<std::string>& optional) {
+  // Each root takes the values of its own parameters; a pipeline rank's roots hold only some of
+  // the model's (`subset`), a whole model's every one.
+  size_t used = 0;
+  for (const auto& root : fsdp_.roots()) {
+    optim::TensorDict mine;
+    for (fsdp::FSDPParamGroup* group : root->param_groups()) {
+      for (const auto& p : group->params()) {
+        const std::string name = root->param_fqn(*group, p);
+        if (const auto it = pieces.find(name); it != pieces.end()) mine.emplace(name, it->second);
+      }
+    }
+    used += mine.size();
+    root->load_full_state_dict(mine, optional);
+  }
+  if (!subset && used != pieces.size()) {
+    std::set<std::string> known;
+    for (fsdp::FSDPParamGroup* group : fsdp_.param_groups()) {
+      for (const auto& p : group->params()) known.insert(fsdp_.param_fqn(*group, p));
+    }
+    for (const auto& [name, t] : pieces) {
+      LOOM_REQUIRE(known.count(name) > 0, "initial weights have parameter '", name,
+                   "', which the model does not; check model.flavor and model.vocab_size");
+    }
+  }
 }
 
 }  // namespace loom::parallel

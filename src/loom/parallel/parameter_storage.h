@@ -81,17 +81,17 @@ class ModuleParameters : public ParameterStorage {
   std::vector<std::shared_ptr<nn::Module>> modules_;
 };
 
-// FSDP's flat shards (the root's handle: every group).
+// FSDP's flat shards: every group of the rank's FSDP roots (the model's, or each pipeline stage's).
 class FsdpParameters : public ParameterStorage {
  public:
-  explicit FsdpParameters(std::shared_ptr<fsdp::FSDPModule> fsdp) : fsdp_(std::move(fsdp)) {}
-  void complete_reductions() override { fsdp_->finalize_backward(); }
+  explicit FsdpParameters(fsdp::FSDPRoots fsdp) : fsdp_(std::move(fsdp)) {}
+  void complete_reductions() override { fsdp_.finalize_backward(); }
   NamedGradients local_gradients() override;
   std::vector<torch::Tensor> norm_gradients() override;
   tensor::CommPtr norm_comm(const std::string& param) const override;
   std::vector<torch::Tensor> resident_parameters() override;
   bool gradients_persist() const override { return true; }
-  void zero_grad() override { fsdp_->zero_grad(); }
+  void zero_grad() override { fsdp_.zero_grad(); }
   std::unique_ptr<optim::Optimizer> build_optimizer(const OptimizerSpec& spec, const OptimizerRequest& request) override;
   void describe_layout(OptimizerLayout& layout) const override;
   void add_parameters(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts, bool trainable) override;
@@ -99,10 +99,10 @@ class FsdpParameters : public ParameterStorage {
                            const ParameterLayouts& layouts) override;
   bool has_frozen_parameters() override;
   void load_pieces(const optim::TensorDict& pieces, bool subset, const std::set<std::string>& optional) override;
-  fsdp::FSDPModule& fsdp() { return *fsdp_; }
+  const fsdp::FSDPRoots& fsdp() const { return fsdp_; }
 
  private:
-  std::shared_ptr<fsdp::FSDPModule> fsdp_;
+  fsdp::FSDPRoots fsdp_;
   mutable std::map<std::string, tensor::CommPtr> shard_comms_;  // by parameter, filled on first use
 };
 

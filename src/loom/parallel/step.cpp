@@ -34,11 +34,6 @@ torch::Tensor LossStep::forward_backward(const std::vector<ModelBatch>& batches,
 PipelineStep::PipelineStep(std::shared_ptr<pipeline::PipelineExecutor> executor, int64_t microbatch_size)
     : executor_(std::move(executor)), microbatch_size_(microbatch_size) {
   LOOM_REQUIRE(executor_ != nullptr && microbatch_size_ > 0, "a pipelined model needs its executor and micro-batch size");
-  // Gradients accumulate over the micro-batches (and the accumulated batches) and are reduced once,
-  // by each stage's last backward of the step's last batch (FSDP inside the stage).
-  executor_->set_before_backward([this](pipeline::PipelineStage&, bool last) {
-    if (callbacks_ != nullptr && callbacks_->begin_stage_backward) callbacks_->begin_stage_backward(last && batch_is_last_);
-  });
 }
 
 torch::Tensor PipelineStep::forward_loss(const ModelBatch& /*batch*/) {
@@ -46,16 +41,11 @@ torch::Tensor PipelineStep::forward_loss(const ModelBatch& /*batch*/) {
 }
 
 torch::Tensor PipelineStep::forward_backward(const std::vector<ModelBatch>& batches, const LossHook& hook,
-                                             const StepCallbacks& callbacks) {
+                                             const StepCallbacks& /*callbacks*/) {
   pipeline::PipelineExecutor& executor = *executor_;
   const int m = executor.schedule().num_microbatches;
   const int64_t rows = microbatch_size_;
   const auto k = static_cast<int64_t>(batches.size());
-  struct Scope {
-    PipelineStep& step;
-    ~Scope() { step.callbacks_ = nullptr; }
-  } scope{*this};
-  callbacks_ = &callbacks;
   // Each micro-batch's mean loss enters the backward scaled by 1 / (m k): the step's gradient is
   // that of the mean loss over all m k micro-batches, as without a pipeline.
   for (const auto& stage : executor.stages()) {
@@ -64,7 +54,6 @@ torch::Tensor PipelineStep::forward_backward(const std::vector<ModelBatch>& batc
   double loss = 0;
   for (int64_t b = 0; b < k; ++b) {
     const ModelBatch& batch = batches[static_cast<size_t>(b)];
-    batch_is_last_ = b == k - 1;
     LOOM_REQUIRE(batch.tokens.size(0) == rows * m, "pipeline step: a batch of ", batch.tokens.size(0),
                  " rows is not ", m, " micro-batches of ", rows);
     std::vector<torch::Tensor> inputs, labels;
@@ -95,7 +84,9 @@ torch::Tensor PipelineStep::forward_backward(const std::vector<ModelBatch>& batc
         for (const auto& stage : executor.stages()) stage->set_output_hook(nullptr);
       }
     } clear_hooks{executor};
-    loss += executor.step(inputs, labels, layouts) / static_cast<double>(k);
+    // Gradients accumulate over the micro-batches and the accumulated batches; FSDP inside the
+    // stages reduces them once, at the REDUCE_GRAD actions of the step's last batch.
+    loss += executor.step(inputs, labels, layouts, /*reduce_grads=*/b == k - 1) / static_cast<double>(k);
   }
   return torch::tensor(loss, torch::kFloat64);
 }

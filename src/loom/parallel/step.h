@@ -21,7 +21,6 @@ using LossHook = std::function<torch::Tensor(int64_t index, const torch::Tensor&
 
 struct StepCallbacks {
   std::function<void(bool last)> begin_micro_batch;         // before each micro-batch (LossStep)
-  std::function<void(bool step_ends)> begin_stage_backward;  // before a stage's backward (PipelineStep)
 };
 
 class StepRunner {
@@ -62,9 +61,6 @@ class PipelineStep : public StepRunner {
  private:
   std::shared_ptr<pipeline::PipelineExecutor> executor_;
   int64_t microbatch_size_;
-  // Set for the duration of forward_backward: what a stage's backward is told.
-  const StepCallbacks* callbacks_ = nullptr;
-  bool batch_is_last_ = true;  // the batch now in the schedule is the step's last
 };
 
 }  // namespace loom::parallel

@@ -8,8 +8,6 @@
 //   point of the step        called                                       e.g.
 //   prepare_batch            in list order, on each loaded batch          CP: this rank's chunks
 //   begin_micro_batch(last)  in list order, before each micro-batch       DDP, FSDP: reduce on the last only
-//   begin_stage_backward     in list order, before a pipeline stage's     FSDP inside stages
-//                            backward (step_ends: the step's last)
 //   finish                   in reverse order, after the last backward:   DDP, FSDP, replicas reduce;
 //                            outer (data-parallel) reductions first       then TP's partial sums
 //   zero_grad                until one owns the gradients' storage        DDP's buckets
@@ -54,7 +52,6 @@ class Synchronizer {
   virtual const char* separator() const { return " + "; }
   virtual void prepare_batch(ModelBatch& /*batch*/) const {}
   virtual void begin_micro_batch(bool /*last*/) {}
-  virtual void begin_stage_backward(bool /*step_ends*/) {}
   virtual void finish(ParameterStorage& /*storage*/) {}
   // Zeroes the gradients when this parallelism keeps them (in place: they are views of its
   // buffers); false when it does not.

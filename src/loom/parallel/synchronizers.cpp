@@ -41,16 +41,9 @@ void ContextParallelSync::prepare_batch(ModelBatch& batch) const {
 }
 
 std::string FsdpSync::describe() const {
-  const auto& mesh = fsdp_->mesh();
+  const auto& mesh = fsdp_.front().mesh();
   return mesh.replicate_size() > 1 ? c10::str("HSDP ", mesh.replicate_size(), "x", mesh.shard_size())
                                    : c10::str("FSDP over ", mesh.shard_size(), " ranks");
-}
-
-void FsdpSync::begin_stage_backward(bool step_ends) {
-  fsdp_->set_requires_gradient_sync(step_ends);
-  if (fsdp_->policy().reshard_after_forward == fsdp::ReshardAfterForward::never()) {
-    fsdp_->set_reshard_after_backward(step_ends);
-  }
 }
 
 std::string ReplicaAverageSync::describe() const {

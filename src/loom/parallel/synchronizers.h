@@ -56,19 +56,21 @@ class ContextParallelSync : public Synchronizer {
 };
 
 // FSDP (and HSDP): gradients accumulate unsharded over micro-batches and are reduce-scattered (and
-// all-reduced over replicas) by the last one's backward; inside pipeline stages by each stage's
-// backward of the step's last micro-batch, with the parameters kept gathered in between under
-// reshard_after_forward = never (ZeRO-2: one all-gather per group per step).
+// all-reduced over replicas) by the last one's backward. Inside pipeline stages the schedule drives
+// it instead (each stage its own FSDP root; UNSHARD / REDUCE_GRAD / RESHARD actions, see
+// models/common/pipeline.cpp), and the hooks never reduce.
 class FsdpSync : public Synchronizer {
  public:
-  explicit FsdpSync(std::shared_ptr<fsdp::FSDPModule> fsdp) : fsdp_(std::move(fsdp)) {}
+  explicit FsdpSync(fsdp::FSDPRoots fsdp) : fsdp_(std::move(fsdp)) {}
   std::string describe() const override;
-  void begin_micro_batch(bool last) override { fsdp_->set_requires_gradient_sync(last); }
-  void begin_stage_backward(bool step_ends) override;
-  void finish(ParameterStorage& /*storage*/) override { fsdp_->finalize_backward(); }
+  // Called by LossStep only (a pipeline's micro-batches are the schedule's).
+  void begin_micro_batch(bool last) override {
+    for (const auto& root : fsdp_.roots()) root->set_requires_gradient_sync(last);
+  }
+  void finish(ParameterStorage& /*storage*/) override { fsdp_.finalize_backward(); }
 
  private:
-  std::shared_ptr<fsdp::FSDPModule> fsdp_;
+  fsdp::FSDPRoots fsdp_;
 };
 
 // DDP: its buckets all-reduce in the last micro-batch's backward; the gradients are views of the

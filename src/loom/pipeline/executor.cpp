@@ -62,12 +62,10 @@ PipelineExecutor::PipelineExecutor(Schedule schedule,
                " but the schedule gives it ", format_ids(expected));
   LOOM_REQUIRE(options_.activation_shape.size() >= 1, "the executor needs the activation shape");
   split_.assign(static_cast<size_t>(schedule_.num_stages()), std::vector<bool>(m, false));
-  last_backward_.assign(static_cast<size_t>(schedule_.num_stages()), 0);
   const std::vector<Action>& actions = schedule_.ranks[rank_];
   for (size_t i = 0; i < actions.size(); ++i) {
     const Action& a = actions[i];
     if (a.kind == ActionKind::kBackwardInput) split_[a.stage][a.microbatch] = true;
-    if (a.kind == ActionKind::kBackwardInput || a.kind == ActionKind::kBackward) last_backward_[a.stage] = i;
   }
 }
 
@@ -93,7 +91,7 @@ int PipelineExecutor::tag(int boundary, int mb, bool gradient) const {
 
 double PipelineExecutor::step(const std::vector<torch::Tensor>& inputs,
                               const std::vector<torch::Tensor>& labels,
-                              const std::vector<nn::TokenLayout>& layouts) {
+                              const std::vector<nn::TokenLayout>& layouts, bool reduce_grads) {
   const auto step_start = Clock::now();
   times_ = {};
   const int m = schedule_.num_microbatches;
@@ -231,7 +229,6 @@ double PipelineExecutor::step(const std::vector<torch::Tensor>& inputs,
       }
       case ActionKind::kBackward:
       case ActionKind::kBackwardInput: {
-        if (before_backward_) before_backward_(st, i == last_backward_[a.stage]);
         torch::Tensor grad_output;
         if (!st.is_last()) grad_output = take_received(recv_b, local_grads, key, "output gradient");
         torch::Tensor grad_input = a.kind == ActionKind::kBackward
@@ -248,6 +245,9 @@ double PipelineExecutor::step(const std::vector<torch::Tensor>& inputs,
         break;
       case ActionKind::kReshard:
         if (options_.reshard) options_.reshard(st);
+        break;
+      case ActionKind::kReduceGrad:
+        if (options_.reduce_grad && reduce_grads) options_.reduce_grad(st);
         break;
       default:
         fail("unexpected action ", a.str());

@@ -3,7 +3,8 @@
 //   F / B / I / W      the stage's forward / full backward / input gradient / weight gradients
 //   SEND_F / SEND_B    isend of the stage's output / input gradient to the neighbouring stage's rank
 //   RECV_F / RECV_B    irecv posted into a fresh buffer; the compute that consumes it waits for it
-//   UNSHARD / RESHARD  the callbacks of ExecutorOptions (FSDP's all-gather / free; no-ops when unset)
+//   UNSHARD / RESHARD / REDUCE_GRAD   the callbacks of ExecutorOptions (FSDP's all-gather, free and
+//                      gradient reduce-scatter of the stage; no-ops when unset)
 // A run of consecutive SEND/RECV actions is posted as one batch (receives first, then sends, each
 // direction in the schedule's order, so the k-th send from s to d still meets d's k-th receive from
 // s as NCCL requires), and nothing waits for a send until the end of the step. Stages of the rank
@@ -37,15 +38,12 @@ struct ExecutorOptions {
   std::vector<int64_t> activation_shape;
   c10::ScalarType activation_dtype = c10::kFloat;
   c10::Device device = c10::kCPU;
-  // UNSHARD / RESHARD actions (FSDP's hooks). Null: nothing to do (unsharded stages).
+  // UNSHARD / RESHARD / REDUCE_GRAD actions (FSDP inside the stages, driven by the schedule).
+  // Null: nothing to do (unsharded stages).
   std::function<void(PipelineStage&)> unshard;
   std::function<void(PipelineStage&)> reshard;
+  std::function<void(PipelineStage&)> reduce_grad;
 };
-
-// Called before each B or I of a stage; `last`: the stage's last backward of the step. FSDP inside
-// a stage accumulates unsharded gradients over the micro-batches and reduce-scatters once, in the
-// last backward (PyTorch's pipelining does the same with FSDP2's requires_gradient_sync).
-using BeforeBackward = std::function<void(PipelineStage& stage, bool last)>;
 
 // Seconds of one step on this rank: compute (F, B, I, W and the FSDP callbacks) and waiting (for
 // received data, and at the end for sends to complete). Posting communication counts in neither.
@@ -72,15 +70,16 @@ class PipelineExecutor {
   // Gradients accumulate into the stages' parameters' .grad (zero them before). Returns the step's
   // loss (mean over micro-batches) on every pp rank.
   // `layouts[mb]`: micro-batch mb's token layout, read by every stage (empty: causal rows).
+  // `reduce_grads` false: a batch of gradient accumulation before the step's last, whose
+  // REDUCE_GRAD actions are skipped (the gradients keep accumulating unsharded).
   double step(const std::vector<torch::Tensor>& inputs, const std::vector<torch::Tensor>& labels,
-              const std::vector<nn::TokenLayout>& layouts = {});
+              const std::vector<nn::TokenLayout>& layouts = {}, bool reduce_grads = true);
 
   const Schedule& schedule() const { return schedule_; }
   int pp_rank() const { return rank_; }
   distributed::Comm& comm() const { return *options_.comm; }
   const std::vector<std::shared_ptr<PipelineStage>>& stages() const { return stages_; }
   const StepTimes& last_step_times() const { return times_; }
-  void set_before_backward(BeforeBackward callback) { before_backward_ = std::move(callback); }
   // True when the schedule splits some backward into I and W (the zero-bubble schedules).
   bool splits_backward() const;
 
@@ -93,8 +92,6 @@ class PipelineExecutor {
   ExecutorOptions options_;
   int rank_ = 0;
   std::vector<std::vector<bool>> split_;  // [stage][mb]: the schedule runs I + W, not B
-  std::vector<size_t> last_backward_;      // [stage]: index in this rank's actions of its last B or I
-  BeforeBackward before_backward_;
   StepTimes times_;
 };
 

@@ -386,20 +386,31 @@ Schedule add_communication(const Schedule& in) {
   return out;
 }
 
-Schedule add_unshard_reshard(const Schedule& in) {
-  LOOM_REQUIRE_USAGE(!in.has_communication() && !in.has_fsdp_actions(), in.name,
-                     ": add_unshard_reshard runs on a compute-only schedule (before add_communication)");
+Schedule add_fsdp_actions(const Schedule& in) {
+  LOOM_REQUIRE_USAGE(!in.has_fsdp_actions(), in.name, ": the schedule already has FSDP actions");
   Schedule out = in;
   for (size_t r = 0; r < in.ranks.size(); ++r) {
     const auto& list = in.ranks[r];
-    std::map<int, size_t> first, last;
+    // Compute actions only: a lowered schedule's SEND/RECV are not uses of the parameters.
+    std::map<int, size_t> first, last, last_backward;
+    std::vector<size_t> computes;  // positions of the compute actions
     for (size_t i = 0; i < list.size(); ++i) {
+      if (!is_compute(list[i].kind)) continue;
+      computes.push_back(i);
       first.emplace(list[i].stage, i);
       last[list[i].stage] = i;
+      if (list[i].kind != ActionKind::kForward) last_backward[list[i].stage] = i;
     }
-    // UNSHARD one action ahead of the first use (prefetch); several may land on the same slot.
+    // UNSHARD before the compute action that precedes the stage's first use (prefetch: the
+    // all-gather overlaps that compute); several may land on the same slot.
     std::multimap<size_t, int> unshard_at, reshard_after;
-    for (const auto& [stage, i] : first) unshard_at.emplace(i == 0 ? 0 : i - 1, stage);
+    for (const auto& [stage, i] : first) {
+      const auto it = std::lower_bound(computes.begin(), computes.end(), i);
+      unshard_at.emplace(it == computes.begin() ? computes.front() : *std::prev(it), stage);
+    }
+    // REDUCE_GRAD right after the stage's last backward (B or W), RESHARD after its last use.
+    std::multimap<size_t, int> reduce_after;
+    for (const auto& [stage, i] : last_backward) reduce_after.emplace(i, stage);
     for (const auto& [stage, i] : last) reshard_after.emplace(i, stage);
     std::vector<Action> rank_out;
     for (size_t i = 0; i < list.size(); ++i) {
@@ -407,6 +418,9 @@ Schedule add_unshard_reshard(const Schedule& in) {
         rank_out.push_back({ActionKind::kUnshard, it->second, -1});
       }
       rank_out.push_back(list[i]);
+      for (auto [it, end] = reduce_after.equal_range(i); it != end; ++it) {
+        rank_out.push_back({ActionKind::kReduceGrad, it->second, -1});
+      }
       for (auto [it, end] = reshard_after.equal_range(i); it != end; ++it) {
         rank_out.push_back({ActionKind::kReshard, it->second, -1});
       }
@@ -419,7 +433,7 @@ Schedule add_unshard_reshard(const Schedule& in) {
 
 Schedule build_schedule(const ScheduleSpec& spec, bool fsdp) {
   Schedule s = generate_compute(spec);
-  if (fsdp) s = add_unshard_reshard(s);
+  if (fsdp) s = add_fsdp_actions(s);
   return add_communication(s);
 }
 

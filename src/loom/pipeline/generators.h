@@ -52,12 +52,15 @@ Schedule generate_compute(const ScheduleSpec& spec);
 // UsageError: "schedule deadlocks: rank 0 waits at 0B0 for 1B0 (rank 1), ...".
 Schedule add_communication(const Schedule& compute_only);
 
-// FSDP: on each rank, UNSHARD every stage once per step, one compute action before its first use
-// (so the all-gather overlaps that compute), and RESHARD it right after its last use. Runs on a
-// compute-only schedule, before add_communication.
-Schedule add_unshard_reshard(const Schedule& compute_only);
+// FSDP driven by the schedule (PyTorch pipelining's runtime does the same): on each rank, UNSHARD
+// every stage once per step, before the compute action that precedes its first use (so the
+// all-gather overlaps that compute); REDUCE_GRAD it right after its last backward (B, or W under a
+// zero-bubble split, so the weight gradients are all in); RESHARD it after its last use. Works on
+// compute-only and lowered schedules (SEND/RECV are not uses); a schedule that has FSDP actions
+// already is refused.
+Schedule add_fsdp_actions(const Schedule& schedule);
 
-// generate_compute, then add_unshard_reshard when `fsdp`, then add_communication.
+// generate_compute, then add_fsdp_actions when `fsdp`, then add_communication.
 Schedule build_schedule(const ScheduleSpec& spec, bool fsdp = false);
 
 using loom::edit_distance;  // (core/strings.h) for the nearest-name suggestion

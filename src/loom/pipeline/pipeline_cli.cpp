@@ -58,13 +58,13 @@ void register_schedule(CLI::App* parent) {
   cmd->add_option("--stages-per-rank", args->stages_per_rank,
                   "Stages per rank v (default 1 for GPipe/1F1B, 2 otherwise)");
   cmd->add_option("--costs", args->costs,
-                  "Action costs, e.g. F=1,B=2,I=1,W=1,send=0,recv=0,transfer=0,unshard=0,reshard=0 (those are the "
+                  "Action costs, e.g. F=1,B=2,I=1,W=1,send=0,recv=0,transfer=0,unshard=0,reshard=0,reduce_grad=0 (those are the "
                   "defaults)");
   cmd->add_option("--send-mode", args->send_mode,
                   "async: sends never block (PyTorch's runtime); rendezvous: a batch of sends waits for the "
                   "receiver to post its receives")
       ->capture_default_str();
-  cmd->add_flag("--fsdp", args->fsdp, "Add FSDP UNSHARD/RESHARD actions (each stage once per step)");
+  cmd->add_flag("--fsdp", args->fsdp, "Add FSDP UNSHARD/REDUCE_GRAD/RESHARD actions (each stage once per step)");
   cmd->add_flag("--compute-only", args->compute_only, "Print only F/B/I/W actions (the simulation still uses all)");
   cmd->add_option("--trace", args->trace, "Write the simulated timeline as Chrome-trace JSON (open in Perfetto)");
   cmd->add_option("--dump-csv", args->dump_csv, "Write the lowered schedule as CSV (loadable with --csv)");
@@ -77,7 +77,7 @@ void register_schedule(CLI::App* parent) {
                          s.num_ranks, " rows (one per rank)");
       LOOM_REQUIRE_USAGE(args->microbatches == 0 || args->microbatches == s.num_microbatches, "--microbatches ",
                          args->microbatches, " but ", args->csv, " runs ", s.num_microbatches);
-      if (args->fsdp && !s.has_fsdp_actions() && !s.has_communication()) s = add_unshard_reshard(s);
+      if (args->fsdp && !s.has_fsdp_actions()) s = add_fsdp_actions(s);
       if (!s.has_communication() && s.num_ranks > 1) s = add_communication(s);
     } else {
       LOOM_REQUIRE_USAGE(args->pp >= 1 && args->microbatches >= 1,

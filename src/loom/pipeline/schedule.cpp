@@ -20,7 +20,8 @@ struct KindName {
 };
 // Longest names first so that parsing "1SEND_F2" does not stop at a shorter prefix.
 constexpr KindName kKindNames[] = {
-    {ActionKind::kUnshard, "UNSHARD"}, {ActionKind::kReshard, "RESHARD"}, {ActionKind::kSendF, "SEND_F"},
+    {ActionKind::kReduceGrad, "REDUCE_GRAD"}, {ActionKind::kUnshard, "UNSHARD"}, {ActionKind::kReshard, "RESHARD"},
+    {ActionKind::kSendF, "SEND_F"},
     {ActionKind::kRecvF, "RECV_F"},    {ActionKind::kSendB, "SEND_B"},    {ActionKind::kRecvB, "RECV_B"},
     {ActionKind::kForward, "F"},       {ActionKind::kBackward, "B"},      {ActionKind::kBackwardInput, "I"},
     {ActionKind::kBackwardWeight, "W"},
@@ -48,7 +49,9 @@ bool is_compute(ActionKind k) {
 }
 bool is_send(ActionKind k) { return k == ActionKind::kSendF || k == ActionKind::kSendB; }
 bool is_recv(ActionKind k) { return k == ActionKind::kRecvF || k == ActionKind::kRecvB; }
-bool is_fsdp(ActionKind k) { return k == ActionKind::kUnshard || k == ActionKind::kReshard; }
+bool is_fsdp(ActionKind k) {
+  return k == ActionKind::kUnshard || k == ActionKind::kReshard || k == ActionKind::kReduceGrad;
+}
 
 std::string Action::str() const {
   std::string s = std::to_string(stage) + kind_name(kind);
@@ -73,10 +76,9 @@ Action Action::parse(std::string_view raw) {
       break;
     }
   }
-  if (found == nullptr && (rest.starts_with("REDUCE_GRAD") || rest.starts_with("OVERLAP_F_B"))) {
-    fail_usage("'", text, "': ", rest.starts_with("REDUCE_GRAD") ? "REDUCE_GRAD" : "OVERLAP_F_B",
-               " actions are not part of Loom's schedule IR (gradient reduction follows the last backward; ",
-               "write overlapped forward/backward pairs as two actions)");
+  if (found == nullptr && rest.starts_with("OVERLAP_F_B")) {
+    fail_usage("'", text, "': OVERLAP_F_B actions are not part of Loom's schedule IR (write overlapped ",
+               "forward/backward pairs as two actions)");
   }
   LOOM_REQUIRE_USAGE(found != nullptr, "'", text, "' is not a pipeline action", expected);
   a.kind = found->kind;
@@ -305,12 +307,17 @@ void validate(const Schedule& s) {
   for (int r = 0; r < s.num_ranks; ++r) {
     std::set<int> unsharded;
     std::map<int, int> unshard_count;
+    std::map<int, int> reduce_count;  // REDUCE_GRAD per stage
     const bool fsdp = std::any_of(s.ranks[r].begin(), s.ranks[r].end(), [](const Action& a) { return is_fsdp(a.kind); });
     for (size_t pos = 0; pos < s.ranks[r].size(); ++pos) {
       const Action& a = s.ranks[r][pos];
       const std::string at = n + ": rank " + std::to_string(r) + ", action " + std::to_string(pos) + " (" + a.str() + ")";
       LOOM_REQUIRE_USAGE(a.stage >= 0 && a.stage < S, at, ": stage ", a.stage, " is out of range [0, ", S, ")");
       LOOM_REQUIRE_USAGE(s.rank_of(a.stage) == r, at, ": stage ", a.stage, " belongs to rank ", s.rank_of(a.stage));
+      if (a.kind == ActionKind::kReduceGrad) {
+        LOOM_REQUIRE_USAGE(++reduce_count[a.stage] == 1, at, ": stage ", a.stage, " reduces its gradients twice");
+        continue;
+      }
       if (is_fsdp(a.kind)) {
         if (a.kind == ActionKind::kUnshard) {
           LOOM_REQUIRE_USAGE(unsharded.insert(a.stage).second, at, ": stage ", a.stage, " is already unsharded");
@@ -324,6 +331,9 @@ void validate(const Schedule& s) {
                          " is out of range [0, ", M, ")");
       LOOM_REQUIRE_USAGE(!fsdp || !is_compute(a.kind) || unsharded.count(a.stage), at, ": stage ", a.stage,
                          " computes while sharded (no UNSHARD before it)");
+      LOOM_REQUIRE_USAGE(!is_compute(a.kind) || a.kind == ActionKind::kForward || reduce_count[a.stage] == 0, at,
+                         ": backward of stage ", a.stage, " after its REDUCE_GRAD (the reduction must follow the ",
+                         "stage's last backward of the step)");
       Seen& c = seen[idx(a.stage, a.microbatch)];
       const std::string sm = std::to_string(a.stage) + "/" + std::to_string(a.microbatch);
       switch (a.kind) {
@@ -382,6 +392,10 @@ void validate(const Schedule& s) {
     if (fsdp) {
       LOOM_REQUIRE_USAGE(unsharded.empty(), n, ": rank ", r, " leaves stage ", *unsharded.begin(),
                          " unsharded at the end (no RESHARD after its last use)");
+      for (int stage : s.stages_of(r)) {
+        LOOM_REQUIRE_USAGE(reduce_count[stage] == 1, n, ": rank ", r, " never reduces stage ", stage,
+                           "'s gradients (add ", stage, "REDUCE_GRAD after its last backward)");
+      }
     }
   }
   for (int st = 0; st < S; ++st) {

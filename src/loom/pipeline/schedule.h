@@ -11,6 +11,8 @@
 //   1SEND_B2   send the gradient w.r.t. stage 1's input of micro-batch 2 to stage 0
 //   0RECV_B2   receive stage 0's output gradient of micro-batch 2 from stage 1
 //   1UNSHARD / 1RESHARD   FSDP: gather / free stage 1's parameters (no micro-batch)
+//   1REDUCE_GRAD          FSDP: reduce-scatter stage 1's gradients, accumulated over the step's
+//                         micro-batches, once after its last backward (no micro-batch)
 //
 // A Schedule is one vector of actions per pipeline rank plus the layout it assumes: pp ranks, v
 // stages per rank, pp * v stages, which rank holds each stage (looped: stage s on rank s % pp;
@@ -34,6 +36,7 @@ enum class ActionKind : uint8_t {
   kRecvB,           // RECV_B
   kUnshard,         // UNSHARD (per stage, no micro-batch)
   kReshard,         // RESHARD (per stage, no micro-batch)
+  kReduceGrad,      // REDUCE_GRAD (per stage, no micro-batch)
 };
 
 // "F", "B", "I", "W", "SEND_F", ...
@@ -41,12 +44,12 @@ const char* kind_name(ActionKind kind);
 bool is_compute(ActionKind kind);  // F, B, I, W
 bool is_send(ActionKind kind);
 bool is_recv(ActionKind kind);
-bool is_fsdp(ActionKind kind);  // UNSHARD, RESHARD
+bool is_fsdp(ActionKind kind);  // UNSHARD, RESHARD, REDUCE_GRAD
 
 struct Action {
   ActionKind kind = ActionKind::kForward;
   int stage = 0;
-  int microbatch = -1;  // -1 for UNSHARD / RESHARD
+  int microbatch = -1;  // -1 for UNSHARD / RESHARD / REDUCE_GRAD
 
   // "0F3", "1SEND_B2", "1UNSHARD".
   std::string str() const;
@@ -110,7 +113,8 @@ Schedule load_csv(const std::string& path);
 //    one W; on each rank the F comes before its B/I, and the I before its W;
 //  - communication (when lowered): each SEND/RECV crosses ranks and is sent or received once,
 //    after the compute that produces it / before the compute that consumes it;
-//  - FSDP actions (when present): every compute of a stage lies between its UNSHARD and RESHARD.
+//  - FSDP actions (when present): every compute of a stage lies between its UNSHARD and RESHARD,
+//    and each stage has one REDUCE_GRAD, after its last backward (B or W) of the step.
 // Whether the ranks can run it together without deadlock is the simulator's question.
 void validate(const Schedule& schedule);
 

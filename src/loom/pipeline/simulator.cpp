@@ -71,6 +71,7 @@ double Costs::of(ActionKind kind) const {
     case ActionKind::kRecvB: return recv;
     case ActionKind::kUnshard: return unshard;
     case ActionKind::kReshard: return reshard;
+    case ActionKind::kReduceGrad: return reduce_grad;
   }
   return 0;
 }
@@ -103,9 +104,10 @@ Costs Costs::parse(const std::string& text) {
                    : key == "transfer" ? &c.transfer
                    : key == "unshard"  ? &c.unshard
                    : key == "reshard"  ? &c.reshard
+                   : key == "reduce_grad" ? &c.reduce_grad
                                        : nullptr;
     LOOM_REQUIRE_USAGE(slot != nullptr, "unknown cost '", item.substr(0, eq),
-                       "'; valid: F, B, I, W, send, recv, transfer, unshard, reshard");
+                       "'; valid: F, B, I, W, send, recv, transfer, unshard, reshard, reduce_grad");
     *slot = value;
   }
   return c;
@@ -114,7 +116,7 @@ Costs Costs::parse(const std::string& text) {
 std::string Costs::str() const {
   return "F=" + num(forward) + ",B=" + num(backward) + ",I=" + num(backward_input) + ",W=" + num(backward_weight) +
          ",send=" + num(send) + ",recv=" + num(recv) + ",transfer=" + num(transfer) + ",unshard=" + num(unshard) +
-         ",reshard=" + num(reshard);
+         ",reshard=" + num(reshard) + ",reduce_grad=" + num(reduce_grad);
 }
 
 std::vector<int> peak_activations(const Schedule& s) {

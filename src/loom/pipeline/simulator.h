@@ -29,9 +29,10 @@ struct Costs {
   double forward = 1, backward = 2, backward_input = 1, backward_weight = 1;
   double send = 0, recv = 0;  // time a SEND / RECV occupies its rank (posting it)
   double transfer = 0;        // from the end of a SEND to the data being usable by the receiver
-  double unshard = 0, reshard = 0;
+  double unshard = 0, reshard = 0, reduce_grad = 0;  // issuing FSDP's collectives (they run async)
   double of(ActionKind kind) const;
-  // "F=1,B=2,I=1,W=1,send=0,recv=0,transfer=0,unshard=0,reshard=0" (any subset, case-insensitive).
+  // "F=1,B=2,I=1,W=1,send=0,recv=0,transfer=0,unshard=0,reshard=0,reduce_grad=0" (any subset,
+  // case-insensitive).
   static Costs parse(const std::string& text);
   std::string str() const;
 };

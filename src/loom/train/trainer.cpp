@@ -269,6 +269,7 @@ models::PipelineOptions Trainer::pipeline_options() const {
   options.microbatches = config_.training.local_batch_size / p.pipeline_parallel_microbatch_size;
   options.seq_len = config_.training.seq_len / p.context_parallel_degree;
   options.layers_per_stage = p.pipeline_parallel_layers_per_stage;
+  options.fsdp_reshard_after_forward = p.fsdp_reshard_after_forward;
   // "layers.2, layers.5" -> {"layers.2", "layers.5"}
   std::stringstream points(p.pipeline_parallel_split_points);
   for (std::string point; std::getline(points, point, ',');) {

@@ -215,42 +215,54 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
   //    arrive summed over the ep ranks' tokens, so they are divided by the data-parallel degree
   //    (dp_replicate x dp_shard x cp) rather than by efsdp: the same mean as every other gradient.
   if (dims.fsdp_enabled()) {
-    LOOM_REQUIRE(models.size() == 1, "FSDP needs one model part per rank (one pipeline stage)");
+    // Each model part is its own FSDP root (a pipeline rank's stages: PyTorch's pipelining does
+    // the same); the meshes are made once, every rank in the same order.
     fsdp::FSDPPolicy policy = options.fsdp;
     if (dims.cp_enabled()) policy.shard_dim = "dp_shard_cp";
+    std::optional<fsdp::FSDPPolicy> experts;
+    std::optional<fsdp::FSDPMesh> experts_mesh;
     if (ep) {
-      fsdp::FSDPPolicy experts = policy;
-      experts.shard_dim = "efsdp";
-      experts.gradient_divide_factor = static_cast<double>(dims.dp_replicate()) * dims.dp_shard() * dims.cp();
-      const auto layers = moe_layers(*models[0]);
-      if (!layers.empty() && layers.front().second->experts().w1().size(0) % dims.efsdp() == 0) {
-        // Whole experts per rank where they divide evenly (veScale's structure-aware planning).
-        experts.granularity = tensor::Granularity::row();
-      }
-      const fsdp::FSDPMesh experts_mesh = fsdp::make_fsdp_mesh(mesh, experts);
-      const std::string last_block = models[0]->layers().named_children().empty()
-                                         ? std::string()
-                                         : "layers." + models[0]->layers().named_children().back().first + ".";
-      for (const auto& [fqn, layer] : layers) {
-        fsdp::FSDPPolicy layer_policy = experts;
-        if (!options.fsdp_reshard_last_block && fqn.rfind(last_block, 0) == 0) {
-          layer_policy.reshard_after_forward = fsdp::ReshardAfterForward::never();
-        }
-        fsdp::fully_shard(layer->experts(), experts_mesh, layer_policy, fqn + ".experts");
-      }
+      experts = policy;
+      experts->shard_dim = "efsdp";
+      experts->gradient_divide_factor = static_cast<double>(dims.dp_replicate()) * dims.dp_shard() * dims.cp();
+      experts_mesh = fsdp::make_fsdp_mesh(mesh, *experts);
     }
     const fsdp::FSDPMesh fsdp_mesh = fsdp::make_fsdp_mesh(mesh, policy);
-    if (options.lora) {
-      // Each adapter is its own (trainable) group, so the frozen base groups carry no gradient
-      // and no optimizer state.
-      for (const auto& [path, module] : models[0]->named_modules()) {
-        if (dynamic_cast<lora::Adapter*>(module) != nullptr) fsdp::fully_shard(*module, fsdp_mesh, policy, path);
+    std::vector<std::shared_ptr<fsdp::FSDPModule>> roots;
+    for (const auto& model : models) {
+      if (experts) {
+        fsdp::FSDPPolicy part_experts = *experts;
+        const auto layers = moe_layers(*model);
+        if (!layers.empty() && layers.front().second->experts().w1().size(0) % dims.efsdp() == 0) {
+          // Whole experts per rank where they divide evenly (veScale's structure-aware planning).
+          part_experts.granularity = tensor::Granularity::row();
+        }
+        const std::string last_block = model->layers().named_children().empty()
+                                           ? std::string()
+                                           : "layers." + model->layers().named_children().back().first + ".";
+        for (const auto& [fqn, layer] : layers) {
+          fsdp::FSDPPolicy layer_policy = part_experts;
+          if (!options.fsdp_reshard_last_block && fqn.rfind(last_block, 0) == 0) {
+            layer_policy.reshard_after_forward = fsdp::ReshardAfterForward::never();
+          }
+          fsdp::fully_shard(layer->experts(), *experts_mesh, layer_policy, fqn + ".experts");
+        }
       }
+      if (options.lora) {
+        // Each adapter is its own (trainable) group, so the frozen base groups carry no gradient
+        // and no optimizer state.
+        for (const auto& [path, module] : model->named_modules()) {
+          if (dynamic_cast<lora::Adapter*>(module) != nullptr) fsdp::fully_shard(*module, fsdp_mesh, policy, path);
+        }
+      }
+      auto root = apply_fsdp(*model, fsdp_mesh, policy, options.fsdp_reshard_last_block);
+      init_sharded_weights(*model, *root, options.seed, options.device);
+      roots.push_back(std::move(root));
     }
-    auto fsdp = apply_fsdp(*models[0], fsdp_mesh, policy, options.fsdp_reshard_last_block);
-    init_sharded_weights(*models[0], *fsdp, options.seed, options.device);
-    parts.storage = std::make_unique<parallel::FsdpParameters>(fsdp);
-    parts.synchronizers.push_back(std::make_shared<parallel::FsdpSync>(fsdp));
+    // One queue of in-flight reductions for the rank's roots: HSDP's all-reduces in one order.
+    if (roots.size() > 1) fsdp::FSDPModule::share_reductions(roots);
+    parts.storage = std::make_unique<parallel::FsdpParameters>(fsdp::FSDPRoots(roots));
+    parts.synchronizers.push_back(std::make_shared<parallel::FsdpSync>(fsdp::FSDPRoots(roots)));
   } else {
     for (const auto& model : models) {
       model->to_empty(options.device);

@@ -14,6 +14,11 @@ namespace loom::models {
 
 namespace {
 
+// Whether FSDP inside the stages holds each stage gathered for the whole step.
+bool holds_stages_gathered(const std::string& reshard_after_forward) {
+  return reshard_after_forward == "default" || reshard_after_forward == "never" || reshard_after_forward == "false";
+}
+
 int64_t parse_split_point(const std::string& text, int64_t n_layers) {
   std::string id = text;
   if (id.rfind("layers.", 0) == 0) id = id.substr(7);
@@ -183,21 +188,22 @@ PipelinePlan validate_pipeline_layout(const DecoderArgs& args, const distributed
                      "(or train a flavor with an untied head)");
   PipelinePlan plan = plan_pipeline(args, dims.pp(), options);
   if (dims.fsdp_enabled()) {
-    // FSDP inside a stage (over dp_shard, or dp_shard x cp with context parallelism): one FSDP root per rank (the rank's stage), gathered and reduced by the
-    // hooks of each micro-batch's forward and full backward. A zero-bubble split runs the weight
-    // gradients in a second autograd pass after FSDP has resharded and moved on, so it is refused.
+    // FSDP inside the stages (over dp_shard, or dp_shard x cp with context parallelism) follows the
+    // schedule: each stage is gathered at its UNSHARD, reduced at its REDUCE_GRAD (after its last
+    // backward, so a zero-bubble split's weight gradients are in) and freed at its RESHARD.
+    if (!plan.schedule.has_fsdp_actions()) plan.schedule = pipeline::add_fsdp_actions(plan.schedule);
+    const bool per_micro_batch = !holds_stages_gathered(options.fsdp_reshard_after_forward);
     bool splits = false;
     for (const auto& row : plan.schedule.ranks) {
       for (const auto& a : row) splits = splits || a.kind == pipeline::ActionKind::kBackwardInput;
     }
-    LOOM_REQUIRE_USAGE(plan.schedule.stages_per_rank == 1 && !splits,
-                       "pipeline schedule '", plan.schedule.name, "' ",
-                       splits ? "splits the backward into input and weight passes"
-                              : c10::str("puts ", plan.schedule.stages_per_rank, " stages on each rank"),
-                       ", which FSDP inside pipeline stages does not support in this build (", dims.describe(),
-                       "); use pipeline_parallel_schedule = \"1F1B\" or \"GPipe\" with FSDP (and context parallelism, "
-                       "which shards over dp_shard x cp), or set parallelism.data_parallel_shard_degree and "
-                       "context_parallel_degree to 1");
+    // A weight gradient (W) computed after the stage's parameters were freed by a later
+    // micro-batch's forward would find no unsharded parameter to accumulate into.
+    LOOM_REQUIRE_USAGE(!per_micro_batch || !splits, "parallelism.fsdp_reshard_after_forward = \"",
+                       options.fsdp_reshard_after_forward, "\" re-gathers each stage for every micro-batch, which ",
+                       "pipeline schedule '", plan.schedule.name, "' cannot do: it splits the backward into input ",
+                       "and weight passes; set fsdp_reshard_after_forward = \"default\" (each stage gathered ",
+                       "once per step)");
   }
   return plan;
 }
@@ -217,6 +223,23 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_decoder(const std::functio
   // The stages get the whole model's composition (TP, CP, AC, FSDP with one stage per rank, as
   // validated above), before they hook their layers for the weight-gradient split.
   parallel::ParallelParts parts = compose(models, dims, mesh, tp_plan, plan_options);
+  // FSDP inside the stages: the schedule's actions gather, reduce and free each stage (its own
+  // root); the hooks only wait for the gathers and accumulate the micro-batches' gradients
+  // unsharded. Held: gathered from UNSHARD to RESHARD across every micro-batch (one all-gather
+  // and one reduce-scatter per group per step); else re-gathered for each micro-batch's forward
+  // and backward.
+  if (dims.fsdp_enabled()) {
+    const bool hold = holds_stages_gathered(options.fsdp_reshard_after_forward);
+    for (const auto& model : models) {
+      const auto root = fsdp::fsdp_state(*model);
+      LOOM_REQUIRE(root != nullptr && root->is_root(), "pipeline stage without its FSDP root");
+      root->set_requires_gradient_sync(false);
+      if (hold) {
+        root->set_reshard_after_forward(false);
+        root->set_reshard_after_backward(false);
+      }
+    }
+  }
   const bool tp = dims.tp_enabled();
   const ac::ACOptions& ac = plan_options.ac;
   const auto& tp_options = plan_options.tp;
@@ -240,11 +263,14 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_decoder(const std::functio
   executor.activation_shape = {options.microbatch_size, seq, args.dim};
   executor.activation_dtype = c10::kFloat;
   executor.device = device;
+  if (dims.fsdp_enabled()) {
+    executor.unshard = [](pipeline::PipelineStage& stage) { fsdp::fsdp_state(stage.module())->unshard_async(); };
+    executor.reshard = [](pipeline::PipelineStage& stage) { fsdp::fsdp_state(stage.module())->reshard(); };
+    executor.reduce_grad = [](pipeline::PipelineStage& stage) {
+      fsdp::fsdp_state(stage.module())->reduce_gradients();
+    };
+  }
   auto pipeline_executor = std::make_shared<pipeline::PipelineExecutor>(plan.schedule, stages, executor);
-  // FSDP inside a stage reduces in the stage's last backward of the step, which a zero-bubble
-  // split would leave before its weight gradients (validate_pipeline_layout refused it).
-  LOOM_REQUIRE(!dims.fsdp_enabled() || !pipeline_executor->splits_backward(),
-               "FSDP inside pipeline stages with a zero-bubble split");
   parts.step = std::make_unique<parallel::PipelineStep>(pipeline_executor, options.microbatch_size);
   // Replicas without FSDP average gradients after the schedule (HSDP's: FSDP all-reduces over
   // dp_replicate itself).

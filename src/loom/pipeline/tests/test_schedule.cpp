@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <fstream>
+#include <map>
 
 #include "loom/pipeline/generators.h"
 #include "loom/pipeline/schedule.h"
@@ -26,6 +27,7 @@ TEST(PipelineAction, PrintsAndParsesPyTorchsTextForm) {
       {{ActionKind::kRecvB, 0, 2}, "0RECV_B2"},
       {{ActionKind::kUnshard, 1, -1}, "1UNSHARD"},
       {{ActionKind::kReshard, 7, -1}, "7RESHARD"},
+      {{ActionKind::kReduceGrad, 3, -1}, "3REDUCE_GRAD"},
   };
   for (const auto& [action, text] : cases) {
     EXPECT_EQ(action.str(), text);
@@ -41,7 +43,8 @@ TEST(PipelineAction, RefusesWhatIsNoAction) {
   expect_error<UsageError>([] { Action::parse("0F"); }, {"F needs a micro-batch index"});
   expect_error<UsageError>([] { Action::parse("0F3x"); }, {"'0F3x'"});
   expect_error<UsageError>([] { Action::parse("1UNSHARD2"); }, {"UNSHARD takes no micro-batch", "1UNSHARD"});
-  expect_error<UsageError>([] { Action::parse("0REDUCE_GRAD"); }, {"REDUCE_GRAD"});
+  expect_error<UsageError>([] { Action::parse("0REDUCE_GRAD1"); }, {"REDUCE_GRAD takes no micro-batch"});
+  expect_error<UsageError>([] { Action::parse("0OVERLAP_F_B"); }, {"OVERLAP_F_B actions are not part"});
 }
 
 TEST(PipelineLayout, LoopedAndVShape) {
@@ -158,18 +161,38 @@ TEST(PipelineValidate, CommunicationAndFsdpRules) {
                            {"(0B0): stage 0 computes while sharded"});
   expect_error<UsageError>([] { schedule_from_csv_text("0UNSHARD,0F0,0B0\n", "s.csv"); },
                            {"leaves stage 0 unsharded"});
-  // The FSDP pass: each stage gathered once per step, one action before its first use.
-  const Schedule s = add_unshard_reshard(generate_compute({"Interleaved1F1B", 2, 4, 2}));
-  for (const auto& list : s.ranks) {
-    int unshards = 0, reshards = 0;
-    for (const Action& a : list) {
-      unshards += a.kind == ActionKind::kUnshard;
-      reshards += a.kind == ActionKind::kReshard;
+  // Every stage reduces its gradients once, after its last backward.
+  expect_error<UsageError>([] { schedule_from_csv_text("0UNSHARD,0F0,0B0,0RESHARD\n", "s.csv"); },
+                           {"never reduces stage 0's gradients", "0REDUCE_GRAD"});
+  expect_error<UsageError>(
+      [] { schedule_from_csv_text("0UNSHARD,0F0,0F1,0B0,0REDUCE_GRAD,0B1,0RESHARD\n", "s.csv"); },
+      {"(0B1): backward of stage 0 after its REDUCE_GRAD"});
+  // The FSDP pass: each stage gathered once per step, one compute action before its first use;
+  // its gradients reduced once, right after its last backward (the last W under a split).
+  for (const char* name : {"Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"}) {
+    const Schedule compute = generate_compute({name, 2, 4, 2});
+    for (const Schedule& s : {add_fsdp_actions(compute), add_fsdp_actions(add_communication(compute))}) {
+      for (const auto& list : s.ranks) {
+        int unshards = 0, reshards = 0, reduces = 0;
+        std::map<int, size_t> last_backward, reduce_at;
+        for (size_t i = 0; i < list.size(); ++i) {
+          const Action& a = list[i];
+          unshards += a.kind == ActionKind::kUnshard;
+          reshards += a.kind == ActionKind::kReshard;
+          reduces += a.kind == ActionKind::kReduceGrad;
+          if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) last_backward[a.stage] = i;
+          if (a.kind == ActionKind::kReduceGrad) reduce_at[a.stage] = i;
+        }
+        EXPECT_EQ(unshards, 2) << name;
+        EXPECT_EQ(reshards, 2) << name;
+        EXPECT_EQ(reduces, 2) << name;
+        for (const auto& [stage, i] : last_backward) EXPECT_EQ(reduce_at[stage], i + 1) << name << " stage " << stage;
+      }
+      EXPECT_EQ(s.ranks[0][0].str(), "0UNSHARD") << name;
     }
-    EXPECT_EQ(unshards, 2);
-    EXPECT_EQ(reshards, 2);
   }
-  EXPECT_EQ(s.ranks[0][0].str(), "0UNSHARD");
+  expect_error<UsageError>([] { add_fsdp_actions(build_schedule({"1F1B", 2, 2, 0}, true)); },
+                           {"already has FSDP actions"});
 }
 
 TEST(PipelineFormat, TableHasOneColumnPerRank) {
