@@ -4,6 +4,7 @@
 
 #include "loom/core/error.h"
 #include "loom/nn/layers.h"
+#include "loom/tensor/placement.h"
 
 namespace loom::float8 {
 namespace {
@@ -22,6 +23,20 @@ bool filtered(const std::string& fqn, const std::vector<std::string>& filters) {
   return false;
 }
 
+// Which groups split the weight `slot` holds, from its layout (TP's Shard(0) / Shard(1)).
+Float8Sharding weight_sharding(const nn::ParameterSlot& slot,
+                               const std::map<std::string, std::shared_ptr<distributed::Comm>>& groups) {
+  Float8Sharding sharding;
+  if (!slot.layout || groups.empty()) return sharding;
+  for (const auto& p : slot.layout->placements) {
+    const auto* shard = std::get_if<tensor::Shard>(&p.placement);
+    const auto it = groups.find(p.mesh_dim);
+    if (shard == nullptr || it == groups.end() || p.size <= 1) continue;
+    (shard->dim == 0 ? sharding.out_features : sharding.in_features) = it->second;
+  }
+  return sharding;
+}
+
 }  // namespace
 
 const options::Section& float8_section() {
@@ -34,8 +49,8 @@ const options::Section& float8_section() {
            "of `filter_fqns` runs its forward and backward GEMMs on float8 operands with dynamic "
            "scaling, its weights staying in high precision. On the CPU the float8 GEMMs are emulated "
            "exactly (quantize, dequantize, float32 matmul); on CUDA they are `_scaled_mm`. Needs the "
-           "converted layers' dims to be multiples of 16; not with tensor parallelism or pipeline "
-           "parallelism."},
+           "converted layers' dims to be multiples of 16. Composes with FSDP, tensor parallelism (the "
+           "shards quantized with the whole weights' scales; not with async TP) and pipeline parallelism."},
           {LOOM_OPTION(S, recipe),
            "torchao's recipes. `rowwise`: inputs, weights and output gradients in float8_e4m3fn, one "
            "scale per row along each GEMM's contracted dim, scales rounded down to powers of 2. "
@@ -87,9 +102,10 @@ ConversionReport convert_to_float8(nn::Module& model, const Float8Options& optio
     LOOM_REQUIRE(!linear->forward_override(), "float8: linear '", fqn,
                  "' already has an around-hook; convert_to_float8 must run before any parallelism");
     const bool bias = linear->has_bias();
-    linear->set_forward_override([recipe, bias](nn::Module& m, const torch::Tensor& x, const nn::ForwardFn&) {
+    const auto groups = options.sharding_groups;
+    linear->set_forward_override([recipe, bias, groups](nn::Module& m, const torch::Tensor& x, const nn::ForwardFn&) {
       auto& l = static_cast<nn::Linear&>(m);
-      torch::Tensor y = float8_linear(x, l.weight(), recipe);
+      torch::Tensor y = float8_linear(x, l.weight(), recipe, weight_sharding(l.parameter_slot("weight"), groups));
       // The bias is added in high precision, as torchao's Float8Linear does.
       return bias ? y + l.parameter("bias") : y;
     });

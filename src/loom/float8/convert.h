@@ -7,11 +7,16 @@
 //     backward, from the weight FSDP re-gathered), checkpoints hold high-precision weights;
 //   - activation checkpointing re-runs the hook in its recompute (per-op AC leaves linears with an
 //     around-hook to the recompute: their outputs are not cached);
-//   - tensor parallelism is refused (Float8 with tensor_parallel_degree > 1 is a one-line error in
-//     the Trainer): a rowwise-parallel weight's row-wise scales would be taken on a slice of each
-//     row, and async TP replaces linears' around-hooks with its collective matmuls.
+//   - tensor parallelism shards the weights afterwards and records their placement in the slots'
+//     layouts; the hook reads it at each call and quantizes the shards with the whole tensors'
+//     scales (Float8Sharding, over the groups of `sharding_groups`). Async TP, which replaces the
+//     linears' around-hooks with its collective matmuls, is refused with Float8 (train/
+//     compatibility.cpp);
+//   - pipeline stages are converted like the whole model (each part keeps its linears' names).
 // Applied first, before any parallelism (TorchTitan's model converters run before parallelize).
 #pragma once
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -35,6 +40,10 @@ struct Float8Options {
   Recipe recipe = Recipe::kRowwise;
   // A linear whose FQN contains any of these substrings stays in high precision.
   std::vector<std::string> filter_fqns = {"output"};
+  // The groups of the mesh dims a parallelism may shard the converted weights over ("tp"), by
+  // name; set by the composition. A weight whose slot layout shards it on one of them is quantized
+  // as a piece of the whole (float8_linear's Float8Sharding).
+  std::map<std::string, std::shared_ptr<distributed::Comm>> sharding_groups;
 
   // filter_fqns split at commas, blanks around each ignored, empty entries dropped.
   static Float8Options from(const Float8Config& config);

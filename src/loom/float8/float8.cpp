@@ -27,9 +27,24 @@ c10::ScalarType output_dtype(const torch::Tensor& x) {
   return x.scalar_type();
 }
 
+using CommPtr = std::shared_ptr<distributed::Comm>;
+
+// The group an operand's amax is reduced over: rowwise scales cover the contracted dim only,
+// tensorwise ones the whole tensor (either of its dims sharded).
+CommPtr amax_group(Recipe recipe, const CommPtr& contracted, const CommPtr& other) {
+  if (recipe == Recipe::kRowwise) return contracted;
+  return contracted ? contracted : other;
+}
+
+// The sharding travels from forward to backward in the context (an IValue capsule).
+struct ShardingHolder : torch::CustomClassHolder {
+  explicit ShardingHolder(Float8Sharding s) : sharding(std::move(s)) {}
+  Float8Sharding sharding;
+};
+
 struct Float8Linear : torch::autograd::Function<Float8Linear> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& weight, int64_t recipe_id) {
+                               const torch::Tensor& weight, int64_t recipe_id, const Float8Sharding& sharding) {
     const auto recipe = static_cast<Recipe>(recipe_id);
     const c10::ScalarType out_dtype = output_dtype(x);
     // The emulation's float32 ops must not be autocast to bfloat16: the GEMM's precision is the
@@ -37,9 +52,14 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     ctx->save_for_backward({x, weight});
     ctx->saved_data["recipe"] = recipe_id;
+    if (sharding.any()) {
+      ctx->saved_data["sharding"] = c10::IValue::make_capsule(c10::make_intrusive<ShardingHolder>(sharding));
+    }
     const torch::Tensor x2 = x.reshape({-1, x.size(-1)});
-    const Float8Operand a = quantize(x2, torch::kFloat8_e4m3fn, recipe);
-    const Float8Operand b = quantize(weight, torch::kFloat8_e4m3fn, recipe);
+    // Contracted over in: x [tokens, in] (tokens whole), W [out, in].
+    const Float8Operand a = quantize(x2, torch::kFloat8_e4m3fn, recipe, amax_group(recipe, sharding.in_features, nullptr));
+    const Float8Operand b = quantize(weight, torch::kFloat8_e4m3fn, recipe,
+                                     amax_group(recipe, sharding.in_features, sharding.out_features));
     torch::Tensor y = scaled_mm_nt(a, b, out_dtype);
     auto shape = x.sizes().vec();
     shape.back() = weight.size(0);
@@ -52,23 +72,31 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     const torch::Tensor& x = saved[0];
     const torch::Tensor& weight = saved[1];
     const auto recipe = static_cast<Recipe>(ctx->saved_data["recipe"].toInt());
+    Float8Sharding sharding;
+    if (const auto it = ctx->saved_data.find("sharding"); it != ctx->saved_data.end()) {
+      sharding = c10::static_intrusive_pointer_cast<ShardingHolder>(it->second.toCapsule())->sharding;
+    }
+    const CommPtr& in = sharding.in_features;
+    const CommPtr& out = sharding.out_features;
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const torch::Tensor dy = grads[0].reshape({-1, weight.size(0)});   // [tokens, out]
     const torch::Tensor x2 = x.reshape({-1, x.size(-1)});               // [tokens, in]
     torch::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) {
       // dx = dy W: dy along out (per token), W along out (per input feature).
-      const Float8Operand a = quantize(dy, grad_dtype(recipe), recipe);
-      const Float8Operand b = quantize(weight.t(), torch::kFloat8_e4m3fn, recipe);
+      const Float8Operand a = quantize(dy, grad_dtype(recipe), recipe, amax_group(recipe, out, nullptr));
+      const Float8Operand b = quantize(weight.t(), torch::kFloat8_e4m3fn, recipe, amax_group(recipe, out, in));
       dx = scaled_mm_nt(a, b, x.scalar_type()).view(x.sizes());
     }
     if (ctx->needs_input_grad(1)) {
       // dW = dy^T x: both along tokens (dy per output feature, x per input feature).
-      const Float8Operand a = quantize(dy.t(), grad_dtype(recipe), recipe);
-      const Float8Operand b = quantize(x2.t(), torch::kFloat8_e4m3fn, recipe);
+      // Contracted over the tokens, which TP never splits here (sequence parallelism gathers
+      // them before a colwise linear and after a rowwise one).
+      const Float8Operand a = quantize(dy.t(), grad_dtype(recipe), recipe, amax_group(recipe, nullptr, out));
+      const Float8Operand b = quantize(x2.t(), torch::kFloat8_e4m3fn, recipe, amax_group(recipe, nullptr, in));
       dw = scaled_mm_nt(a, b, weight.scalar_type());
     }
-    return {dx, dw, torch::Tensor()};
+    return {dx, dw, torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -87,13 +115,17 @@ double float8_max(c10::ScalarType dtype) {
 
 torch::Tensor Float8Operand::dequantize() const { return data.to(torch::kFloat32) / scale; }
 
-Float8Operand quantize(const torch::Tensor& t, c10::ScalarType dtype, Recipe recipe) {
+Float8Operand quantize(const torch::Tensor& t, c10::ScalarType dtype, Recipe recipe,
+                       const std::shared_ptr<distributed::Comm>& amax_group) {
   LOOM_REQUIRE(t.dim() == 2, "float8::quantize takes a 2-D operand, got ", t.sizes());
   const double fmax = float8_max(dtype);
   const torch::Tensor hp = t.to(torch::kFloat32);
   // amax in float64 as torchao computes the scale (fmax / amax does not round before the cast).
   torch::Tensor amax = recipe == Recipe::kRowwise ? hp.abs().amax(/*dim=*/{1}, /*keepdim=*/true)
-                                                  : hp.abs().max();
+                                                  : hp.abs().max().reshape({1});
+  // A piece of a sharded tensor: the whole tensor's amax (max is exact in any order).
+  if (amax_group != nullptr && amax_group->size() > 1) amax_group->all_reduce(amax, distributed::ReduceOp::kMax);
+  if (recipe == Recipe::kTensorwise) amax = amax.reshape({});
   torch::Tensor scale = (fmax / amax.to(torch::kFloat64).clamp_min(kAmaxFloor)).to(torch::kFloat32);
   // Rowwise: round down to a power of 2 (torchao's round_scales_to_power_of_2): multiplying and
   // dividing by it is exact, and rounding down keeps amax * scale <= fmax.
@@ -122,10 +154,11 @@ torch::Tensor scaled_mm_nt(const Float8Operand& a, const Float8Operand& b, c10::
   return at::matmul(a.dequantize(), b.dequantize().t()).to(out_dtype);
 }
 
-torch::Tensor float8_linear(const torch::Tensor& x, const torch::Tensor& weight, Recipe recipe) {
+torch::Tensor float8_linear(const torch::Tensor& x, const torch::Tensor& weight, Recipe recipe,
+                            const Float8Sharding& sharding) {
   LOOM_REQUIRE(weight.dim() == 2 && x.size(-1) == weight.size(1), "float8_linear: input ", x.sizes(),
                " does not match weight ", weight.sizes());
-  return Float8Linear::apply(x, weight, static_cast<int64_t>(recipe));
+  return Float8Linear::apply(x, weight, static_cast<int64_t>(recipe), sharding);
 }
 
 }  // namespace loom::float8

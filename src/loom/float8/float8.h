@@ -20,6 +20,15 @@
 // and stored as float32; quantizing is clamp(t * scale, -fmax, fmax) cast to the float8 dtype, so
 // values never overflow (saturation), and a zero row gets a finite scale and stays zero.
 //
+// Under tensor parallelism a linear's local weight is a shard of the whole one (colwise: rows, the
+// out features; rowwise: columns, the in features), and so are its input (rowwise) or its output
+// gradient (colwise) along those features. The scaled operands follow those placements (torchao's
+// Float8 with DTensor, as TorchTitan composes Float8 and TP): an amax taken over a sharded dim is
+// all-reduced (max) over the group first, so every rank quantizes its piece with the whole
+// tensor's scale and the partial products the TP collectives sum are the single device's pieces.
+// Row-wise scales need this only where the GEMM contracts a sharded dim (the forward of a rowwise
+// linear, the input gradient of a colwise one); tensor-wise scales wherever an operand is sharded.
+//
 // On CUDA each GEMM is at::_scaled_mm (float8 operands, float32 inverse scales, bfloat16 output for
 // rowwise, float32 for tensorwise; every dim a multiple of 16). On the CPU it is emulated exactly:
 // each operand is dequantized (float32 value / scale) and the product taken in float32. Both
@@ -30,9 +39,11 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <memory>
 #include <string>
 
 #include "loom/core/options.h"
+#include "loom/distributed/comm.h"
 
 namespace loom::float8 {
 
@@ -54,14 +65,26 @@ struct Float8Operand {
 
 // Quantizes a 2-D tensor for a GEMM contracting its last dim: rowwise (one scale per row, rounded
 // down to a power of 2) or tensorwise (one scale). Any floating dtype in, float8 `dtype` out.
-Float8Operand quantize(const torch::Tensor& t, c10::ScalarType dtype, Recipe recipe);
+// `amax_group`: the tensor is this rank's piece of one sharded over that group along the dims the
+// amax covers; the amax is all-reduced (max) over it (null: the tensor is whole).
+Float8Operand quantize(const torch::Tensor& t, c10::ScalarType dtype, Recipe recipe,
+                       const std::shared_ptr<distributed::Comm>& amax_group = nullptr);
+
+// The groups that shard a linear's features (tensor parallelism); null: not sharded.
+struct Float8Sharding {
+  std::shared_ptr<distributed::Comm> in_features;   // a rowwise-parallel weight: Shard(1)
+  std::shared_ptr<distributed::Comm> out_features;  // a colwise-parallel weight: Shard(0)
+  bool any() const { return in_features != nullptr || out_features != nullptr; }
+};
 
 // A [M, K] times B [N, K]^T -> [M, N] in `out_dtype`: at::_scaled_mm on CUDA, float32 emulation on
 // the CPU (dequantize both, float32 matmul).
 torch::Tensor scaled_mm_nt(const Float8Operand& a, const Float8Operand& b, c10::ScalarType out_dtype);
 
 // y = x W^T with the recipe's float8 GEMMs forward and backward (a custom autograd function).
-// x [..., in], W [out, in]. The dims must be multiples of 16 on CUDA (checked by convert_to_float8).
-torch::Tensor float8_linear(const torch::Tensor& x, const torch::Tensor& weight, Recipe recipe);
+// x [..., in], W [out, in]: this rank's pieces when `sharding` names the groups that split them.
+// The dims must be multiples of 16 on CUDA (checked by convert_to_float8).
+torch::Tensor float8_linear(const torch::Tensor& x, const torch::Tensor& weight, Recipe recipe,
+                            const Float8Sharding& sharding = {});
 
 }  // namespace loom::float8

@@ -17,22 +17,15 @@ const std::vector<Incompatibility>& incompatibilities() {
          return std::string("parallelism.enable_async_tensor_parallel needs sequence parallelism (it overlaps the "
                             "sequence all-gathers and reduce-scatters); set parallelism.disable_sequence_parallel = false");
        }},
-      // Row-wise scales of a rowwise-parallel weight (sharded along in_features) would be taken on
-      // a slice of each row, and async TP replaces the linears' around-hooks: refused, not emulated.
-      {"float8.enable", "tensor parallelism",
-       [](const JobConfig& c, Dims) { return c.float8.enable && c.parallelism.tensor_parallel_degree > 1; }, false,
-       [](const JobConfig& c) {
-         return c10::str("float8.enable = true does not support tensor parallelism yet (tensor_parallel_degree = ",
-                         c.parallelism.tensor_parallel_degree, "); set parallelism.tensor_parallel_degree = 1 "
-                         "(FSDP and DDP work with float8) or float8.enable = false");
-       }},
-      // The stages are built afresh by the pipeline split, which does not convert them yet.
-      {"float8.enable", "pipeline parallelism",
-       [](const JobConfig& c, Dims) { return c.float8.enable && c.parallelism.pipeline_parallel_degree > 1; }, false,
-       [](const JobConfig& c) {
-         return c10::str("float8.enable = true does not support pipeline parallelism yet (pipeline_parallel_degree = ",
-                         c.parallelism.pipeline_parallel_degree, "); set parallelism.pipeline_parallel_degree = 1 "
-                         "or float8.enable = false");
+      // Async TP replaces the linears' around-hooks (Float8's) with its collective matmuls.
+      {"float8.enable", "parallelism.enable_async_tensor_parallel",
+       [](const JobConfig& c, Dims) {
+         return c.float8.enable && c.parallelism.enable_async_tensor_parallel && c.parallelism.tensor_parallel_degree > 1;
+       },
+       false,
+       [](const JobConfig&) {
+         return std::string("float8.enable = true does not compose with parallelism.enable_async_tensor_parallel (its "
+                            "collective matmuls replace the float8 linears); set enable_async_tensor_parallel = false");
        }},
       {"validation.enable", "pipeline parallelism",
        [](const JobConfig& c, Dims) { return c.validation.enable && c.parallelism.pipeline_parallel_degree > 1; },

@@ -140,11 +140,13 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
   // 0. Float8: the linears' GEMMs become float8 ones (an around-hook on each converted linear; the
   //    parameters stay high precision), before any parallelism as TorchTitan's model converters.
   //    So FSDP below gathers high-precision weights the hooks quantize, and AC recomputes them.
+  //    Under TP the hooks quantize the weights' shards with the whole weights' scales, reduced
+  //    over the tp group their layouts (set by step 2) name.
   if (options.float8) {
-    LOOM_REQUIRE(!dims.tp_enabled() && !dims.pp_enabled(),
-                 "float8 with tensor or pipeline parallelism (refused by train/compatibility.cpp)");
+    float8::Float8Options float8 = *options.float8;
+    if (dims.tp_enabled()) float8.sharding_groups[tp::kMeshDim] = mesh.comm(tp::kMeshDim);
     for (const auto& model : models) {
-      const auto report = float8::convert_to_float8(*model, *options.float8);
+      const auto report = float8::convert_to_float8(*model, float8);
       log::info("float8: ", report.describe(options.float8->recipe));
     }
   }

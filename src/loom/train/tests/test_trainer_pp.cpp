@@ -135,13 +135,13 @@ TEST(TrainerPP, TensorParallelStagesTrainLikeTheSingleProcess) {
           });
 }
 
-// FSDP inside the stages (issue 11's 3-D layout): the rank's stage is an FSDP root whose blocks
-// gather per micro-batch and whose gradients accumulate unsharded over the micro-batches and the
-// accumulated batches, reduce-scattered once by the stage's last backward. FSDP 2 x PP 2 with GPipe
+// FSDP inside the stages (issue 11's 3-D layout): the rank's stage is an FSDP root, gathered once
+// per step by default (re-gathered per micro-batch under reshard_after_forward = always), whose
+// gradients accumulate unsharded over the micro-batches and the accumulated batches and are
+// reduce-scattered once, at the stage's REDUCE_GRAD of the step's last batch. FSDP 2 x PP 2 with GPipe
 // and with 1F1B accumulating two loaded batches, and FSDP 2 x TP 2 x PP 2 on 8 ranks (mesh pp x
 // dp_shard x tp), within the 1e-4 the issue asks of the 3-D layout (FSDP's reduce-scatter and the
-// pipeline's micro-batch sums reorder the additions; the measured figures are printed). Schedules
-// that FSDP inside stages cannot serve are refused in one line.
+// pipeline's micro-batch sums reorder the additions; the measured figures are printed).
 TEST(TrainerPP, FsdpStagesTrainLikeTheSingleProcess) {
   const std::string shard2 = " --parallelism.data_parallel_shard_degree=2";
   const std::string tp2 = " --parallelism.tensor_parallel_degree=2";
@@ -150,13 +150,13 @@ TEST(TrainerPP, FsdpStagesTrainLikeTheSingleProcess) {
               {"fsdp2_x_pp2_GPipe_m4", 4, 4, pp(2, "GPipe", 1) + shard2},
               {"fsdp2_x_pp2_1F1B_m2_x_2_accumulated", 4, 2, pp(2, "1F1B", 1) + shard2 + " --training.global_batch_size=8"},
               {"fsdp2_x_tp2_x_pp2_1F1B_m4", 8, 4, pp(2, "1F1B", 1) + shard2 + tp2},
-              {"fsdp2_x_pp2_1F1B_m4_reshard_never", 4, 4,
-               pp(2, "1F1B", 1) + shard2 + " --parallelism.fsdp_reshard_after_forward=never"},
+              {"fsdp2_x_pp2_1F1B_m4_reshard_always", 4, 4,
+               pp(2, "1F1B", 1) + shard2 + " --parallelism.fsdp_reshard_after_forward=always"},
           },
       1e-4);
-  // Under reshard_after_forward = never a stage gathers each group once per step (not once per
-  // micro-batch forward and backward): its bytes on dp_shard per step fall to about a
-  // gather plus a reduce-scatter of the stage, against 4 micro-batches' gathers by default.
+  // By default (TorchTitan's under PP) a stage gathers each group once per step (not once per
+  // micro-batch forward and backward): its bytes on dp_shard per step fall to about a gather plus
+  // a reduce-scatter of the stage, against 4 micro-batches' gathers under always.
   auto dp_shard_bytes = [&](const std::string& reshard) {
     TempDir d("fsdp_bytes_" + reshard);
     RunResult r = run(loom_command(4, layout_train_args(d, 2, 4, "--parallelism.data_parallel_shard_degree=1 " +
@@ -172,17 +172,45 @@ TEST(TrainerPP, FsdpStagesTrainLikeTheSingleProcess) {
     }
     return bytes;
   };
-  const double never = dp_shard_bytes("never"), always = dp_shard_bytes("always");
-  std::printf("FSDP 2 x PP 2, GPipe m = 4: dp_shard bytes per step %.0f (never) vs %.0f (always): %.2fx\n", never,
-              always, always / never);
-  EXPECT_GT(never, 0);
-  EXPECT_LT(3 * never, always);
-  TempDir dir("fsdp_interleaved");
+  const double held = dp_shard_bytes("default"), always = dp_shard_bytes("always");
+  std::printf("FSDP 2 x PP 2, GPipe m = 4: dp_shard bytes per step %.0f (default: held) vs %.0f (always): %.2fx\n",
+              held, always, always / held);
+  EXPECT_GT(held, 0);
+  EXPECT_LT(3 * held, always);
+}
+
+// FSDP driven by the schedule (issue 28): every stage on a rank is its own FSDP root, gathered at
+// its UNSHARD, reduce-scattered at its REDUCE_GRAD (after its last B, or its last W under a
+// zero-bubble split) and freed at its RESHARD. TorchTitan's large recipes as the issue lists them,
+// 20 steps within 1e-5 of the single process: PP 2 Interleaved1F1B (2 stages per rank) x FSDP 2 x
+// TP 2 on 8 ranks, ZBVZeroBubble and DualPipeV x FSDP 2, Interleaved1F1B x CP 2 (FSDP over
+// dp_shard x cp), HSDP 2 x 2 inside Interleaved1F1B; and LoopedBFS and InterleavedZeroBubble x
+// FSDP 2. The measured differences are printed.
+TEST(TrainerPP, FsdpInsideMultiStageSchedulesTrainsLikeTheSingleProcess) {
+  const std::string shard2 = " --parallelism.data_parallel_shard_degree=2";
+  constexpr int kScheduleSteps = 20;
+  expect_pp_layouts_match_single_process(
+      "", {
+              {"pp2_Interleaved1F1B_x_fsdp2_x_tp2", 8, 4,
+               pp(2, "Interleaved1F1B", 1) + shard2 + " --parallelism.tensor_parallel_degree=2"},
+              {"pp2_ZBVZeroBubble_x_fsdp2", 4, 4, pp(2, "ZBVZeroBubble", 1) + shard2},
+              {"pp2_DualPipeV_x_fsdp2", 4, 4, pp(2, "DualPipeV", 1) + shard2},
+              {"pp2_Interleaved1F1B_x_cp2", 4, 8, pp(2, "Interleaved1F1B", 2) + " --parallelism.context_parallel_degree=2"},
+              {"pp2_Interleaved1F1B_x_hsdp_2x2", 8, 2,
+               pp(2, "Interleaved1F1B", 1) + shard2 + " --parallelism.data_parallel_replicate_degree=2"},
+              {"pp2_LoopedBFS_x_fsdp2", 4, 4, pp(2, "LoopedBFS", 1) + shard2},
+              {"pp2_InterleavedZeroBubble_x_fsdp2", 4, 4, pp(2, "InterleavedZeroBubble", 1) + shard2},
+          },
+      1e-5, kScheduleSteps);
+  // Re-gathering a stage for every micro-batch cannot serve a split backward (W would find the
+  // parameters freed by a later forward): one line, exit 2, before any step.
+  TempDir dir("fsdp_zbv_always");
   RunResult r = run(loom_command(4, layout_train_args(dir, 2, 4, "--parallelism.data_parallel_shard_degree=1 " +
-                                                                    pp(2, "Interleaved1F1B", 1) + shard2)),
+                                                                    pp(2, "ZBVZeroBubble", 1) + shard2 +
+                                                                    " --parallelism.fsdp_reshard_after_forward=always")),
                     120);
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_NE(r.output.find("which FSDP inside pipeline stages does not support"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("splits the backward into input and weight passes"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("[step "), std::string::npos) << r.output;
 }
 
