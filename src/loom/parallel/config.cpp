@@ -117,7 +117,10 @@ const options::Section& parallelism_section() {
            "Whether FSDP frees gathered parameters after forward (re-gathering them in backward). "
            "`default`: all groups but the last (whose backward starts immediately); `always`; "
            "`never`; or a positive integer world size to reshard to (keeps a partially gathered "
-           "copy).",
+           "copy). Inside pipeline stages, `default` and `never` hold each stage gathered from its "
+           "UNSHARD to its RESHARD action (one all-gather per step, TorchTitan's default under PP); "
+           "`always` or N re-gather it for every micro-batch (not with schedules that split the "
+           "backward into I and W).",
            {"default", "always", "never"}, /*integer_allowed=*/true},
           {LOOM_OPTION(S, tensor_parallel_degree),
            "Tensor-parallel ranks (Megatron-LM's scheme, TorchTitan's plan: attention heads, FFN hidden "
