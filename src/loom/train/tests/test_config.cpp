@@ -455,10 +455,8 @@ TEST(Compatibility, EveryRowIsAOneLineUsageErrorBeforeRendezvous) {
   const std::vector<Case> cases = {
       {{"--parallelism.enable_async_tensor_parallel=true", "--parallelism.disable_sequence_parallel=true"},
        "enable_async_tensor_parallel needs sequence parallelism"},
-      {{"--float8.enable=true", "--parallelism.tensor_parallel_degree=2"},
-       "float8.enable = true does not support tensor parallelism yet (tensor_parallel_degree = 2)"},
-      {{"--float8.enable=true", "--parallelism.pipeline_parallel_degree=2"},
-       "float8.enable = true does not support pipeline parallelism yet"},
+      {{"--float8.enable=true", "--parallelism.tensor_parallel_degree=2", "--parallelism.enable_async_tensor_parallel=true"},
+       "float8.enable = true does not compose with parallelism.enable_async_tensor_parallel"},
       {{"--validation.enable=true", "--parallelism.pipeline_parallel_degree=2"},
        "validation.enable = true is not supported with pipeline parallelism"},
       {{"--parallelism.pipeline_parallel_schedule_csv=my.csv"}, "needs pipeline parallelism"},
