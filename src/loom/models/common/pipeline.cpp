@@ -220,8 +220,8 @@ std::unique_ptr<parallel::ParallelizedModel> pipeline_decoder(const std::functio
   const tensor::CommPtr pp_comm = mesh.comm("pp");
   const std::vector<int> stage_ids = plan.schedule.stages_of(pp_comm->rank());
   auto models = split_into_stages(build_model, plan.layer_bounds, stage_ids);
-  // The stages get the whole model's composition (TP, CP, AC, FSDP with one stage per rank, as
-  // validated above), before they hook their layers for the weight-gradient split.
+  // The stages get the whole model's composition (Float8, TP, CP, AC, FSDP with each stage its own
+  // root), before they hook their layers for the weight-gradient split.
   parallel::ParallelParts parts = compose(models, dims, mesh, tp_plan, plan_options);
   // FSDP inside the stages: the schedule's actions gather, reduce and free each stage (its own
   // root); the hooks only wait for the gathers and accumulate the micro-batches' gradients

@@ -76,14 +76,17 @@ struct PipelinePlan {
   std::vector<int64_t> layer_bounds;  // stage s holds layers [bounds[s], bounds[s + 1])
 };
 PipelinePlan plan_pipeline(const DecoderArgs& args, int pp, const PipelineOptions& options);
-// plan_pipeline for the mesh's pp degree, refusing what the stages cannot compose with (FSDP in
-// multi-stage or zero-bubble schedules; a tied head, which would live on the first and last stage).
+// plan_pipeline for the mesh's pp degree, refusing what the stages cannot compose with (a tied
+// head, which would live on the first and last stage; FSDP re-gathering per micro-batch under a
+// schedule that splits the backward). With FSDP the schedule gets its UNSHARD / REDUCE_GRAD /
+// RESHARD actions (pipeline::add_fsdp_actions) unless it has them.
 PipelinePlan validate_pipeline_layout(const DecoderArgs& args, const distributed::ParallelDims& dims,
                                       const PipelineOptions& options);
 
 // This rank's stages of the split validate_pipeline_layout makes (the pp rank of `mesh`), each
 // built by `build_model` on the meta device, given the whole model's composition (compose: TP by
-// `tp_plan`, CP, AC, and FSDP with one stage per rank), as a ParallelizedModel whose step runs the
+// `tp_plan`, CP, AC, and FSDP with each stage its own root, driven by the schedule's actions), as
+// a ParallelizedModel whose step runs the
 // schedule over the "pp" group, each stage's forward under plan.autocast_dtype. Replicas without
 // FSDP (dp_replicate) average gradients after the schedule. Under sequence parallelism the
 // activations between stages are sequence-sharded.
