@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <set>
 #include <unordered_map>
@@ -148,14 +149,22 @@ struct FSDPModule::RootContext {
 // ---------------------------------------------------------------------------------------------
 // FSDPModule
 
-FSDPModule::FSDPModule(nn::Module& module, FSDPMesh mesh, FSDPPolicy policy)
-    : module_(&module), mesh_(std::move(mesh)), policy_(std::move(policy)) {}
+FSDPModule::FSDPModule(std::vector<Member> members, FSDPMesh mesh, FSDPPolicy policy)
+    : members_(std::move(members)), mesh_(std::move(mesh)), policy_(std::move(policy)) {}
 
 FSDPModule::~FSDPModule() {
   auto& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mutex);
-  auto it = reg.states.find(module_);
-  if (it != reg.states.end() && it->second.expired()) reg.states.erase(it);
+  for (const Member& m : members_) {
+    auto it = reg.states.find(m.module);
+    if (it != reg.states.end() && it->second.expired()) reg.states.erase(it);
+  }
+}
+
+std::vector<nn::Module*> FSDPModule::modules() const {
+  std::vector<nn::Module*> out;
+  for (const Member& m : members_) out.push_back(m.module);
+  return out;
 }
 
 std::shared_ptr<FSDPModule> FSDPModule::root() {
@@ -202,7 +211,45 @@ std::string FSDPModule::param_fqn(const FSDPParamGroup& group, const FSDPParamGr
 
 // ---- Hooks ----
 
-torch::Tensor FSDPModule::pre_forward(torch::Tensor input) {
+torch::Tensor FSDPModule::pre_forward(size_t member, torch::Tensor input) {
+  if (!forward_open_) {
+    forward_open_ = true;
+    for (Member& m : members_) m.ran = false;
+    members_[member].ran = true;
+    return group_pre_forward(std::move(input));
+  }
+  // A later module of the group: its first gathered the parameters (a no-op unless something
+  // resharded them in between).
+  members_[member].ran = true;
+  if (group_) {
+    group_->unshard_async();
+    group_->wait_for_unshard();
+  }
+  return input;
+}
+
+torch::Tensor FSDPModule::post_forward(size_t member, torch::Tensor output) {
+  members_[member].ran = true;
+  const bool last = std::all_of(members_.begin(), members_.end(), [](const Member& m) { return m.ran; });
+  if (!last) return output;  // the group's forward ends with the last of its modules'
+  forward_open_ = false;
+  return group_post_forward(std::move(output));
+}
+
+template <typename It>
+int64_t FSDPModule::prefetch_after(It begin, It end, int depth) const {
+  It it = std::find(begin, end, this);
+  if (it == end) return 0;
+  int64_t issued = 0;
+  for (++it; it != end && depth > 0; ++it) {
+    if (!(*it)->group_) continue;
+    issued += prefetch(*(*it)->group_);
+    --depth;  // a group already gathered or in flight still counts towards the depth
+  }
+  return issued;
+}
+
+torch::Tensor FSDPModule::group_pre_forward(torch::Tensor input) {
   if (is_root()) {
     root_pre_forward();
     const c10::ScalarType dtype = policy_.mixed_precision.param_dtype;
@@ -212,19 +259,13 @@ torch::Tensor FSDPModule::pre_forward(torch::Tensor input) {
   }
   RootContext& ctx = context();
   if (ctx.recording && !in_backward_) ctx.pre_forward_order.push_back(this);
-  if (!group_) return input;
-  group_->unshard_async();
+  // Own all-gather first, then the next groups' (every rank issues them in this order).
+  if (group_) group_->unshard_async();
   if (policy_.forward_prefetch && ctx.order_recorded && !in_backward_) {
-    auto it = std::find(ctx.pre_forward_order.begin(), ctx.pre_forward_order.end(), this);
-    if (it != ctx.pre_forward_order.end()) {
-      for (++it; it != ctx.pre_forward_order.end(); ++it) {
-        if ((*it)->group_) {
-          ctx.prefetches.forward += prefetch(*(*it)->group_);
-          break;
-        }
-      }
-    }
+    const auto& order = ctx.pre_forward_order;
+    ctx.prefetches.forward += prefetch_after(order.begin(), order.end(), policy_.prefetch_depth);
   }
+  if (!group_) return input;
   // A module's nested groups (an MoE layer's experts, sharded over their own mesh inside a block)
   // are gathered with it: an around-hook on the module sees the parameters its forward will read,
   // which activation checkpointing takes as its inputs (their gradients reach FSDP through them).
@@ -254,6 +295,10 @@ FSDPModule::PrefetchCounts FSDPModule::prefetch_counts() { return context().pref
 void FSDPModule::reset_prefetch_counts() { context().prefetches = {}; }
 
 void FSDPModule::root_pre_forward() {
+  // A group whose forward began but never ended (one of its modules did not run) starts afresh.
+  for (const auto& s : states()) {
+    if (s.get() != this) s->forward_open_ = false;
+  }
   RootContext& ctx = context();
   ctx.recording = !ctx.order_recorded;
   if (ctx.recording) {
@@ -262,7 +307,7 @@ void FSDPModule::root_pre_forward() {
   }
 }
 
-torch::Tensor FSDPModule::post_forward(torch::Tensor output) {
+torch::Tensor FSDPModule::group_post_forward(torch::Tensor output) {
   RootContext& ctx = context();
   const bool root = is_root();
   if (ctx.recording && !in_backward_) ctx.post_forward_order.push_back(this);
@@ -309,15 +354,8 @@ void FSDPModule::pre_backward() {
   group_->unshard_async();
   if (policy_.backward_prefetch && ctx.order_recorded) {
     // Backward runs groups in the reverse order of their forward's end.
-    auto& order = ctx.post_forward_order;
-    auto it = std::find(order.begin(), order.end(), this);
-    while (it != order.end() && it != order.begin()) {
-      --it;
-      if ((*it)->group_) {
-        ctx.prefetches.backward += prefetch(*(*it)->group_);
-        break;
-      }
-    }
+    const auto& order = ctx.post_forward_order;
+    ctx.prefetches.backward += prefetch_after(order.rbegin(), order.rend(), policy_.prefetch_depth);
   }
   group_->wait_for_unshard();
   if (group_->has_trainable()) group_->prepare_unsharded_grads();
@@ -596,15 +634,62 @@ std::vector<ShardedTensor> FSDPRoots::sharded_state_dict() const {
 
 std::shared_ptr<FSDPModule> fully_shard(nn::Module& module, const FSDPMesh& mesh,
                                         const FSDPPolicy& policy, const std::string& name) {
+  return fully_shard({{"", &module}}, mesh, policy, name.empty() ? module.type_name() : name);
+}
+
+namespace {
+
+// The path of the module `state`'s given paths are relative to, from the module at whose path
+// `found` one of its members, `member`, was found ("layers.0" found at "layers.0" -> "").
+std::string group_base(const FSDPModule& state, const nn::Module* member, const std::string& found,
+                       const std::vector<std::pair<const nn::Module*, std::string>>& member_paths) {
+  for (const auto& [m, path] : member_paths) {
+    if (m != member) continue;
+    if (path.empty()) return found;
+    const bool suffix = found.size() >= path.size() &&
+                        found.compare(found.size() - path.size(), path.size(), path) == 0 &&
+                        (found.size() == path.size() || found[found.size() - path.size() - 1] == '.');
+    LOOM_REQUIRE(suffix, "FSDP group '", state.param_group() ? state.param_group()->name() : "?",
+                 "' was given path '", path, "' for a module found at '", found,
+                 "'; fix: give fully_shard each module's path from one common ancestor");
+    return found.substr(0, found.size() == path.size() ? 0 : found.size() - path.size() - 1);
+  }
+  fail("module at '", found, "' is not a member of its FSDP group");
+}
+
+}  // namespace
+
+std::shared_ptr<FSDPModule> fully_shard(const std::vector<std::pair<std::string, nn::Module*>>& modules,
+                                        const FSDPMesh& mesh, const FSDPPolicy& policy, const std::string& name) {
   LOOM_REQUIRE(mesh.shard != nullptr, "fully_shard needs an FSDPMesh with a shard group; fix: "
                                       "build it with make_fsdp_mesh(mesh, policy)");
+  LOOM_REQUIRE(!modules.empty(), "fully_shard needs at least one module");
   FSDPMesh group_mesh = mesh;
   if (!group_mesh.replicate) {
     group_mesh.replicate =
         distributed::Comm::single("dp_replicate", mesh.shard->world_rank_of(mesh.shard->rank()));
   }
-  LOOM_REQUIRE(!fsdp_state(module), "module ", module.type_name(),
-               " is already fully_shard-ed; fix: call fully_shard once per module");
+  std::set<const nn::Module*> listed;
+  std::set<std::string> paths;
+  for (const auto& [path, m] : modules) {
+    LOOM_REQUIRE(m != nullptr, "fully_shard got a null module");
+    LOOM_REQUIRE(!fsdp_state(*m), "module ", path.empty() ? m->type_name() : path,
+                 " is already fully_shard-ed; fix: call fully_shard once per module");
+    LOOM_REQUIRE(listed.insert(m).second && paths.insert(path).second, "fully_shard lists module '", path,
+                 "' twice");
+    LOOM_REQUIRE(modules.size() == 1 || !path.empty(), "fully_shard of several modules needs each one's path "
+                 "from a common ancestor (the prefix of its parameters' names)");
+  }
+  for (const auto& [path, m] : modules) {
+    for (const auto& [sub, inner] : m->named_modules()) {
+      LOOM_REQUIRE(sub.empty() || listed.count(inner) == 0, "fully_shard: module '", join(path, sub),
+                   "' is inside '", path, "', also listed; fix: list modules none of which contains another");
+    }
+  }
+  std::string label = name;
+  if (label.empty()) {
+    for (const auto& [path, m] : modules) label += (label.empty() ? "" : "+") + path;
+  }
 
   GroupOptions options;
   options.granularity = policy.granularity;
@@ -623,24 +708,43 @@ std::shared_ptr<FSDPModule> fully_shard(nn::Module& module, const FSDPMesh& mesh
       at::isFloatingType(options.param_dtype) && at::isFloatingType(options.reduce_dtype),
       "FSDP mixed precision needs floating-point dtypes, got param ", options.param_dtype,
       " and reduce ", options.reduce_dtype);
+  LOOM_REQUIRE_USAGE(policy.prefetch_depth >= 0, "FSDP prefetch_depth must be >= 0, got ", policy.prefetch_depth,
+                     "; fix: 1 prefetches the next group, 0 none");
 
-  // FSDP modules below: their parameters are theirs.
+  // FSDP modules below: their parameters are theirs. A group of several modules below appears once
+  // (at the path its members' paths are relative to), after all of its members were found here.
   std::vector<std::pair<std::string, std::shared_ptr<FSDPModule>>> descendants;
-  for (const auto& [path, m] : module.named_modules()) {
-    if (path.empty()) continue;
-    if (auto state = fsdp_state(*m)) descendants.emplace_back(path, std::move(state));
-  }
+  std::map<const FSDPModule*, size_t> members_found;
   std::vector<std::pair<std::string, nn::ParameterSlot*>> params;
-  for (const auto& p : module.named_parameters()) {
-    const bool owned_below = std::any_of(descendants.begin(), descendants.end(),
-                                         [&](const auto& d) { return has_prefix(p.name, d.first); });
-    if (!owned_below) params.emplace_back(p.name, p.slot);
+  for (const auto& [path, m] : modules) {
+    std::vector<std::string> owned;  // paths below `m` of modules sharded already
+    for (const auto& [sub, inner] : m->named_modules()) {
+      if (sub.empty()) continue;
+      auto state = fsdp_state(*inner);
+      if (!state) continue;
+      owned.push_back(sub);
+      if (members_found[state.get()]++ > 0) continue;
+      std::vector<std::pair<const nn::Module*, std::string>> member_paths;
+      for (const auto& member : state->members_) member_paths.emplace_back(member.module, member.path);
+      descendants.emplace_back(group_base(*state, inner, join(path, sub), member_paths), std::move(state));
+    }
+    for (const auto& p : m->named_parameters()) {
+      const bool owned_below =
+          std::any_of(owned.begin(), owned.end(), [&](const std::string& sub) { return has_prefix(p.name, sub); });
+      if (!owned_below) params.emplace_back(join(path, p.name), p.slot);
+    }
+  }
+  for (const auto& [path, state] : descendants) {
+    LOOM_REQUIRE(members_found[state.get()] == state->members_.size(), "FSDP group '", path,
+                 "' has modules both inside and outside the modules being sharded; fix: shard the "
+                 "modules that contain all of a group's modules");
   }
 
-  std::shared_ptr<FSDPModule> state(new FSDPModule(module, group_mesh, policy));
+  std::vector<FSDPModule::Member> members;
+  for (const auto& [path, m] : modules) members.push_back({m, path});
+  std::shared_ptr<FSDPModule> state(new FSDPModule(std::move(members), group_mesh, policy));
   if (!params.empty()) {
-    state->group_ = std::make_unique<FSDPParamGroup>(name.empty() ? module.type_name() : name,
-                                                     params, group_mesh, options);
+    state->group_ = std::make_unique<FSDPParamGroup>(label, params, group_mesh, options);
     FSDPModule* raw = state.get();
     state->group_->set_on_grads_ready([raw] { raw->post_backward(); });
     state->group_->set_drain_pending(
@@ -650,16 +754,43 @@ std::shared_ptr<FSDPModule> fully_shard(nn::Module& module, const FSDPMesh& mesh
   {
     auto& reg = registry();
     std::lock_guard<std::mutex> lock(reg.mutex);
-    reg.states[&module] = state;
+    for (const auto& [path, m] : modules) reg.states[m] = state;
   }
-  // The hooks own the state: it lives as long as the module.
-  state->pre_hook_ = module.add_forward_pre_hook(
-      [state](nn::Module&, torch::Tensor input) { return state->pre_forward(std::move(input)); });
-  state->post_hook_ = module.add_forward_post_hook(
-      [state](nn::Module&, torch::Tensor, torch::Tensor output) {
-        return state->post_forward(std::move(output));
-      });
+  // The hooks own the state: it lives as long as its modules. They are state-only (nn::HookKind):
+  // they pass values through, except for the root's mixed-precision casts, which hold for whatever
+  // runs in a module's place (nn::Module::run_between_hooks).
+  for (size_t k = 0; k < state->members_.size(); ++k) {
+    nn::Module& m = *state->members_[k].module;
+    state->members_[k].pre_hook = m.add_forward_pre_hook(
+        [state, k](nn::Module&, torch::Tensor input) { return state->pre_forward(k, std::move(input)); },
+        nn::HookKind::kStateOnly);
+    state->members_[k].post_hook = m.add_forward_post_hook(
+        [state, k](nn::Module&, torch::Tensor, torch::Tensor output) {
+          return state->post_forward(k, std::move(output));
+        },
+        nn::HookKind::kStateOnly);
+  }
   return state;
+}
+
+std::vector<std::pair<size_t, size_t>> plan_buckets(const std::vector<int64_t>& bytes, int64_t target_bytes) {
+  std::vector<std::pair<size_t, size_t>> buckets;
+  int64_t open = 0;  // bytes of the open bucket [buckets.back().first, i)
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    LOOM_REQUIRE(bytes[i] >= 0, "plan_buckets: unit ", i, " has ", bytes[i], " bytes");
+    // Joining leaves the bucket at open + u, |open + u - T| against T - open for closing it: join
+    // when 2 open + u <= 2 T (ties join: fewer collectives).
+    const bool join_open = !buckets.empty() && target_bytes > 0 && open < target_bytes &&
+                           2 * open + bytes[i] <= 2 * target_bytes;
+    if (join_open) {
+      buckets.back().second = i + 1;
+      open += bytes[i];
+    } else {
+      buckets.emplace_back(i, i + 1);
+      open = bytes[i];
+    }
+  }
+  return buckets;
 }
 
 std::shared_ptr<FSDPModule> fsdp_state(const nn::Module& module) {

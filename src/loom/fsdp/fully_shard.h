@@ -20,8 +20,15 @@
 // forward to backward (they are needed first), it casts the output to fp32 under mixed precision,
 // and at the end of backward it issues anything still outstanding.
 //
-// Model code must run forward through the modules' forward() (call_with_hooks); calling pieces
-// of a model directly bypasses the hooks: use unshard()/reshard() explicitly then.
+// Several modules can share one group (FSDP2's fully_shard([m1, m2])): apply_fsdp's buckets of
+// consecutive blocks and the head (final norm + output). The group is gathered when the first of
+// them starts its forward, resharded when the last has finished, and reduce-scattered when the last
+// of their gradients has arrived. Each group's pre-forward (pre-backward) issues the all-gathers of
+// the next policy.prefetch_depth groups in forward (backward) order.
+//
+// Model code must run forward through the modules' forward() (call_with_hooks), or, where it reads
+// a module's parameters directly, between its hooks (nn::Module::run_between_hooks); anything else
+// bypasses the hooks: use unshard()/reshard() explicitly then.
 #pragma once
 #include <torch/torch.h>
 
@@ -30,6 +37,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/distributed/device_mesh.h"
@@ -91,10 +99,15 @@ struct FSDPPolicy {
   // Gradients are summed over all data-parallel ranks and divided by this; default: their number
   // (shard x replicate size), i.e. the mean, as DDP and FSDP2 do.
   std::optional<double> gradient_divide_factor;
-  // Issue the next group's all-gather when a group starts its forward / backward (from the second
+  // Issue the next groups' all-gathers when a group starts its forward / backward (from the second
   // forward on: the order is recorded during the first).
   bool forward_prefetch = true;
   bool backward_prefetch = true;
+  // How many groups ahead those prefetches reach: the all-gathers of the next prefetch_depth groups
+  // (in forward order, and in backward order) are in flight while a group computes. 1 = the next
+  // group only (FSDP2's); more hides a gather that takes longer than one group's compute, at the
+  // cost of up to prefetch_depth + 1 groups held gathered at once. 0 = no prefetch.
+  int prefetch_depth = 1;
   // The rank's device (training.device): the flat buffers, gradients and the optimizer state live
   // there, and the collectives run on it (NCCL on CUDA, see distributed/comm.h).
   c10::Device device = c10::Device(c10::kCPU);
@@ -124,8 +137,12 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   FSDPModule(const FSDPModule&) = delete;
   FSDPModule& operator=(const FSDPModule&) = delete;
 
-  nn::Module& module() const { return *module_; }
-  // Dotted path of the module from the outermost FSDP module ("" for it).
+  // The (first) module sharded; modules(): all of them, for a group of several.
+  nn::Module& module() const { return *members_.front().module; }
+  std::vector<nn::Module*> modules() const;
+  // Dotted path of the module from the outermost FSDP module ("" for it). For a group of several
+  // modules: the path of the module their given paths are relative to (the parameter names carry
+  // the rest).
   const std::string& fqn() const { return fqn_; }
   // No FSDP module above this one.
   bool is_root() const { return root_.expired(); }
@@ -218,17 +235,30 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   int64_t unsharded_bytes_allocated();  // unsharded buffers held right now
 
  private:
-  friend std::shared_ptr<FSDPModule> fully_shard(nn::Module&, const FSDPMesh&, const FSDPPolicy&,
-                                                 const std::string&);
+  friend std::shared_ptr<FSDPModule> fully_shard(const std::vector<std::pair<std::string, nn::Module*>>&,
+                                                 const FSDPMesh&, const FSDPPolicy&, const std::string&);
   struct RootContext;
+  // One module of the group, with its path relative to the group's fqn (the prefix of its
+  // parameters' names in the group; "" for a lone module).
+  struct Member {
+    nn::Module* module = nullptr;
+    std::string path;
+    nn::HookHandle pre_hook;
+    nn::HookHandle post_hook;
+    bool ran = false;  // its forward has run since the group's forward began
+  };
 
-  FSDPModule(nn::Module& module, FSDPMesh mesh, FSDPPolicy policy);
+  FSDPModule(std::vector<Member> members, FSDPMesh mesh, FSDPPolicy policy);
   void attach(std::vector<std::pair<std::string, std::shared_ptr<FSDPModule>>> descendants);
   std::shared_ptr<FSDPModule> root();
   RootContext& context();
 
-  torch::Tensor pre_forward(torch::Tensor input);
-  torch::Tensor post_forward(torch::Tensor output);
+  // The hooks of member `member`; the group's own pre-forward runs with the first member to start
+  // (group_pre_forward), its post-forward with the last to finish (group_post_forward).
+  torch::Tensor pre_forward(size_t member, torch::Tensor input);
+  torch::Tensor post_forward(size_t member, torch::Tensor output);
+  torch::Tensor group_pre_forward(torch::Tensor input);
+  torch::Tensor group_post_forward(torch::Tensor output);
   void pre_backward();
   void post_backward();
   void root_pre_forward();
@@ -239,9 +269,13 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   void drain_reduces(FSDPParamGroup* through, FSDPParamGroup::Progress progress);
   // Issues `target`'s all-gather ahead of need; true when one was issued.
   static bool prefetch(FSDPParamGroup& target);
+  // Issues the all-gathers of the first `depth` groups after this state in [begin, end) (an order
+  // of states: the forward's, or the backward's as reverse iterators); returns how many it issued.
+  template <typename It>
+  int64_t prefetch_after(It begin, It end, int depth) const;
   void poll_reduces();
 
-  nn::Module* module_;
+  std::vector<Member> members_;
   FSDPMesh mesh_;
   FSDPPolicy policy_;
   std::string fqn_;
@@ -254,9 +288,7 @@ class FSDPModule : public std::enable_shared_from_this<FSDPModule> {
   bool reshard_after_forward_ = true;
   bool reshard_after_backward_ = true;
   bool in_backward_ = false;  // pre-backward ran, post-backward not yet
-  bool post_backward_done_ = false;
-  nn::HookHandle pre_hook_;
-  nn::HookHandle post_hook_;
+  bool forward_open_ = false;  // a member's forward began and not every member's has finished
 };
 
 // The FSDP roots of one rank stepped as one: the model's root, or each pipeline stage's (every
@@ -290,6 +322,26 @@ class FSDPRoots {
 std::shared_ptr<FSDPModule> fully_shard(nn::Module& module, const FSDPMesh& mesh,
                                         const FSDPPolicy& policy = {},
                                         const std::string& name = "");
+
+// FSDP2's fully_shard([m1, m2, ...]): one group of the parameters of several modules (none inside
+// another), so one all-gather and one reduce-scatter serve them all. The group is gathered when the
+// first of them starts its forward and (per the policy) resharded when the last has finished; its
+// reduce-scatter is issued once all of their gradients have arrived. Each module comes with its
+// path relative to one common ancestor (usually the model: {"layers.0", &block0}), which prefixes
+// its parameters' names, so the fully qualified names are those the modules would have if sharded
+// one by one and a checkpoint does not see the grouping. `name` defaults to the paths joined by
+// "+". Throws loom::Error as above, and for an empty list, a repeated module or path, or a module
+// inside another of the list.
+std::shared_ptr<FSDPModule> fully_shard(const std::vector<std::pair<std::string, nn::Module*>>& modules,
+                                        const FSDPMesh& mesh, const FSDPPolicy& policy = {},
+                                        const std::string& name = "");
+
+// Buckets of consecutive units (apply_fsdp's blocks) holding `bytes[i]` bytes each, of about
+// `target_bytes` each: a unit joins the open bucket while that leaves the bucket nearer the target
+// than closing it would (the bucket may overshoot by less than it would otherwise fall short), so a
+// unit at or over the target is a bucket of its own. target_bytes <= 0: one bucket per unit.
+// Returns each bucket's [begin, end) unit indices, in order, covering every unit.
+std::vector<std::pair<size_t, size_t>> plan_buckets(const std::vector<int64_t>& bytes, int64_t target_bytes);
 
 // The FSDP handle of `module`, or null when it was not fully_shard-ed.
 std::shared_ptr<FSDPModule> fsdp_state(const nn::Module& module);

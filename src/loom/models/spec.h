@@ -83,6 +83,10 @@ struct ParallelizeOptions {
   // parallelism.fsdp_reshard_after_forward as written: which of its modules a model reshards
   // ("default" keeps the last block gathered) is the model's plan, so the model parses it.
   std::string fsdp_reshard_after_forward = "default";
+  // parallelism.fsdp_bucket_mb: consecutive blocks merged into FSDP groups of about this many MB;
+  // 0 = one group per block, -1 (models::kAutoBucketMb) = automatic.
+  double fsdp_bucket_mb = 0;
+  int64_t fsdp_prefetch_depth = 1;  // parallelism.fsdp_prefetch_depth (FSDPPolicy::prefetch_depth)
   fsdp::MixedPrecisionPolicy fsdp_mixed_precision;  // FSDP's param and reduce dtypes
   // What the optimizer needs FSDP's planner never to cut (FSDPPolicy::parameter_granularity):
   // AdamW8bit's quantization blocks (fsdp::adamw8bit_granularity), Muon's whole matrices

@@ -27,6 +27,7 @@ void HookHandle::remove() {
     } else {
       table->post.erase(id_);
     }
+    table->state_only.erase(id_);
   }
   table_.reset();
 }
@@ -277,20 +278,30 @@ void Module::train(bool on) {
   visit("", [&](const std::string&, Module& m) { m.training_ = on; });
 }
 
-HookHandle Module::add_forward_pre_hook(ForwardPreHook hook) {
+HookHandle Module::add_forward_pre_hook(ForwardPreHook hook, HookKind kind) {
   TORCH_CHECK(hook != nullptr, "add_forward_pre_hook got an empty function");
   const int64_t id = hooks_->next_id++;
   hooks_->pre.emplace(id, std::move(hook));
+  if (kind == HookKind::kStateOnly) hooks_->state_only.insert(id);
   return HookHandle(hooks_, id, /*is_pre=*/true);
 }
 
 void Module::set_forward_override(ForwardOverride around) { hooks_->around = std::move(around); }
 
-HookHandle Module::add_forward_post_hook(ForwardPostHook hook) {
+HookHandle Module::add_forward_post_hook(ForwardPostHook hook, HookKind kind) {
   TORCH_CHECK(hook != nullptr, "add_forward_post_hook got an empty function");
   const int64_t id = hooks_->next_id++;
   hooks_->post.emplace(id, std::move(hook));
+  if (kind == HookKind::kStateOnly) hooks_->state_only.insert(id);
   return HookHandle(hooks_, id, /*is_pre=*/false);
+}
+
+torch::Tensor Module::run_between_hooks(torch::Tensor input, const ForwardFn& use) {
+  LOOM_REQUIRE(!has_transforming_hooks(), type_name_, ": run_between_hooks with a hook that may change the "
+               "forward's values (an around-hook or a kTransform pre/post hook); call the module's forward instead");
+  if (!has_forward_hooks()) return use(input);
+  input = run_pre_hooks(std::move(input));
+  return run_post_hooks(input, use(input));
 }
 
 torch::Tensor Module::run_pre_hooks(torch::Tensor input) {

@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -78,11 +79,19 @@ using ForwardFn = std::function<torch::Tensor(const torch::Tensor&)>;
 using ForwardOverride =
     std::function<torch::Tensor(Module&, const torch::Tensor& input, const ForwardFn& forward)>;
 
+// What a pre- or post-hook does to the values passing through. kTransform: it may change them (a
+// parallel style's collectives, a cast), so code that uses the module's parameters without calling
+// its forward must not skip it. kStateOnly: it returns its input or output unchanged and only
+// manages state around the call (FSDP gathering the parameters before and freeing them after), so
+// such code may run between the hooks instead (Module::run_between_hooks).
+enum class HookKind { kTransform, kStateOnly };
+
 namespace detail {
 struct HookTable {
   int64_t next_id = 0;
   std::map<int64_t, ForwardPreHook> pre;  // ordered by id = registration order
   std::map<int64_t, ForwardPostHook> post;
+  std::set<int64_t> state_only;  // ids of the pre/post hooks of HookKind::kStateOnly
   ForwardOverride around;  // at most one
 };
 }  // namespace detail
@@ -166,8 +175,8 @@ class Module {
   bool is_training() const { return training_; }
 
   // ---- Hooks ----
-  HookHandle add_forward_pre_hook(ForwardPreHook hook);
-  HookHandle add_forward_post_hook(ForwardPostHook hook);
+  HookHandle add_forward_pre_hook(ForwardPreHook hook, HookKind kind = HookKind::kTransform);
+  HookHandle add_forward_post_hook(ForwardPostHook hook, HookKind kind = HookKind::kTransform);
   // Replaces the forward (see ForwardOverride); a second call replaces the first, null removes it.
   void set_forward_override(ForwardOverride around);
   // The installed override (null when none), so a second wrapper can chain to the first.
@@ -175,6 +184,19 @@ class Module {
   bool has_forward_hooks() const {
     return !hooks_->pre.empty() || !hooks_->post.empty() || hooks_->around != nullptr;
   }
+  // Whether a hook may change what the forward computes: an around-hook, or a pre/post hook of
+  // HookKind::kTransform. False when every hook is kStateOnly (or there is none).
+  bool has_transforming_hooks() const {
+    return hooks_->around != nullptr ||
+           hooks_->pre.size() + hooks_->post.size() != hooks_->state_only.size();
+  }
+  // Runs `use` on `input` between the module's pre- and post-hooks, in place of its forward: for
+  // code that reads the module's parameters directly rather than through forward() (a head fused
+  // with its loss reads output.weight), so hooks that manage the parameters see the use (FSDP
+  // gathers them before and registers its backward hook on the result after). Read the
+  // parameters inside `use`: a pre-hook may have replaced them. Throws loom::Error when a hook may
+  // transform values (has_transforming_hooks): then the module must run its own forward.
+  torch::Tensor run_between_hooks(torch::Tensor input, const ForwardFn& use);
 
   // Multi-line tree of modules with parameter shapes, for debugging and `loom info`.
   std::string describe();

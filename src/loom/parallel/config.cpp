@@ -36,6 +36,10 @@ void check_parallelism(const ParallelismConfig& p) {
   options::require(p.data_parallel_replicate_degree >= 1, s, "data_parallel_replicate_degree", ">= 1", &p);
   options::require(p.data_parallel_shard_degree == -1 || p.data_parallel_shard_degree >= 1, s,
                    "data_parallel_shard_degree", "-1 or >= 1", &p);
+  options::require(p.fsdp_bucket_mb == -1 || (p.fsdp_bucket_mb >= 0 && p.fsdp_bucket_mb < 1e9), s, "fsdp_bucket_mb",
+                   "0 (one group per block), -1 (automatic) or a size in MB > 0", &p);
+  options::require(p.fsdp_prefetch_depth >= 0 && p.fsdp_prefetch_depth <= 1024, s, "fsdp_prefetch_depth",
+                   "in [0, 1024] (1 = the next group, 0 = no prefetch)", &p);
   options::require(p.tensor_parallel_degree >= 1, s, "tensor_parallel_degree", ">= 1", &p);
   options::require(p.context_parallel_degree >= 1, s, "context_parallel_degree", ">= 1", &p);
   options::require(p.pipeline_parallel_degree >= 1, s, "pipeline_parallel_degree", ">= 1", &p);
@@ -122,6 +126,21 @@ const options::Section& parallelism_section() {
            "`always` or N re-gather it for every micro-batch (not with schedules that split the "
            "backward into I and W).",
            {"default", "always", "never"}, /*integer_allowed=*/true},
+          {LOOM_OPTION(S, fsdp_bucket_mb),
+           "FSDP buckets (SimpleFSDP's bucketing): consecutive transformer blocks are merged into one "
+           "FSDP group until it holds about this many MB of parameters (a block joins while that leaves "
+           "the bucket nearer the size than stopping would), so one all-gather and one reduce-scatter "
+           "serve several blocks: fewer, larger collectives, and more compute behind each prefetch. "
+           "`0` = one group per block; `-1` = automatic (25 MB, DDP's bucket size: blocks of that size or "
+           "more stay alone, smaller ones are merged). Parameter names, and so checkpoints, do not depend "
+           "on it. The last bucket is kept gathered after forward under `fsdp_reshard_after_forward = "
+           "\"default\"`, like the last block."},
+          {LOOM_OPTION(S, fsdp_prefetch_depth),
+           "How many FSDP groups ahead the all-gathers run: when a group starts its forward (backward), the "
+           "all-gathers of the next `depth` groups in forward (backward) order are issued, so a gather "
+           "that takes longer than one group's compute still arrives in time. `1` = the next group "
+           "(FSDP2's); `0` = none (each group gathers when it is reached). Up to depth + 1 groups are "
+           "held gathered at once."},
           {LOOM_OPTION(S, tensor_parallel_degree),
            "Tensor-parallel ranks (Megatron-LM's scheme, TorchTitan's plan: attention heads, FFN hidden "
            "units and the vocabulary split over `t` neighbouring ranks; see docs/tensor_parallel.md). It "

@@ -42,8 +42,11 @@ void ContextParallelSync::prepare_batch(ModelBatch& batch) const {
 
 std::string FsdpSync::describe() const {
   const auto& mesh = fsdp_.front().mesh();
-  return mesh.replicate_size() > 1 ? c10::str("HSDP ", mesh.replicate_size(), "x", mesh.shard_size())
-                                   : c10::str("FSDP over ", mesh.shard_size(), " ranks");
+  // The groups say how the blocks were bucketed (one all-gather and one reduce-scatter each).
+  const size_t groups = fsdp_.param_groups().size();
+  return mesh.replicate_size() > 1
+             ? c10::str("HSDP ", mesh.replicate_size(), "x", mesh.shard_size(), ", ", groups, " groups")
+             : c10::str("FSDP over ", mesh.shard_size(), " ranks, ", groups, " groups");
 }
 
 std::string ReplicaAverageSync::describe() const {

@@ -296,6 +296,8 @@ void Trainer::parallelize() {
   options.tp = tensor_parallel_options();
   options.cp_rotate_method = config_.parallelism.context_parallel_rotate_method;
   options.fsdp_reshard_after_forward = config_.parallelism.fsdp_reshard_after_forward;
+  options.fsdp_bucket_mb = config_.parallelism.fsdp_bucket_mb;
+  options.fsdp_prefetch_depth = config_.parallelism.fsdp_prefetch_depth;
   // What the optimizer needs FSDP's planner never to cut (its registry entry says).
   const parallel::OptimizerSpec& optimizer = parallel::optimizer_spec(config_.optimizer.name);
   if (optimizer.fsdp_granularity) options.fsdp_parameter_granularity = optimizer.fsdp_granularity(config_.optimizer.request());

@@ -269,9 +269,12 @@ TEST(FullyShard, OneRankTrainsLikeTheUnwrappedModel) {
   policy.granularity = tensor::Granularity::row();
   auto fsdp = models::apply_fsdp(*model, FSDPMesh::single(), policy);
   models::init_sharded_weights(*model, *fsdp, 5);
-  EXPECT_EQ(fsdp->states().size(), 3u);
+  // The root (embedding), the two blocks, and the head (final norm + output) as one group.
+  ASSERT_EQ(fsdp->states().size(), 4u);
   EXPECT_TRUE(fsdp->is_root());
   EXPECT_EQ(fsdp->states()[1]->fqn(), "layers.0");
+  EXPECT_EQ(fsdp->states()[3]->param_group()->name(), "head");
+  EXPECT_EQ(fsdp->states()[3]->modules().size(), 2u);
 
   const auto initial = fsdp->full_state_dict();
   for (const auto& p : reference->named_parameters()) {

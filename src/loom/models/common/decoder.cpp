@@ -148,12 +148,18 @@ torch::Tensor Decoder::forward(const torch::Tensor& tokens) {
 
 torch::Tensor Decoder::loss_from_normed(const torch::Tensor& hidden, const torch::Tensor& labels) {
   if (head_loss_) return head_loss_(hidden, head_weight(), labels);
-  if (output_ && (output_->has_forward_hooks() || output_->has_bias())) {
+  if (output_ && (output_->has_transforming_hooks() || output_->has_bias())) {
     // The head is wrapped (e.g. by a parallel style): keep its forward, take the plain loss.
     const torch::Tensor logits = output_->forward(hidden).to(torch::kFloat32);
     return torch::nn::functional::cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1));
   }
-  return nn::fused_linear_cross_entropy(hidden.flatten(0, 1), head_weight(), labels.flatten(0, 1));
+  if (!output_) return nn::fused_linear_cross_entropy(hidden.flatten(0, 1), head_weight(), labels.flatten(0, 1));
+  // The fused loss reads output.weight itself; running it between the head's state-only hooks lets
+  // an FSDP group holding the head gather the weight first (read it inside, after them) and hook the
+  // backward on the loss.
+  return output_->run_between_hooks(hidden, [&](const torch::Tensor& in) {
+    return nn::fused_linear_cross_entropy(in.flatten(0, 1), output_->weight(), labels.flatten(0, 1));
+  });
 }
 
 torch::Tensor Decoder::forward_loss(const torch::Tensor& tokens, const torch::Tensor& labels,

@@ -169,6 +169,7 @@ class Decoder : public nn::Module {
   using HeadLoss = std::function<torch::Tensor(const torch::Tensor& hidden, const torch::Tensor& head_weight,
                                                const torch::Tensor& labels)>;
   void set_head_loss(HeadLoss loss) { head_loss_ = std::move(loss); }
+  bool has_head_loss() const { return head_loss_ != nullptr; }
 
   const DecoderArgs& decoder_args() const { return *args_; }
   // tok_embeddings / norm / output throw loom::Error when the part was removed (output also when

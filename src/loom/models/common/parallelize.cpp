@@ -1,5 +1,7 @@
 #include "loom/models/common/parallelize.h"
 
+#include <algorithm>
+
 #include "loom/core/autocast.h"
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
@@ -26,6 +28,10 @@ PlanOptions PlanOptions::from(const ParallelizeOptions& options) {
   const auto reshard = FSDPReshardSetting::parse(options.fsdp_reshard_after_forward);
   plan.fsdp.reshard_after_forward = reshard.blocks;
   plan.fsdp_reshard_last_block = reshard.last_block;
+  plan.fsdp_bucket_bytes = resolve_fsdp_bucket_mb(options.fsdp_bucket_mb);
+  LOOM_REQUIRE_USAGE(options.fsdp_prefetch_depth >= 0, "parallelism.fsdp_prefetch_depth must be >= 0, got ",
+                     options.fsdp_prefetch_depth, "; fix: 1 prefetches the next FSDP group, 2 the next two, 0 none");
+  plan.fsdp.prefetch_depth = static_cast<int>(std::min<int64_t>(options.fsdp_prefetch_depth, 1 << 20));
   plan.fsdp.mixed_precision = options.fsdp_mixed_precision;
   plan.fsdp.parameter_granularity = options.fsdp_parameter_granularity;
   plan.fsdp.device = options.device;  // FSDP's buffers on the rank's device (caching allocator on GPUs)
@@ -38,22 +44,63 @@ PlanOptions PlanOptions::from(const ParallelizeOptions& options) {
   return plan;
 }
 
+int64_t resolve_fsdp_bucket_mb(double bucket_mb) {
+  if (bucket_mb == kAutoBucketMb) return kAutoBucketBytes;
+  LOOM_REQUIRE_USAGE(bucket_mb >= 0 && bucket_mb < 1e9, "parallelism.fsdp_bucket_mb must be 0 (one FSDP group per "
+                     "block), -1 (automatic) or a size in MB > 0, got ", bucket_mb);
+  return static_cast<int64_t>(bucket_mb * (1 << 20));
+}
+
+namespace {
+
+// Bytes of the parameters of `module` that no FSDP group below it holds already (an MoE layer's
+// experts, LoRA adapters): what its own group would gather.
+int64_t unsharded_parameter_bytes(nn::Module& module) {
+  std::vector<std::string> sharded;
+  for (const auto& [path, m] : module.named_modules()) {
+    if (!path.empty() && fsdp::fsdp_state(*m)) sharded.push_back(path + ".");
+  }
+  int64_t bytes = 0;
+  for (const auto& p : module.named_parameters()) {
+    const bool below = std::any_of(sharded.begin(), sharded.end(),
+                                   [&](const std::string& prefix) { return p.name.rfind(prefix, 0) == 0; });
+    if (!below) bytes += p.tensor().numel() * static_cast<int64_t>(p.tensor().element_size());
+  }
+  return bytes;
+}
+
+}  // namespace
+
 std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Decoder& model, const fsdp::FSDPMesh& mesh,
-                                             const fsdp::FSDPPolicy& policy, bool reshard_last_block) {
+                                             const fsdp::FSDPPolicy& policy, const FSDPGrouping& grouping) {
+  fsdp::FSDPPolicy kept = policy;  // the groups whose backward comes first, unless told otherwise
+  if (!grouping.reshard_last_block) kept.reshard_after_forward = fsdp::ReshardAfterForward::never();
   const auto layers = model.layers().named_children();
-  for (size_t i = 0; i < layers.size(); ++i) {
-    fsdp::FSDPPolicy block_policy = policy;
-    if (!reshard_last_block && i + 1 == layers.size()) {
-      block_policy.reshard_after_forward = fsdp::ReshardAfterForward::never();
+  std::vector<int64_t> bytes;
+  for (const auto& [id, layer] : layers) bytes.push_back(unsharded_parameter_bytes(*layer));
+  const auto buckets = fsdp::plan_buckets(bytes, grouping.bucket_bytes);
+  for (const auto& [begin, end] : buckets) {
+    const fsdp::FSDPPolicy& bucket_policy = end == layers.size() ? kept : policy;
+    if (end - begin == 1) {
+      fsdp::fully_shard(*layers[begin].second, mesh, bucket_policy, "layers." + layers[begin].first);
+      continue;
     }
-    fsdp::fully_shard(*layers[i].second, mesh, block_policy, "layers." + layers[i].first);
+    std::vector<std::pair<std::string, nn::Module*>> blocks;
+    for (size_t i = begin; i < end; ++i) blocks.emplace_back("layers." + layers[i].first, layers[i].second.get());
+    fsdp::fully_shard(blocks, mesh, bucket_policy,
+                      "layers." + layers[begin].first + ".." + layers[end - 1].first);
+  }
+  // The head's own group needs its weight used between output's hooks: the fused loss does that
+  // unless a HeadLoss (loss parallel) or a parallel style on the output reads or wraps it.
+  if (model.has_head() && model.has_output() && !model.has_head_loss() && !model.output().has_forward_hooks()) {
+    fsdp::fully_shard({{"norm", &model.norm()}, {"output", &model.output()}}, mesh, kept, "head");
   }
   return fsdp::fully_shard(model, mesh, policy, "root");
 }
 
 std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Decoder& model, const distributed::DeviceMesh& mesh,
-                                             const fsdp::FSDPPolicy& policy, bool reshard_last_block) {
-  return apply_fsdp(model, fsdp::make_fsdp_mesh(mesh, policy), policy, reshard_last_block);
+                                             const fsdp::FSDPPolicy& policy, const FSDPGrouping& grouping) {
+  return apply_fsdp(model, fsdp::make_fsdp_mesh(mesh, policy), policy, grouping);
 }
 
 namespace {
@@ -257,7 +304,9 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
           if (dynamic_cast<lora::Adapter*>(module) != nullptr) fsdp::fully_shard(*module, fsdp_mesh, policy, path);
         }
       }
-      auto root = apply_fsdp(*model, fsdp_mesh, policy, options.fsdp_reshard_last_block);
+      auto root = apply_fsdp(*model, fsdp_mesh, policy,
+                             FSDPGrouping{.reshard_last_block = options.fsdp_reshard_last_block,
+                                          .bucket_bytes = options.fsdp_bucket_bytes});
       init_sharded_weights(*model, *root, options.seed, options.device);
       roots.push_back(std::move(root));
     }

@@ -49,6 +49,7 @@ struct PlanOptions {
   ac::ACOptions ac;                       // activation checkpointing of the blocks (apply_ac)
   fsdp::FSDPPolicy fsdp;                  // when FSDP is on (dp_shard or cp > 1; HSDP with dp_replicate)
   bool fsdp_reshard_last_block = false;   // see FSDPReshardSetting
+  int64_t fsdp_bucket_bytes = 0;          // FSDPGrouping::bucket_bytes (parallelism.fsdp_bucket_mb)
   // Autocast around the forward (mixed precision without FSDP); nullopt = full precision.
   std::optional<c10::ScalarType> autocast_dtype;
   uint64_t seed = 0;                      // initialization (the single-process values, any layout)
@@ -69,16 +70,42 @@ void apply_cp(Decoder& model, tensor::CommPtr comm, cp::RotateMethod method);
 // the block sit outside it and run once per forward. Returns the number of blocks wrapped.
 int64_t apply_ac(Decoder& model, const ac::ACOptions& options);
 
-// fully_shard on every block ("layers.<id>"), then on the model (the root: token embedding, final
-// norm, output). The policy's reshard_after_forward applies to every block; with
-// reshard_last_block = false the last block keeps its parameters (TorchTitan's default). Returns
-// the root FSDP handle: finalize_backward, zero_grad, unshard/reshard, full_state_dict, and the
-// parameter groups for fsdp::ShardedAdamW.
+// How apply_fsdp groups a decoder's parameters beyond the policy.
+struct FSDPGrouping {
+  // Whether the last block group and the head follow the policy's reshard_after_forward; false keeps
+  // them gathered after forward, as their backward comes first (TorchTitan's default).
+  bool reshard_last_block = true;
+  // Consecutive blocks merged into groups ("buckets") of about this many bytes of parameters
+  // (fsdp::plan_buckets over the blocks' own parameters, in their dtype): one all-gather and one
+  // reduce-scatter per bucket. 0 = one group per block.
+  int64_t bucket_bytes = 0;
+};
+
+// parallelism.fsdp_bucket_mb in bytes: 0 stays 0 (off), kAutoBucketMb picks kAutoBucketBytes.
+inline constexpr double kAutoBucketMb = -1;
+// The automatic bucket: 25 MB, DDP's bucket_cap_mb, for the same reason -- large enough that a
+// collective's fixed cost is small next to its transfer, small enough that a gathered bucket's
+// memory and the exposed first gather stay small. Blocks of that size or more stay alone (the
+// 124M model's 28 MB blocks); smaller ones are merged.
+inline constexpr int64_t kAutoBucketBytes = 25LL << 20;
+int64_t resolve_fsdp_bucket_mb(double bucket_mb);
+
+// fully_shard on every block ("layers.<id>"), or on buckets of consecutive blocks (grouping's
+// bucket_bytes); on the head, the final norm and output projection together (fully_shard([norm,
+// output]) as TorchTitan, "head"), when the model has an untied output that the loss reaches through
+// its hooks (no parallel style on it and no installed HeadLoss); then on the model (the root: the
+// token embedding and whatever else is left). The head as its own group lets its reduce-scatter,
+// the first gradients of the backward, overlap the blocks' backward instead of waiting for the
+// embedding's, the last; the root's is then the only one nothing can hide. The policy's
+// reshard_after_forward applies to every group; with reshard_last_block = false the last block
+// group and the head keep their parameters. Parameter names are those of the model whatever the
+// grouping. Returns the root FSDP handle: finalize_backward, zero_grad, unshard/reshard,
+// full_state_dict, and the parameter groups for fsdp::ShardedAdamW.
 std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Decoder& model, const distributed::DeviceMesh& mesh,
-                                             const fsdp::FSDPPolicy& policy, bool reshard_last_block = true);
+                                             const fsdp::FSDPPolicy& policy, const FSDPGrouping& grouping = {});
 // Same with the FSDP groups already built (tests, or a caller that made the FSDPMesh itself).
 std::shared_ptr<fsdp::FSDPModule> apply_fsdp(Decoder& model, const fsdp::FSDPMesh& mesh,
-                                             const fsdp::FSDPPolicy& policy, bool reshard_last_block = true);
+                                             const fsdp::FSDPPolicy& policy, const FSDPGrouping& grouping = {});
 
 // Initializes the sharded parameters exactly as init_weights(seed) would the whole model (each
 // parameter drawn in full on the CPU on its own, this rank keeping its piece, so every device gets

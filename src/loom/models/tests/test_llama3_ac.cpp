@@ -35,7 +35,7 @@ Outcome train_step(const ac::ACOptions& options, int64_t expect_wrapped) {
   auto model = std::make_shared<llama3::Transformer>(ac_test_args(), torch::TensorOptions().device(torch::kMeta));
   EXPECT_EQ(models::apply_ac(*model, options), expect_wrapped);
   fsdp::FSDPPolicy policy;  // reshard after forward: backward all-gathers every block again
-  auto fsdp = models::apply_fsdp(*model, fsdp::FSDPMesh::single(), policy, /*reshard_last_block=*/true);
+  auto fsdp = models::apply_fsdp(*model, fsdp::FSDPMesh::single(), policy, {.reshard_last_block = true});
   models::init_sharded_weights(*model, *fsdp, 5);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
   const torch::Tensor tokens = torch::randint(0, 128, {2, 24}, gen);

@@ -259,6 +259,13 @@ INSTANTIATE_TEST_SUITE_P(
                                               " --parallelism.enable_async_tensor_parallel=true"
                                               " --parallelism.disable_sequence_parallel=true",
                  2, "parallelism.enable_async_tensor_parallel needs sequence parallelism"},
+        BadInput{"fsdp_bucket_mb", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
+                                       " --parallelism.fsdp_bucket_mb=-3",
+                 2, "config key 'parallelism.fsdp_bucket_mb' must be 0 (one group per block), -1 (automatic) or a "
+                    "size in MB > 0, got -3"},
+        BadInput{"fsdp_prefetch_depth", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
+                                            " --parallelism.fsdp_prefetch_depth=-1",
+                 2, "config key 'parallelism.fsdp_prefetch_depth' must be in [0, 1024]"},
         BadInput{"activation_checkpoint_mode", "train --config " + source_path("configs/llama3_debug.toml") + " --validation.enable=false" +
                                                    " --activation_checkpoint.mode=ful",
                  2, "config key 'activation_checkpoint.mode' must be \"none\", \"full\" or \"selective\", "
