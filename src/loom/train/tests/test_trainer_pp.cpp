@@ -139,17 +139,15 @@ TEST(TrainerPP, TensorParallelStagesTrainLikeTheSingleProcess) {
 // per step by default (re-gathered per micro-batch under reshard_after_forward = always), whose
 // gradients accumulate unsharded over the micro-batches and the accumulated batches and are
 // reduce-scattered once, at the stage's REDUCE_GRAD of the step's last batch. FSDP 2 x PP 2 with GPipe
-// and with 1F1B accumulating two loaded batches, and FSDP 2 x TP 2 x PP 2 on 8 ranks (mesh pp x
-// dp_shard x tp), within the 1e-4 the issue asks of the 3-D layout (FSDP's reduce-scatter and the
+// and with 1F1B accumulating two loaded batches (FSDP 2 x TP 2 x PP 2 on 8 ranks is in the next
+// test, with Interleaved1F1B), within the 1e-4 the issue asks of the 3-D layout (FSDP's reduce-scatter and the
 // pipeline's micro-batch sums reorder the additions; the measured figures are printed).
 TEST(TrainerPP, FsdpStagesTrainLikeTheSingleProcess) {
   const std::string shard2 = " --parallelism.data_parallel_shard_degree=2";
-  const std::string tp2 = " --parallelism.tensor_parallel_degree=2";
   expect_pp_layouts_match_single_process(
       "", {
               {"fsdp2_x_pp2_GPipe_m4", 4, 4, pp(2, "GPipe", 1) + shard2},
               {"fsdp2_x_pp2_1F1B_m2_x_2_accumulated", 4, 2, pp(2, "1F1B", 1) + shard2 + " --training.global_batch_size=8"},
-              {"fsdp2_x_tp2_x_pp2_1F1B_m4", 8, 4, pp(2, "1F1B", 1) + shard2 + tp2},
               {"fsdp2_x_pp2_1F1B_m4_reshard_always", 4, 4,
                pp(2, "1F1B", 1) + shard2 + " --parallelism.fsdp_reshard_after_forward=always"},
           },
