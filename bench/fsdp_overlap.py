@@ -1,16 +1,21 @@
-"""Exposed communication of Loom FSDP, and its throughput against PyTorch FSDP2 (issue 28).
+"""Exposed communication of Loom FSDP, buckets off and on, against PyTorch FSDP2 (issue 28).
 
 For 2 and 4 ranks (one thread each, Gloo, fp32) trains the ~124M Llama 3 of
-bench/llama3_124m_fsdp.toml with Loom FSDP and with PyTorch FSDP2 (bench/fsdp2_llama.py: fully_shard
-per block + root, torchrun), alternating, as bench/fsdp_vs_fsdp2.py does, and prints per rank count:
-tokens/s of both and the ratio (target >= 1.3x), and Loom's exposed communication per step, the
-seconds the training thread waited for collectives (`comm_exposed_s` of metrics.jsonl: every wait
-on a collective timed where it blocks), with its share of the step (target <= 10 %). Loom's FSDP
-prefetches the next block's all-gather during the current block's compute and reduce-scatters
-asynchronously; buckets (several blocks per collective) are not built yet, so the table has no
-"buckets on" column.
+bench/llama3_124m_fsdp.toml three ways in the same run, as bench/fsdp_vs_fsdp2.py does:
+  - Loom, buckets off: one FSDP group per block (`parallelism.fsdp_bucket_mb = 0`), the next
+    group's all-gather prefetched (`fsdp_prefetch_depth = 1`);
+  - Loom, buckets on: consecutive blocks merged into buckets (`fsdp_bucket_mb`, default -1 = the
+    automatic 25 MB) and the next `--depth` groups' all-gathers issued ahead (default 2);
+  - PyTorch FSDP2 (bench/fsdp2_llama.py: fully_shard per block + root, torchrun).
+Both Loom runs also have the head (final norm + output) as its own FSDP group, so its
+reduce-scatter overlaps the rest of the backward. For each it prints tokens/s per rank and the
+ratio to FSDP2 (target >= 1.3x with buckets on), and the exposed communication per step: the
+seconds the training thread waited for collectives (`comm_exposed_s` of metrics.jsonl, every wait
+on a collective timed where it blocks) and its share of the step (target <= 10 % with buckets on).
+Medians over the timed steps.
 
-Usage: .venv/bin/python bench/fsdp_overlap.py [--ranks 2,4] [--steps 4] [--warmup 2] [--loom build/bin/loom]
+Usage: .venv/bin/python bench/fsdp_overlap.py [--ranks 2,4] [--steps 4] [--warmup 2]
+           [--bucket-mb -1] [--depth 2] [--loom build/bin/loom]
 """
 import argparse
 import os
@@ -21,6 +26,23 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fsdp_vs_fsdp2 as peer  # noqa: E402
 
+TARGET_RATIO = 1.3      # Loom tokens/s over FSDP2's, buckets on
+TARGET_EXPOSED = 10.0   # exposed communication, % of the step, buckets on
+
+
+def loom_variants(bucket_mb, depth):
+    """(label, overrides) of the Loom runs, in the order they run."""
+    return [("buckets off", ["--parallelism.fsdp_bucket_mb=0", "--parallelism.fsdp_prefetch_depth=1"]),
+            (f"buckets on ({'auto' if bucket_mb == -1 else f'{bucket_mb:g} MB'}, depth {depth})",
+             [f"--parallelism.fsdp_bucket_mb={bucket_mb:g}", f"--parallelism.fsdp_prefetch_depth={depth}"])]
+
+
+def summarize(result, tokens):
+    return {"tps": tokens / statistics.median(result["step_times"]),
+            "step_s": statistics.median(result["step_times"]),
+            "exposed_s": statistics.median(result["exposed_s"]),
+            "exposed_pct": statistics.median(result["exposed_pct"])}
+
 
 def main():
     p = argparse.ArgumentParser()
@@ -28,27 +50,41 @@ def main():
     p.add_argument("--steps", type=int, default=4, help="timed steps after warm-up")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--bucket-mb", type=float, default=-1, help="fsdp_bucket_mb of the buckets-on run (-1: automatic)")
+    p.add_argument("--depth", type=int, default=2, help="fsdp_prefetch_depth of the buckets-on run")
     p.add_argument("--loom", default=os.path.join(peer.ROOT, "build/bin/loom"))
     args = p.parse_args()
-    rows = []
+    if args.depth < 1:
+        p.error("--depth must be >= 1 (the number of groups whose all-gathers are issued ahead)")
+    if args.bucket_mb != -1 and args.bucket_mb <= 0:
+        p.error("--bucket-mb must be -1 (automatic) or a size in MB > 0")
+    variants = loom_variants(args.bucket_mb, args.depth)
+    rows = []  # (ranks, label, summary, fsdp2 tokens/s)
     for nproc in [int(n) for n in args.ranks.split(",")]:
         run_args = argparse.Namespace(steps=args.steps, warmup=args.warmup, nproc=nproc, threads=args.threads,
                                       loom=os.path.abspath(args.loom))
-        with tempfile.TemporaryDirectory() as dump:
-            loom = peer.run_loom(run_args, dump)
-        fsdp2 = peer.run_fsdp2(run_args)
         tokens = nproc * peer.MODEL["batch"] * peer.MODEL["seq_len"]
-        loom_tps = tokens / statistics.median(loom["step_times"])
+        loom = []
+        for label, overrides in variants:
+            with tempfile.TemporaryDirectory() as dump:
+                loom.append((label, summarize(peer.run_loom(run_args, dump, overrides), tokens)))
+        fsdp2 = peer.run_fsdp2(run_args)
         fsdp2_tps = tokens / statistics.median(fsdp2["step_times"])
-        rows.append((nproc, loom_tps, fsdp2_tps, statistics.median(loom["exposed_s"]),
-                     statistics.median(loom["exposed_pct"]), statistics.median(loom["step_times"])))
+        rows += [(nproc, label, s, fsdp2_tps) for label, s in loom]
+
     print(f"config: bench/llama3_124m_fsdp.toml, {args.threads} thread(s) per rank, {args.warmup} warm-up + "
-          f"{args.steps} timed steps (medians)")
-    print(f"{'ranks':>5} | {'Loom tok/s':>10} {'FSDP2 tok/s':>11} {'ratio':>6} | {'step s':>7} {'exposed s':>9} "
-          f"{'exposed %':>9} | buckets")
-    for nproc, lt, ft, es, ep, st in rows:
-        print(f"{nproc:>5} | {lt:>10.1f} {ft:>11.1f} {lt / ft:>5.2f}x | {st:>7.3f} {es:>9.3f} {ep:>8.1f}% | "
-              f"not built")
+          f"{args.steps} timed steps (medians); tokens/s per rank")
+    print(f"{'ranks':>5} | {'Loom':<28} | {'tok/s':>8} {'FSDP2 tok/s':>11} {'ratio':>6} | {'step s':>7} "
+          f"{'exposed s':>9} {'exposed %':>9}")
+    met = True
+    for nproc, label, s, fsdp2_tps in rows:
+        ratio = s["tps"] / fsdp2_tps
+        print(f"{nproc:>5} | {label:<28} | {s['tps']:>8.1f} {fsdp2_tps:>11.1f} {ratio:>5.2f}x | {s['step_s']:>7.3f} "
+              f"{s['exposed_s']:>9.3f} {s['exposed_pct']:>8.1f}%")
+        if label != variants[0][0]:
+            met = met and ratio >= TARGET_RATIO and s["exposed_pct"] <= TARGET_EXPOSED
+    print(f"targets with buckets on: tokens/s >= {TARGET_RATIO}x FSDP2 and exposed <= {TARGET_EXPOSED:g} % of the "
+          f"step: {'met' if met else 'NOT met'} at every rank count")
 
 
 if __name__ == "__main__":

@@ -119,12 +119,13 @@ def thread_env(threads):
     return dict(os.environ, OMP_NUM_THREADS=str(threads), LOOM_NUM_THREADS=str(threads))
 
 
-def run_loom(args, dump):
+def run_loom(args, dump, extra=()):
+    """One Loom run of CONFIG; `extra`: more `--key=value` overrides (e.g. FSDP bucket settings)."""
     total = args.warmup + args.steps
     cmd = [args.loom, "launch", "--nproc", str(args.nproc), "--", "train", "--config", CONFIG,
            f"--job.dump_folder={dump}", f"--training.steps={total}", "--metrics.log_freq=1",
            # Skip the trainer's own GEMM-peak measurement; MFU is not used here.
-           "--metrics.peak_flops=1e11"]
+           "--metrics.peak_flops=1e11", *extra]
     peak_kib = run_sampled(cmd, thread_env(args.threads), subprocess.DEVNULL)
     rows = [json.loads(l) for l in open(os.path.join(dump, "metrics.jsonl"))]
     assert len(rows) == total, f"expected {total} metric rows from Loom, got {len(rows)}"
