@@ -108,6 +108,46 @@ void BM_RMSNorm_ATen(benchmark::State& state) {
   });
 }
 
+// ---- Residual add + RMSNorm: forward reads the fp32 residual and the bf16 delta, writes the fp32
+// sum and the bf16 y; backward reads dy (bf16), d sum (fp32) and the sum, writes d residual (fp32)
+// and d delta (bf16). The ATen side is the add, then at::rms_norm, and autograd through both.
+
+struct AddRMSNormInputs {
+  torch::Tensor residual = randn_cuda({kTokens, kHidden}, torch::kFloat32);
+  torch::Tensor delta = randn_cuda({kTokens, kHidden}, torch::kBFloat16);
+  torch::Tensor weight = 1.0 + 0.1 * randn_cuda({kHidden}, torch::kFloat32);
+  torch::Tensor grad_y = randn_cuda({kTokens, kHidden}, torch::kBFloat16);
+  torch::Tensor grad_sum = randn_cuda({kTokens, kHidden}, torch::kFloat32);
+  int64_t bytes() const { return residual.numel() * ((4 + 2 + 4 + 2) + (2 + 4 + 4 + 4 + 2)); }
+};
+
+void BM_AddRMSNorm_Kernel(benchmark::State& state) {
+  AddRMSNormInputs in;
+  time_passes(state, in.bytes(), [&] {
+    const auto [sum, y, rstd] = loom::nn::cuda::add_rms_norm_forward(in.residual, in.delta, in.weight,
+                                                                     kEps, torch::kBFloat16);
+    const auto [dr, dd, dw] = loom::nn::cuda::add_rms_norm_backward(
+        in.grad_y, in.grad_sum, sum, in.weight, rstd, torch::kBFloat16);
+    benchmark::DoNotOptimize(y.data_ptr());
+    benchmark::DoNotOptimize(dd.data_ptr());
+    benchmark::DoNotOptimize(dw.data_ptr());
+  });
+}
+
+void BM_AddRMSNorm_ATen(benchmark::State& state) {
+  AddRMSNormInputs in;
+  const torch::Tensor residual = in.residual.clone().requires_grad_(true);
+  const torch::Tensor delta = in.delta.clone().requires_grad_(true);
+  const torch::Tensor weight = in.weight.clone().requires_grad_(true);
+  time_passes(state, in.bytes(), [&] {
+    const torch::Tensor sum = residual + delta;
+    const torch::Tensor y = at::rms_norm(sum, {kHidden}, weight, kEps).to(torch::kBFloat16);
+    const auto grads =
+        torch::autograd::grad({y, sum}, {residual, delta, weight}, {in.grad_y, in.grad_sum});
+    benchmark::DoNotOptimize(grads[1].data_ptr());
+  });
+}
+
 // ---- RoPE: forward reads q and writes the rotated q; backward (the inverse rotation) reads dq'
 // and writes dq. The [2, 2048, 64] fp32 cache stays in L2: left out.
 
@@ -187,6 +227,8 @@ BENCHMARK(BM_SwiGLU_Kernel)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_SwiGLU_ATen)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_RMSNorm_Kernel)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_RMSNorm_ATen)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_AddRMSNorm_Kernel)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_AddRMSNorm_ATen)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_RoPE_Kernel)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_RoPE_ATen)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AdamW_Kernel)->UseManualTime()->Unit(benchmark::kMicrosecond);

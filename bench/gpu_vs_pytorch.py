@@ -18,7 +18,8 @@ device memory (torch.cuda.max_memory_allocated; Loom's mem_peak_gib, which reads
 allocator statistic). Then the ratios Loom / eager and Loom / compile.
 
 Levers (issue 24): Loom's CUDA kernels are switched by `training.cuda_kernels` (swiglu, rms_norm,
-rope, cross_entropy, adamw; `none` = the ATen code), the sync-free step by
+rope, cross_entropy, adamw, add_rms_norm: the residual add fused into the norm after it; `none` =
+the ATen code), the sync-free step by
 `training.step_readback` (`every_step` switches it off). `--ablation` adds, in the same invocation,
 Loom with no kernel, all of them, all minus each kernel and all without the sync-free step
 (`--ablation-alone`: each kernel alone too), and prints one table of tokens/s, MFU, peak memory and
@@ -218,7 +219,7 @@ def main():
         print(f"loom / {peer['impl']}: tokens/s {loom['tps'] / peer['tps']:.3f}x, "
               f"peak memory {mem:.3f}x", flush=True)
     if args.ablation:
-        kernels = ["swiglu", "rms_norm", "rope", "cross_entropy", "adamw"]
+        kernels = ["swiglu", "rms_norm", "rope", "cross_entropy", "adamw", "add_rms_norm"]
         # (label, training.cuda_kernels, further flags): the kernels, then the other levers, each
         # switched off from "all".
         configs = [("none", "none", ())] + ([(k, k, ()) for k in kernels] if args.ablation_alone else []) + \

@@ -11,6 +11,8 @@
 #   GPU_CHECK_SECONDS=540   the budget for everything (default 1500: a whole 30-minute lease less
 #                           the machine's start); steps that no longer fit are skipped, and said so
 #   GPU_CHECK_SUITE=0       skip the whole suite even if time is left
+#   GPU_CHECK_MICRO=0       skip the kernel micro-benchmarks; GPU_CHECK_MICRO_FILTER=REGEX runs only
+#                           those whose name matches (Google Benchmark's --benchmark_filter)
 #   GPU_CHECK_SUITE_CORES=4 the suite runs beside the benchmarks (default): its build and its CPU
 #                           tests on all cores but the first N (taskset), the benchmarks on those
 #                           N, the CUDA-labelled tests after the benchmarks (they use the GPU); 0
@@ -95,7 +97,7 @@ grep -E "^\[  (PASSED|FAILED) |tests ran|FAILED" "$out/kernels.log" | tee -a "$o
 run_step "nn tests on this build" 30 "$out/kernels.log" "$B/bin/loom_nn_tests" --gtest_brief=1
 if [ "${GPU_CHECK_MICRO:-1}" != 0 ]; then
   run_step "kernel micro-benchmarks" 40 "$out/kernels.log" "${pin_bench[@]}" "$B/bin/loom_bench_cuda_kernels" \
-    --benchmark_min_time=0.2
+    --benchmark_min_time=0.2 --benchmark_filter="${GPU_CHECK_MICRO_FILTER:-.}"
 fi
 grep -E "^BM_" "$out/kernels.log" | tee -a "$out/summary.txt" >/dev/null
 

@@ -582,6 +582,29 @@ struct CudaRMSNormFunction : public torch::autograd::Function<CudaRMSNormFunctio
   }
 };
 
+// Outputs (sum, y); saves the sum (an output), the weight and rstd.
+struct CudaAddRMSNormFunction : public torch::autograd::Function<CudaAddRMSNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& residual,
+                               const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                               c10::ScalarType out_dtype) {
+    auto [sum, y, rstd] = cuda::add_rms_norm_forward(residual, delta, weight, eps, out_dtype);
+    ctx->save_for_backward({sum, weight, rstd});
+    ctx->saved_data["delta_dtype"] = static_cast<int64_t>(delta.scalar_type());
+    return {sum, y};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const auto delta_dtype =
+        static_cast<c10::ScalarType>(ctx->saved_data["delta_dtype"].toInt());
+    // An unused y has no gradient: the norm's part is then zero.
+    const torch::Tensor grad_y =
+        grad_outputs[1].defined() ? grad_outputs[1] : torch::zeros_like(saved[0]);
+    auto [grad_residual, grad_delta, grad_weight] = cuda::add_rms_norm_backward(
+        grad_y, grad_outputs[0], saved[0], saved[1], saved[2], delta_dtype);
+    return {grad_residual, grad_delta, grad_weight, torch::Tensor(), torch::Tensor()};
+  }
+};
+
 struct CudaRotaryFunction : public torch::autograd::Function<CudaRotaryFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& cache) {
@@ -728,7 +751,8 @@ CudaKernelSet parse_cuda_kernels(const std::string& spec) {
       {"rms_norm", CudaKernel::kRmsNorm},
       {"rope", CudaKernel::kRope},
       {"cross_entropy", CudaKernel::kCrossEntropy},
-      {"adamw", CudaKernel::kAdamW}};
+      {"adamw", CudaKernel::kAdamW},
+      {"add_rms_norm", CudaKernel::kAddRmsNorm}};
   if (spec == "all") return CudaKernelSet::all();
   CudaKernelSet set;
   if (spec == "none") return set;
@@ -745,7 +769,7 @@ CudaKernelSet parse_cuda_kernels(const std::string& spec) {
     }
     LOOM_REQUIRE_USAGE(known, "training.cuda_kernels: unknown kernel '", name, "' in '", spec,
                        "'; use all, none, or a comma-separated list of swiglu, rms_norm, rope, "
-                       "cross_entropy, adamw");
+                       "cross_entropy, adamw, add_rms_norm");
     begin = end + 1;
   }
   return set;
@@ -784,6 +808,35 @@ torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight
   }
 #endif
   return RMSNormFunction::apply(x, weight, eps);
+}
+
+std::pair<torch::Tensor, torch::Tensor> fused_add_rms_norm(const torch::Tensor& residual,
+                                                           const torch::Tensor& delta,
+                                                           const torch::Tensor& weight, double eps,
+                                                           std::optional<FusedImpl> impl) {
+  const bool cuda_ok =
+      cuda_kernel_ok(CudaKernel::kAddRmsNorm, {&residual, &delta, &weight}) &&
+      residual.dim() > 0 && residual.sizes() == delta.sizes() && weight.dim() == 1 &&
+      weight.size(0) == residual.size(-1) &&
+      c10::promoteTypes(residual.scalar_type(), delta.scalar_type()) == residual.scalar_type();
+  const FusedImpl chosen = impl.value_or(fused_impl_for(residual.device(), residual.scalar_type()));
+  if (chosen == FusedImpl::kCuda && cuda_ok) {
+#ifdef LOOM_WITH_CUDA_KERNELS
+    const bool autocast = at::autocast::is_autocast_enabled(c10::DeviceType::CUDA);
+    const c10::ScalarType out_dtype =
+        autocast ? at::autocast::get_autocast_dtype(c10::DeviceType::CUDA) : residual.scalar_type();
+    variable_list out = CudaAddRMSNormFunction::apply(residual, delta, weight, eps, out_dtype);
+    return {out[0], out[1]};
+#endif
+  }
+  LOOM_REQUIRE(!impl.has_value() || *impl != FusedImpl::kCuda || cuda_ok,
+               "fused_add_rms_norm: the CUDA kernel cannot take these inputs (it needs a CUDA "
+               "build, fp32/bf16/fp16 CUDA tensors of one shape with the residual the wider "
+               "dtype, and add_rms_norm enabled in training.cuda_kernels); use FusedImpl::kGeneric");
+  torch::Tensor sum = residual + delta;
+  torch::Tensor normed = fused_rms_norm(sum, weight, eps,
+                                        impl == FusedImpl::kCuda ? std::nullopt : impl);
+  return {sum, normed};
 }
 
 torch::Tensor fused_rotary_embedding(const torch::Tensor& x, const torch::Tensor& cache,

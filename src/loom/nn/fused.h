@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 namespace loom::nn {
 
@@ -41,14 +42,17 @@ enum class CudaKernel : unsigned {
   kCrossEntropy = 1u << 3,
   // Not an nn kernel: optim's AdamW update (optim/cuda/adamw_kernel.h), switched by the same key.
   kAdamW = 1u << 4,
+  // The residual add fused into the following RMSNorm (fused_add_rms_norm).
+  kAddRmsNorm = 1u << 5,
 };
 struct CudaKernelSet {
   unsigned bits = 0;
   bool has(CudaKernel k) const { return (bits & static_cast<unsigned>(k)) != 0; }
-  static CudaKernelSet all() { return {0x1Fu}; }
+  static CudaKernelSet all() { return {0x3Fu}; }
   bool operator==(const CudaKernelSet&) const = default;
 };
-// "all", "none", or a comma-separated list of swiglu, rms_norm, rope, cross_entropy, adamw. Throws
+// "all", "none", or a comma-separated list of swiglu, rms_norm, rope, cross_entropy, adamw,
+// add_rms_norm. Throws
 // loom::UsageError naming the unknown entry and the accepted ones.
 CudaKernelSet parse_cuda_kernels(const std::string& spec);
 void set_cuda_kernels(CudaKernelSet kernels);
@@ -80,6 +84,17 @@ c10::ScalarType linear_compute_dtype(const torch::Tensor& hidden, const torch::T
 // norm is a linear that would cast it there anyway), saving a pass.
 torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                              std::optional<FusedImpl> impl = std::nullopt);
+
+// The residual add in front of a norm and the norm, as one op: returns (sum, fused_rms_norm(sum))
+// with sum = residual + delta. kCuda (kernel add_rms_norm, when the residual's dtype is the wider
+// one, as the fp32 residual stream + a bf16 block output under autocast): one kernel each way,
+// the sum written and normalised in one pass, and the backward adds the sum's own gradient and
+// writes the delta's in its dtype in the same pass. Every other case: residual + delta, then
+// fused_rms_norm, exactly the unfused composition.
+std::pair<torch::Tensor, torch::Tensor> fused_add_rms_norm(const torch::Tensor& residual,
+                                                           const torch::Tensor& delta,
+                                                           const torch::Tensor& weight, double eps,
+                                                           std::optional<FusedImpl> impl = std::nullopt);
 
 // Rotate-half RoPE (loom/nn/rope.h convention). x: [B, T, H, D]; cache: [2, >=T, D] fp32
 // (cos, sign-folded sin). Saves nothing but the cache: the backward is the inverse rotation.

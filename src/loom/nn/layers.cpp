@@ -48,6 +48,16 @@ torch::Tensor RMSNorm::forward(const torch::Tensor& x) {
   });
 }
 
+std::pair<torch::Tensor, torch::Tensor> RMSNorm::add_and_forward(const torch::Tensor& residual,
+                                                                 const torch::Tensor& delta) {
+  if (has_forward_hooks()) {
+    torch::Tensor sum = residual + delta;
+    torch::Tensor normed = forward(sum);
+    return {sum, normed};
+  }
+  return fused_add_rms_norm(residual, delta, weight_->tensor, eps_);
+}
+
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
   // One pass forward and one backward (loom/nn/fused.h); saves gate and up only.
   return fused_swiglu(gate, up);

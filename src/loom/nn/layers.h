@@ -54,6 +54,11 @@ class RMSNorm : public Module {
  public:
   RMSNorm(int64_t dim, double eps, const torch::TensorOptions& options);
   torch::Tensor forward(const torch::Tensor& x);
+  // (residual + delta, the norm of that sum): a pre-norm block's residual add and the norm after
+  // it as one fused op (nn::fused_add_rms_norm). A norm with forward hooks (a parallelism may
+  // wrap it) runs the add, then forward(), so the hooks see what they always saw.
+  std::pair<torch::Tensor, torch::Tensor> add_and_forward(const torch::Tensor& residual,
+                                                          const torch::Tensor& delta);
   const torch::Tensor& weight() const { return weight_->tensor; }
   double eps() const { return eps_; }
 

@@ -134,7 +134,8 @@ const options::Section& training_section() {
            "Loom's own CUDA kernels used on a CUDA device: `all`, `none`, or a comma-separated list of "
            "`swiglu`, `rms_norm`, `rope`, `cross_entropy` (the fused classifier: softmax, loss and "
            "logit gradient in one pass per chunk), `adamw` (the fused AdamW update of float32 "
-           "parameters, in place of `at::_fused_adamw_`). A kernel left out runs its ATen composition "
+           "parameters, in place of `at::_fused_adamw_`), `add_rms_norm` (a block's residual add fused "
+           "into the norm after it, forward and backward). A kernel left out runs its ATen composition "
            "instead; bench/gpu_vs_pytorch.py --ablation measures each. No effect on the CPU."},
           {LOOM_OPTION(S, step_readback),
            "When the host reads a step's loss and gradient norm. `every_step`: after the backward, "

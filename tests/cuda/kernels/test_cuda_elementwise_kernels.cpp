@@ -11,7 +11,10 @@
 #include <string>
 
 #ifdef LOOM_WITH_CUDA_KERNELS
+#include <ATen/autocast_mode.h>
+
 #include "loom/nn/cuda/kernels.h"
+#include "loom/nn/fused.h"
 #include "loom/nn/rope.h"
 #endif
 
@@ -144,6 +147,47 @@ void check_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, c10::Sc
     const double scale = w32.grad().abs().max().item<double>();
     expect_close(dw, w32.grad(), Tol{1e-4, 1e-5 * scale}, what + " d weight elementwise");
   }
+}
+
+// ---- Residual add + RMSNorm ----
+
+// sum = residual + delta, y = rms_norm(sum); the reference takes both outputs' gradients
+// (grad_sum from the sum's other uses) through autograd in fp32.
+void check_add_rms_norm(const torch::Tensor& residual, const torch::Tensor& delta,
+                        const torch::Tensor& weight, c10::ScalarType out_dtype, bool with_grad_sum,
+                        const std::string& what) {
+  constexpr double kEps = 1e-5;
+  const int64_t dim = residual.size(-1);
+  const torch::Tensor grad_y = randn_cuda(residual.sizes(), out_dtype);
+  const torch::Tensor grad_sum =
+      with_grad_sum ? randn_cuda(residual.sizes(), residual.scalar_type()) : torch::Tensor();
+  const torch::Tensor r32 = residual.detach().to(torch::kFloat32).requires_grad_(true);
+  const torch::Tensor d32 = delta.detach().to(torch::kFloat32).requires_grad_(true);
+  const torch::Tensor w32 = weight.detach().to(torch::kFloat32).requires_grad_(true);
+  const torch::Tensor s32 = r32 + d32;
+  const torch::Tensor ref = at::rms_norm(s32, {dim}, w32, kEps);
+  torch::Tensor objective = (ref * grad_y.to(torch::kFloat32)).sum();
+  if (with_grad_sum) objective = objective + (s32 * grad_sum.to(torch::kFloat32)).sum();
+  objective.backward();
+
+  const auto [sum, y, rstd] = loom::nn::cuda::add_rms_norm_forward(residual, delta, weight, kEps, out_dtype);
+  EXPECT_EQ(sum.scalar_type(), residual.scalar_type()) << what;
+  EXPECT_EQ(y.scalar_type(), out_dtype) << what;
+  expect_close(sum, s32, tol_for(residual.scalar_type()), what + " sum");
+  expect_close(y, ref, tol_for(out_dtype == torch::kFloat32 ? residual.scalar_type() : out_dtype),
+               what + " forward");
+
+  const auto [d_residual, d_delta, dw] = loom::nn::cuda::add_rms_norm_backward(
+      grad_y, grad_sum, sum, weight, rstd, delta.scalar_type());
+  EXPECT_EQ(d_residual.scalar_type(), residual.scalar_type()) << what;
+  EXPECT_EQ(d_delta.scalar_type(), delta.scalar_type()) << what;
+  EXPECT_EQ(dw.scalar_type(), weight.scalar_type()) << what;
+  expect_close(d_residual, r32.grad(), tol_for(residual.scalar_type()), what + " d residual");
+  expect_close(d_delta, d32.grad(), tol_for(delta.scalar_type()), what + " d delta");
+  const bool all_fp32 = residual.scalar_type() == torch::kFloat32 &&
+                        delta.scalar_type() == torch::kFloat32 &&
+                        weight.scalar_type() == torch::kFloat32 && out_dtype == torch::kFloat32;
+  expect_rel_norm(dw, w32.grad(), all_fp32 ? 1e-5 : 1e-2, what + " d weight");
 }
 #endif
 
@@ -286,6 +330,90 @@ TEST(CudaElementwiseKernels, RMSNormMatchesComposition) {
     check_rms_norm(flat.narrow(0, 1, 17 * 256).view({17, 256}), weight, c.out,
                    name + " misaligned");
   }
+#endif
+}
+
+TEST(CudaElementwiseKernels, AddRMSNormMatchesTheAddThenTheNorm) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device";
+#ifndef LOOM_WITH_CUDA_KERNELS
+  GTEST_SKIP() << "skipped: no CUDA device (CPU build of libtorch)";
+#else
+  torch::manual_seed(5);
+  struct Case {
+    c10::ScalarType residual, delta, out;
+  };
+  // The Llama layout under autocast (fp32 residual stream, bf16 block output, bf16 normed output
+  // for the GEMM), fp32 throughout, and bf16 throughout.
+  const std::vector<Case> cases = {{torch::kFloat32, torch::kBFloat16, torch::kBFloat16},
+                                   {torch::kFloat32, torch::kFloat32, torch::kFloat32},
+                                   {torch::kBFloat16, torch::kBFloat16, torch::kBFloat16}};
+  for (const Case& c : cases) {
+    const std::string name = std::string(c10::toString(c.residual)) + "+" +
+                             c10::toString(c.delta) + "->" + c10::toString(c.out);
+    for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
+             {1000, 2048}, {5, 100}, {2, 3, 100}, {9, 2}, {4, 16384}}) {
+      const torch::Tensor residual = randn_cuda(shape, c.residual, 2.0);
+      const torch::Tensor delta = randn_cuda(shape, c.delta);
+      const torch::Tensor weight = (1.0 + 0.1 * torch::randn({shape.back()}, torch::kCUDA));
+      for (const bool with_grad_sum : {true, false}) {
+        check_add_rms_norm(residual, delta, weight, c.out, with_grad_sum,
+                           name + " " + c10::str(at::IntArrayRef(shape)) +
+                               (with_grad_sum ? " grad_sum" : " no grad_sum"));
+      }
+    }
+    // A misaligned delta (the scalar path with D a multiple of the vector width).
+    const torch::Tensor flat = randn_cuda({17 * 256 + 1}, c.delta);
+    const torch::Tensor residual = randn_cuda({17, 256}, c.residual);
+    const torch::Tensor weight = 1.0 + 0.1 * torch::randn({256}, torch::kCUDA);
+    check_add_rms_norm(residual, flat.narrow(0, 1, 17 * 256).view({17, 256}), weight, c.out, true,
+                       name + " misaligned");
+  }
+  // A narrower residual than delta is refused (the sum is stored in the residual's dtype).
+  EXPECT_THROW(loom::nn::cuda::add_rms_norm_forward(randn_cuda({4, 64}, torch::kBFloat16),
+                                                    randn_cuda({4, 64}, torch::kFloat32),
+                                                    torch::ones({64}, torch::kCUDA), 1e-5,
+                                                    torch::kFloat32),
+               c10::Error);
+#endif
+}
+
+// The autograd wiring (nn::fused_add_rms_norm's CUDA Function) under bf16 autocast, as a block
+// uses it: the fp32 residual stream plus a bf16 block output, against the unfused composition.
+TEST(CudaElementwiseKernels, FusedAddRMSNormGradientsEqualTheComposition) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device";
+#ifndef LOOM_WITH_CUDA_KERNELS
+  GTEST_SKIP() << "skipped: no CUDA device (CPU build of libtorch)";
+#else
+  torch::manual_seed(6);
+  const torch::Tensor residual = randn_cuda({64, 512}, torch::kFloat32, 2.0);
+  const torch::Tensor delta = randn_cuda({64, 512}, torch::kBFloat16);
+  const torch::Tensor weight = 1.0 + 0.1 * torch::randn({512}, torch::kCUDA);
+  const torch::Tensor grad_sum = randn_cuda({64, 512}, torch::kFloat32);
+  const torch::Tensor grad_y = randn_cuda({64, 512}, torch::kFloat32);
+  std::vector<std::vector<torch::Tensor>> results;
+  for (const loom::nn::FusedImpl impl : {loom::nn::FusedImpl::kCuda, loom::nn::FusedImpl::kGeneric}) {
+    const torch::Tensor r = residual.clone().requires_grad_(true);
+    const torch::Tensor d = delta.clone().requires_grad_(true);
+    const torch::Tensor w = weight.clone().requires_grad_(true);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    auto [sum, y] = loom::nn::fused_add_rms_norm(r, d, w, 1e-5, impl);
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+    EXPECT_EQ(sum.scalar_type(), torch::kFloat32);
+    if (impl == loom::nn::FusedImpl::kCuda) EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+    const torch::Tensor objective =
+        (sum * grad_sum).sum() + (y.to(torch::kFloat32) * grad_y).sum();
+    const auto grads = torch::autograd::grad({objective}, {r, d, w});
+    EXPECT_EQ(grads[0].scalar_type(), torch::kFloat32);
+    EXPECT_EQ(grads[1].scalar_type(), torch::kBFloat16);
+    results.push_back({sum, y, grads[0], grads[1], grads[2]});
+  }
+  const char* names[] = {"sum", "y", "d residual", "d delta", "d weight"};
+  for (size_t i = 0; i < 4; ++i) {
+    expect_close(results[0][i], results[1][i], Tol{2e-2, 2e-2}, names[i]);
+  }
+  expect_rel_norm(results[0][4], results[1][4], 1e-2, names[4]);
 #endif
 }
 

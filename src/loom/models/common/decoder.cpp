@@ -43,8 +43,9 @@ torch::Tensor TransformerBlock::forward(const torch::Tensor& x, const torch::Ten
   // keep it past this call and run it again in backward (activation checkpointing's recompute,
   // ac/activation_checkpoint.h), when the caller's rope_cache and layout references are gone.
   return call_with_hooks(x, [this, rope_cache, layout](const torch::Tensor& in) {
-    torch::Tensor h = in + attention_->forward(attention_norm_->forward(in), rope_cache, layout);
-    return h + feed_forward_->forward(ffn_norm_->forward(h));
+    const torch::Tensor attended = attention_->forward(attention_norm_->forward(in), rope_cache, layout);
+    auto [h, normed] = ffn_norm_->add_and_forward(in, attended);
+    return h + feed_forward_->forward(normed);
   });
 }
 

@@ -275,8 +275,8 @@ torch::Tensor DeepSeekV3Block::forward(const torch::Tensor& x, const torch::Tens
                                        const nn::TokenLayout& layout) {
   // The lambda owns its arguments so activation checkpointing may re-run it.
   return call_with_hooks(x, [this, rope_cache, layout](const torch::Tensor& in) {
-    torch::Tensor h = in + attention_->forward(attention_norm_->forward(in), rope_cache, layout);
-    const torch::Tensor normed = ffn_norm_->forward(h);
+    const torch::Tensor attended = attention_->forward(attention_norm_->forward(in), rope_cache, layout);
+    auto [h, normed] = ffn_norm_->add_and_forward(in, attended);
     return h + (moe_ ? moe_->forward(normed) : feed_forward_->forward(normed));
   });
 }

@@ -36,6 +36,22 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const a
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, const at::Tensor& x,
                                                      const at::Tensor& weight, const at::Tensor& rstd);
 
+// The residual add in front of a norm, fused with it: sum = residual + delta (stored in the
+// residual's dtype, which must be the wider of the two: fp32 residual stream + bf16 block output
+// under autocast), y = RMSNorm(sum) in out_dtype, rstd fp32 [rows]. One pass instead of the add's
+// and the norm's. residual and delta: same shape, any strides (copied when not contiguous).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_forward(const at::Tensor& residual,
+                                                                    const at::Tensor& delta,
+                                                                    const at::Tensor& weight,
+                                                                    double eps,
+                                                                    at::ScalarType out_dtype);
+// Its backward: d sum = the norm's backward of grad_y + grad_sum (the gradient reaching the sum
+// from its other uses; undefined = none). Returns (d residual in sum's dtype, d delta in
+// delta_dtype -- the same values, written by the same pass -- , d weight in weight's dtype).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_backward(
+    const at::Tensor& grad_y, const at::Tensor& grad_sum, const at::Tensor& sum,
+    const at::Tensor& weight, const at::Tensor& rstd, at::ScalarType delta_dtype);
+
 // One chunk of the fused linear + cross-entropy (llm.c's fused classifier), in place:
 // logits [c, V] contiguous (fp32/bf16/fp16) -> scale * (softmax(logits) - onehot(label)) on rows
 // whose label is not ignore_index, zeros on ignored rows (only when write_grad; else untouched).

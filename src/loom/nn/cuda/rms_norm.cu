@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 
 #include "loom/nn/cuda/kernels.h"
 
@@ -89,6 +90,45 @@ __global__ void rms_norm_forward_kernel(const x_t* __restrict__ x, const float* 
   }
 }
 
+// The residual add fused in front of the norm: s = residual + delta (rounded to the residual's
+// dtype, as the unfused add would store it), y = s * rstd(s) * w. Each thread re-reads only the
+// elements of `sum` it wrote itself, so the second pass needs no barrier and hits L1/L2.
+template <typename x_t, typename d_t, typename y_t, int N>
+__global__ void add_rms_norm_forward_kernel(const x_t* __restrict__ residual,
+                                            const d_t* __restrict__ delta,
+                                            const float* __restrict__ weight, x_t* __restrict__ sum,
+                                            y_t* __restrict__ y, float* __restrict__ rstd,
+                                            int64_t rows, int64_t dim, float eps) {
+  __shared__ float scratch[32];
+  const int64_t n_vec = dim / N;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t base = row * dim;
+    float sum_sq = 0.0f;
+    for (int64_t v = threadIdx.x; v < n_vec; v += blockDim.x) {
+      float rs[N], ds[N], ss[N];
+      load_vec<N>(residual + base + v * N, rs);
+      load_vec<N>(delta + base + v * N, ds);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        ss[k] = static_cast<float>(static_cast<x_t>(rs[k] + ds[k]));
+        sum_sq += ss[k] * ss[k];
+      }
+      store_vec<N>(sum + base + v * N, ss);
+    }
+    sum_sq = block_sum(sum_sq, scratch);
+    const float r = rsqrtf(sum_sq / static_cast<float>(dim) + eps);
+    if (threadIdx.x == 0) rstd[row] = r;
+    for (int64_t v = threadIdx.x; v < n_vec; v += blockDim.x) {
+      float ss[N], ws[N], ys[N];
+      load_vec<N>(sum + base + v * N, ss);
+      load_vec<N>(weight + v * N, ws);
+#pragma unroll
+      for (int k = 0; k < N; ++k) ys[k] = ss[k] * r * ws[k];
+      store_vec<N>(y + base + v * N, ys);
+    }
+  }
+}
+
 // p: N floats, 16-byte aligned when N % 4 == 0 (shared or global; generic addressing).
 template <int N>
 __device__ __forceinline__ void accumulate(float* p, const float (&add)[N]) {
@@ -113,12 +153,17 @@ __device__ __forceinline__ void accumulate(float* p, const float (&add)[N]) {
 // dy * x * rstd: each thread owns the same columns in every row, so it accumulates them without
 // atomics, in shared memory (acc_in_smem) or, for rows too wide for it, straight in its block's
 // row of `partial` [gridDim.x, dim], which the host then sums over blocks.
-template <typename gy_t, typename x_t, int N>
+//
+// kResidual (the backward of add_rms_norm_forward): dx also adds grad_sum, the gradient reaching
+// the sum from its other uses, and is written a second time in o_t to grad_x2 when that is not
+// null (the delta's gradient in the delta's dtype), so the add's backward costs no extra pass.
+template <typename gy_t, typename x_t, typename o_t, int N, bool kResidual>
 __global__ void rms_norm_backward_kernel(const gy_t* __restrict__ grad_y, const x_t* __restrict__ x,
                                          const float* __restrict__ weight,
                                          const float* __restrict__ rstd, x_t* __restrict__ grad_x,
                                          float* __restrict__ partial, int64_t rows, int64_t dim,
-                                         bool acc_in_smem) {
+                                         bool acc_in_smem, const x_t* __restrict__ grad_sum,
+                                         o_t* __restrict__ grad_x2) {
   extern __shared__ float4 smem_acc[];
   __shared__ float scratch[32];
   const int64_t n_vec = dim / N;
@@ -154,6 +199,15 @@ __global__ void rms_norm_backward_kernel(const gy_t* __restrict__ grad_y, const 
       for (int k = 0; k < N; ++k) {
         dx[k] = r * ws[k] * gs[k] - coef * xs[k];
         dw[k] = gs[k] * (xs[k] * r);
+      }
+      if constexpr (kResidual) {
+        if (grad_sum != nullptr) {
+          float gsum[N];
+          load_vec<N>(grad_sum + row * dim + v * N, gsum);
+#pragma unroll
+          for (int k = 0; k < N; ++k) dx[k] += gsum[k];
+        }
+        if (grad_x2 != nullptr) store_vec<N>(grad_x2 + row * dim + v * N, dx);
       }
       store_vec<N>(dxr + v * N, dx);
       accumulate<N>(acc + v * N, dw);
@@ -244,34 +298,57 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x_in,
   return {y, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y_in,
-                                                     const at::Tensor& x_in,
-                                                     const at::Tensor& weight_in,
-                                                     const at::Tensor& rstd_in) {
-  check_floating(grad_y_in, "rms_norm_backward", "grad_y");
-  check_floating(x_in, "rms_norm_backward", "x");
-  check_floating(weight_in, "rms_norm_backward", "weight");
-  TORCH_CHECK(x_in.dim() >= 1, "rms_norm_backward: x must have a last dimension");
+namespace {
+
+// The backward of both norms: grad_sum undefined and delta_dtype == x's dtype for the plain one.
+// Returns (d x, d delta: d x again in delta_dtype, written by the same pass when that differs
+// from x's dtype, d weight).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(
+    const char* fn, const at::Tensor& grad_y_in, const at::Tensor& grad_sum_in,
+    const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& rstd_in,
+    at::ScalarType delta_dtype) {
+  check_floating(grad_y_in, fn, "grad_y");
+  check_floating(x_in, fn, "x");
+  check_floating(weight_in, fn, "weight");
+  TORCH_CHECK(at::isFloatingType(delta_dtype), fn, ": the delta's dtype must be floating, got ",
+              delta_dtype);
+  TORCH_CHECK(x_in.dim() >= 1, fn, ": x must have a last dimension");
   const int64_t dim = x_in.size(-1);
-  TORCH_CHECK(dim > 0, "rms_norm_backward: the normalised dimension is empty");
-  TORCH_CHECK(grad_y_in.sizes() == x_in.sizes(), "rms_norm_backward: grad_y ", grad_y_in.sizes(),
+  TORCH_CHECK(dim > 0, fn, ": the normalised dimension is empty");
+  TORCH_CHECK(grad_y_in.sizes() == x_in.sizes(), fn, ": grad_y ", grad_y_in.sizes(),
               " must have x's shape ", x_in.sizes());
-  TORCH_CHECK(weight_in.dim() == 1 && weight_in.size(0) == dim,
-              "rms_norm_backward: weight must be [", dim, "], got ", weight_in.sizes());
+  TORCH_CHECK(weight_in.dim() == 1 && weight_in.size(0) == dim, fn, ": weight must be [", dim,
+              "], got ", weight_in.sizes());
   const int64_t rows = x_in.numel() / dim;
   TORCH_CHECK(rstd_in.is_cuda() && rstd_in.scalar_type() == at::kFloat && rstd_in.numel() == rows,
-              "rms_norm_backward: rstd must be fp32 CUDA [", rows, "], got ", rstd_in.scalar_type(),
-              " ", rstd_in.sizes(), " on ", rstd_in.device());
+              fn, ": rstd must be fp32 CUDA [", rows, "], got ", rstd_in.scalar_type(), " ",
+              rstd_in.sizes(), " on ", rstd_in.device());
   TORCH_CHECK(grad_y_in.device() == x_in.device() && weight_in.device() == x_in.device() &&
                   rstd_in.device() == x_in.device(),
-              "rms_norm_backward: grad_y, x, weight and rstd must be on one device");
+              fn, ": grad_y, x, weight and rstd must be on one device");
+  const bool residual = grad_sum_in.defined();
+  if (residual) {
+    TORCH_CHECK(grad_sum_in.sizes() == x_in.sizes() && grad_sum_in.device() == x_in.device(), fn,
+                ": grad_sum ", grad_sum_in.sizes(), " on ", grad_sum_in.device(),
+                " must have the sum's shape ", x_in.sizes(), " and device");
+  }
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor grad_y = grad_y_in.contiguous();
   const at::Tensor x = x_in.contiguous();
   const at::Tensor weight = weight_in.to(at::kFloat).contiguous();
   const at::Tensor rstd = rstd_in.contiguous();
+  const at::Tensor grad_sum =
+      residual ? grad_sum_in.to(x.scalar_type()).contiguous() : at::Tensor();
   at::Tensor grad_x = at::empty(x.sizes(), x.options());
-  if (rows == 0) return {grad_x, at::zeros_like(weight_in, at::MemoryFormat::Contiguous)};
+  const bool second = delta_dtype != x.scalar_type();
+  at::Tensor grad_delta = second ? at::empty(x.sizes(), x.options().dtype(delta_dtype)) : grad_x;
+  if (rows == 0) {
+    if (residual) {
+      grad_x.copy_(grad_sum);
+      if (second) grad_delta.copy_(grad_sum);
+    }
+    return {grad_x, grad_delta, at::zeros_like(weight_in, at::MemoryFormat::Contiguous)};
+  }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor partial;
   const at::ScalarType x_dtype = x.scalar_type();
@@ -281,38 +358,141 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y_in
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gy_dtype, "rms_norm_backward_g", [&] {
       using gy_t = scalar_t;
       constexpr int kVec = static_cast<int>(16 / sizeof(x_t));
-      const bool vec = dim % kVec == 0 && aligned(x.const_data_ptr(), 16) &&
-                       aligned(grad_x.const_data_ptr(), 16) &&
-                       aligned(grad_y.const_data_ptr(), kVec * sizeof(gy_t)) &&
-                       aligned(weight.const_data_ptr(), kVec * sizeof(float));
-      const int64_t n_vec = vec ? dim / kVec : dim;
-      const int threads = threads_for(n_vec);
-      const int64_t blocks = blocks_for(rows, threads);
-      partial = at::empty({blocks, dim}, x.options().dtype(at::kFloat));
-      // 48 KiB is what every kernel may take without opting in (less the 128-byte static scratch);
-      // wider rows accumulate in `partial`.
-      const bool acc_in_smem = dim * static_cast<int64_t>(sizeof(float)) <= 48 * 1024 - 128;
-      const size_t smem = acc_in_smem ? static_cast<size_t>(dim) * sizeof(float) : 0;
-      if (vec) {
-        rms_norm_backward_kernel<gy_t, x_t, kVec>
-            <<<static_cast<unsigned>(blocks), threads, smem, stream>>>(
-                grad_y.const_data_ptr<gy_t>(), x.const_data_ptr<x_t>(),
-                weight.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
-                grad_x.mutable_data_ptr<x_t>(), partial.mutable_data_ptr<float>(), rows, dim,
-                acc_in_smem);
+      // Launches the kernel for one output type of the second gradient (o_t).
+      auto launch = [&](auto o_tag, auto residual_tag) {
+        using o_t = decltype(o_tag);
+        constexpr bool kResidual = decltype(residual_tag)::value;
+        const bool vec = dim % kVec == 0 && aligned(x.const_data_ptr(), 16) &&
+                         aligned(grad_x.const_data_ptr(), 16) &&
+                         aligned(grad_y.const_data_ptr(), kVec * sizeof(gy_t)) &&
+                         aligned(weight.const_data_ptr(), kVec * sizeof(float)) &&
+                         (!residual || aligned(grad_sum.const_data_ptr(), 16)) &&
+                         (!second || aligned(grad_delta.const_data_ptr(), kVec * sizeof(o_t)));
+        const int64_t n_vec = vec ? dim / kVec : dim;
+        const int threads = threads_for(n_vec);
+        const int64_t blocks = blocks_for(rows, threads);
+        partial = at::empty({blocks, dim}, x.options().dtype(at::kFloat));
+        // 48 KiB is what every kernel may take without opting in (less the 128-byte static
+        // scratch); wider rows accumulate in `partial`.
+        const bool acc_in_smem = dim * static_cast<int64_t>(sizeof(float)) <= 48 * 1024 - 128;
+        const size_t smem = acc_in_smem ? static_cast<size_t>(dim) * sizeof(float) : 0;
+        const x_t* gsum = residual ? grad_sum.const_data_ptr<x_t>() : nullptr;
+        o_t* gx2 = second ? static_cast<o_t*>(grad_delta.mutable_data_ptr()) : nullptr;
+        if (vec) {
+          rms_norm_backward_kernel<gy_t, x_t, o_t, kVec, kResidual>
+              <<<static_cast<unsigned>(blocks), threads, smem, stream>>>(
+                  grad_y.const_data_ptr<gy_t>(), x.const_data_ptr<x_t>(),
+                  weight.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
+                  grad_x.mutable_data_ptr<x_t>(), partial.mutable_data_ptr<float>(), rows, dim,
+                  acc_in_smem, gsum, gx2);
+        } else {
+          rms_norm_backward_kernel<gy_t, x_t, o_t, 1, kResidual>
+              <<<static_cast<unsigned>(blocks), threads, smem, stream>>>(
+                  grad_y.const_data_ptr<gy_t>(), x.const_data_ptr<x_t>(),
+                  weight.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
+                  grad_x.mutable_data_ptr<x_t>(), partial.mutable_data_ptr<float>(), rows, dim,
+                  acc_in_smem, gsum, gx2);
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (!residual && !second) {
+        launch(x_t{}, std::false_type{});
       } else {
-        rms_norm_backward_kernel<gy_t, x_t, 1>
-            <<<static_cast<unsigned>(blocks), threads, smem, stream>>>(
-                grad_y.const_data_ptr<gy_t>(), x.const_data_ptr<x_t>(),
-                weight.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
-                grad_x.mutable_data_ptr<x_t>(), partial.mutable_data_ptr<float>(), rows, dim,
-                acc_in_smem);
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, delta_dtype,
+                                        "rms_norm_backward_o", [&] {
+          launch(scalar_t{}, std::true_type{});
+        });
       }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
   at::Tensor grad_weight = partial.sum(0).to(weight_in.scalar_type());
+  return {grad_x, grad_delta, grad_weight};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y,
+                                                     const at::Tensor& x,
+                                                     const at::Tensor& weight,
+                                                     const at::Tensor& rstd) {
+  auto [grad_x, grad_delta, grad_weight] = norm_backward(
+      "rms_norm_backward", grad_y, at::Tensor(), x, weight, rstd, x.scalar_type());
+  (void)grad_delta;
   return {grad_x, grad_weight};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_forward(const at::Tensor& residual_in,
+                                                                    const at::Tensor& delta_in,
+                                                                    const at::Tensor& weight_in,
+                                                                    double eps,
+                                                                    at::ScalarType out_dtype) {
+  const char* fn = "add_rms_norm_forward";
+  check_floating(residual_in, fn, "residual");
+  check_floating(delta_in, fn, "delta");
+  check_floating(weight_in, fn, "weight");
+  TORCH_CHECK(at::isFloatingType(out_dtype), fn, ": out_dtype must be floating, got ", out_dtype);
+  TORCH_CHECK(residual_in.sizes() == delta_in.sizes(), fn, ": residual ", residual_in.sizes(),
+              " and delta ", delta_in.sizes(), " must have one shape");
+  TORCH_CHECK(at::promoteTypes(residual_in.scalar_type(), delta_in.scalar_type()) ==
+                  residual_in.scalar_type(),
+              fn, ": the sum is stored in the residual's dtype, which must be the wider one (",
+              residual_in.scalar_type(), " + ", delta_in.scalar_type(), ")");
+  TORCH_CHECK(residual_in.dim() >= 1, fn, ": residual must have a last dimension");
+  const int64_t dim = residual_in.size(-1);
+  TORCH_CHECK(dim > 0, fn, ": the normalised dimension is empty");
+  TORCH_CHECK(weight_in.dim() == 1 && weight_in.size(0) == dim, fn, ": weight must be [", dim,
+              "], got ", weight_in.sizes());
+  TORCH_CHECK(weight_in.device() == residual_in.device() && delta_in.device() == residual_in.device(),
+              fn, ": residual, delta and weight must be on one device");
+  const c10::cuda::CUDAGuard guard(residual_in.device());
+  const at::Tensor residual = residual_in.contiguous();
+  const at::Tensor delta = delta_in.contiguous();
+  const at::Tensor weight = weight_in.to(at::kFloat).contiguous();
+  const int64_t rows = residual.numel() / dim;
+  at::Tensor sum = at::empty(residual.sizes(), residual.options());
+  at::Tensor y = at::empty(residual.sizes(), residual.options().dtype(out_dtype));
+  at::Tensor rstd = at::empty({rows}, residual.options().dtype(at::kFloat));
+  if (rows == 0) return {sum, y, rstd};
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm_forward", [&] {
+    using x_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, delta.scalar_type(), "add_rms_d", [&] {
+      using d_t = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_dtype, "add_rms_y", [&] {
+        using y_t = scalar_t;
+        constexpr int kVec = static_cast<int>(16 / sizeof(x_t));
+        const bool vec = dim % kVec == 0 && aligned(residual.const_data_ptr(), 16) &&
+                         aligned(sum.const_data_ptr(), 16) &&
+                         aligned(delta.const_data_ptr(), kVec * sizeof(d_t)) &&
+                         aligned(y.const_data_ptr(), kVec * sizeof(y_t)) &&
+                         aligned(weight.const_data_ptr(), kVec * sizeof(float));
+        const int64_t n_vec = vec ? dim / kVec : dim;
+        const int threads = threads_for(n_vec);
+        const unsigned blocks = static_cast<unsigned>(blocks_for(rows, threads));
+        if (vec) {
+          add_rms_norm_forward_kernel<x_t, d_t, y_t, kVec><<<blocks, threads, 0, stream>>>(
+              residual.const_data_ptr<x_t>(), delta.const_data_ptr<d_t>(),
+              weight.const_data_ptr<float>(), sum.mutable_data_ptr<x_t>(),
+              y.mutable_data_ptr<y_t>(), rstd.mutable_data_ptr<float>(), rows, dim,
+              static_cast<float>(eps));
+        } else {
+          add_rms_norm_forward_kernel<x_t, d_t, y_t, 1><<<blocks, threads, 0, stream>>>(
+              residual.const_data_ptr<x_t>(), delta.const_data_ptr<d_t>(),
+              weight.const_data_ptr<float>(), sum.mutable_data_ptr<x_t>(),
+              y.mutable_data_ptr<y_t>(), rstd.mutable_data_ptr<float>(), rows, dim,
+              static_cast<float>(eps));
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
+  });
+  return {sum, y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_backward(
+    const at::Tensor& grad_y, const at::Tensor& grad_sum, const at::Tensor& sum,
+    const at::Tensor& weight, const at::Tensor& rstd, at::ScalarType delta_dtype) {
+  return norm_backward("add_rms_norm_backward", grad_y, grad_sum, sum, weight, rstd, delta_dtype);
 }
 
 }  // namespace loom::nn::cuda

@@ -97,11 +97,13 @@ TEST(FusedDispatch, CudaKernelSwitchNamesEachKernelAndRejectsUnknownOnes) {
   EXPECT_FALSE(some.has(CudaKernel::kSwiGLU));
   EXPECT_FALSE(some.has(CudaKernel::kRmsNorm));
   EXPECT_FALSE(some.has(CudaKernel::kAdamW));
-  EXPECT_EQ(parse_cuda_kernels("swiglu,rms_norm,rope,cross_entropy,adamw"), CudaKernelSet::all());
+  EXPECT_EQ(parse_cuda_kernels("swiglu,rms_norm,rope,cross_entropy,adamw,add_rms_norm"),
+            CudaKernelSet::all());
+  EXPECT_FALSE(parse_cuda_kernels("swiglu,rms_norm,rope,cross_entropy,adamw").has(CudaKernel::kAddRmsNorm));
   EXPECT_TRUE(parse_cuda_kernels("adamw").has(CudaKernel::kAdamW));
   loom::testing::expect_error<loom::UsageError>([] { parse_cuda_kernels("swiglu,flash"); },
                                                 {"training.cuda_kernels", "unknown kernel 'flash'",
-                                                 "swiglu, rms_norm, rope, cross_entropy, adamw"});
+                                                 "swiglu, rms_norm, rope, cross_entropy, adamw, add_rms_norm"});
   loom::testing::expect_error<loom::UsageError>([] { parse_cuda_kernels(""); },
                                                 {"unknown kernel ''"});
   // Switching kernels off never changes the CPU choice.
@@ -453,6 +455,28 @@ TEST(GenericFusedOps, RmsNormSwigluRopeMatchTheCpuKernels) {
   EXPECT_EQ(fused_swiglu(gate.to(torch::kBFloat16), up.to(torch::kBFloat16)).scalar_type(),
             torch::kBFloat16);
   EXPECT_EQ(fused_rotary_embedding(q.to(torch::kBFloat16), cache).scalar_type(), torch::kBFloat16);
+}
+
+TEST(GenericFusedOps, AddRmsNormOffTheGpuIsTheAddThenTheNorm) {
+  // Without the CUDA kernel (CPU tensors) the fused op is the unfused composition, bitwise, so a
+  // block that calls it computes what it computed before; its gradients flow to all three inputs.
+  torch::manual_seed(26);
+  const torch::Tensor residual = torch::randn({2, 5, 64}).requires_grad_(true);
+  const torch::Tensor delta = torch::randn({2, 5, 64}).requires_grad_(true);
+  const torch::Tensor w = torch::randn({64}).requires_grad_(true);
+  auto [sum, normed] = loom::nn::fused_add_rms_norm(residual, delta, w, 1e-5);
+  const torch::Tensor ref_sum = residual + delta;
+  EXPECT_TRUE(torch::equal(sum, ref_sum));
+  EXPECT_TRUE(torch::equal(normed, fused_rms_norm(ref_sum, w, 1e-5)));
+  const auto grads = torch::autograd::grad({(sum * 2).sum() + normed.sum()}, {residual, delta, w});
+  const auto ref_grads =
+      torch::autograd::grad({(ref_sum * 2).sum() + fused_rms_norm(ref_sum, w, 1e-5).sum()},
+                            {residual, delta, w});
+  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(grads[i], ref_grads[i])) << i;
+  // Forcing the CUDA kernel on CPU tensors is an error naming the fallback.
+  loom::testing::expect_error<loom::Error>(
+      [&] { loom::nn::fused_add_rms_norm(residual, delta, w, 1e-5, FusedImpl::kCuda); },
+      {"fused_add_rms_norm", "FusedImpl::kGeneric"});
 }
 
 }  // namespace
