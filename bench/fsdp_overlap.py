@@ -8,8 +8,8 @@ bench/llama3_124m_fsdp.toml three ways in the same run, as bench/fsdp_vs_fsdp2.p
     automatic 25 MB) and the next `--depth` groups' all-gathers issued ahead (default 2);
   - PyTorch FSDP2 (bench/fsdp2_llama.py: fully_shard per block + root, torchrun).
 Both Loom runs also have the head (final norm + output) as its own FSDP group, so its
-reduce-scatter overlaps the rest of the backward. For each it prints tokens/s per rank and the
-ratio to FSDP2 (target >= 1.3x with buckets on), and the exposed communication per step: the
+reduce-scatter overlaps the rest of the backward. For each it prints tokens/s (all ranks together)
+and the ratio to FSDP2 (target >= 1.3x with buckets on), and the exposed communication per step: the
 seconds the training thread waited for collectives (`comm_exposed_s` of metrics.jsonl, every wait
 on a collective timed where it blocks) and its share of the step (target <= 10 % with buckets on).
 Medians over the timed steps.
@@ -73,7 +73,7 @@ def main():
         rows += [(nproc, label, s, fsdp2_tps) for label, s in loom]
 
     print(f"config: bench/llama3_124m_fsdp.toml, {args.threads} thread(s) per rank, {args.warmup} warm-up + "
-          f"{args.steps} timed steps (medians); tokens/s per rank")
+          f"{args.steps} timed steps (medians); tokens/s of all ranks together")
     print(f"{'ranks':>5} | {'Loom':<28} | {'tok/s':>8} {'FSDP2 tok/s':>11} {'ratio':>6} | {'step s':>7} "
           f"{'exposed s':>9} {'exposed %':>9}")
     met = True
