@@ -4,7 +4,9 @@
 #include <cctype>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <optional>
+#include <tuple>
 
 #include "loom/core/error.h"
 
@@ -432,9 +434,38 @@ Schedule add_fsdp_actions(const Schedule& in) {
 }
 
 Schedule build_schedule(const ScheduleSpec& spec, bool fsdp) {
-  Schedule s = generate_compute(spec);
-  if (fsdp) s = add_fsdp_actions(s);
-  return add_communication(s);
+  // A schedule is a pure function of its spec, and a layout check builds one only to know it can
+  // run: `loom plan` checks thousands of layouts sharing a few (schedule, pp, micro-batches)
+  // triples, so the results -- a schedule or the one-line refusal -- are kept (a few hundred at
+  // most; the cache is cleared when full).
+  using Key = std::tuple<std::string, int, int, int, bool>;
+  struct Entry {
+    std::optional<Schedule> schedule;
+    std::string refusal;
+  };
+  static std::mutex mutex;
+  static std::map<Key, Entry> cache;
+  const Key key{spec.name, spec.pp, spec.microbatches, spec.stages_per_rank, fsdp};
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (const auto it = cache.find(key); it != cache.end()) {
+      if (it->second.schedule) return *it->second.schedule;
+      throw UsageError(it->second.refusal);
+    }
+  }
+  Entry entry;
+  try {
+    Schedule s = generate_compute(spec);
+    if (fsdp) s = add_fsdp_actions(s);
+    entry.schedule = add_communication(s);
+  } catch (const UsageError& e) {
+    entry.refusal = e.what();
+  }
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (cache.size() >= 512) cache.clear();
+  const Entry& kept = cache.emplace(key, std::move(entry)).first->second;
+  if (!kept.schedule) throw UsageError(kept.refusal);
+  return *kept.schedule;
 }
 
 }  // namespace loom::pipeline

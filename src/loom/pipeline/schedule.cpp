@@ -311,80 +311,83 @@ void validate(const Schedule& s) {
     const bool fsdp = std::any_of(s.ranks[r].begin(), s.ranks[r].end(), [](const Action& a) { return is_fsdp(a.kind); });
     for (size_t pos = 0; pos < s.ranks[r].size(); ++pos) {
       const Action& a = s.ranks[r][pos];
-      const std::string at = n + ": rank " + std::to_string(r) + ", action " + std::to_string(pos) + " (" + a.str() + ")";
-      LOOM_REQUIRE_USAGE(a.stage >= 0 && a.stage < S, at, ": stage ", a.stage, " is out of range [0, ", S, ")");
-      LOOM_REQUIRE_USAGE(s.rank_of(a.stage) == r, at, ": stage ", a.stage, " belongs to rank ", s.rank_of(a.stage));
+      // Built only when a check fails: validation runs for every layout `loom plan` considers.
+      const auto at = [&] {
+        return n + ": rank " + std::to_string(r) + ", action " + std::to_string(pos) + " (" + a.str() + ")";
+      };
+      LOOM_REQUIRE_USAGE(a.stage >= 0 && a.stage < S, at(), ": stage ", a.stage, " is out of range [0, ", S, ")");
+      LOOM_REQUIRE_USAGE(s.rank_of(a.stage) == r, at(), ": stage ", a.stage, " belongs to rank ", s.rank_of(a.stage));
       if (a.kind == ActionKind::kReduceGrad) {
-        LOOM_REQUIRE_USAGE(++reduce_count[a.stage] == 1, at, ": stage ", a.stage, " reduces its gradients twice");
+        LOOM_REQUIRE_USAGE(++reduce_count[a.stage] == 1, at(), ": stage ", a.stage, " reduces its gradients twice");
         continue;
       }
       if (is_fsdp(a.kind)) {
         if (a.kind == ActionKind::kUnshard) {
-          LOOM_REQUIRE_USAGE(unsharded.insert(a.stage).second, at, ": stage ", a.stage, " is already unsharded");
+          LOOM_REQUIRE_USAGE(unsharded.insert(a.stage).second, at(), ": stage ", a.stage, " is already unsharded");
           ++unshard_count[a.stage];
         } else {
-          LOOM_REQUIRE_USAGE(unsharded.erase(a.stage) == 1, at, ": stage ", a.stage, " is not unsharded");
+          LOOM_REQUIRE_USAGE(unsharded.erase(a.stage) == 1, at(), ": stage ", a.stage, " is not unsharded");
         }
         continue;
       }
-      LOOM_REQUIRE_USAGE(a.microbatch >= 0 && a.microbatch < M, at, ": micro-batch ", a.microbatch,
+      LOOM_REQUIRE_USAGE(a.microbatch >= 0 && a.microbatch < M, at(), ": micro-batch ", a.microbatch,
                          " is out of range [0, ", M, ")");
-      LOOM_REQUIRE_USAGE(!fsdp || !is_compute(a.kind) || unsharded.count(a.stage), at, ": stage ", a.stage,
+      LOOM_REQUIRE_USAGE(!fsdp || !is_compute(a.kind) || unsharded.count(a.stage), at(), ": stage ", a.stage,
                          " computes while sharded (no UNSHARD before it)");
-      LOOM_REQUIRE_USAGE(!is_compute(a.kind) || a.kind == ActionKind::kForward || reduce_count[a.stage] == 0, at,
+      LOOM_REQUIRE_USAGE(!is_compute(a.kind) || a.kind == ActionKind::kForward || reduce_count[a.stage] == 0, at(),
                          ": backward of stage ", a.stage, " after its REDUCE_GRAD (the reduction must follow the ",
                          "stage's last backward of the step)");
       Seen& c = seen[idx(a.stage, a.microbatch)];
       const std::string sm = std::to_string(a.stage) + "/" + std::to_string(a.microbatch);
       switch (a.kind) {
         case ActionKind::kForward:
-          LOOM_REQUIRE_USAGE(++c.f == 1, at, ": a second forward of stage/micro-batch ", sm);
+          LOOM_REQUIRE_USAGE(++c.f == 1, at(), ": a second forward of stage/micro-batch ", sm);
           break;
         case ActionKind::kBackward:
         case ActionKind::kBackwardInput:
-          LOOM_REQUIRE_USAGE(c.f == 1, at, ": backward before the forward ", F(a.stage, a.microbatch).str());
-          LOOM_REQUIRE_USAGE(c.b + c.i == 0, at, ": a second backward of stage/micro-batch ", sm);
+          LOOM_REQUIRE_USAGE(c.f == 1, at(), ": backward before the forward ", F(a.stage, a.microbatch).str());
+          LOOM_REQUIRE_USAGE(c.b + c.i == 0, at(), ": a second backward of stage/micro-batch ", sm);
           (a.kind == ActionKind::kBackward ? c.b : c.i) = 1;
           break;
         case ActionKind::kBackwardWeight:
-          LOOM_REQUIRE_USAGE(c.i == 1, at, ": weight gradient before its input gradient ", I(a.stage, a.microbatch).str());
-          LOOM_REQUIRE_USAGE(++c.w == 1, at, ": a second weight gradient of stage/micro-batch ", sm);
+          LOOM_REQUIRE_USAGE(c.i == 1, at(), ": weight gradient before its input gradient ", I(a.stage, a.microbatch).str());
+          LOOM_REQUIRE_USAGE(++c.w == 1, at(), ": a second weight gradient of stage/micro-batch ", sm);
           break;
         case ActionKind::kSendF:
-          LOOM_REQUIRE_USAGE(a.stage + 1 < S && s.rank_of(a.stage + 1) != r, at,
+          LOOM_REQUIRE_USAGE(a.stage + 1 < S && s.rank_of(a.stage + 1) != r, at(),
                              ": the next stage is not on another rank, nothing to send");
-          LOOM_REQUIRE_USAGE(c.f == 1, at, ": sent before the forward ", F(a.stage, a.microbatch).str());
-          LOOM_REQUIRE_USAGE(++c.send_f == 1, at, ": sent twice");
+          LOOM_REQUIRE_USAGE(c.f == 1, at(), ": sent before the forward ", F(a.stage, a.microbatch).str());
+          LOOM_REQUIRE_USAGE(++c.send_f == 1, at(), ": sent twice");
           break;
         case ActionKind::kSendB:
-          LOOM_REQUIRE_USAGE(a.stage > 0 && s.rank_of(a.stage - 1) != r, at,
+          LOOM_REQUIRE_USAGE(a.stage > 0 && s.rank_of(a.stage - 1) != r, at(),
                              ": the previous stage is not on another rank, nothing to send");
-          LOOM_REQUIRE_USAGE(c.b + c.i == 1, at, ": sent before the backward of stage/micro-batch ", sm);
-          LOOM_REQUIRE_USAGE(++c.send_b == 1, at, ": sent twice");
+          LOOM_REQUIRE_USAGE(c.b + c.i == 1, at(), ": sent before the backward of stage/micro-batch ", sm);
+          LOOM_REQUIRE_USAGE(++c.send_b == 1, at(), ": sent twice");
           break;
         case ActionKind::kRecvF:
-          LOOM_REQUIRE_USAGE(a.stage > 0 && s.rank_of(a.stage - 1) != r, at,
+          LOOM_REQUIRE_USAGE(a.stage > 0 && s.rank_of(a.stage - 1) != r, at(),
                              ": the previous stage is not on another rank, nothing to receive");
-          LOOM_REQUIRE_USAGE(c.f == 0, at, ": received after the forward that needs it");
-          LOOM_REQUIRE_USAGE(++c.recv_f == 1, at, ": received twice");
+          LOOM_REQUIRE_USAGE(c.f == 0, at(), ": received after the forward that needs it");
+          LOOM_REQUIRE_USAGE(++c.recv_f == 1, at(), ": received twice");
           break;
         case ActionKind::kRecvB:
-          LOOM_REQUIRE_USAGE(a.stage + 1 < S && s.rank_of(a.stage + 1) != r, at,
+          LOOM_REQUIRE_USAGE(a.stage + 1 < S && s.rank_of(a.stage + 1) != r, at(),
                              ": the next stage is not on another rank, nothing to receive");
-          LOOM_REQUIRE_USAGE(c.b + c.i == 0, at, ": received after the backward that needs it");
-          LOOM_REQUIRE_USAGE(++c.recv_b == 1, at, ": received twice");
+          LOOM_REQUIRE_USAGE(c.b + c.i == 0, at(), ": received after the backward that needs it");
+          LOOM_REQUIRE_USAGE(++c.recv_b == 1, at(), ": received twice");
           break;
         default:
           break;
       }
       if (lowered && is_compute(a.kind)) {
         if (a.kind == ActionKind::kForward && a.stage > 0 && s.rank_of(a.stage - 1) != r) {
-          LOOM_REQUIRE_USAGE(c.recv_f == 1, at, ": no ", Action{ActionKind::kRecvF, a.stage, a.microbatch}.str(),
+          LOOM_REQUIRE_USAGE(c.recv_f == 1, at(), ": no ", Action{ActionKind::kRecvF, a.stage, a.microbatch}.str(),
                              " before it (its input comes from rank ", s.rank_of(a.stage - 1), ")");
         }
         if ((a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) && a.stage + 1 < S &&
             s.rank_of(a.stage + 1) != r) {
-          LOOM_REQUIRE_USAGE(c.recv_b == 1, at, ": no ", Action{ActionKind::kRecvB, a.stage, a.microbatch}.str(),
+          LOOM_REQUIRE_USAGE(c.recv_b == 1, at(), ": no ", Action{ActionKind::kRecvB, a.stage, a.microbatch}.str(),
                              " before it (its output gradient comes from rank ", s.rank_of(a.stage + 1), ")");
         }
       }

@@ -2,6 +2,7 @@
 #include "loom/train/trainer.h"
 
 #include "loom/train/compatibility.h"
+#include "loom/train/layout_check.h"
 
 #include <ATen/record_function.h>
 
@@ -136,25 +137,11 @@ Trainer::~Trainer() {
 }
 
 void Trainer::check_layout(const distributed::LaunchEnv& env) {
-  const auto& p = config_.parallelism;
-  distributed::ParallelDegrees degrees;
-  degrees.dp_replicate = static_cast<int>(p.data_parallel_replicate_degree);
-  degrees.dp_shard = static_cast<int>(p.data_parallel_shard_degree);
-  degrees.cp = static_cast<int>(p.context_parallel_degree);
-  degrees.tp = static_cast<int>(p.tensor_parallel_degree);
-  degrees.pp = static_cast<int>(p.pipeline_parallel_degree);
-  degrees.ep = static_cast<int>(p.expert_parallel_degree);
-  parallel_dims_ = std::make_unique<distributed::ParallelDims>(degrees, env.world_size, env.rank);
   tokenizer_ = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(config_.model.tokenizer_path));
   model_spec_ = &models::get_spec(config_.model.name);
   model_args_ = model_spec_->build_args(
       {config_.model.flavor, model_vocab_size(), config_.training.seq_len, config_.model.n_layers});
-  // Context parallel cuts each sequence into 2 x degree equal chunks (config validation checked
-  // that it can); what is left per rank is what sequence parallel splits again.
-  check_compatibility(config_, parallel_dims_.get());  // the rows that need the resolved degrees
-  model_spec_->validate_layout(*model_args_, *parallel_dims_,
-                               config_.training.seq_len / p.context_parallel_degree, tensor_parallel_options(),
-                               pipeline_options());
+  parallel_dims_ = train::check_layout(config_, env.world_size, env.rank, *model_spec_, *model_args_).dims;
 }
 
 void Trainer::init_distributed(const distributed::LaunchEnv& env) {
@@ -255,31 +242,6 @@ int64_t Trainer::model_vocab_size() const {
   return vocab;
 }
 
-models::TensorParallelOptions Trainer::tensor_parallel_options() const {
-  const auto& p = config_.parallelism;
-  return {!p.disable_sequence_parallel, !p.disable_loss_parallel, p.enable_async_tensor_parallel};
-}
-
-models::PipelineOptions Trainer::pipeline_options() const {
-  const auto& p = config_.parallelism;
-  models::PipelineOptions options;
-  options.schedule = p.pipeline_parallel_schedule;
-  options.schedule_csv = p.pipeline_parallel_schedule_csv;
-  options.microbatch_size = p.pipeline_parallel_microbatch_size;
-  options.microbatches = config_.training.local_batch_size / p.pipeline_parallel_microbatch_size;
-  options.seq_len = config_.training.seq_len / p.context_parallel_degree;
-  options.layers_per_stage = p.pipeline_parallel_layers_per_stage;
-  options.fsdp_reshard_after_forward = p.fsdp_reshard_after_forward;
-  // "layers.2, layers.5" -> {"layers.2", "layers.5"}
-  std::stringstream points(p.pipeline_parallel_split_points);
-  for (std::string point; std::getline(points, point, ',');) {
-    point.erase(0, point.find_first_not_of(" \t"));
-    point.erase(point.find_last_not_of(" \t") + 1);
-    if (!point.empty()) options.split_points.push_back(point);
-  }
-  return options;
-}
-
 void Trainer::build_model() {
   model_ = model_spec_->build_model(*model_args_, torch::TensorOptions().device(torch::kMeta));
   const auto counts = model_spec_->count_parameters(*model_args_);
@@ -293,7 +255,7 @@ void Trainer::build_model() {
 void Trainer::parallelize() {
   const auto& t = config_.training;
   models::ParallelizeOptions options;
-  options.tp = tensor_parallel_options();
+  options.tp = tensor_parallel_options(config_);
   options.cp_rotate_method = config_.parallelism.context_parallel_rotate_method;
   options.fsdp_reshard_after_forward = config_.parallelism.fsdp_reshard_after_forward;
   options.fsdp_bucket_mb = config_.parallelism.fsdp_bucket_mb;
@@ -308,7 +270,7 @@ void Trainer::parallelize() {
   options.activation_checkpoint = config_.activation_checkpoint;
   options.float8 = config_.float8;
   options.lora = config_.lora;
-  options.pipeline = pipeline_options();
+  options.pipeline = pipeline_options(config_);
   if (!parallel_dims_->fsdp_enabled() && options.fsdp_mixed_precision.param_dtype != torch::kFloat32) {
     // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in
     // TorchTitan: float32 master weights, gradients and optimizer state (a bfloat16 reduce has

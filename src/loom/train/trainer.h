@@ -90,17 +90,14 @@ class Trainer {
   int64_t step() const { return step_; }
 
  private:
-  // Degrees against the world size and the model against the TP degree, before any process group.
+  // The tokenizer (for the vocabulary), then train::check_layout: degrees against the world size,
+  // the settings that do not compose, the model against the layout, before any process group.
   void check_layout(const distributed::LaunchEnv& env);
   void init_distributed(const distributed::LaunchEnv& env);
   void init_data();
   void build_model();
   // The model's embedding rows: model.vocab_size, or the tokenizer's vocabulary when it is 0.
   int64_t model_vocab_size() const;
-  // parallelism.disable_sequence_parallel / disable_loss_parallel, as the model's plan reads them.
-  models::TensorParallelOptions tensor_parallel_options() const;
-  // parallelism.pipeline_parallel_*, as the model's pipeline split reads them.
-  models::PipelineOptions pipeline_options() const;
   void parallelize();
   void init_optimizer();
   void init_checkpointing();

@@ -174,6 +174,13 @@ PipelinePlan plan_pipeline(const DecoderArgs& args, int pp, const PipelineOption
                          " stages, which is not a multiple of pipeline_parallel_degree ", pp);
       v = static_cast<int>(stages / pp);
     }
+    if (v == 0) {
+      // Too few layers for the schedule's default stages is refused before the schedule is
+      // generated, with the message stage_layer_bounds gives after it (`loom plan` checks
+      // thousands of layouts; generating a 128-rank schedule only to refuse it is most of that).
+      const int default_v = pipeline::is_multi_stage(pipeline::canonical_schedule_name(options.schedule)) ? 2 : 1;
+      if (n < static_cast<int64_t>(pp) * default_v) stage_layer_bounds(args, {pp, default_v, 0, {}});
+    }
     plan.schedule = pipeline::build_schedule({options.schedule, pp, m, v});
   }
   plan.layer_bounds = stage_layer_bounds(

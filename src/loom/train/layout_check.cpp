@@ -1,0 +1,58 @@
+#include "loom/train/layout_check.h"
+
+#include <sstream>
+#include <string>
+
+#include "loom/train/compatibility.h"
+
+namespace loom::train {
+
+models::TensorParallelOptions tensor_parallel_options(const JobConfig& config) {
+  const auto& p = config.parallelism;
+  return {!p.disable_sequence_parallel, !p.disable_loss_parallel, p.enable_async_tensor_parallel};
+}
+
+models::PipelineOptions pipeline_options(const JobConfig& config) {
+  const auto& p = config.parallelism;
+  models::PipelineOptions options;
+  options.schedule = p.pipeline_parallel_schedule;
+  options.schedule_csv = p.pipeline_parallel_schedule_csv;
+  options.microbatch_size = p.pipeline_parallel_microbatch_size;
+  options.microbatches = config.training.local_batch_size / p.pipeline_parallel_microbatch_size;
+  options.seq_len = config.training.seq_len / p.context_parallel_degree;
+  options.layers_per_stage = p.pipeline_parallel_layers_per_stage;
+  options.fsdp_reshard_after_forward = p.fsdp_reshard_after_forward;
+  // "layers.2, layers.5" -> {"layers.2", "layers.5"}
+  std::stringstream points(p.pipeline_parallel_split_points);
+  for (std::string point; std::getline(points, point, ',');) {
+    point.erase(0, point.find_first_not_of(" \t"));
+    point.erase(point.find_last_not_of(" \t") + 1);
+    if (!point.empty()) options.split_points.push_back(point);
+  }
+  return options;
+}
+
+CheckedLayout check_layout(const JobConfig& config, int world_size, int rank, const models::ModelSpec& spec,
+                           const models::ModelArgs& args) {
+  validate(config);  // the world-independent checks (micro-batches per batch, CP chunks, ...)
+  const auto& p = config.parallelism;
+  distributed::ParallelDegrees degrees;
+  degrees.dp_replicate = static_cast<int>(p.data_parallel_replicate_degree);
+  degrees.dp_shard = static_cast<int>(p.data_parallel_shard_degree);
+  degrees.cp = static_cast<int>(p.context_parallel_degree);
+  degrees.tp = static_cast<int>(p.tensor_parallel_degree);
+  degrees.pp = static_cast<int>(p.pipeline_parallel_degree);
+  degrees.ep = static_cast<int>(p.expert_parallel_degree);
+  CheckedLayout out;
+  out.dims = std::make_unique<distributed::ParallelDims>(degrees, world_size, rank);
+  // The rows that need the resolved degrees.
+  check_compatibility(config, out.dims.get());
+  out.grad_accum_steps = gradient_accumulation_steps(config, out.dims->dp_degree());
+  // Context parallel cuts each sequence into 2 x degree equal chunks (config validation checked
+  // that it can); what is left per rank is what sequence parallel splits again.
+  spec.validate_layout(args, *out.dims, config.training.seq_len / p.context_parallel_degree,
+                       tensor_parallel_options(config), pipeline_options(config));
+  return out;
+}
+
+}  // namespace loom::train
