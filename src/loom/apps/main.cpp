@@ -9,6 +9,7 @@
 #include "loom/distributed/launcher_cli.h"
 #include "loom/models/cli/cli.h"
 #include "loom/pipeline/pipeline_cli.h"
+#include "loom/plan/plan_cli.h"
 #include "loom/train/train_cli.h"
 #include "loom/apps/restart_policy.h"
 #include "loom/core/error.h"
@@ -62,6 +63,7 @@ int main(int argc, char** argv) {
   loom::models::register_info_command(app);
   loom::models::register_convert_command(app);
   loom::pipeline::register_pipeline_command(app);
+  loom::plan::register_plan_command(app);
   // Usage errors go through report_error like every other error: under `loom launch` the rank's
   // LOOM_ERROR_FILE then says exit code 2, so the launcher does not restart a command line that
   // cannot work (an unreported exit 2 could be anything's and would be retried).

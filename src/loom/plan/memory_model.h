@@ -1,0 +1,65 @@
+// Memory per device of one layout, predicted from the model's own shapes (its parameters built on
+// the meta device), Loom's sharding (FSDP's planner for the shards and their padding, TP's split of
+// the linears, EP's of the experts), the activations each block saves per AC mode, FSDP's buffers
+// in flight and, under pipeline parallelism, the micro-batches each rank holds at once (walked
+// from the schedule the run would execute). The parts match train/memory_accounting.h's breakdown
+// (metrics.memory_breakdown), which is what the predictions are checked against.
+//
+// What the activation model counts per token and layer of a pre-norm decoder block (elements of
+// the compute dtype c, the residual dtype r; s = tp under sequence parallel, else 1):
+//   attention norm input r*dim/s and rstd; its normed output, all-gathered under SP, c*dim;
+//   q and k after RoPE, v, the attention output and its logsumexp: c*(dim + 2 kv + dim)/tp + 4 H/tp;
+//   the output projection's input c*dim/tp; the FFN norm input r*dim/s, rstd, normed c*dim;
+//   gate, up and the SwiGLU output 3 c*ffn/tp.
+// A checkpointed block keeps only its input and, during its backward, recomputes the rest; the
+// output head keeps its input, the normed hidden and the fused loss's gradients.
+// Mixture-of-Experts blocks are counted as a dense block of the model's FFN width: an estimate
+// until the routed part is modelled.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom/models/spec.h"
+#include "loom/plan/search.h"
+#include "loom/train/config.h"
+
+namespace loom::plan {
+
+// One model's parameters as the planner needs them, built once per model (meta device).
+struct ModelShape {
+  struct Tensor {
+    std::string name;
+    int64_t numel = 0;
+    int tp_split = -1;     // the dim tensor parallelism splits (-1: replicated across TP)
+    bool expert = false;   // a routed expert's stacked weight (split by EP over its dim 0)
+  };
+  struct Group {           // an FSDP group: the embedding, one block, the head
+    std::string name;      // "tok_embeddings", "layers.3", "head"
+    int64_t layer = -1;    // the block's layer id (-1: not a block)
+    std::vector<Tensor> tensors;
+  };
+  std::vector<Group> groups;  // embedding, layers in order, head
+  int64_t dim = 0, n_layers = 0, n_heads = 0, kv_dim = 0, ffn = 0, vocab = 0;
+
+  static ModelShape of(const models::ModelSpec& spec, const models::ModelArgs& args);
+};
+
+struct MemoryEstimate {
+  int64_t parameters = 0;
+  int64_t gradients = 0;
+  int64_t optimizer_state = 0;
+  int64_t activations = 0;
+  int64_t buffers_in_flight = 0;
+  int64_t peak = 0;     // the sum of the parts at the step's peak
+  int pipeline_rank = 0;  // the rank the figures are for (the one with the highest peak)
+  std::vector<int64_t> rank_peaks;  // every pipeline rank's peak, by pipeline rank
+  std::string describe() const;  // "parameters 1.20 GiB, ... = peak 9.80 GiB"
+};
+
+// The memory of the rank with the highest peak. `config`: the run's settings with the layout
+// applied (Layout::apply_to).
+MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs& args,
+                               const train::JobConfig& config, const Layout& layout);
+
+}  // namespace loom::plan

@@ -1,0 +1,169 @@
+#include "loom/plan/plan_cli.h"
+
+#include <c10/util/StringUtil.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+
+#include "loom/core/error.h"
+#include "loom/core/timer.h"
+#include "loom/data/tokenizer.h"
+#include "loom/plan/memory_model.h"
+#include "loom/plan/search.h"
+#include "loom/train/config.h"
+#include "loom/train/layout_check.h"
+
+namespace loom::plan {
+namespace {
+
+struct PlanOptions {
+  std::string config = "configs/llama3_debug.toml";
+  int world_size = 1;
+  int devices_per_node = 8;
+  double memory_gib = 0;  // 0: no capacity filter
+  int top = 10;
+  bool explain = false;
+  bool json = false;
+};
+
+double as_gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
+
+nlohmann::json estimate_json(const MemoryEstimate& m) {
+  return {{"parameters_gib", as_gib(m.parameters)},   {"gradients_gib", as_gib(m.gradients)},
+          {"optimizer_gib", as_gib(m.optimizer_state)}, {"activations_gib", as_gib(m.activations)},
+          {"buffers_gib", as_gib(m.buffers_in_flight)}, {"peak_gib", as_gib(m.peak)},
+          {"pipeline_rank", m.pipeline_rank}, {"rank_peaks_gib", [&] {
+            std::vector<double> out;
+            for (int64_t b : m.rank_peaks) out.push_back(as_gib(b));
+            return out;
+          }()}};
+}
+
+// The model's embedding rows as the run would have them: model.vocab_size, else the tokenizer's
+// vocabulary when its file is there, else the flavor's.
+int64_t vocab_of(const train::JobConfig& config) {
+  if (config.model.vocab_size > 0) return config.model.vocab_size;
+  if (!config.model.tokenizer_path.empty() && std::filesystem::is_regular_file(config.model.tokenizer_path)) {
+    return data::Tokenizer::from_file(config.model.tokenizer_path).vocab_size();
+  }
+  return 0;
+}
+
+void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
+  Timer timer;
+  LOOM_REQUIRE_USAGE(o.world_size >= 1, "--world-size must be at least 1, got ", o.world_size);
+  LOOM_REQUIRE_USAGE(o.top >= 1, "--top must be at least 1, got ", o.top);
+  LOOM_REQUIRE_USAGE(o.memory_gib >= 0, "--memory-gib must be >= 0 (0: no limit), got ", o.memory_gib);
+  train::JobConfig config = train::load_job_config(o.config, overrides);
+  const int64_t vocab = vocab_of(config);
+  const models::ModelSpec& spec = models::get_spec(config.model.name);
+  const auto args = spec.build_args({config.model.flavor, vocab, config.training.seq_len, config.model.n_layers});
+  const ModelShape shape = ModelShape::of(spec, *args);
+
+  if (o.explain) {
+    // The config's own layout, checked as training checks it.
+    const train::CheckedLayout checked = train::check_layout(config, o.world_size, 0, spec, *args);
+    const auto& d = *checked.dims;
+    Layout layout;
+    layout.dp_replicate = d.dp_replicate();
+    layout.dp_shard = d.dp_shard();
+    layout.cp = d.cp();
+    layout.tp = d.tp();
+    layout.pp = d.pp();
+    layout.ep = d.ep();
+    layout.schedule = d.pp() > 1 ? config.parallelism.pipeline_parallel_schedule : "";
+    layout.microbatch_size = config.parallelism.pipeline_parallel_microbatch_size;
+    layout.local_batch_size = config.training.local_batch_size;
+    layout.grad_accum_steps = checked.grad_accum_steps;
+    layout.apply_to(config);
+    const MemoryEstimate m = estimate_memory(shape, *args, config, layout);
+    if (o.json) {
+      nlohmann::json j = estimate_json(m);
+      j["layout"] = layout.describe();
+      std::printf("%s\n", j.dump().c_str());
+      return;
+    }
+    std::printf("%s %s on %d devices: %s\n", config.model.name.c_str(), config.model.flavor.c_str(), o.world_size,
+                layout.describe().c_str());
+    std::printf("predicted memory per device (pipeline rank %d, the highest): %s\n", m.pipeline_rank,
+                m.describe().c_str());
+    return;
+  }
+
+  SearchRequest request;
+  request.base = config;
+  request.world_size = o.world_size;
+  request.devices_per_node = o.devices_per_node;
+  request.vocab_size = vocab;
+  LOOM_REQUIRE_USAGE(config.training.global_batch_size > 0, "loom plan needs the global batch: set "
+                     "--training.global_batch_size (rows of training.seq_len tokens per optimizer step)");
+  const SearchResult found = enumerate_layouts(request);
+  struct Row {
+    Layout layout;
+    MemoryEstimate memory;
+  };
+  std::vector<Row> rows;
+  for (const Layout& layout : found.layouts) {
+    train::JobConfig c = config;
+    layout.apply_to(c);
+    const MemoryEstimate m = estimate_memory(shape, *args, c, layout);
+    if (o.memory_gib > 0 && as_gib(m.peak) > o.memory_gib) continue;
+    rows.push_back({layout, m});
+  }
+  std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.memory.peak < b.memory.peak; });
+  if (o.json) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const Row& row : rows) {
+      nlohmann::json e = estimate_json(row.memory);
+      e["layout"] = row.layout.describe();
+      e["overrides"] = row.layout.overrides();
+      j.push_back(e);
+    }
+    std::printf("%s\n", j.dump().c_str());
+    return;
+  }
+  std::printf("%s %s, seq %lld, global batch %lld rows, on %d devices (%d per node): %zu layouts training accepts "
+              "(of %lld tried), %zu within %s; ranked by predicted peak memory per device (%.2f s)\n",
+              config.model.name.c_str(), config.model.flavor.c_str(), static_cast<long long>(config.training.seq_len),
+              static_cast<long long>(config.training.global_batch_size), o.world_size, o.devices_per_node,
+              found.layouts.size(), static_cast<long long>(found.candidates), rows.size(),
+              o.memory_gib > 0 ? c10::str(o.memory_gib, " GiB").c_str() : "any memory", timer.seconds());
+  std::printf("%4s  %9s  %9s  %9s  %9s  %s\n", "#", "peak GiB", "params", "optim", "activ.", "layout");
+  for (size_t i = 0; i < rows.size() && static_cast<int>(i) < o.top; ++i) {
+    const MemoryEstimate& m = rows[i].memory;
+    std::printf("%4zu  %9.2f  %9.2f  %9.2f  %9.2f  %s\n", i + 1, as_gib(m.peak), as_gib(m.parameters),
+                as_gib(m.optimizer_state), as_gib(m.activations), rows[i].layout.describe().c_str());
+  }
+  if (!rows.empty()) {
+    std::string cmd = c10::str("loom launch --nproc ", std::min(o.world_size, o.devices_per_node), " -- train --config ",
+                               o.config);
+    for (const std::string& flag : overrides) cmd += " " + flag;
+    for (const std::string& flag : rows.front().layout.overrides()) cmd += " " + flag;
+    std::printf("first: %s\n", cmd.c_str());
+  }
+}
+
+}  // namespace
+
+void register_plan_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("plan", "Parallel layouts of a run on N devices, with their memory per device");
+  auto o = std::make_shared<PlanOptions>();
+  cmd->add_option("--config", o->config, "TOML job config: the model, seq_len, global batch, optimizer, precision")
+      ->capture_default_str();
+  cmd->add_option("--world-size", o->world_size, "Devices in all")->capture_default_str();
+  cmd->add_option("--devices-per-node", o->devices_per_node, "Devices per node (TP stays inside one)")
+      ->capture_default_str();
+  cmd->add_option("--memory-gib", o->memory_gib, "Keep layouts whose predicted peak fits (0: all)")
+      ->capture_default_str();
+  cmd->add_option("--top", o->top, "Rows to print")->capture_default_str();
+  cmd->add_flag("--explain", o->explain, "Break down the memory of the config's own layout");
+  cmd->add_flag("--json", o->json, "Print JSON");
+  cmd->allow_extras();
+  cmd->footer("Config keys can be overridden: --section.key=value (see docs/config.md).");
+  cmd->callback([cmd, o] { run_plan(*o, cmd->remaining()); });
+}
+
+}  // namespace loom::plan
