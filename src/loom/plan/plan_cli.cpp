@@ -138,8 +138,13 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
                 as_gib(m.optimizer_state), as_gib(m.activations), rows[i].layout.describe().c_str());
   }
   if (!rows.empty()) {
-    std::string cmd = c10::str("loom launch --nproc ", std::min(o.world_size, o.devices_per_node), " -- train --config ",
-                               o.config);
+    // One node: its ranks; several: the same command on every node, each with its --node-rank.
+    const int per_node = std::min(o.world_size, o.devices_per_node);
+    const int nodes = (o.world_size + per_node - 1) / per_node;
+    std::string cmd = nodes > 1 ? c10::str("loom launch --nproc ", per_node, " --nnodes ", nodes,
+                                           " --node-rank <0..", nodes - 1, "> --master-addr <node 0>")
+                                : c10::str("loom launch --nproc ", per_node);
+    cmd += " -- train --config " + o.config;
     for (const std::string& flag : overrides) cmd += " " + flag;
     for (const std::string& flag : rows.front().layout.overrides()) cmd += " " + flag;
     std::printf("first: %s\n", cmd.c_str());
