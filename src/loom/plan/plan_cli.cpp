@@ -13,6 +13,7 @@
 #include "loom/data/tokenizer.h"
 #include "loom/plan/memory_model.h"
 #include "loom/plan/search.h"
+#include "loom/plan/time_model.h"
 #include "loom/train/config.h"
 #include "loom/train/layout_check.h"
 
@@ -27,6 +28,7 @@ struct PlanOptions {
   int top = 10;
   bool explain = false;
   bool json = false;
+  std::string cluster;  // "h100" / "h200": rank by predicted tokens/s; empty: by peak memory
 };
 
 double as_gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
@@ -104,21 +106,36 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
   struct Row {
     Layout layout;
     MemoryEstimate memory;
+    TimeEstimate time;
   };
+  const bool timed = !o.cluster.empty();
+  const Cluster cluster = timed ? Cluster::preset(o.cluster) : Cluster{};
+  const double capacity = o.memory_gib > 0 ? o.memory_gib : timed ? cluster.memory_gib : 0;
   std::vector<Row> rows;
   for (const Layout& layout : found.layouts) {
     train::JobConfig c = config;
     layout.apply_to(c);
     const MemoryEstimate m = estimate_memory(shape, *args, c, layout);
-    if (o.memory_gib > 0 && as_gib(m.peak) > o.memory_gib) continue;
-    rows.push_back({layout, m});
+    if (capacity > 0 && as_gib(m.peak) > capacity) continue;
+    rows.push_back({layout, m, timed ? estimate_time(spec, *args, shape, c, layout, cluster) : TimeEstimate{}});
   }
-  std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.memory.peak < b.memory.peak; });
+  if (timed) {
+    std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
+      return a.time.tokens_per_device_s > b.time.tokens_per_device_s;
+    });
+  } else {
+    std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.memory.peak < b.memory.peak; });
+  }
   if (o.json) {
     nlohmann::json j = nlohmann::json::array();
     for (const Row& row : rows) {
       nlohmann::json e = estimate_json(row.memory);
       e["layout"] = row.layout.describe();
+      if (timed) {
+        e["tokens_per_device_s"] = row.time.tokens_per_device_s;
+        e["mfu"] = row.time.mfu;
+        e["binding"] = row.time.binding;
+      }
       e["overrides"] = row.layout.overrides();
       j.push_back(e);
     }
@@ -126,16 +143,29 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
     return;
   }
   std::printf("%s %s, seq %lld, global batch %lld rows, on %d devices (%d per node): %zu layouts training accepts "
-              "(of %lld tried), %zu within %s; ranked by predicted peak memory per device (%.2f s)\n",
+              "(of %lld tried), %zu within %s; ranked by %s (%.2f s)\n",
               config.model.name.c_str(), config.model.flavor.c_str(), static_cast<long long>(config.training.seq_len),
               static_cast<long long>(config.training.global_batch_size), o.world_size, o.devices_per_node,
               found.layouts.size(), static_cast<long long>(found.candidates), rows.size(),
-              o.memory_gib > 0 ? c10::str(o.memory_gib, " GiB").c_str() : "any memory", timer.seconds());
-  std::printf("%4s  %9s  %9s  %9s  %9s  %s\n", "#", "peak GiB", "params", "optim", "activ.", "layout");
+              capacity > 0 ? c10::str(capacity, " GiB").c_str() : "any memory",
+              timed ? c10::str("predicted tokens/s per device on ", cluster.name).c_str()
+                    : "predicted peak memory per device (give --cluster to rank by time)",
+              timer.seconds());
+  if (timed) {
+    std::printf("%4s  %10s  %6s  %9s  %-24s  %s\n", "#", "tokens/s", "MFU", "peak GiB", "binding", "layout");
+  } else {
+    std::printf("%4s  %9s  %9s  %9s  %9s  %s\n", "#", "peak GiB", "params", "optim", "activ.", "layout");
+  }
   for (size_t i = 0; i < rows.size() && static_cast<int>(i) < o.top; ++i) {
     const MemoryEstimate& m = rows[i].memory;
-    std::printf("%4zu  %9.2f  %9.2f  %9.2f  %9.2f  %s\n", i + 1, as_gib(m.peak), as_gib(m.parameters),
-                as_gib(m.optimizer_state), as_gib(m.activations), rows[i].layout.describe().c_str());
+    if (timed) {
+      std::printf("%4zu  %10.0f  %5.1f%%  %9.2f  %-24s  %s\n", i + 1, rows[i].time.tokens_per_device_s,
+                  100 * rows[i].time.mfu, as_gib(m.peak), rows[i].time.binding.c_str(),
+                  rows[i].layout.describe().c_str());
+    } else {
+      std::printf("%4zu  %9.2f  %9.2f  %9.2f  %9.2f  %s\n", i + 1, as_gib(m.peak), as_gib(m.parameters),
+                  as_gib(m.optimizer_state), as_gib(m.activations), rows[i].layout.describe().c_str());
+    }
   }
   if (!rows.empty()) {
     // One node: its ranks; several: the same command on every node, each with its --node-rank.
@@ -165,6 +195,8 @@ void register_plan_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--top", o->top, "Rows to print")->capture_default_str();
   cmd->add_flag("--explain", o->explain, "Break down the memory of the config's own layout");
+  cmd->add_option("--cluster", o->cluster, "h100 or h200: rank by predicted tokens/s per device (memory "
+                  "capacity from the device unless --memory-gib)");
   cmd->add_flag("--json", o->json, "Print JSON");
   cmd->allow_extras();
   cmd->footer("Config keys can be overridden: --section.key=value (see docs/config.md).");

@@ -1,0 +1,135 @@
+#include "loom/plan/time_model.h"
+
+#include <algorithm>
+#include <map>
+
+#include "loom/ac/activation_checkpoint.h"
+#include "loom/core/error.h"
+#include "loom/pipeline/generators.h"
+#include "loom/pipeline/simulator.h"
+#include "loom/train/layout_check.h"
+
+namespace loom::plan {
+
+Cluster Cluster::preset(const std::string& name) {
+  Cluster c;
+  c.name = name;
+  c.peak_flops = 989e12;       // H100 SXM / H200 dense bf16
+  c.efficiency = 0.3547;       // fitted on TorchTitan's 8B, 8-GPU FSDP row (docs/planner.md)
+  c.intra_node_bw = 350e9;     // NVLink 4: 450 GB/s per direction, ~350 GB/s ring algorithmic
+  c.inter_node_bw = 40e9;      // 400 Gb/s InfiniBand per GPU, ~80 % achieved
+  c.intra_latency = 10e-6;
+  c.inter_latency = 20e-6;
+  c.devices_per_node = 8;
+  if (name == "h100") {
+    c.memory_gib = 80;
+  } else if (name == "h200") {
+    c.memory_gib = 141;
+  } else {
+    fail_usage("unknown cluster '", name, "'; use h100 or h200");
+  }
+  return c;
+}
+
+TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArgs& args, const ModelShape& shape,
+                           const train::JobConfig& config, const Layout& layout, const Cluster& cluster) {
+  const auto& t = config.training;
+  const auto& p = config.parallelism;
+  const double world = static_cast<double>(layout.dp_replicate) * layout.dp_shard * layout.cp * layout.tp * layout.pp;
+  const double dp = static_cast<double>(layout.dp_replicate) * layout.dp_shard;
+  const double global_tokens = static_cast<double>(t.global_batch_size) * static_cast<double>(t.seq_len);
+  const double c = t.mixed_precision_param == Precision::kBFloat16 ? 2 : 4;
+  const double reduce_bytes = t.mixed_precision_reduce == Precision::kBFloat16 ? 2 : 4;
+  const double flops_per_token = spec.flops_per_token(args, t.seq_len);
+  const double layers = static_cast<double>(shape.n_layers) / layout.pp;
+  const double micro_steps = static_cast<double>(layout.grad_accum_steps);
+
+  // Activation checkpointing recomputes the forward (a third of a layer's training FLOPs) of the
+  // blocks it wraps.
+  const ac::ACOptions ac = ac::ACOptions::from(config.activation_checkpoint);
+  double recompute = 1.0;
+  if (ac.mode == ac::Mode::kFull) recompute = 4.0 / 3.0;
+  if (ac.mode == ac::Mode::kSelective) recompute = ac.per_op ? 1.05 : 1.0 + 1.0 / (3.0 * static_cast<double>(ac.every));
+
+  TimeEstimate e;
+  e.compute_s = flops_per_token * global_tokens / world * recompute / (cluster.peak_flops * cluster.efficiency);
+
+  if (layout.pp > 1) {
+    const models::PipelineOptions po = train::pipeline_options(config);
+    const pipeline::Schedule schedule = pipeline::build_schedule(
+        {po.schedule, layout.pp, static_cast<int>(po.microbatches), 0});
+    const double bubble = pipeline::simulate(schedule).bubble_fraction;
+    e.bubble_s = e.compute_s * bubble / std::max(1e-9, 1.0 - bubble);
+  }
+
+  // A ring collective over n ranks moving `bytes` (the whole buffer's size) per device.
+  const auto ring = [&](double n, double bytes, bool inside_node) {
+    if (n <= 1) return 0.0;
+    const double bw = inside_node ? cluster.intra_node_bw : cluster.inter_node_bw;
+    const double lat = inside_node ? cluster.intra_latency : cluster.inter_latency;
+    return (n - 1) / n * bytes / bw + (n - 1) * lat;
+  };
+
+  // TP: the activations of every token of the TP group's micro-steps, 8 collectives per layer
+  // (4 forward, 4 backward; 4 more when the forward is recomputed).
+  if (layout.tp > 1) {
+    const double tokens = global_tokens / (dp * layout.cp);
+    const double collectives = (ac.mode == ac::Mode::kFull ? 12.0 : 8.0) * layers;
+    const double bytes = tokens * static_cast<double>(shape.dim) * c;  // over the whole step
+    const double microbatches = layout.pp > 1 ? static_cast<double>(layout.local_batch_size / layout.microbatch_size) : 1.0;
+    const double calls = collectives * micro_steps * microbatches;
+    e.tp_s = collectives * (layout.tp - 1.0) / layout.tp * bytes / cluster.intra_node_bw +
+             calls * (layout.tp - 1.0) * cluster.intra_latency;
+  }
+
+  // FSDP over dp_shard x cp: the rank's groups gathered (forward, and again for the backward when
+  // resharded after forward: not under PP, which holds stages gathered) and reduced, per micro-step.
+  const double fsdp_ranks = static_cast<double>(layout.dp_shard) * layout.cp;
+  double param_elems = 0;
+  int64_t groups = 0;
+  for (const auto& g : shape.groups) {
+    for (const auto& x : g.tensors) {
+      double n = static_cast<double>(x.numel);
+      if (x.tp_split >= 0) n /= layout.tp;
+      if (x.expert) n /= layout.ep;
+      param_elems += n;
+    }
+    ++groups;
+  }
+  param_elems /= layout.pp;  // a pipeline rank holds about 1/pp of the groups
+  const double groups_here = std::max(1.0, static_cast<double>(groups) / layout.pp);
+  const bool fsdp_inside_node = fsdp_ranks * layout.tp <= cluster.devices_per_node;
+  if (fsdp_ranks > 1) {
+    const double gathers = layout.pp > 1 || p.fsdp_reshard_after_forward == "never" ? 1.0 : 2.0;
+    const double comm = micro_steps * (gathers * ring(fsdp_ranks, param_elems * c, fsdp_inside_node) +
+                                       ring(fsdp_ranks, param_elems * reduce_bytes, fsdp_inside_node));
+    e.fsdp_exposed_s = std::max(0.0, comm - e.compute_s) + 2.0 * comm / (groups_here * (gathers + 1.0));
+  }
+  // Replicas (HSDP's dp_replicate, or DDP): the gradients' all-reduce, 2 (r-1)/r of the shard, across
+  // nodes when the replicas are; behind the backward but for the last bucket.
+  if (layout.dp_replicate > 1) {
+    const double shard = param_elems / std::max(1.0, fsdp_ranks) * reduce_bytes;
+    const bool inside = world <= cluster.devices_per_node;
+    const double comm = 2.0 * ring(layout.dp_replicate, shard, inside);
+    e.dp_exposed_s = std::max(0.0, comm - 2.0 / 3.0 * e.compute_s) + comm / groups_here;
+  }
+  // CP: each layer passes the keys and values around the ring (3 times: forward, backward and
+  // the gradients), mostly behind the attention compute; a fifth is counted as exposed.
+  if (layout.cp > 1) {
+    const double tokens = global_tokens / (dp * layout.cp);
+    const double bytes = tokens * 2.0 * static_cast<double>(shape.kv_dim) / layout.tp * c;
+    const bool inside = layout.cp * layout.tp <= cluster.devices_per_node;
+    e.cp_exposed_s = 0.2 * 3.0 * layers * ring(layout.cp, bytes * layout.cp, inside);
+  }
+
+  e.step_s = e.compute_s + e.bubble_s + e.tp_s + e.fsdp_exposed_s + e.dp_exposed_s + e.cp_exposed_s;
+  e.tokens_per_device_s = global_tokens / e.step_s / world;
+  e.mfu = flops_per_token * e.tokens_per_device_s / cluster.peak_flops;
+  const std::vector<std::pair<double, const char*>> terms = {
+      {e.compute_s, "compute"}, {e.bubble_s, "pipeline bubble"}, {e.tp_s, "TP"},
+      {e.fsdp_exposed_s, "FSDP"}, {e.dp_exposed_s, "data-parallel all-reduce"}, {e.cp_exposed_s, "CP"}};
+  e.binding = std::max_element(terms.begin(), terms.end())->second;
+  return e;
+}
+
+}  // namespace loom::plan

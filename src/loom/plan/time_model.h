@@ -1,0 +1,58 @@
+// Step time and tokens/s per device of one layout on a cluster, from the model's FLOPs, Loom's
+// communication volumes and the pipeline schedule's bubble (issue 29, first version):
+//   compute    FLOPs per token (the model's spec, TorchTitan's formula) x tokens per device x the
+//              recompute of activation checkpointing, at peak x efficiency (one fitted number per
+//              device kind);
+//   TP         per layer and micro-step, sequence parallel's all-gathers and reduce-scatters of the
+//              activations (8 per layer forward + backward, 4 more under full recompute), ring time
+//              (t-1)/t x bytes / bandwidth + latency per hop, on the critical path;
+//   FSDP       all-gathers (forward, and backward when resharded after forward) and reduce-scatters
+//              of the rank's groups per micro-step; what the compute does not cover is exposed, plus
+//              the first gather and the last reduce, which nothing covers;
+//   HSDP/DDP   the all-reduce of the (sharded) gradients across replicas, behind the backward;
+//   CP         the ring's key/value exchange per layer, mostly behind the attention;
+//   PP         the bubble of the schedule the run would execute (pipeline::simulate).
+// Links: inside a node (NVLink) when a group fits in one, else across nodes (InfiniBand).
+#pragma once
+#include <string>
+
+#include "loom/models/spec.h"
+#include "loom/plan/memory_model.h"
+#include "loom/plan/search.h"
+#include "loom/train/config.h"
+
+namespace loom::plan {
+
+struct Cluster {
+  std::string name;
+  double peak_flops = 0;        // dense bf16 FLOP/s per device
+  double efficiency = 0.5;      // fraction of the peak the model's compute reaches (fitted)
+  double memory_gib = 0;        // per device
+  double intra_node_bw = 0;     // bytes/s per device, ring (algorithmic) bandwidth inside a node
+  double inter_node_bw = 0;     // bytes/s per device across nodes
+  double intra_latency = 0;     // seconds per ring hop
+  double inter_latency = 0;
+  int devices_per_node = 8;
+  // "h100" (SXM, 80 GB, NVLink 4, 400 Gb/s InfiniBand per GPU) or "h200" (141 GB); a UsageError
+  // lists the known ones. Efficiency: fitted on TorchTitan's published Llama 3.1 8B row
+  // (docs/planner.md).
+  static Cluster preset(const std::string& name);
+};
+
+struct TimeEstimate {
+  double compute_s = 0;
+  double bubble_s = 0;
+  double tp_s = 0;
+  double fsdp_exposed_s = 0;
+  double dp_exposed_s = 0;
+  double cp_exposed_s = 0;
+  double step_s = 0;
+  double tokens_per_device_s = 0;
+  double mfu = 0;
+  std::string binding;  // the largest term: "compute", "pipeline bubble", "TP", "FSDP", ...
+};
+
+TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArgs& args, const ModelShape& shape,
+                           const train::JobConfig& config, const Layout& layout, const Cluster& cluster);
+
+}  // namespace loom::plan
