@@ -14,7 +14,7 @@ using loom::testing::loom_bin;
 using loom::testing::run;
 
 const std::string kAvailable =
-    "; available: launch, train, plot, score, generate, tokenizer, info, convert, pipeline (see 'loom --help')";
+    "; available: launch, train, plot, score, generate, tokenizer, info, convert, pipeline, plan (see 'loom --help')";
 
 // Issue 8 H: these printed only "A subcommand is required".
 TEST(LoomCli, UnknownCommandsAndOptionsListTheCommands) {
@@ -70,7 +70,7 @@ TEST(LoomCli, LaunchUsageErrorsExit2WithoutRestarts) {
       // Refused by the launcher before any rank starts.
       {"launch --nproc 2 --max-restarts 2 -- frobnicate",
        "error: loom launch: 'frobnicate' is not a loom command the ranks can run; available: launch, train, "
-       "plot, score, generate, tokenizer, info, convert, pipeline (or --exec to run another program)"},
+       "plot, score, generate, tokenizer, info, convert, pipeline, plan (or --exec to run another program)"},
       {"launch --max-restarts 2 -- train", "error: --nproc is required (see 'loom --help')"},
       // A required option the ranks' command lacks: each rank's report says exit 2.
       {"launch --nproc 2 --max-restarts 2 -- plot",
@@ -93,6 +93,39 @@ TEST(LoomCli, LaunchUsageErrorsExit2WithoutRestarts) {
 // Issue 22, item 3: one rule for every enum-valued config key: matched as written, and a value that
 // differs only in case is a one-line error naming the exact spelling (before: `gpipe` got the whole
 // list of schedules).
+// `loom plan`: the config's own layout explained, the search's table and command, and a request
+// that describes no run as one line with exit 2.
+TEST(LoomCli, PlanExplainsSearchesAndRefusesBadRequestsInOneLine) {
+  const std::string base = loom_bin() + " plan --config " + loom::testing::source_path("configs/llama3_debug.toml") +
+                           " --model.tokenizer_path=" + loom::testing::source_path("data/default/tokenizer.json") +
+                           " --validation.enable=false";
+  const auto explain = run(base + " --explain --world-size 2 --parallelism.tensor_parallel_degree=2 "
+                                  "--parallelism.data_parallel_shard_degree=1", 60);
+  EXPECT_EQ(explain.exit_code, 0) << explain.output;
+  EXPECT_NE(explain.output.find("tp 2, local batch"), std::string::npos) << explain.output;
+  EXPECT_NE(explain.output.find("predicted memory per device"), std::string::npos) << explain.output;
+  const auto table = run(base + " --world-size 4 --training.global_batch_size=8 --top 3", 60);
+  EXPECT_EQ(table.exit_code, 0) << table.output;
+  EXPECT_NE(table.output.find("layouts training accepts"), std::string::npos) << table.output;
+  EXPECT_NE(table.output.find("first: loom launch --nproc 4 -- train"), std::string::npos) << table.output;
+  struct Case {
+    std::string args, expected;
+  };
+  const Case cases[] = {
+      {" --world-size 0", "error: --world-size must be at least 1, got 0"},
+      {" --world-size 2", "error: loom plan needs the global batch"},
+      {" --world-size 2 --training.global_batch_size=8 --cluster a100", "error: unknown cluster 'a100'; use h100 or h200"},
+      {" --explain --world-size 3 --parallelism.data_parallel_shard_degree=2", "error: "},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args);
+    const auto r = run(base + c.args, 60);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_EQ(r.output.rfind(c.expected, 0), 0u) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "\n"), 1) << r.output;
+  }
+}
+
 TEST(LoomCli, EnumKeysDifferingInCaseNameTheExactSpelling) {
   struct Case {
     std::string flag, expected;
