@@ -67,7 +67,7 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
 
   if (o.explain) {
     // The config's own layout, checked as training checks it.
-    const train::CheckedLayout checked = train::check_layout(config, o.world_size, 0, spec, *args);
+    const train::CheckedLayout checked = train::check_layout(config, o.world_size, 0, spec, [&]() -> const models::ModelArgs& { return *args; });
     const auto& d = *checked.dims;
     Layout layout;
     layout.dp_replicate = d.dp_replicate();
@@ -82,9 +82,20 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
     layout.grad_accum_steps = checked.grad_accum_steps;
     layout.apply_to(config);
     const MemoryEstimate m = estimate_memory(shape, *args, config, layout);
+    TimeEstimate time;
+    if (!o.cluster.empty()) {
+      const Cluster cluster = o.cluster == "cpu" ? Cluster::this_cpu() : Cluster::preset(o.cluster);
+      time = estimate_time(spec, *args, shape, config, layout, cluster);
+    }
     if (o.json) {
       nlohmann::json j = estimate_json(m);
       j["layout"] = layout.describe();
+      if (!o.cluster.empty()) {
+        j["tokens_per_device_s"] = time.tokens_per_device_s;
+        j["step_s"] = time.step_s;
+        j["compute_s"] = time.compute_s;
+        j["binding"] = time.binding;
+      }
       std::printf("%s\n", j.dump().c_str());
       return;
     }
@@ -92,6 +103,12 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
                 layout.describe().c_str());
     std::printf("predicted memory per device (pipeline rank %d, the highest): %s\n", m.pipeline_rank,
                 m.describe().c_str());
+    if (!o.cluster.empty()) {
+      std::printf("predicted step on %s: %.3f s = compute %.3f + bubble %.3f + TP %.3f + FSDP %.3f + replicas %.3f + "
+                  "CP %.3f; %.0f tokens/s per device, MFU %.1f %%; bound by %s\n",
+                  o.cluster.c_str(), time.step_s, time.compute_s, time.bubble_s, time.tp_s, time.fsdp_exposed_s,
+                  time.dp_exposed_s, time.cp_exposed_s, time.tokens_per_device_s, 100 * time.mfu, time.binding.c_str());
+    }
     return;
   }
 
@@ -109,7 +126,7 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
     TimeEstimate time;
   };
   const bool timed = !o.cluster.empty();
-  const Cluster cluster = timed ? Cluster::preset(o.cluster) : Cluster{};
+  const Cluster cluster = !timed ? Cluster{} : o.cluster == "cpu" ? Cluster::this_cpu() : Cluster::preset(o.cluster);
   const double capacity = o.memory_gib > 0 ? o.memory_gib : timed ? cluster.memory_gib : 0;
   std::vector<Row> rows;
   for (const Layout& layout : found.layouts) {
@@ -195,8 +212,8 @@ void register_plan_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--top", o->top, "Rows to print")->capture_default_str();
   cmd->add_flag("--explain", o->explain, "Break down the memory of the config's own layout");
-  cmd->add_option("--cluster", o->cluster, "h100 or h200: rank by predicted tokens/s per device (memory "
-                  "capacity from the device unless --memory-gib)");
+  cmd->add_option("--cluster", o->cluster, "h100, h200 or cpu (this machine, one thread per rank): rank by "
+                  "predicted tokens/s per device (memory capacity from the device unless --memory-gib)");
   cmd->add_flag("--json", o->json, "Print JSON");
   cmd->allow_extras();
   cmd->footer("Config keys can be overridden: --section.key=value (see docs/config.md).");

@@ -99,7 +99,7 @@ SearchResult enumerate_layouts(const SearchRequest& request) {
     ++result.candidates;
     layout.apply_to(config);
     try {
-      const train::CheckedLayout checked = train::check_layout(config, world, 0, spec, *args);
+      const train::CheckedLayout checked = train::check_layout(config, world, 0, spec, [&]() -> const models::ModelArgs& { return *args; });
       Layout accepted = layout;
       accepted.grad_accum_steps = checked.grad_accum_steps;
       result.layouts.push_back(std::move(accepted));

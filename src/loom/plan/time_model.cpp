@@ -2,14 +2,24 @@
 
 #include <algorithm>
 #include <map>
+#include <thread>
+
+#include <ATen/Parallel.h>
 
 #include "loom/ac/activation_checkpoint.h"
 #include "loom/core/error.h"
 #include "loom/pipeline/generators.h"
 #include "loom/pipeline/simulator.h"
 #include "loom/train/layout_check.h"
+#include "loom/train/metrics.h"
 
 namespace loom::plan {
+namespace {
+// Fitted on this machine (bench/plan_time.py): the debug Llama 3's compute against one thread's
+// fp32 GEMM peak, single process; Gloo's loopback ring bandwidth on its FSDP 2 run.
+constexpr double kCpuEfficiency = 0.5;
+constexpr double kCpuLoopbackBandwidth = 2e9;
+}  // namespace
 
 Cluster Cluster::preset(const std::string& name) {
   Cluster c;
@@ -26,8 +36,25 @@ Cluster Cluster::preset(const std::string& name) {
   } else if (name == "h200") {
     c.memory_gib = 141;
   } else {
-    fail_usage("unknown cluster '", name, "'; use h100 or h200");
+    fail_usage("unknown cluster '", name, "'; use h100, h200 or cpu");
   }
+  return c;
+}
+
+Cluster Cluster::this_cpu() {
+  Cluster c;
+  c.name = "cpu";
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  c.peak_flops = train::measure_peak_fp32_flops();
+  at::set_num_threads(threads);
+  c.efficiency = kCpuEfficiency;
+  c.intra_node_bw = kCpuLoopbackBandwidth;
+  c.inter_node_bw = kCpuLoopbackBandwidth;
+  c.intra_latency = c.inter_latency = 50e-6;
+  c.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  c.devices_per_node = 1 << 20;  // one host: every group is "inside the node"
+  c.memory_gib = 0;
   return c;
 }
 
@@ -53,6 +80,8 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
 
   TimeEstimate e;
   e.compute_s = flops_per_token * global_tokens / world * recompute / (cluster.peak_flops * cluster.efficiency);
+  // More ranks than cores: they take turns.
+  if (cluster.cores > 0 && world > cluster.cores) e.compute_s *= world / cluster.cores;
 
   if (layout.pp > 1) {
     const models::PipelineOptions po = train::pipeline_options(config);

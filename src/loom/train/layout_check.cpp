@@ -33,7 +33,7 @@ models::PipelineOptions pipeline_options(const JobConfig& config) {
 }
 
 CheckedLayout check_layout(const JobConfig& config, int world_size, int rank, const models::ModelSpec& spec,
-                           const models::ModelArgs& args) {
+                           const std::function<const models::ModelArgs&()>& args) {
   validate(config);  // the world-independent checks (micro-batches per batch, CP chunks, ...)
   const auto& p = config.parallelism;
   distributed::ParallelDegrees degrees;
@@ -50,7 +50,7 @@ CheckedLayout check_layout(const JobConfig& config, int world_size, int rank, co
   out.grad_accum_steps = gradient_accumulation_steps(config, out.dims->dp_degree());
   // Context parallel cuts each sequence into 2 x degree equal chunks (config validation checked
   // that it can); what is left per rank is what sequence parallel splits again.
-  spec.validate_layout(args, *out.dims, config.training.seq_len / p.context_parallel_degree,
+  spec.validate_layout(args(), *out.dims, config.training.seq_len / p.context_parallel_degree,
                        tensor_parallel_options(config), pipeline_options(config));
   return out;
 }

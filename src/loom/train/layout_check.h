@@ -7,6 +7,7 @@
 // shape rules (models::ModelSpec::validate_layout: heads and TP, layers and stages, schedules).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "loom/distributed/parallel_dims.h"
@@ -26,11 +27,12 @@ struct CheckedLayout {
   int64_t grad_accum_steps = 1;
 };
 
-// Throws loom::UsageError (one line, exit 2) for the first check that fails. `spec` and `args`:
-// the model of `config` (models::get_spec(config.model.name) and its build_args at the run's
-// vocabulary and seq_len), built once by the caller, so a planner checking many layouts of one
-// model does not rebuild them.
+// Throws loom::UsageError (one line, exit 2) for the first check that fails, in this order: the
+// config, the degrees against the world size, the compatibility rows, the global batch, then the
+// model's rules. `spec` is models::get_spec(config.model.name); `args` returns its args at the
+// run's vocabulary and seq_len, and is called only once the degrees passed (the Trainer reads the
+// tokenizer there, so a world-size mistake is reported first; a planner passes args built once).
 CheckedLayout check_layout(const JobConfig& config, int world_size, int rank, const models::ModelSpec& spec,
-                           const models::ModelArgs& args);
+                           const std::function<const models::ModelArgs&()>& args);
 
 }  // namespace loom::train

@@ -137,11 +137,18 @@ Trainer::~Trainer() {
 }
 
 void Trainer::check_layout(const distributed::LaunchEnv& env) {
-  tokenizer_ = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(config_.model.tokenizer_path));
   model_spec_ = &models::get_spec(config_.model.name);
-  model_args_ = model_spec_->build_args(
-      {config_.model.flavor, model_vocab_size(), config_.training.seq_len, config_.model.n_layers});
-  parallel_dims_ = train::check_layout(config_, env.world_size, env.rank, *model_spec_, *model_args_).dims;
+  // The tokenizer (for the vocabulary) and the model's args are read once the degrees passed.
+  parallel_dims_ = train::check_layout(config_, env.world_size, env.rank, *model_spec_,
+                                       [this]() -> const models::ModelArgs& {
+                                         tokenizer_ = std::make_unique<data::Tokenizer>(
+                                             data::Tokenizer::from_file(config_.model.tokenizer_path));
+                                         model_args_ = model_spec_->build_args({config_.model.flavor, model_vocab_size(),
+                                                                                config_.training.seq_len,
+                                                                                config_.model.n_layers});
+                                         return *model_args_;
+                                       })
+                       .dims;
 }
 
 void Trainer::init_distributed(const distributed::LaunchEnv& env) {

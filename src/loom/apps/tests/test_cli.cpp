@@ -114,7 +114,7 @@ TEST(LoomCli, PlanExplainsSearchesAndRefusesBadRequestsInOneLine) {
   const Case cases[] = {
       {" --world-size 0", "error: --world-size must be at least 1, got 0"},
       {" --world-size 2", "error: loom plan needs the global batch"},
-      {" --world-size 2 --training.global_batch_size=8 --cluster a100", "error: unknown cluster 'a100'; use h100 or h200"},
+      {" --world-size 2 --training.global_batch_size=8 --cluster a100", "error: unknown cluster 'a100'; use h100, h200 or cpu"},
       {" --explain --world-size 3 --parallelism.data_parallel_shard_degree=2", "error: "},
   };
   for (const Case& c : cases) {

@@ -40,7 +40,7 @@ void expect_all_accepted(const loom::plan::SearchRequest& request, const loom::p
     loom::train::JobConfig config = request.base;
     loom::train::apply_overrides(config, layout.overrides());
     try {
-      const auto checked = loom::train::check_layout(config, request.world_size, 0, spec, *args);
+      const auto checked = loom::train::check_layout(config, request.world_size, 0, spec, [&]() -> const loom::models::ModelArgs& { return *args; });
       EXPECT_EQ(checked.grad_accum_steps, layout.grad_accum_steps) << what << ": " << layout.describe();
       EXPECT_EQ(checked.grad_accum_steps * layout.local_batch_size * layout.dp_replicate * layout.dp_shard,
                 request.base.training.global_batch_size)
