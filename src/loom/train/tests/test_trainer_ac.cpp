@@ -1,4 +1,4 @@
-// Activation checkpointing through `loom train` (issue 13's acceptance): 8 steps of the tiny
+// Activation checkpointing through `loom train` (issue 13's acceptance): 6 steps of the tiny
 // model with full, selective every 2nd block and selective per op give per-step losses bitwise
 // equal to no checkpointing, in one process, under FSDP 2 (the recompute reads parameters FSDP
 // re-gathered in backward; the reduce-scatters are not repeated), under TP 2 and async TP 2
@@ -44,11 +44,11 @@ const std::vector<Mode>& modes() {
   return all;
 }
 
-// One test per layout: the layout without AC, then with each mode, 8 steps each.
+// One test per layout: the layout without AC, then with each mode, 6 steps each.
 class TrainerACLayout : public ::testing::TestWithParam<Layout> {};
 
 TEST_P(TrainerACLayout, EveryModeTrainsBitwiseLikeNoCheckpointing) {
-  constexpr int kSteps = 8;
+  constexpr int kSteps = 6;
   const Layout& l = GetParam();
   TempDir reference(std::string(l.name) + "_none");
   RunResult ref = run(loom_command(l.nproc, layout_train_args(reference, kSteps, l.local_batch, l.flags)), 600);
