@@ -15,8 +15,10 @@
 
 namespace loom::plan {
 namespace {
-// Fitted on this machine (bench/plan_time.py): the debug Llama 3's compute against one thread's
-// fp32 GEMM peak, single process; Gloo's loopback ring bandwidth on its FSDP 2 run.
+// First estimates, not yet fitted (bench/plan_time.py measures them against training on this
+// machine; one run: 5 of the 7 layouts within 20 %, the peak measurement itself varying by
+// ~10-20 % between runs): the debug Llama 3's compute reaches about half of the GEMM peak; Gloo's
+// loopback ring about 2 GB/s.
 constexpr double kCpuEfficiency = 0.5;
 constexpr double kCpuLoopbackBandwidth = 2e9;
 }  // namespace
@@ -48,11 +50,14 @@ Cluster Cluster::this_cpu() {
   at::set_num_threads(1);
   c.peak_flops = train::measure_peak_fp32_flops();
   at::set_num_threads(threads);
+  c.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(c.cores);
+  c.peak_flops_all_cores = train::measure_peak_fp32_flops();
+  at::set_num_threads(threads);
   c.efficiency = kCpuEfficiency;
   c.intra_node_bw = kCpuLoopbackBandwidth;
   c.inter_node_bw = kCpuLoopbackBandwidth;
   c.intra_latency = c.inter_latency = 50e-6;
-  c.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   c.devices_per_node = 1 << 20;  // one host: every group is "inside the node"
   c.memory_gib = 0;
   return c;
@@ -80,8 +85,11 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
 
   TimeEstimate e;
   e.compute_s = flops_per_token * global_tokens / world * recompute / (cluster.peak_flops * cluster.efficiency);
-  // More ranks than cores: they take turns.
+  // CPU runs: more ranks than cores take turns; a lone rank uses every core.
   if (cluster.cores > 0 && world > cluster.cores) e.compute_s *= world / cluster.cores;
+  if (cluster.cores > 1 && world == 1 && cluster.peak_flops_all_cores > 0) {
+    e.compute_s *= cluster.peak_flops / cluster.peak_flops_all_cores;
+  }
 
   if (layout.pp > 1) {
     const models::PipelineOptions po = train::pipeline_options(config);

@@ -34,13 +34,15 @@ struct Cluster {
   double inter_latency = 0;
   int devices_per_node = 8;
   int cores = 0;                // CPU runs: ranks beyond this many share the cores (0: accelerators)
+  double peak_flops_all_cores = 0;  // CPU: the GEMM rate with every core (a lone rank uses them all)
   // "h100" (SXM, 80 GB, NVLink 4, 400 Gb/s InfiniBand per GPU) or "h200" (141 GB); a UsageError
   // lists the known ones. Efficiency: fitted on TorchTitan's published Llama 3.1 8B row
   // (docs/planner.md).
   static Cluster preset(const std::string& name);
   // This machine's CPU cores as the devices of a run with one intra-op thread per rank, Gloo over
-  // the loopback: the peak is one thread's measured fp32 GEMM rate (train::measure_peak_fp32_flops),
-  // efficiency and loopback bandwidth fitted on this machine (docs/planner.md).
+  // the loopback: the peak is one thread's measured fp32 GEMM rate (train::measure_peak_fp32_flops,
+  // all cores' for a lone rank); efficiency and loopback bandwidth are first estimates, not yet
+  // fitted (docs/planner.md).
   static Cluster this_cpu();
 };
 
