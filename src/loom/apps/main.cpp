@@ -1,6 +1,8 @@
 // The `loom` command line: a thin dispatcher. Every subcommand is implemented by its concept folder.
 #include <cstdio>
 #include <cstring>
+#include <iostream>
+#include <unistd.h>
 #include <exception>
 #include <string>
 #include <vector>
@@ -47,14 +49,13 @@ std::string unknown_command(CLI::App& app, int argc, char** argv) {
   return "unknown command '" + first + "'" + planned + see;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The whole command line; also what ranks forked by `loom launch` run (distributed/rank_fork_server.h).
+int run_loom(int argc, char** argv) {
   CLI::App app{"Loom: LLM pre-training with composable N-D parallelism (C++ on libtorch)", "loom"};
   app.require_subcommand(1);
   loom::apps::install_checkpoint_restart_policy();
   // Each command lives beside the concept it drives; main only registers them, in this order.
-  loom::distributed::register_launch_command(app, std::vector<std::string>(argv, argv + argc));
+  loom::distributed::register_launch_command(app, std::vector<std::string>(argv, argv + argc), run_loom);
   loom::train::register_train_command(app);
   loom::train::register_plot_command(app);
   loom::models::register_score_command(app);
@@ -84,4 +85,18 @@ int main(int argc, char** argv) {
     return loom::report_error(loom::describe_exception(std::current_exception())).exit_code;
   }
   return 0;
+}
+
+}  // namespace
+
+// Ends with _exit once the output is flushed: a normal exit runs libtorch's static destructors,
+// which deregister every operator kernel (~0.15 s of CPU on the CI machine, paid again by every rank
+// of every launch). Nothing of Loom's own is left to its static destructors: commands close their
+// files and join their threads before they return.
+int main(int argc, char** argv) {
+  const int code = run_loom(argc, argv);
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  _exit(code);
 }

@@ -95,6 +95,7 @@ std::string describe_signal(int sig) {
 
 struct ResolvedLaunch {
   LaunchOptions options;
+  RankForkServer* fork_server = nullptr;  // set by launch() when ranks are forked
   std::string program;  // absolute path, or a name looked up in PATH (--exec)
   std::vector<std::string> argv;
 };
@@ -476,6 +477,11 @@ class WorkerGroup {
   pid_t spawn(const RankProcess& p) {
     // Everything the child needs is prepared before fork: after it, only async-signal-safe calls.
     std::vector<std::string> env_strings = environment(p);
+    if (plan_.fork_server != nullptr) {
+      const pid_t pid = plan_.fork_server->spawn(env_strings, plan_.argv);
+      setpgid(pid, pid);  // also from here, so signals sent right away reach the group
+      return pid;
+    }
     std::vector<char*> envp;
     for (auto& s : env_strings) envp.push_back(s.data());
     envp.push_back(nullptr);
@@ -621,7 +627,13 @@ int pick_free_port() {
 }
 
 int launch(const LaunchOptions& options) {
-  const ResolvedLaunch plan = resolve(options);
+  ResolvedLaunch plan = resolve(options);
+  // First, while this process has one thread (before the store's server thread starts).
+  std::unique_ptr<RankForkServer> fork_server;
+  if (!plan.options.exec && plan.options.start_method == StartMethod::kForkServer) {
+    fork_server = RankForkServer::start(plan.options.entry);
+    plan.fork_server = fork_server.get();
+  }
   const int max_restarts = plan.options.max_restarts;
   const int attempts = max_restarts + 1;
   SignalScope signals;

@@ -27,7 +27,14 @@
 #include <string>
 #include <vector>
 
+#include "loom/distributed/rank_fork_server.h"
+
 namespace loom::distributed {
+
+// How ranks that run this executable (LaunchOptions::exec false) start: forked from a server that
+// has already loaded it (rank_fork_server.h: no second load of libtorch per rank), or by exec'ing
+// it afresh, as torchrun does.
+enum class StartMethod { kForkServer, kExec };
 
 struct LaunchOptions {
   int nproc_per_node = 1;
@@ -39,6 +46,10 @@ struct LaunchOptions {
   // true: `command` is a program (looked up in PATH) and its arguments.
   bool exec = false;
   std::vector<std::string> command;
+  StartMethod start_method = StartMethod::kForkServer;
+  // The executable's main, which forked ranks run; without it ranks are exec'd whatever
+  // start_method says. Ranks are exec'd too where the launcher already runs several threads.
+  RankEntry entry;
   std::chrono::milliseconds stop_grace{std::chrono::seconds(5)};
   // Restarts of the whole group after a failure (TorchElastic's --max-restarts); single node only.
   int max_restarts = 0;

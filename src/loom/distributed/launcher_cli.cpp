@@ -56,8 +56,9 @@ void set_checkpoint_resolver(CheckpointResolver resolver) {
 const CheckpointResolver& checkpoint_resolver() { return installed_resolver(); }
 
 
-void register_launch_command(CLI::App& app, std::vector<std::string> typed) {
+void register_launch_command(CLI::App& app, std::vector<std::string> typed, RankEntry entry) {
   auto options = std::make_shared<distributed::LaunchOptions>();
+  options->entry = std::move(entry);
   auto master_port = std::make_shared<int>(0);
   auto grace_seconds = std::make_shared<double>(5.0);
   CLI::App* cmd = app.add_subcommand(
@@ -78,6 +79,14 @@ void register_launch_command(CLI::App& app, std::vector<std::string> typed) {
                                           "Rendezvous port (default: a free port, single node)");
   cmd->add_flag("--exec", options->exec,
                 "Run <args> as a program instead of as arguments to this loom executable");
+  cmd->add_option("--start-method,--start_method", options->start_method,
+                  "How ranks of this executable start: forkserver (forked from a process that has "
+                  "already loaded it: no second load of libtorch per rank) or exec (a fresh process, "
+                  "as torchrun starts them)")
+      ->transform(CLI::CheckedTransformer(
+          std::map<std::string, StartMethod>{{"forkserver", StartMethod::kForkServer}, {"exec", StartMethod::kExec}},
+          CLI::ignore_case))
+      ->capture_default_str();
   cmd->add_option("--stop-grace", *grace_seconds,
                   "Seconds between SIGTERM and SIGKILL when stopping ranks")
       ->capture_default_str();

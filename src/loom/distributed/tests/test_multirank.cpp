@@ -110,10 +110,16 @@ TEST(Launcher, SetsTorchrunEnvironment) {
 }
 
 TEST(Launcher, PicksAFreePortAndRunsItselfWithoutExec) {
-  // Without --exec each rank runs this loom binary with the given arguments.
-  const RunResult r = run(loom_launch(2) + " -- launch --help");
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count_occurrences(r.output, "Ranks to start on this node"), 2) << r.output;
+  // Without --exec each rank runs this loom binary with the given arguments: forked from the
+  // launcher's fork server (the default) or exec'd.
+  for (const std::string method : {"", " --start-method exec", " --start-method forkserver"}) {
+    const RunResult r = run(loom_launch(2) + method + " -- launch --help");
+    EXPECT_EQ(r.exit_code, 0) << method << "\n" << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "Ranks to start on this node"), 2) << method << "\n" << r.output;
+  }
+  const RunResult bad = run(loom_launch(2) + " --start-method spawn -- launch --help");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--start-method"), std::string::npos) << bad.output;
   const RunResult port = run(loom_launch(1) + " --exec -- sh -c 'echo port=$MASTER_PORT'");
   std::smatch m;
   ASSERT_TRUE(std::regex_search(port.output, m, std::regex("port=([0-9]+)"))) << port.output;
