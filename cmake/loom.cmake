@@ -9,9 +9,9 @@
 # target's sources compile in unity batches: the 700 MB header is loaded once per batch instead of
 # once per file, which is most of what a Loom source file costs to compile (see docs/building.md).
 
-# Every ctest test of a gtest binary: labelled with its `kind` (unit or multirank) and its folder. Multi-rank
-# tests and serial unit tests take both cores (PROCESSORS 2), so `ctest -j 2` runs two
-# single-threaded unit tests at a time but any of those alone.
+# The multi-rank and serial tests of a gtest binary, each its own ctest test: labelled with its
+# `kind` (unit or multirank) and its folder. They take both cores (PROCESSORS 2), so `ctest -j 2`
+# runs any of them alone, and two of the single-threaded unit suites (loom_discover_suites) at a time.
 function(loom_discover_tests target folder kind filter processors)
   # One label "<kind>.<folder>" (e.g. unit.fsdp, multirank.train): gtest_discover_tests cannot pass a
   # list of labels through its generated scripts, and ctest -L takes a regular expression, so
@@ -24,6 +24,24 @@ function(loom_discover_tests target folder kind filter processors)
   # NO_PRETTY_VALUES: a parameterised test is named by its parameter's name alone (…/tp2).
   gtest_discover_tests(${target} DISCOVERY_MODE PRE_TEST TEST_FILTER "${filter}" NO_PRETTY_VALUES
                        PROPERTIES ${props})
+endfunction()
+
+# The single-threaded unit tests of a gtest binary, one ctest test per GoogleTest suite
+# ("<Suite>.*", label unit.<folder>): a process per suite rather than per test, since each process
+# pays ~0.3 s to load libtorch and the suite has hundreds of sub-second unit tests. The list is
+# written when the binary is built (cmake/gtest_suites.cmake) and read by ctest.
+function(loom_discover_suites target folder filter)
+  set(ctest_file "${CMAKE_CURRENT_BINARY_DIR}/${target}_suites.cmake")
+  add_custom_command(TARGET ${target} POST_BUILD
+    COMMAND ${CMAKE_COMMAND} "-DTEST_EXECUTABLE=$<TARGET_FILE:${target}>" "-DTEST_FILTER=${filter}"
+            "-DCTEST_FILE=${ctest_file}" "-DLABEL=unit.${folder}" "-DCACHE_DIR=${CMAKE_BINARY_DIR}/cache"
+            -P ${CMAKE_SOURCE_DIR}/cmake/gtest_suites.cmake
+    BYPRODUCTS ${ctest_file} VERBATIM)
+  set(include_file "${CMAKE_CURRENT_BINARY_DIR}/${target}_suites_include.cmake")
+  file(WRITE "${include_file}"
+       "if(EXISTS \"${ctest_file}\")\n  include(\"${ctest_file}\")\nelse()\n"
+       "  add_test(${target}_NOT_BUILT ${target}_NOT_BUILT)\nendif()\n")
+  set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES "${include_file}")
 endfunction()
 
 function(loom_library name)
@@ -61,8 +79,8 @@ function(loom_tests name)
     endif()
   endif()
   if(others)
-    loom_discover_tests(loom_${name}_tests ${name} unit "-${others}" 1)
+    loom_discover_suites(loom_${name}_tests ${name} "-${others}")
   else()
-    loom_discover_tests(loom_${name}_tests ${name} unit "*" 1)
+    loom_discover_suites(loom_${name}_tests ${name} "*")
   endif()
 endfunction()
