@@ -1,6 +1,6 @@
 """`loom plan --explain`'s memory model against Loom's measured memory breakdown (issue 29).
 
-For each layout below (the debug Llama 3, CPU, Gloo, fp32) it runs `loom train` for a few steps with
+For each layout below (the debug Llama 3 or Qwen3-MoE, CPU, Gloo, fp32) it runs `loom train` for a few steps with
 `metrics.memory_breakdown` on, reads rank 0's step peak of the last step (metrics.jsonl:
 mem_step_peak_gib = parameters + gradients + optimizer state + activations + buffers in flight +
 other, from Loom's allocation tracker), and asks `loom plan --explain --json` for the same config
@@ -19,9 +19,11 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = 0.10
-BASE = ["--config", "configs/llama3_debug.toml", "--validation.enable=false", "--training.seq_len=256",
-        "--metrics.log_freq=1", "--metrics.peak_flops=1e11"]
-# (label, ranks, overrides): FSDP, HSDP, TP, PP, CP, AC and a plain run.
+BASE = ["--validation.enable=false", "--training.seq_len=256", "--metrics.log_freq=1", "--metrics.peak_flops=1e11"]
+LLAMA = ["--config", "configs/llama3_debug.toml"]
+MOE = ["--config", "configs/qwen3_moe_debug.toml"]
+# (label, ranks, overrides; the debug Llama 3 unless the overrides name a config): FSDP, HSDP, TP,
+# PP, CP, AC, a plain run, and the debug Qwen3-MoE alone and with its experts split over 2 ranks.
 LAYOUTS = [
     ("one process, batch 8", 1, ["--parallelism.data_parallel_shard_degree=1", "--training.local_batch_size=8"]),
     ("one process, full AC", 1, ["--parallelism.data_parallel_shard_degree=1", "--training.local_batch_size=8",
@@ -41,12 +43,21 @@ LAYOUTS = [
                                         "--training.local_batch_size=8"]),
     ("CP 2", 2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.context_parallel_degree=2",
                  "--training.local_batch_size=8"]),
+    ("Qwen3-MoE, one process", 1, MOE + ["--parallelism.data_parallel_shard_degree=1",
+                                         "--training.local_batch_size=8"]),
+    ("Qwen3-MoE, FSDP 2 x EP 2", 2, MOE + ["--parallelism.data_parallel_shard_degree=2",
+                                           "--parallelism.expert_parallel_degree=2",
+                                           "--training.local_batch_size=4"]),
 ]
+
+
+def with_config(overrides):
+    return overrides if "--config" in overrides else LLAMA + overrides
 
 
 def measured(loom, ranks, overrides, steps):
     with tempfile.TemporaryDirectory() as dump:
-        cmd = [loom, "launch", "--nproc", str(ranks), "--", "train", *BASE, *overrides,
+        cmd = [loom, "launch", "--nproc", str(ranks), "--", "train", *with_config(overrides), *BASE,
                f"--training.steps={steps}", "--metrics.memory_breakdown=true", f"--job.dump_folder={dump}"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -55,7 +66,7 @@ def measured(loom, ranks, overrides, steps):
 
 
 def predicted(loom, ranks, overrides):
-    cmd = [loom, "plan", "--explain", "--json", "--world-size", str(ranks), *BASE, *overrides]
+    cmd = [loom, "plan", "--explain", "--json", "--world-size", str(ranks), *with_config(overrides), *BASE]
     out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

@@ -10,6 +10,7 @@
 #include "loom/fsdp/planner.h"
 #include "loom/models/common/decoder.h"
 #include "loom/models/common/pipeline.h"
+#include "loom/moe/moe.h"
 #include "loom/pipeline/generators.h"
 #include "loom/train/layout_check.h"
 
@@ -72,6 +73,15 @@ ModelShape ModelShape::of(const models::ModelSpec& spec, const models::ModelArgs
     } else {
       group_of("head", -1).tensors.push_back(t);
     }
+  }
+  // Each MoE block's routed part, from its MoE module (whatever the family names it).
+  for (const auto& [path, module] : model->named_modules()) {
+    const auto* moe_module = dynamic_cast<const moe::MoE*>(module);
+    if (moe_module == nullptr || path.rfind("layers.", 0) != 0) continue;
+    const size_t dot = path.find('.', 7);
+    Group& g = group_of(path.substr(0, dot), std::stoll(path.substr(7, dot - 7)));
+    const moe::MoEOptions& o = moe_module->options();
+    g.moe = {o.router.n_experts, o.router.top_k, o.hidden_dim, o.shared_hidden_dim};
   }
   // Embedding first, blocks in layer order, head last.
   std::stable_sort(shape.groups.begin(), shape.groups.end(), [](const Group& x, const Group& y) {
@@ -192,18 +202,34 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
 
   // Activation bytes per token of one block and what a checkpointed one keeps.
   const int64_t dim = shape.dim, kv = shape.kv_dim, heads = shape.n_heads, ffn = shape.ffn;
-  const int64_t block_saved = r * dim / s + 4 + c * dim + c * (2 * dim + 2 * kv) / tp + 4 * heads / tp +
-                              c * dim / tp + r * dim / s + 4 + c * dim + 3 * c * ffn / tp;
+  std::map<int64_t, ModelShape::Group::Moe> moe_of;  // layer -> its routed part
+  for (const auto& g : shape.groups) {
+    if (g.layer >= 0 && g.moe.experts > 0) moe_of[g.layer] = g.moe;
+  }
+  // The feed-forward's saved tensors per token: all of them, and those the op-level AC policy
+  // keeps (the matmuls' outputs).
+  auto ffn_saved = [&](int64_t layer, bool op_level) {
+    const auto it = moe_of.find(layer);
+    if (it == moe_of.end()) return (op_level ? 2 : 3) * c * ffn / tp;
+    const auto& m = it->second;
+    const int64_t routed = m.top_k * (2 * c * dim + (op_level ? 2 : 3) * c * m.hidden + (op_level ? 0 : 8 * dim));
+    return (routed + (op_level ? 2 : 3) * c * m.shared_hidden + 8 * m.experts) / s;
+  };
+  const int64_t attention_saved = r * dim / s + 4 + c * dim + c * (2 * dim + 2 * kv) / tp + 4 * heads / tp +
+                                  c * dim / tp + r * dim / s + 4 + c * dim;
+  auto block_saved = [&](int64_t layer) { return attention_saved + ffn_saved(layer, false); };
   const int64_t block_input = r * dim / s;
   const ac::ACOptions ac = ac::ACOptions::from(config.activation_checkpoint);
   const bool per_op = ac.mode == ac::Mode::kSelective && ac.per_op;
   // The op-level policy keeps the outputs of the matmuls and attention (q, k, v, attention out,
   // the projections' outputs), recomputing norms and element-wise ops.
-  const int64_t op_saved = block_input + c * (2 * dim + 2 * kv) / tp + 4 * heads / tp + c * dim / tp +
-                           2 * c * ffn / tp + r * dim / s;
+  auto op_saved = [&](int64_t layer) {
+    return block_input + c * (2 * dim + 2 * kv) / tp + 4 * heads / tp + c * dim / tp + ffn_saved(layer, true) +
+           r * dim / s;
+  };
   auto kept = [&](int64_t layer) {
-    if (ac.mode == ac::Mode::kNone || !ac.wraps(layer)) return block_saved;
-    return per_op ? op_saved : block_input;
+    if (ac.mode == ac::Mode::kNone || !ac.wraps(layer)) return block_saved(layer);
+    return per_op ? op_saved(layer) : block_input;
   };
   // The output head: the final norm's input and output, the fused loss's hidden gradient (fp32)
   // and its fp32 weight gradient, computed in the forward.
@@ -267,7 +293,7 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
     int64_t peak_dynamic = alive + grads, grads_at_peak = grads;
     const int64_t per_group_grad = groups.empty() ? 0 : grad_bytes / static_cast<int64_t>(groups.size());
     for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
-      const int64_t recompute = tokens * (block_saved - kept(*it));
+      const int64_t recompute = tokens * (block_saved(*it) - kept(*it));
       const int64_t during = grads_persist ? grads : grads + per_group_grad;
       if (alive + recompute + during > peak_dynamic) {
         peak_dynamic = alive + recompute + during;

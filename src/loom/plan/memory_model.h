@@ -13,8 +13,14 @@
 //   gate, up and the SwiGLU output 3 c*ffn/tp.
 // A checkpointed block keeps only its input and, during its backward, recomputes the rest; the
 // output head keeps its input, the normed hidden and the fused loss's gradients.
-// Mixture-of-Experts blocks are counted as a dense block of the model's FFN width: an estimate
-// until the routed part is modelled.
+// A Mixture-of-Experts block replaces the FFN's 3 c*ffn/tp (per token) with its routed part, per
+// token routed to k of E experts of hidden width h, with shared experts of width hs:
+//   k rows of the permuted input and of the experts' output, c*dim each; their gate, up and SwiGLU
+//   output, 3 c*h; the fp32 product of each output with its routing weight and the products
+//   gathered back in (token, choice) order for the sum, 8*dim;
+//   the shared experts' 3 c*hs; the router's fp32 logits and scores, 8*E.
+// Under expert parallelism a rank computes, on average, the same number of rows (its experts get
+// k rows per token from every rank of the group), so the count does not change with ep.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -38,6 +44,10 @@ struct ModelShape {
     std::string name;      // "tok_embeddings", "layers.3", "head"
     int64_t layer = -1;    // the block's layer id (-1: not a block)
     std::vector<Tensor> tensors;
+    // A Mixture-of-Experts block's routed part (experts == 0: a dense block).
+    struct Moe {
+      int64_t experts = 0, top_k = 0, hidden = 0, shared_hidden = 0;
+    } moe;
   };
   std::vector<Group> groups;  // embedding, layers in order, head
   int64_t dim = 0, n_layers = 0, n_heads = 0, kv_dim = 0, ffn = 0, vocab = 0;

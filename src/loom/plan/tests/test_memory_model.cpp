@@ -5,6 +5,7 @@
 
 #include <c10/util/StringUtil.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "loom/models/spec.h"
@@ -114,6 +115,53 @@ TEST(PlanMemory, TorchTitansLlama405BLayoutFitsAnH100) {
   std::printf("405B, FSDP 8 x TP 8 x PP 8: %s\n", m.describe().c_str());
   EXPECT_LT(static_cast<double>(m.peak), 80.0 * (1 << 30));
   EXPECT_GT(static_cast<double>(m.peak), 10.0 * (1 << 30));  // 405B / 512 ranks of fp32 state alone is ~9.5 GiB
+}
+
+TEST(PlanMemory, MixtureOfExpertsBlocksCountTheirRoutedRows) {
+  // The debug Qwen3-MoE: the shape reads every MoE block's routing from its MoE module, and a block's activations follow the routed formula of memory_model.h: doubling the
+  // experts each token visits adds k more rows of 2 c dim + 3 c h + 8 dim per token and MoE layer.
+  auto setup = [](int64_t top_k) {
+    ModelSetup s;
+    s.config = loom::train::parse_config_toml(
+        c10::str("[model]\nname = \"qwen3_moe\"\nflavor = \"debugmodel\"\nvocab_size = 2048\n[training]\n"
+                 "seq_len = 256\nlocal_batch_size = 8\n[validation]\nenable = false\n"),
+        "test");
+    s.spec = &loom::models::get_spec("qwen3_moe");
+    s.args = s.spec->build_args({"debugmodel", 2048, 256, 0});
+    s.shape = loom::plan::ModelShape::of(*s.spec, *s.args);
+    for (auto& g : s.shape.groups) {
+      if (g.moe.experts > 0) g.moe.top_k = top_k;
+    }
+    return s;
+  };
+  ModelSetup k2 = setup(2);
+  int64_t moe_layers = 0, hidden = 0, dim = k2.shape.dim;
+  for (const auto& g : k2.shape.groups) {
+    const bool has_experts = std::any_of(g.tensors.begin(), g.tensors.end(), [](const auto& t) { return t.expert; });
+    EXPECT_EQ(g.moe.experts > 0, has_experts) << g.name << ": a block with routed experts is an MoE block";
+    if (g.moe.experts == 0) continue;
+    ++moe_layers;
+    EXPECT_EQ(g.moe.top_k, 2) << g.name;
+    EXPECT_EQ(g.moe.experts, 8) << g.name;
+    EXPECT_GT(g.moe.hidden, 0) << g.name;
+    hidden = g.moe.hidden;
+  }
+  EXPECT_GT(moe_layers, 0);
+  ModelSetup k4 = setup(4);
+  const auto two = estimate(k2, {});
+  const auto four = estimate(k4, {});
+  const int64_t tokens = 8 * 256, c = 4;
+  EXPECT_EQ(four.activations - two.activations, moe_layers * tokens * 2 * (2 * c * dim + 3 * c * hidden + 8 * dim));
+  EXPECT_EQ(four.parameters, two.parameters);
+  // Expert parallelism splits the experts' weights, not the rows a rank computes.
+  loom::plan::Layout ep;
+  ep.dp_shard = 2;
+  ep.ep = 2;
+  const auto ep2 = estimate(k2, ep);
+  loom::plan::Layout fsdp;
+  fsdp.dp_shard = 2;
+  const auto fsdp2 = estimate(k2, fsdp);
+  EXPECT_EQ(ep2.activations, fsdp2.activations);
 }
 
 }  // namespace plan_memory_test
