@@ -244,7 +244,7 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
     MemoryEstimate m;
     m.pipeline_rank = rk;
     // Parameters, gradients and optimizer state: this rank's groups, sharded by FSDP.
-    int64_t param_elems = 0, largest_group = 0;
+    int64_t param_elems = 0, largest_group = 0, gathered_total = 0;
     std::vector<const ModelShape::Group*> groups;
     for (const auto& g : shape.groups) {
       const bool mine = g.layer >= 0 ? std::find(rank_layers[static_cast<size_t>(rk)].begin(),
@@ -259,6 +259,7 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
       int64_t unsharded = 0;
       for (const auto& x : g.tensors) unsharded += local_numel(x);
       largest_group = std::max(largest_group, unsharded);
+      gathered_total += unsharded;
     }
     m.parameters = param_elems * 4;
     const std::string& opt = config.optimizer.name;
@@ -275,6 +276,11 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
       // The gathered group being computed plus the prefetched ones, and a gradient being reduced.
       const int64_t depth = std::max<int64_t>(1, p.fsdp_prefetch_depth);
       m.buffers_in_flight = (1 + depth) * largest_group * param_gather_bytes + largest_group * reduce_bytes;
+      // Not resharded after forward: every group's gathered copy lives from its forward to its
+      // backward, so all of them at the backward's start.
+      if (pp == 1 && p.fsdp_reshard_after_forward == "never") {
+        m.buffers_in_flight = gathered_total * param_gather_bytes + largest_group * reduce_bytes;
+      }
     }
     // Activations: the peak of what the forward left alive and the backward's gradients. Under
     // PP a rank holds `in_flight` stage-micro-batches at once, each of one stage's layers (1/v of

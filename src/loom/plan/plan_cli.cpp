@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 
 #include "loom/core/error.h"
 #include "loom/core/timer.h"
@@ -29,7 +30,26 @@ struct PlanOptions {
   bool explain = false;
   bool json = false;
   std::string cluster;  // "h100" / "h200": rank by predicted tokens/s; empty: by peak memory
+  bool fixed_memory_settings = false;  // keep the config's AC and resharding (else chosen per layout)
 };
+
+// The memory-for-speed settings tried on each layout when ranking by time: activation
+// checkpointing none / per-op selective / full, and, where FSDP shards within one pipeline stage,
+// resharding after forward as configured or never.
+std::vector<Layout> memory_variants(const Layout& layout) {
+  std::vector<Layout> out;
+  const bool fsdp = layout.dp_shard * layout.cp > 1 && layout.pp == 1;
+  for (const char* ac : {"none", "selective", "full"}) {
+    for (const char* reshard : {"", "never"}) {
+      if (*reshard != '\0' && !fsdp) continue;
+      Layout v = layout;
+      v.ac_mode = ac;
+      v.reshard_after_forward = reshard;
+      out.push_back(std::move(v));
+    }
+  }
+  return out;
+}
 
 double as_gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
 
@@ -130,11 +150,19 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
   const double capacity = o.memory_gib > 0 ? o.memory_gib : timed ? cluster.memory_gib : 0;
   std::vector<Row> rows;
   for (const Layout& layout : found.layouts) {
-    train::JobConfig c = config;
-    layout.apply_to(c);
-    const MemoryEstimate m = estimate_memory(shape, *args, c, layout);
-    if (capacity > 0 && as_gib(m.peak) > capacity) continue;
-    rows.push_back({layout, m, timed ? estimate_time(spec, *args, shape, c, layout, cluster) : TimeEstimate{}});
+    // Ranked by time, each layout runs with the fastest of its memory settings that fits.
+    const std::vector<Layout> variants =
+        timed && !o.fixed_memory_settings ? memory_variants(layout) : std::vector<Layout>{layout};
+    std::optional<Row> best;
+    for (const Layout& v : variants) {
+      train::JobConfig c = config;
+      v.apply_to(c);
+      const MemoryEstimate m = estimate_memory(shape, *args, c, v);
+      if (capacity > 0 && as_gib(m.peak) > capacity) continue;
+      Row row{v, m, timed ? estimate_time(spec, *args, shape, c, v, cluster) : TimeEstimate{}};
+      if (!best || row.time.tokens_per_device_s > best->time.tokens_per_device_s) best = std::move(row);
+    }
+    if (best) rows.push_back(std::move(*best));
   }
   if (timed) {
     std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
@@ -214,6 +242,10 @@ void register_plan_command(CLI::App& app) {
   cmd->add_flag("--explain", o->explain, "Break down the memory of the config's own layout");
   cmd->add_option("--cluster", o->cluster, "h100, h200 or cpu (this machine, one thread per rank): rank by "
                   "predicted tokens/s per device (memory capacity from the device unless --memory-gib)");
+  cmd->add_flag("--fixed-memory-settings", o->fixed_memory_settings,
+                "With --cluster: keep the config's activation checkpointing and FSDP resharding instead of "
+                "choosing, per layout, the fastest that fits (AC none / selective per op / full; reshard "
+                "after forward as configured or never)");
   cmd->add_flag("--json", o->json, "Print JSON");
   cmd->allow_extras();
   cmd->footer("Config keys can be overridden: --section.key=value (see docs/config.md).");

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 
+#include "loom/ac/activation_checkpoint.h"
 #include "loom/core/error.h"
+#include "loom/core/options.h"
 #include "loom/core/timer.h"
 #include "loom/models/spec.h"
 #include "loom/train/layout_check.h"
@@ -38,6 +40,11 @@ void Layout::apply_to(train::JobConfig& config) const {
     p.pipeline_parallel_microbatch_size = microbatch_size;
   }
   config.training.local_batch_size = local_batch_size;
+  if (!ac_mode.empty()) {
+    config.activation_checkpoint.mode = options::parse_enum<ac::Mode>(ac_mode, "activation_checkpoint.mode");
+    if (ac_mode == "selective") config.activation_checkpoint.selective_ac_option = "op";
+  }
+  if (!reshard_after_forward.empty()) p.fsdp_reshard_after_forward = reshard_after_forward;
 }
 
 std::vector<std::string> Layout::overrides() const {
@@ -53,6 +60,11 @@ std::vector<std::string> Layout::overrides() const {
     out.push_back(c10::str("--parallelism.pipeline_parallel_microbatch_size=", microbatch_size));
   }
   out.push_back(c10::str("--training.local_batch_size=", local_batch_size));
+  if (!ac_mode.empty()) {
+    out.push_back("--activation_checkpoint.mode=" + ac_mode);
+    if (ac_mode == "selective") out.push_back("--activation_checkpoint.selective_ac_option=op");
+  }
+  if (!reshard_after_forward.empty()) out.push_back("--parallelism.fsdp_reshard_after_forward=" + reshard_after_forward);
   return out;
 }
 
@@ -73,6 +85,10 @@ std::string Layout::describe() const {
   if (pp > 1) out += c10::str(" (", schedule, ", micro-batch ", microbatch_size, ")");
   out += c10::str(", local batch ", local_batch_size);
   if (grad_accum_steps > 1) out += c10::str(" x ", grad_accum_steps, " accumulated");
+  if (ac_mode == "none") out += ", no AC";
+  if (ac_mode == "selective") out += ", selective AC (per op)";
+  if (ac_mode == "full") out += ", full AC";
+  if (!reshard_after_forward.empty()) out += ", reshard after forward: " + reshard_after_forward;
   return out;
 }
 

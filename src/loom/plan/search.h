@@ -46,6 +46,11 @@ struct Layout {
   int64_t microbatch_size = 1;
   int64_t local_batch_size = 1;
   int64_t grad_accum_steps = 1;
+  // Memory-for-speed settings the cost model chooses per layout (empty: the config's own):
+  // activation checkpointing ("none", "selective" -- per op --, "full") and FSDP's
+  // reshard_after_forward ("never": the forward's gathered groups stay until their backward).
+  std::string ac_mode;
+  std::string reshard_after_forward;
 
   // The `loom train` flags that select this layout on top of the request's config.
   std::vector<std::string> overrides() const;

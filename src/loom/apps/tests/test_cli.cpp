@@ -1,5 +1,8 @@
 // The `loom` dispatcher, through the binary: what a mistyped or missing command answers.
 #include <gtest/gtest.h>
+#include <unistd.h>
+#include <filesystem>
+#include <fstream>
 
 #include <string>
 
@@ -124,6 +127,37 @@ TEST(LoomCli, PlanExplainsSearchesAndRefusesBadRequestsInOneLine) {
     EXPECT_EQ(r.output.rfind(c.expected, 0), 0u) << r.output;
     EXPECT_EQ(count_occurrences(r.output, "\n"), 1) << r.output;
   }
+}
+
+// Ranked by time, each layout runs with the fastest activation checkpointing (and FSDP resharding)
+// that fits: the 8B on 8 H100s needs none at 80 GiB; capped at 20 GiB the best layout checkpoints,
+// and its command says so; with --fixed-memory-settings (the config's: none) nothing fits there.
+TEST(LoomCli, PlanChoosesActivationCheckpointingWhereMemoryIsShort) {
+  const std::string config = ::testing::TempDir() + "plan_8b_" + std::to_string(::getpid()) + ".toml";
+  std::ofstream(config) << "[model]\nname = \"llama3\"\nflavor = \"8B\"\nvocab_size = 128256\n[training]\n"
+                           "seq_len = 8192\nglobal_batch_size = 16\nmixed_precision_param = \"bfloat16\"\n"
+                           "[validation]\nenable = false\n";
+  const std::string base = loom_bin() + " plan --config " + config + " --world-size 8 --cluster h100 --top 1";
+  auto first_row = [](const std::string& output) {
+    const size_t at = output.find("\n   1 ");
+    return at == std::string::npos ? std::string() : output.substr(at + 1, output.find('\n', at + 1) - at - 1);
+  };
+  const auto roomy = run(base, 60);
+  EXPECT_EQ(roomy.exit_code, 0) << roomy.output;
+  EXPECT_NE(first_row(roomy.output).find(", no AC"), std::string::npos) << roomy.output;
+  const auto tight = run(base + " --memory-gib 20", 60);
+  EXPECT_EQ(tight.exit_code, 0) << tight.output;
+  const std::string row = first_row(tight.output);
+  EXPECT_TRUE(row.find("selective AC (per op)") != std::string::npos || row.find("full AC") != std::string::npos)
+      << tight.output;
+  EXPECT_NE(tight.output.find("--activation_checkpoint.mode="), std::string::npos) << tight.output;
+  const auto fixed = run(base + " --memory-gib 20 --fixed-memory-settings", 60);
+  EXPECT_EQ(fixed.exit_code, 0) << fixed.output;
+  // Without checkpointing no layout of the 8B fits in 20 GiB: choosing it is what made one fit.
+  EXPECT_NE(fixed.output.find(", 0 within 20 GiB;"), std::string::npos) << fixed.output;
+  EXPECT_EQ(first_row(fixed.output), "") << fixed.output;
+  std::filesystem::remove(config);
+  std::printf("80 GiB: %s\n20 GiB: %s\n", first_row(roomy.output).c_str(), row.c_str());
 }
 
 TEST(LoomCli, EnumKeysDifferingInCaseNameTheExactSpelling) {

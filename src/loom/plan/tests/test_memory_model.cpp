@@ -68,6 +68,21 @@ TEST(PlanMemory, FsdpShardsEveryGroupWithThePlannersPadding) {
   EXPECT_GT(m.buffers_in_flight, 0);     // gathered groups and a gradient being reduced
 }
 
+TEST(PlanMemory, NotReshardingAfterForwardKeepsEveryGroupGathered) {
+  ModelSetup s = make_setup("debugmodel");
+  const int64_t total = s.spec->count_parameters(*s.args).total;
+  loom::plan::Layout fsdp;
+  fsdp.dp_shard = 4;
+  const auto resharded = estimate(s, fsdp);
+  fsdp.reshard_after_forward = "never";
+  const auto kept = estimate(s, fsdp);
+  // Every group's fp32 gathered copy (the whole model) plus one gradient being reduced.
+  EXPECT_GE(kept.buffers_in_flight, 4 * total);
+  EXPECT_GT(kept.buffers_in_flight, resharded.buffers_in_flight);
+  EXPECT_EQ(kept.parameters, resharded.parameters);
+  EXPECT_EQ(kept.activations, resharded.activations);
+}
+
 TEST(PlanMemory, CheckpointingTensorAndPipelineParallelismCutWhatTheyShould) {
   ModelSetup s = make_setup("debugmodel");
   const auto none = estimate(s, {});
