@@ -125,9 +125,10 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
                 m.describe().c_str());
     if (!o.cluster.empty()) {
       std::printf("predicted step on %s: %.3f s = compute %.3f + bubble %.3f + TP %.3f + FSDP %.3f + replicas %.3f + "
-                  "CP %.3f; %.0f tokens/s per device, MFU %.1f %%; bound by %s\n",
+                  "CP %.3f + EP %.3f; %.0f tokens/s per device, MFU %.1f %%; bound by %s\n",
                   o.cluster.c_str(), time.step_s, time.compute_s, time.bubble_s, time.tp_s, time.fsdp_exposed_s,
-                  time.dp_exposed_s, time.cp_exposed_s, time.tokens_per_device_s, 100 * time.mfu, time.binding.c_str());
+                  time.dp_exposed_s, time.cp_exposed_s, time.ep_s, time.tokens_per_device_s, 100 * time.mfu,
+                  time.binding.c_str());
     }
     return;
   }

@@ -159,12 +159,36 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
     e.cp_exposed_s = 0.2 * 3.0 * layers * ring(layout.cp, bytes * layout.cp, inside);
   }
 
-  e.step_s = e.compute_s + e.bubble_s + e.tp_s + e.fsdp_exposed_s + e.dp_exposed_s + e.cp_exposed_s;
+  // EP: per MoE layer of this rank and micro-batch, 2 all-to-alls in the forward (dispatch,
+  // combine), 2 in the backward, 2 more when the forward is recomputed; each moves the rank's
+  // tokens' k rows, (ep-1)/ep of them to other ranks. Under TP the tokens are sequence-parallel.
+  if (layout.ep > 1) {
+    const double tokens = global_tokens / (dp * layout.cp) / (p.disable_sequence_parallel ? 1.0 : layout.tp);
+    const double microbatches = layout.pp > 1 ? static_cast<double>(layout.local_batch_size / layout.microbatch_size) : 1.0;
+    const double calls_per_layer = ac.mode == ac::Mode::kFull ? 6.0 : 4.0;
+    const bool inside = layout.ep <= cluster.devices_per_node;
+    const double bw = inside ? cluster.intra_node_bw : cluster.inter_node_bw;
+    const double lat = inside ? cluster.intra_latency : cluster.inter_latency;
+    double rows_dim = 0, moe_layers = 0;
+    for (const auto& g : shape.groups) {
+      if (g.moe.experts == 0) continue;
+      rows_dim += static_cast<double>(g.moe.top_k) * static_cast<double>(shape.dim);
+      ++moe_layers;
+    }
+    rows_dim /= layout.pp;  // a pipeline rank holds about 1/pp of the layers
+    moe_layers /= layout.pp;
+    const double remote = (layout.ep - 1.0) / layout.ep;
+    e.ep_s = calls_per_layer * (remote * tokens * rows_dim * c / bw +
+                                moe_layers * micro_steps * microbatches * (layout.ep - 1.0) * lat);
+  }
+
+  e.step_s = e.compute_s + e.bubble_s + e.tp_s + e.fsdp_exposed_s + e.dp_exposed_s + e.cp_exposed_s + e.ep_s;
   e.tokens_per_device_s = global_tokens / e.step_s / world;
   e.mfu = flops_per_token * e.tokens_per_device_s / cluster.peak_flops;
   const std::vector<std::pair<double, const char*>> terms = {
       {e.compute_s, "compute"}, {e.bubble_s, "pipeline bubble"}, {e.tp_s, "TP"},
-      {e.fsdp_exposed_s, "FSDP"}, {e.dp_exposed_s, "data-parallel all-reduce"}, {e.cp_exposed_s, "CP"}};
+      {e.fsdp_exposed_s, "FSDP"}, {e.dp_exposed_s, "data-parallel all-reduce"}, {e.cp_exposed_s, "CP"},
+      {e.ep_s, "EP all-to-all"}};
   e.binding = std::max_element(terms.begin(), terms.end())->second;
   return e;
 }

@@ -11,6 +11,9 @@
 //              the first gather and the last reduce, which nothing covers;
 //   HSDP/DDP   the all-reduce of the (sharded) gradients across replicas, behind the backward;
 //   CP         the ring's key/value exchange per layer, mostly behind the attention;
+//   EP         each MoE layer's dispatch and combine all-to-alls, forward and backward (and the
+//              recomputed forward's under full AC): every token's k rows of dim, the (ep-1)/ep of
+//              them bound for other ranks, on the critical path;
 //   PP         the bubble of the schedule the run would execute (pipeline::simulate).
 // Links: inside a node (NVLink) when a group fits in one, else across nodes (InfiniBand).
 #pragma once
@@ -53,6 +56,7 @@ struct TimeEstimate {
   double fsdp_exposed_s = 0;
   double dp_exposed_s = 0;
   double cp_exposed_s = 0;
+  double ep_s = 0;
   double step_s = 0;
   double tokens_per_device_s = 0;
   double mfu = 0;

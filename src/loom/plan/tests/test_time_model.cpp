@@ -93,3 +93,49 @@ TEST(PlanTime, FittingTheEfficiencyFindsThePresetsValue) {
 }
 
 }  // namespace plan_time_test
+
+namespace plan_time_test {
+
+// Expert parallelism costs its all-to-alls: the debug Qwen3-MoE on 2 H100s, FSDP 2 with and
+// without EP 2, bf16. The EP term is 4 all-to-alls per MoE layer (6 under full AC), each sending
+// half of the rank's tokens' top-k rows of dim in bf16; the compute is the same.
+TEST(PlanTime, ExpertParallelismAddsItsAllToAlls) {
+  auto config_for = [](const std::string& ac) {
+    return loom::train::parse_config_toml(
+        c10::str("[model]\nname = \"qwen3_moe\"\nflavor = \"debugmodel\"\nvocab_size = 2048\n[training]\n",
+                 "seq_len = 256\nglobal_batch_size = 8\nmixed_precision_param = \"bfloat16\"\n",
+                 "[validation]\nenable = false\n[activation_checkpoint]\nmode = \"", ac, "\"\n"),
+        "test");
+  };
+  const auto& spec = loom::models::get_spec("qwen3_moe");
+  const auto args = spec.build_args({"debugmodel", 2048, 256, 0});
+  const auto shape = loom::plan::ModelShape::of(spec, *args);
+  const auto cluster = loom::plan::Cluster::preset("h100");
+  auto estimate = [&](int ep, const std::string& ac) {
+    loom::train::JobConfig config = config_for(ac);
+    loom::plan::Layout layout;
+    layout.dp_shard = 2;
+    layout.ep = ep;
+    layout.local_batch_size = 4;
+    layout.apply_to(config);
+    return loom::plan::estimate_time(spec, *args, shape, config, layout, cluster);
+  };
+  const auto fsdp = estimate(1, "none");
+  const auto ep = estimate(2, "none");
+  EXPECT_EQ(fsdp.ep_s, 0.0);
+  ASSERT_GT(ep.ep_s, 0.0);
+  EXPECT_DOUBLE_EQ(ep.step_s, ep.compute_s + ep.bubble_s + ep.tp_s + ep.fsdp_exposed_s + ep.dp_exposed_s +
+                                 ep.cp_exposed_s + ep.ep_s);
+  EXPECT_DOUBLE_EQ(ep.compute_s, fsdp.compute_s);
+  EXPECT_LE(ep.fsdp_exposed_s, fsdp.fsdp_exposed_s);  // each rank gathers half of the experts
+  int64_t moe_layers = 0, top_k = 0;
+  for (const auto& g : shape.groups) {
+    if (g.moe.experts > 0) ++moe_layers, top_k = g.moe.top_k;
+  }
+  const double tokens = 4 * 256, bytes = 0.5 * tokens * static_cast<double>(top_k * shape.dim) * 2;
+  const double want = 4 * moe_layers * (bytes / cluster.intra_node_bw + cluster.intra_latency);
+  EXPECT_NEAR(ep.ep_s, want, 1e-12);
+  EXPECT_NEAR(estimate(2, "full").ep_s, 1.5 * want, 1e-12);
+}
+
+}  // namespace plan_time_test
