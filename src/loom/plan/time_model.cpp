@@ -8,6 +8,8 @@
 
 #include "loom/ac/activation_checkpoint.h"
 #include "loom/core/error.h"
+#include "loom/distributed/launch_env.h"
+#include "loom/distributed/process_group.h"
 #include "loom/pipeline/generators.h"
 #include "loom/pipeline/simulator.h"
 #include "loom/train/layout_check.h"
@@ -85,10 +87,21 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
 
   TimeEstimate e;
   e.compute_s = flops_per_token * global_tokens / world * recompute / (cluster.peak_flops * cluster.efficiency);
-  // CPU runs: more ranks than cores take turns; a lone rank uses every core.
-  if (cluster.cores > 0 && world > cluster.cores) e.compute_s *= world / cluster.cores;
-  if (cluster.cores > 1 && world == 1 && cluster.peak_flops_all_cores > 0) {
-    e.compute_s *= cluster.peak_flops / cluster.peak_flops_all_cores;
+  if (cluster.cores > 0) {
+    // CPU runs: each rank runs the intra-op threads the trainer gives it (LOOM_NUM_THREADS,
+    // OMP_NUM_THREADS, else the cores shared among the host's ranks: distributed::intra_op_threads,
+    // the same function), at the GEMM rate measured with one thread, rising to the all-core rate
+    // with as many threads as cores; ranks whose threads outnumber the cores take turns.
+    distributed::LaunchEnv env;
+    env.world_size = static_cast<int>(world);
+    env.local_world_size = static_cast<int>(world);
+    const double threads = distributed::intra_op_threads(env);
+    const double all_cores = std::max(cluster.peak_flops, cluster.peak_flops_all_cores);
+    const double rate = cluster.cores <= 1 || threads <= 1
+                            ? cluster.peak_flops
+                            : cluster.peak_flops + (all_cores - cluster.peak_flops) *
+                                                       (std::min<double>(threads, cluster.cores) - 1) / (cluster.cores - 1);
+    e.compute_s *= cluster.peak_flops / rate * std::max(1.0, world * threads / cluster.cores);
   }
 
   if (layout.pp > 1) {
