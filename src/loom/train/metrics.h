@@ -18,9 +18,10 @@
 namespace loom::train {
 
 // Peak fp32 GEMM throughput of this process in FLOP/s at its current intra-op thread count
-// (at::get_num_threads()): the best rate of 1024x1024x1024 matmuls over ~0.3 s. Cached per thread
-// count, so only the first call per count pays. Uses no random numbers (RNG streams untouched).
-double measure_peak_fp32_flops();
+// (at::get_num_threads()): the best rate of 1024x1024x1024 matmuls over `seconds` (0.3 s: what a
+// training run spends on it). Cached per thread count and window, so only the first call per
+// count pays. Uses no random numbers (RNG streams untouched).
+double measure_peak_fp32_flops(double seconds = 0.3);
 
 // A byte count with a decimal unit for the console: 4096 -> "4.1 kB", 33179652 -> "33.2 MB".
 std::string human_bytes(double bytes);
