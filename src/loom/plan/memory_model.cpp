@@ -277,8 +277,10 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
       const int64_t depth = std::max<int64_t>(1, p.fsdp_prefetch_depth);
       m.buffers_in_flight = (1 + depth) * largest_group * param_gather_bytes + largest_group * reduce_bytes;
       // Not resharded after forward: every group's gathered copy lives from its forward to its
-      // backward, so all of them at the backward's start.
-      if (pp == 1 && p.fsdp_reshard_after_forward == "never") {
+      // backward, so all of them at the backward's start. Inside pipeline stages "default" does
+      // the same: each stage stays gathered from its UNSHARD to its RESHARD action.
+      const std::string& reshard = p.fsdp_reshard_after_forward;
+      if (reshard == "never" || (pp > 1 && reshard == "default")) {
         m.buffers_in_flight = gathered_total * param_gather_bytes + largest_group * reduce_bytes;
       }
     }
