@@ -13,6 +13,7 @@
 #include "loom/core/logging.h"
 #include "loom/core/strings.h"
 #include "loom/core/timer.h"
+#include "loom/data/parallel_encoder.h"
 
 namespace loom::data {
 namespace {
@@ -90,7 +91,7 @@ std::optional<fs::path> token_cache_entry(const std::string& path, SourceFormat 
     key = it->second;
   }
   key = hash_file(path, key);
-  const std::string how = c10::str(source_format_name(format), '\0', options.jsonl_field, '\0',
+  const std::string how = c10::str(source_format_name(format), '\0', options.jsonl_field, '\0', options.text_column, '\0',
                                    options.text_separator, '\0', options.skip_empty, '\0', kTokenFileVersion);
   key = hash_text(how, key);
   char hex[17];
@@ -197,7 +198,8 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
                                                      const Tokenizer* tokenizer, const SourceOptions& options,
                                                      int64_t model_vocab_size) {
   Timer timer;
-  const std::vector<std::string> files = resolve_inputs(inputs, options.inputs_setting);
+  const std::vector<std::string> files =
+      resolve_inputs(inputs, options.inputs_setting, directory_extension(options.format));
   auto corpus = std::shared_ptr<TokenCorpus>(new TokenCorpus());
   std::string specs;
   for (const std::string& input : inputs) specs += (specs.empty() ? "" : ", ") + input;
@@ -249,9 +251,10 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
         continue;
       }
       if (options.token_cache_dir.empty()) {
-        for_each_text_document(path, options, [&](std::string_view text) {
-          corpus->add_memory_document(tokenizer->encode(text));
-        });
+        ParallelEncoder encoder(*tokenizer, options.workers,
+                                [&](const std::vector<int64_t>& tokens) { corpus->add_memory_document(tokens); });
+        for_each_text_document(path, options, [&](std::string_view text) { encoder.add(text); });
+        encoder.finish();
         continue;
       }
       const std::optional<fs::path> entry = token_cache_entry(path, format, *tokenizer, options);
@@ -273,8 +276,7 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
           log::debug("data: not caching the tokens of ", path, ": ", e.what());
         }
       }
-      for_each_text_document(path, options, [&](std::string_view text) {
-        const std::vector<int64_t> tokens = tokenizer->encode(text);
+      ParallelEncoder encoder(*tokenizer, options.workers, [&](const std::vector<int64_t>& tokens) {
         corpus->add_memory_document(tokens);
         if (writer && std::find(tokens.begin(), tokens.end(), corpus->eos_id_) != tokens.end()) writer.reset();
         if (!writer) return;
@@ -285,6 +287,8 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
           writer.reset();
         }
       });
+      for_each_text_document(path, options, [&](std::string_view text) { encoder.add(text); });
+      encoder.finish();
       if (writer) {
         try {
           writer->close();

@@ -16,6 +16,7 @@
 #include <unordered_set>
 
 #include "loom/core/error.h"
+#include "loom/data/arrow_sources.h"
 #include "loom/core/files.h"
 #include "loom/core/strings.h"
 
@@ -32,6 +33,8 @@ const char* source_format_name(SourceFormat format) {
     case SourceFormat::kJsonl: return "jsonl";
     case SourceFormat::kTokens: return "tokens";
     case SourceFormat::kSft: return "sft";
+    case SourceFormat::kParquet: return "parquet";
+    case SourceFormat::kArrow: return "arrow";
   }
   return "?";
 }
@@ -43,7 +46,7 @@ bool is_hidden(const fs::path& p) {
   return !name.empty() && name[0] == '.';
 }
 
-void add_directory(const fs::path& dir, std::vector<std::string>& out) {
+void add_directory(const fs::path& dir, const std::string& extension, std::vector<std::string>& out) {
   std::vector<std::string> files;
   for (auto it = fs::recursive_directory_iterator(dir, fs::directory_options::follow_directory_symlink);
        it != fs::recursive_directory_iterator(); ++it) {
@@ -53,7 +56,9 @@ void add_directory(const fs::path& dir, std::vector<std::string>& out) {
     }
     // Only regular files: a FIFO, device or socket in a data folder is not data and reading it
     // could block forever.
-    if (it->is_regular_file()) files.push_back(it->path().string());
+    if (it->is_regular_file() && (extension.empty() || it->path().extension() == extension)) {
+      files.push_back(it->path().string());
+    }
   }
   std::sort(files.begin(), files.end());
   out.insert(out.end(), files.begin(), files.end());
@@ -108,7 +113,14 @@ std::string input_description(const std::string& spec, const std::string& settin
   return setting.empty() ? c10::str("data input '", spec, "'") : c10::str(setting, " = \"", spec, "\"");
 }
 
-std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, const std::string& setting) {
+std::string directory_extension(std::optional<SourceFormat> format) {
+  if (format == SourceFormat::kParquet) return ".parquet";
+  if (format == SourceFormat::kArrow) return ".arrow";
+  return "";
+}
+
+std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, const std::string& setting,
+                                        const std::string& directory_extension) {
   LOOM_REQUIRE_USAGE(!specs.empty(), "no data input given: pass files, directories or globs");
   std::vector<std::string> files;
   // stat() follows symlinks and never opens, so a FIFO is recognised without blocking on it.
@@ -116,7 +128,7 @@ std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, c
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0) return false;
     if (S_ISDIR(st.st_mode)) {
-      add_directory(path, files);
+      add_directory(path, directory_extension, files);
     } else if (S_ISREG(st.st_mode)) {
       files.push_back(path);
     } else {
@@ -154,10 +166,11 @@ std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, c
 }
 
 SourceFormat parse_source_format(std::string_view name) {
-  for (SourceFormat f : {SourceFormat::kText, SourceFormat::kJsonl, SourceFormat::kTokens}) {
+  for (SourceFormat f : {SourceFormat::kText, SourceFormat::kJsonl, SourceFormat::kTokens, SourceFormat::kParquet,
+                         SourceFormat::kArrow}) {
     if (name == source_format_name(f)) return f;
   }
-  fail_usage("unknown data format '", name, "'; use \"jsonl\", \"text\" or \"tokens\"");
+  fail_usage("unknown data format '", name, "'; use \"jsonl\", \"text\", \"tokens\", \"parquet\" or \"arrow\"");
 }
 
 const options::EnumNames<DatasetFormat>& option_names(DatasetFormat) {
@@ -165,6 +178,8 @@ const options::EnumNames<DatasetFormat>& option_names(DatasetFormat) {
                                                           {"text", DatasetFormat::kText},
                                                           {"tokens", DatasetFormat::kTokens},
                                                           {"sft", DatasetFormat::kSft},
+                                                          {"parquet", DatasetFormat::kParquet},
+                                                          {"arrow", DatasetFormat::kArrow},
                                                           {"auto", DatasetFormat::kAuto}};
   return names;
 }
@@ -175,6 +190,8 @@ std::optional<SourceFormat> source_format(DatasetFormat format) {
     case DatasetFormat::kText: return SourceFormat::kText;
     case DatasetFormat::kTokens: return SourceFormat::kTokens;
     case DatasetFormat::kSft: return SourceFormat::kSft;
+    case DatasetFormat::kParquet: return SourceFormat::kParquet;
+    case DatasetFormat::kArrow: return SourceFormat::kArrow;
     case DatasetFormat::kAuto: return std::nullopt;
   }
   return std::nullopt;
@@ -189,6 +206,8 @@ bool is_token_file(const std::string& path) {
 
 SourceFormat detect_format(const std::string& path) {
   if (is_token_file(path)) return SourceFormat::kTokens;
+  if (has_parquet_magic(path)) return SourceFormat::kParquet;
+  if (has_arrow_magic(path)) return SourceFormat::kArrow;
   const std::string ext = fs::path(path).extension().string();
   if (ext == ".jsonl" || ext == ".ndjson") return SourceFormat::kJsonl;
   return SourceFormat::kText;
@@ -209,6 +228,14 @@ SourceFormat resolve_format(const std::string& path, const SourceOptions& option
   } else {
     LOOM_REQUIRE_USAGE(!tokens, "data file '", path, "' is a loom token file but ", options.format_setting,
                        " is \"", name, "\"; set ", options.format_setting, " to \"tokens\" (or \"auto\")");
+  }
+  // Parquet and Arrow files carry magic bytes too; a file without them is refused before reading.
+  if (format == SourceFormat::kParquet || format == SourceFormat::kArrow) {
+    const bool parquet = format == SourceFormat::kParquet;
+    LOOM_REQUIRE_USAGE(parquet ? has_parquet_magic(path) : has_arrow_magic(path), "data file '", path,
+                       "' is not ", parquet ? "a Parquet file (no PAR1 magic)" : "an Arrow IPC file (no stream or ARROW1 magic)",
+                       " but ", options.format_setting, " is \"", name, "\"; set ", options.format_setting,
+                       " to the file's format (or \"auto\")");
   }
   return format;
 }
@@ -237,6 +264,10 @@ void for_each_text_document(const std::string& path, const SourceOptions& option
   // An sft line is a conversation, not one text: only the loader renders it (with its template).
   LOOM_REQUIRE_USAGE(format != SourceFormat::kSft, "'", path, "' is read as sft data (", options.format_setting,
                      "), which only the trainer's loader takes; use \"jsonl\" for plain JSONL text");
+  if (format == SourceFormat::kParquet || format == SourceFormat::kArrow) {
+    for_each_table_document(path, format, options, fn);
+    return;
+  }
   if (format == SourceFormat::kText) {
     const std::string text = read_file(path, "text file");
     if (options.text_separator.empty()) {

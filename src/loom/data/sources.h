@@ -11,7 +11,12 @@
 //               string field `jsonl_field` ("text" by default); blank lines are skipped;
 //   text        anything else: the whole file is one document, or, with a `text_separator`
 //               (e.g. "\n\n"), the pieces between separators are (empty pieces are skipped).
-// A fourth format is never guessed, only configured: `sft`, JSONL of prompt/completion pairs or
+//   Parquet     starts with "PAR1": each value of the column `text_column` is a document;
+//   Arrow       an Arrow IPC stream or file (a `datasets` cache's data-*.arrow): likewise.
+// Parquet and Arrow are read by arrow_sources.h, one row group / record batch at a time. A
+// directory read as "parquet" or "arrow" contributes only its *.parquet / *.arrow files (a
+// `datasets` folder also holds dataset_info.json and state.json).
+// A further format is never guessed, only configured: `sft`, JSONL of prompt/completion pairs or
 // chat conversations, rendered with a chat template and trained on the answers only (sft.h).
 //
 // Token file format (version 1, all integers little-endian):
@@ -45,12 +50,15 @@
 
 namespace loom::data {
 
-enum class SourceFormat { kText, kJsonl, kTokens, kSft };
+enum class SourceFormat { kText, kJsonl, kTokens, kSft, kParquet, kArrow };
 const char* source_format_name(SourceFormat format);
 
 struct SourceOptions {
   std::string text_separator;        // empty: one text file is one document
   std::string jsonl_field = "text";  // the JSONL field holding a document's text
+  std::string text_column = "text";  // the Parquet/Arrow column holding a document's text
+  // Threads that tokenize text while it is read (ParallelEncoder); 1 = on the reading thread.
+  int64_t workers = 1;
   bool skip_empty = true;            // false: empty documents are passed on too (as "")
   // Non-empty: TokenCorpus::load tokenizes each text or JSONL file once and keeps its tokens as a
   // token file in this folder, keyed by the file's and the tokenizer's contents and the options
@@ -64,6 +72,7 @@ struct SourceOptions {
   // command-line flag): error messages name them as the fix.
   std::string format_setting = "the data format option";
   std::string jsonl_field_setting = "the jsonl_field option";
+  std::string text_column_setting = "the text_column option";
   // The setting that names the inputs (e.g. "training.dataset_path"): errors about the inputs
   // themselves (missing, not a regular file, no documents, too short) name it, so a problem with
   // the validation set is not reported as one with the training data. Empty: "data input".
@@ -79,26 +88,31 @@ std::string input_description(const std::string& spec, const std::string& settin
 // spec that names no file, and for one that names (or a glob that matches) something other than
 // a regular file or directory: a FIFO, device or socket would block or never end when read.
 // Directories contribute their regular files only. Only metadata is read (stat, never open).
-std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, const std::string& setting = {});
+// `directory_extension` (".parquet"): a directory contributes only files with that extension.
+std::vector<std::string> resolve_inputs(const std::vector<std::string>& specs, const std::string& setting = {},
+                                        const std::string& directory_extension = {});
+// The extension a directory's files need when read in `format` (".parquet", ".arrow"), else "".
+std::string directory_extension(std::optional<SourceFormat> format);
 
 
 // Where tokenized inputs are cached (SourceOptions::token_cache_dir): $LOOM_CACHE_DIR/tokens, else
 // $XDG_CACHE_HOME/loom/tokens, else $HOME/.cache/loom/tokens; empty when none of them is set.
 std::string default_token_cache_dir();
 
-// "text", "jsonl" or "tokens"; throws loom::UsageError for anything else (`sft` is the trainer's
+// "text", "jsonl", "tokens", "parquet" or "arrow"; throws loom::UsageError for anything else (`sft` is the trainer's
 // only: it needs a chat template and yields masks, not text).
 SourceFormat parse_source_format(std::string_view name);
 // training.dataset_format and validation.dataset_format: one format for every file, or kAuto
 // (guess each file's; core/options.h's enum protocol).
-enum class DatasetFormat { kJsonl, kText, kTokens, kSft, kAuto };
+enum class DatasetFormat { kJsonl, kText, kTokens, kSft, kParquet, kArrow, kAuto };
 const options::EnumNames<DatasetFormat>& option_names(DatasetFormat);
 // The format every file is read in; nullopt for kAuto (SourceOptions::format).
 std::optional<SourceFormat> source_format(DatasetFormat format);
 
 // Whether the file starts with the token file magic.
 bool is_token_file(const std::string& path);
-// The format guessed from the file: the token magic, else the name (.jsonl/.ndjson), else text.
+// The format guessed from the file: the token, Parquet or Arrow magic, else the name
+// (.jsonl/.ndjson), else text.
 SourceFormat detect_format(const std::string& path);
 // The format to read `path` in: options.format when set (throws loom::UsageError naming the file,
 // the format and the setting to change when the file is a token file and the format is not

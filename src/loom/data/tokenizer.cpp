@@ -1,5 +1,7 @@
 #include "loom/data/tokenizer.h"
 
+#include <array>
+
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
@@ -19,11 +21,19 @@ using nlohmann::json;
 
 // Words (pre-tokenized pieces) repeat heavily in natural text, so each distinct word is run
 // through BPE once. Bounded: a corpus of unbounded vocabulary cannot grow it without limit.
+// Sharded by the word's hash, each shard with its own lock: tokenizer threads (ParallelEncoder)
+// look words up millions of times a second, and one lock serialised them (2 threads ran at half
+// the speed of one).
 struct Tokenizer::WordCache {
-  static constexpr size_t kMaxEntries = 1 << 19;
+  static constexpr size_t kShards = 64;
+  static constexpr size_t kMaxEntriesPerShard = (size_t{1} << 19) / kShards;
   static constexpr size_t kMaxWordBytes = 64;
-  std::mutex mutex;
-  std::unordered_map<std::string, std::vector<int32_t>> words;
+  struct Shard {
+    std::mutex mutex;
+    std::unordered_map<std::string, std::vector<int32_t>> words;
+  };
+  std::array<Shard, kShards> shards;
+  Shard& shard_of(std::string_view word) { return shards[std::hash<std::string_view>{}(word) % kShards]; }
 };
 
 namespace {
@@ -439,11 +449,13 @@ void Tokenizer::encode_word(std::string_view word, std::vector<int64_t>& out) co
   }
   const bool cacheable = word.size() <= WordCache::kMaxWordBytes;
   thread_local std::string key;
+  WordCache::Shard* shard = nullptr;
   if (cacheable) {
     key.assign(word);
-    std::lock_guard<std::mutex> lock(cache_->mutex);
-    auto it = cache_->words.find(key);
-    if (it != cache_->words.end()) {
+    shard = &cache_->shard_of(word);
+    std::lock_guard<std::mutex> lock(shard->mutex);
+    auto it = shard->words.find(key);
+    if (it != shard->words.end()) {
       out.insert(out.end(), it->second.begin(), it->second.end());
       return;
     }
@@ -452,9 +464,9 @@ void Tokenizer::encode_word(std::string_view word, std::vector<int64_t>& out) co
   bpe(word, ids);
   out.insert(out.end(), ids.begin(), ids.end());
   if (cacheable) {
-    std::lock_guard<std::mutex> lock(cache_->mutex);
-    if (cache_->words.size() >= WordCache::kMaxEntries) cache_->words.clear();
-    cache_->words.emplace(key, ids);
+    std::lock_guard<std::mutex> lock(shard->mutex);
+    if (shard->words.size() >= WordCache::kMaxEntriesPerShard) shard->words.clear();
+    shard->words.emplace(key, ids);
   }
 }
 

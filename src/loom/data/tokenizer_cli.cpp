@@ -8,6 +8,7 @@
 #include "loom/core/error.h"
 #include "loom/core/timer.h"
 #include "loom/data/bpe_trainer.h"
+#include "loom/data/parallel_encoder.h"
 #include "loom/data/sources.h"
 #include "loom/data/tokenizer.h"
 
@@ -33,12 +34,21 @@ void append_ids(const std::vector<int64_t>& ids, std::string& out) {
 struct SourceArgs {
   std::string text_separator;
   std::string jsonl_field = "text";
-  // The format stays guessed per file (these commands take mixed inputs); errors name the flags.
+  std::string text_column = "text";
+  std::string format = "auto";
+  int64_t workers = 1;
+  // Unless --format names one, the format is guessed per file (these commands take mixed inputs);
+  // errors name the flags.
   data::SourceOptions options() const {
     data::SourceOptions o;
     o.text_separator = text_separator;
     o.jsonl_field = jsonl_field;
     o.jsonl_field_setting = "--jsonl-field";
+    o.text_column = text_column;
+    o.text_column_setting = "--text-column";
+    o.format_setting = "--format";
+    if (format != "auto") o.format = data::parse_source_format(format);
+    o.workers = workers;
     return o;
   }
 };
@@ -56,6 +66,11 @@ void add_source_options(CLI::App* cmd, SourceArgs& args) {
   cmd->add_option("--text-separator", args.text_separator,
                   "Split text files into documents at this string (e.g. $'\\n\\n'); default: one file, one document");
   cmd->add_option("--jsonl-field", args.jsonl_field, "JSONL field holding the document text")
+      ->capture_default_str();
+  cmd->add_option("--text-column", args.text_column, "Parquet/Arrow column holding the document text")
+      ->capture_default_str();
+  cmd->add_option("--format", args.format, "Format of every input: auto (guess each file's), jsonl, text, parquet, arrow")
+      ->check(CLI::IsMember({"auto", "jsonl", "text", "parquet", "arrow"}))
       ->capture_default_str();
 }
 
@@ -202,18 +217,26 @@ void register_pretokenize(CLI::App* parent) {
   cmd->add_option("--input", args->inputs, "Text or JSONL files, directories or globs")->required();
   cmd->add_option("--output", args->output, "Token file to write, e.g. corpus.bin")->required();
   add_source_options(cmd, args->source);
+  cmd->add_option("--workers", args->source.workers, "Threads that tokenize while the input is read")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   cmd->callback([args] {
     check_output_file(args->output, "corpus.bin");
     Timer timer;
     const Tokenizer tok = Tokenizer::from_file(args->tokenizer);
     data::TokenFileWriter writer(args->output, tok.vocab_size(), tok.bos_id(), tok.eos_id());
     int64_t bytes = 0;
-    for (const std::string& path : data::resolve_inputs(args->inputs)) {
-      data::for_each_text_document(path, args->source.options(), [&](std::string_view doc) {
-        writer.add_document(tok.encode(doc));
+    const data::SourceOptions options = args->source.options();
+    data::ParallelEncoder encoder(tok, args->source.workers,
+                                  [&](const std::vector<int64_t>& tokens) { writer.add_document(tokens); });
+    for (const std::string& path :
+         data::resolve_inputs(args->inputs, "--input", data::directory_extension(options.format))) {
+      data::for_each_text_document(path, options, [&](std::string_view doc) {
+        encoder.add(doc);
         bytes += static_cast<int64_t>(doc.size());
       });
     }
+    encoder.finish();
     writer.close();
     const data::TokenFileHeader& h = writer.header();
     std::printf("pretokenized %lld documents, %lld bytes -> %lld tokens (uint%d, EOS %lld after each) in %.2f s -> %s\n",
