@@ -107,6 +107,8 @@ std::string Key::type_description() const {
           return "a number";
         } else if constexpr (std::is_same_v<T, std::optional<double>*>) {
           return "a number or none";
+        } else if constexpr (std::is_same_v<T, TableArrayRef>) {
+          return "an array of tables";
         } else {
           return integer_allowed ? "a string or an integer" : "a string";
         }
@@ -130,6 +132,8 @@ std::string Key::doc_type() const {
           return "float";
         } else if constexpr (std::is_same_v<T, std::optional<double>*>) {
           return "float or unset";
+        } else if constexpr (std::is_same_v<T, TableArrayRef>) {
+          return "array of tables";
         } else {
           if (choice_list.empty()) return "string";
           return integer_allowed ? choice_list + " \\| int" : choice_list;
@@ -160,6 +164,23 @@ std::string value_as_toml(const Key& key, const void* object) {
           return value->has_value() ? format_double(**value) : "none";
         } else if constexpr (std::is_same_v<T, EnumRef>) {
           return toml_string(value.codec->get(value.field));
+        } else if constexpr (std::is_same_v<T, TableArrayRef>) {
+          // An inline array of inline tables: one line, and TOML reads it back as [[...]] tables.
+          const Section& element = value.codec->element();
+          std::string out = "[";
+          for (size_t i = 0; i < value.codec->size(value.field); ++i) {
+            const void* e = value.codec->at(value.field, i);
+            out += i ? ", {" : "{";
+            bool first = true;
+            for (const Key& key : element.keys) {
+              const std::string v = value_as_toml(key, e);
+              if (v == "none") continue;  // TOML has no null: an unset optional is left out
+              out += c10::str(first ? " " : ", ", key.name, " = ", v);
+              first = false;
+            }
+            out += " }";
+          }
+          return out + "]";
         } else {
           return key.integer_allowed && is_positive_integer(*value) ? *value : toml_string(*value);
         }

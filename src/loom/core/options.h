@@ -48,8 +48,27 @@ struct EnumRef {
   const EnumCodec* codec;
 };
 
+struct Section;
+
+// An array of tables (`[[training.datasets]]`): a std::vector<T> field whose element struct T
+// declares its keys as a Section, found by argument-dependent lookup like an enum's names:
+//   const options::Section& option_section(const DatasetSource*);
+// In a config file it is written as [[section.key]] tables or an inline array of inline tables;
+// on the command line as the inline array (`--training.datasets='[{path = "a", weight = 2}]'`).
+struct TableArrayCodec {
+  const Section& (*element)();
+  size_t (*size)(const void* vector);
+  void* (*at)(void* vector, size_t i);
+  void (*resize)(void* vector, size_t n);
+};
+struct TableArrayRef {
+  void* field;
+  const TableArrayCodec* codec;
+};
+
 // A typed pointer to one field of an options struct.
-using FieldRef = std::variant<bool*, int64_t*, double*, std::string*, std::optional<double>*, EnumRef>;
+using FieldRef =
+    std::variant<bool*, int64_t*, double*, std::string*, std::optional<double>*, EnumRef, TableArrayRef>;
 
 template <OptionEnum E>
 std::string_view enum_name(E value) {
@@ -109,6 +128,20 @@ inline FieldRef field_ref(std::optional<double>* f) { return f; }
 template <OptionEnum E>
 FieldRef field_ref(E* f) {
   return EnumRef{f, &enum_codec<E>()};
+}
+
+template <typename T>
+concept OptionTable = requires(const T* t) {
+  { option_section(t) } -> std::convertible_to<const Section&>;
+};
+template <OptionTable T>
+FieldRef field_ref(std::vector<T>* f) {
+  static const TableArrayCodec codec{
+      []() -> const Section& { return option_section(static_cast<const T*>(nullptr)); },
+      [](const void* v) { return static_cast<const std::vector<T>*>(v)->size(); },
+      [](void* v, size_t i) -> void* { return &(*static_cast<std::vector<T>*>(v))[i]; },
+      [](void* v, size_t n) { static_cast<std::vector<T>*>(v)->resize(n); }};
+  return TableArrayRef{f, &codec};
 }
 
 // One option: a field of a section's struct.

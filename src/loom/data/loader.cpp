@@ -8,6 +8,8 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <random>
+#include <cmath>
 
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
@@ -307,11 +309,114 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
   return corpus;
 }
 
+std::shared_ptr<const TokenCorpus> TokenCorpus::mix(std::vector<MixtureSource> sources, uint64_t seed) {
+  LOOM_REQUIRE_USAGE(!sources.empty(), "a data mixture needs at least one source");
+  double total = 0.0;
+  for (const MixtureSource& s : sources) {
+    LOOM_REQUIRE_USAGE(std::isfinite(s.weight) && s.weight >= 0.0, s.name, ": weight ", s.weight,
+                       " is not a finite number >= 0; give each source a weight >= 0 (its share is weight / sum)");
+    total += s.weight;
+  }
+  LOOM_REQUIRE_USAGE(total > 0.0, "every data source's weight is 0 (", sources.front().name,
+                     ", ...); give at least one source a weight above 0");
+  auto corpus = std::shared_ptr<TokenCorpus>(new TokenCorpus());
+  corpus->bos_id_ = sources.front().corpus->bos_id();
+  corpus->eos_id_ = sources.front().corpus->eos_id();
+  std::string names;
+  for (const MixtureSource& s : sources) {
+    LOOM_REQUIRE_USAGE(s.corpus->bos_id() == corpus->bos_id_ && s.corpus->eos_id() == corpus->eos_id_, s.name,
+                       " has BOS/EOS ", s.corpus->bos_id(), "/", s.corpus->eos_id(), " but ", sources.front().name,
+                       " has ", corpus->bos_id_, "/", corpus->eos_id_, "; every source needs the same tokenizer");
+    names += (names.empty() ? "" : " + ") + s.name;
+  }
+  corpus->description_ = c10::str("the data mixture (", names, ")");
+  const size_t n = sources.size();
+  std::vector<double> weight(n), credit(n);
+  std::vector<int64_t> taken(n, 0);
+  // The epoch's length: until every weighted source is through once, about max(documents / share).
+  double estimate = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    weight[i] = sources[i].weight / total;
+    if (weight[i] > 0) estimate = std::max(estimate, static_cast<double>(sources[i].corpus->num_documents()) / weight[i]);
+  }
+  LOOM_REQUIRE_USAGE(estimate < 2147483648.0, "the data mixture's epoch would hold ", estimate,
+                     " documents (a source with a tiny weight and many documents must be read through once); ",
+                     "raise that source's weight or give it fewer documents");
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  for (size_t i = 0; i < n; ++i) credit[i] = weight[i] > 0 ? uniform(rng) : 0.0;
+  auto unfinished = [&] {
+    for (size_t i = 0; i < n; ++i) {
+      if (weight[i] > 0 && taken[i] < sources[i].corpus->num_documents()) return true;
+    }
+    return false;
+  };
+  corpus->mixed_source_.reserve(static_cast<size_t>(estimate) + n);
+  corpus->mixed_document_.reserve(static_cast<size_t>(estimate) + n);
+  corpus->doc_start_.reserve(static_cast<size_t>(estimate) + n + 1);
+  while (unfinished()) {
+    // Ties go to the earlier source; a source of weight 0 is never picked.
+    size_t pick = n;
+    for (size_t i = 0; i < n; ++i) {
+      if (weight[i] == 0) continue;
+      credit[i] += weight[i];
+      if (pick == n || credit[i] > credit[pick]) pick = i;
+    }
+    credit[pick] -= 1.0;
+    const TokenCorpus& source = *sources[pick].corpus;
+    const int64_t doc = taken[pick]++ % source.num_documents();
+    corpus->mixed_source_.push_back(static_cast<uint32_t>(pick));
+    corpus->mixed_document_.push_back(doc);
+    const int64_t length = source.doc_start_[doc + 1] - source.doc_start_[doc];
+    corpus->doc_start_.push_back(corpus->doc_start_.back() + length);
+    if (!source.masked()) {
+      corpus->trained_tokens_ += length - 1;  // every token and the EOS
+    } else {
+      std::vector<int64_t> t(length), p(length), d(length);
+      std::vector<uint8_t> flags(length);
+      source.read_stream(source.doc_start_[doc], length, t.data(), p.data(), d.data(), flags.data());
+      corpus->trained_tokens_ += std::count(flags.begin(), flags.end(), 1);
+      corpus->masked_ = true;
+    }
+  }
+  corpus->mixture_ = std::move(sources);
+  return corpus;
+}
+
+std::vector<int64_t> TokenCorpus::mixture_counts(int64_t documents) const {
+  std::vector<int64_t> counts(mixture_.size(), 0);
+  documents = std::min(documents, num_documents());
+  for (int64_t d = 0; d < documents; ++d) ++counts[mixed_source_[d]];
+  return counts;
+}
+
+int64_t TokenCorpus::document_at(int64_t position) const {
+  TORCH_CHECK(position >= 0 && position < stream_length(), "stream position ", position, " outside [0, ",
+              stream_length(), ")");
+  return std::upper_bound(doc_start_.begin(), doc_start_.end(), position) - doc_start_.begin() - 1;
+}
+
 void TokenCorpus::read_stream(int64_t start, int64_t count, int64_t* tokens, int64_t* positions,
                               int64_t* documents, uint8_t* trained) const {
   TORCH_CHECK(start >= 0 && count >= 0 && start + count <= stream_length(), "stream read [", start, ", ",
               start + count, ") outside [0, ", stream_length(), ")");
   int64_t doc = std::upper_bound(doc_start_.begin(), doc_start_.end(), start) - doc_start_.begin() - 1;
+  if (!mixture_.empty()) {
+    // Each document is read from its source, then renumbered as this stream's document.
+    int64_t p = start, out = 0;
+    const int64_t end = start + count;
+    for (; p < end; ++doc) {
+      const TokenCorpus& source = *mixture_[mixed_source_[doc]].corpus;
+      const int64_t stop = std::min(end, doc_start_[doc + 1]);
+      const int64_t from = source.doc_start_[mixed_document_[doc]] + (p - doc_start_[doc]);
+      source.read_stream(from, stop - p, tokens + out, positions + out, documents + out,
+                         trained ? trained + out : nullptr);
+      std::fill(documents + out, documents + out + (stop - p), doc);
+      out += stop - p;
+      p = stop;
+    }
+    return;
+  }
   auto shard_of = [&](int64_t d) {
     auto it = std::upper_bound(shards_.begin(), shards_.end(), d,
                                [](int64_t v, const Shard& s) { return v < s.first_doc; });
@@ -427,9 +532,30 @@ Batch DataLoader::next() {
 }
 
 nlohmann::json DataLoader::state_dict() const {
-  return {{"rows_consumed", rows_consumed_},
-          {"seq_len", packer_.seq_len()},
-          {"stream_tokens", packer_.corpus().stream_length()}};
+  nlohmann::json state = {{"rows_consumed", rows_consumed_},
+                          {"seq_len", packer_.seq_len()},
+                          {"stream_tokens", packer_.corpus().stream_length()}};
+  const TokenCorpus& corpus = packer_.corpus();
+  if (!corpus.mixture().empty()) {
+    // Each source's position: the documents it has given, over whole epochs and into this one
+    // (the document the cursor is inside counts as given). The row cursor alone decides where a
+    // resumed run continues; these are checked against the resumed run's mixture and logged.
+    const int64_t consumed = rows_consumed_ * (packer_.seq_len() + 1);
+    const int64_t epochs = consumed / corpus.stream_length();
+    const int64_t rest = consumed % corpus.stream_length();
+    const std::vector<int64_t> per_epoch = corpus.mixture_counts(corpus.num_documents());
+    const std::vector<int64_t> partial = corpus.mixture_counts(rest == 0 ? 0 : corpus.document_at(rest) + 1);
+    nlohmann::json sources = nlohmann::json::array();
+    for (size_t i = 0; i < corpus.mixture().size(); ++i) {
+      const MixtureSource& s = corpus.mixture()[i];
+      sources.push_back({{"name", s.name},
+                         {"weight", s.weight},
+                         {"documents", s.corpus->num_documents()},
+                         {"documents_given", epochs * per_epoch[i] + partial[i]}});
+    }
+    state["sources"] = std::move(sources);
+  }
+  return state;
 }
 
 void DataLoader::load_state_dict(const nlohmann::json& state) {
@@ -447,6 +573,17 @@ void DataLoader::load_state_dict(const nlohmann::json& state) {
                stream_tokens, " packed tokens but this corpus has ", packer_.corpus().stream_length(),
                "; resume with the same data inputs and tokenizer");
   LOOM_REQUIRE(rows >= 0, "data loader state has negative rows_consumed ", rows);
+  const auto& mixture = packer_.corpus().mixture();
+  if (state.contains("sources")) {
+    const auto& saved = state.at("sources");
+    bool same = saved.is_array() && saved.size() == mixture.size();
+    for (size_t i = 0; same && i < mixture.size(); ++i) {
+      same = saved[i].value("weight", -1.0) == mixture[i].weight &&
+             saved[i].value("documents", int64_t{-1}) == mixture[i].corpus->num_documents();
+    }
+    LOOM_REQUIRE_COMPATIBLE(same, "data loader state was saved for the mixture ", saved.dump(),
+                            " but this run mixes other sources or weights; resume with the same [[training.datasets]]");
+  }
   rows_consumed_ = rows;
 }
 

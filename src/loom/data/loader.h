@@ -28,6 +28,17 @@
 // grouped into steps differently. The state also records seq_len and the stream length, and
 // loading it into a loader over different data or a different seq_len is an error.
 //
+// Mixtures (TokenCorpus::mix, `[[training.datasets]]`): several sources, each a corpus of its own,
+// interleaved document by document by weight. The interleave is deterministic smooth weighted
+// round robin: before each document every source gains its normalised weight in credit, the
+// source with the most credit gives the next document and pays 1. Every prefix of the mixture
+// then holds each source within about one document of its share (weight / total), the order
+// depends only on the weights and the seed (which sets the sources' starting credits), and the
+// mixture is again one packed stream, so the row cursor, resharding and resumption work as for
+// one source. A mixture's epoch lasts until every source with a weight above 0 has given all its
+// documents at least once (a source with more weight than documents repeats within the epoch, in
+// its own order, which is what up-weighting a small source means).
+//
 // Memory: text and JSONL inputs are tokenized once when the corpus is loaded and kept as uint32
 // ids (4 bytes per token); token files (sources.h) are memory-mapped and only indexed (8 bytes
 // per document), so pre-tokenize large corpora with `loom tokenizer pretokenize`. SFT documents
@@ -59,6 +70,15 @@ struct Batch {
   torch::Tensor document_ids;  // row-local index of each input token's document
 };
 
+class TokenCorpus;
+
+// One source of a mixture: its documents, its weight (>= 0) and how messages name it.
+struct MixtureSource {
+  std::shared_ptr<const TokenCorpus> corpus;
+  double weight = 1.0;
+  std::string name;
+};
+
 // The documents of a training run as token ids, in one or more shards (in memory or
 // memory-mapped token files), addressed as the packed stream described above.
 class TokenCorpus {
@@ -81,6 +101,17 @@ class TokenCorpus {
   // SFT examples (sft.h: ids without BOS/EOS, a flag per token and one for the EOS), e.g. for tests.
   static std::shared_ptr<const TokenCorpus> from_examples(const std::vector<SftExample>& examples, int64_t bos_id,
                                                           int64_t eos_id);
+
+  // The sources interleaved by weight (see the top of this file), starting credits drawn from
+  // `seed`. loom::UsageError for no sources, a negative or non-finite weight, weights that are all
+  // zero, sources with different BOS/EOS ids, or a mixture over 2^31 documents per epoch.
+  static std::shared_ptr<const TokenCorpus> mix(std::vector<MixtureSource> sources, uint64_t seed);
+  // A mixture's sources (empty for a plain corpus), and how many documents each gave to the
+  // stream's documents [0, documents) (documents up to one epoch).
+  const std::vector<MixtureSource>& mixture() const { return mixture_; }
+  std::vector<int64_t> mixture_counts(int64_t documents) const;
+  // The document holding stream position `position` (0 <= position < stream_length()).
+  int64_t document_at(int64_t position) const;
 
   int64_t num_documents() const { return static_cast<int64_t>(doc_start_.size()) - 1; }
   int64_t num_tokens() const { return stream_length() - 2 * num_documents(); }  // without BOS/EOS
@@ -116,6 +147,10 @@ class TokenCorpus {
   void add_token_file(std::shared_ptr<const TokenFile> file, int64_t model_vocab_size);
 
   std::vector<Shard> shards_;
+  // A mixture: each document's source and its index there (no shards of its own).
+  std::vector<MixtureSource> mixture_;
+  std::vector<uint32_t> mixed_source_;
+  std::vector<int64_t> mixed_document_;
   std::vector<int64_t> doc_start_{0};  // stream offset of each document's BOS, then the end
   int64_t bos_id_ = -1, eos_id_ = -1;
   bool masked_ = false;

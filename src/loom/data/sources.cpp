@@ -197,6 +197,20 @@ std::optional<SourceFormat> source_format(DatasetFormat format) {
   return std::nullopt;
 }
 
+const options::Section& option_section(const DatasetSource*) {
+  using S = DatasetSource;
+  static const options::Section section{
+      "datasets",
+      {
+          {LOOM_OPTION(S, path), "The source's data: a file, a directory or a glob, as `training.dataset_path`."},
+          {LOOM_OPTION(S, format), "How its files are read (the formats of `training.dataset_format`)."},
+          {LOOM_OPTION(S, weight),
+           "Its share of the mixture's documents is `weight / sum of weights`; `>= 0`, not all 0."},
+          {LOOM_OPTION(S, text_column), "Parquet/Arrow column with the text; empty = `training.text_column`."},
+      }};
+  return section;
+}
+
 bool is_token_file(const std::string& path) {
   FdGuard fd{open_regular_file(path, "data file")};
   char magic[sizeof(kTokenFileMagic)] = {};

@@ -109,6 +109,17 @@ const options::EnumNames<DatasetFormat>& option_names(DatasetFormat);
 // The format every file is read in; nullopt for kAuto (SourceOptions::format).
 std::optional<SourceFormat> source_format(DatasetFormat format);
 
+// One `[[training.datasets]]` entry: a source of a weighted mixture (loader.h, TokenCorpus::mix).
+struct DatasetSource {
+  std::string path;                             // a file, a directory or a glob
+  DatasetFormat format = DatasetFormat::kAuto;  // how its files are read
+  double weight = 1.0;                          // its share of the documents is weight / sum
+  std::string text_column;                      // Parquet/Arrow column; "" = training.text_column
+
+  bool operator==(const DatasetSource&) const = default;
+};
+const options::Section& option_section(const DatasetSource*);
+
 // Whether the file starts with the token file magic.
 bool is_token_file(const std::string& path);
 // The format guessed from the file: the token, Parquet or Arrow magic, else the name

@@ -125,7 +125,18 @@ std::string suggest_key(std::string_view name) {
 }
 
 // Checks a string value against the key's allowed choices.
-void check_choice(const ConfigKey& key, const std::string& value, const std::string& where) {
+// A key as the setters see it: its full name ("training.datasets[0].format" inside an array of
+// tables), its declaration, and the field it sets.
+struct KeyTarget {
+  std::string full_name;
+  const options::Key* spec;
+  options::FieldRef field;
+  std::string name() const { return full_name; }
+};
+
+KeyTarget target(JobConfig& config, const ConfigKey& key) { return {key.name(), key.spec, key.field(config)}; }
+
+void check_choice(const KeyTarget& key, const std::string& value, const std::string& where) {
   const std::vector<std::string_view> choices = key.spec->allowed();
   const bool integer_allowed = key.spec->integer_allowed;
   if (choices.empty()) return;
@@ -174,8 +185,43 @@ std::string describe_node(const toml::node& node) {
   }
 }
 
-void set_from_node(JobConfig& config, const ConfigKey& key, const toml::node& node,
-                   const std::string& where) {
+void set_node(const KeyTarget& key, const toml::node& node, const std::string& origin);
+
+// The tables of an array of tables: each key found in the element's section, set in its element.
+void set_table_array(const KeyTarget& key, options::TableArrayRef array, const toml::node& node,
+                     const std::string& origin) {
+  const std::string where = location(node.source(), origin);
+  const toml::array* items = node.as_array();
+  if (items == nullptr) {
+    fail_usage("config key '", key.name(), "' expects an array of tables ([[", key.name(), "]] entries), got ",
+               describe_node(node), " in ", where);
+  }
+  const options::Section& element = array.codec->element();
+  array.codec->resize(array.field, 0);  // a later setting replaces the whole array
+  array.codec->resize(array.field, items->size());
+  for (size_t i = 0; i < items->size(); ++i) {
+    const toml::node& item = *items->get(i);
+    const std::string item_name = c10::str(key.name(), "[", i, "]");
+    if (!item.is_table()) {
+      fail_usage("config key '", item_name, "' must be a table, got ", describe_node(item), " in ",
+                 location(item.source(), origin));
+    }
+    void* object = array.codec->at(array.field, i);
+    for (auto&& [name, value] : *item.as_table()) {
+      const options::Key* spec = element.find(name.str());
+      if (spec == nullptr) {
+        std::vector<std::string_view> names;
+        for (const options::Key& k : element.keys) names.push_back(k.name);
+        fail_usage("unknown config key '", item_name, ".", name.str(), "' in ", location(name.source(), origin),
+                   " (did you mean '", nearest(name.str(), names), "'?)");
+      }
+      set_node(KeyTarget{c10::str(item_name, ".", spec->name), spec, spec->field(object)}, value, origin);
+    }
+  }
+}
+
+void set_node(const KeyTarget& key, const toml::node& node, const std::string& origin) {
+  const std::string where = location(node.source(), origin);
   auto wrong_type = [&] {
     fail_usage("config key '", key.name(), "' expects ", key.spec->type_description(), ", got ",
                describe_node(node), " in ", where);
@@ -183,7 +229,9 @@ void set_from_node(JobConfig& config, const ConfigKey& key, const toml::node& no
   std::visit(
       [&](auto field) {
         using T = decltype(field);
-        if constexpr (std::is_same_v<T, bool*>) {
+        if constexpr (std::is_same_v<T, options::TableArrayRef>) {
+          set_table_array(key, field, node, origin);
+        } else if constexpr (std::is_same_v<T, bool*>) {
           if (!node.is_boolean()) wrong_type();
           *field = *node.value<bool>();
         } else if constexpr (std::is_same_v<T, int64_t*>) {
@@ -214,7 +262,7 @@ void set_from_node(JobConfig& config, const ConfigKey& key, const toml::node& no
           check_choice(key, *field, where);
         }
       },
-      key.field(config));
+      key.field);
 }
 
 // ---- Command-line values ----
@@ -230,8 +278,9 @@ bool parse_number(std::string_view s, T& out) {
   return ec == std::errc() && ptr == s.data() + s.size();
 }
 
-void set_from_string(JobConfig& config, const ConfigKey& key, const std::string& value,
+void set_from_string(JobConfig& config, const ConfigKey& config_key, const std::string& value,
                      const std::string& where) {
+  const KeyTarget key = target(config, config_key);
   auto wrong_type = [&] {
     fail_usage("config key '", key.name(), "' expects ", key.spec->type_description(), ", got ",
                toml_string(value), " in ", where);
@@ -263,13 +312,25 @@ void set_from_string(JobConfig& config, const ConfigKey& key, const std::string&
         } else if constexpr (std::is_same_v<T, options::EnumRef>) {
           check_choice(key, value, where);
           field.codec->set(field.field, value);
+        } else if constexpr (std::is_same_v<T, options::TableArrayRef>) {
+          // The inline TOML array of inline tables, parsed as the value of a one-line document.
+          toml::table doc;
+          try {
+            doc = toml::parse(c10::str("value = ", value), where);
+          } catch (const toml::parse_error& e) {
+            std::string description(e.description());
+            std::replace(description.begin(), description.end(), '\n', ' ');
+            fail_usage("config key '", key.name(), "' expects an inline array of tables such as '[{ path = ",
+                       "\"a.parquet\", weight = 2.0 }]', got ", toml_string(value), " in ", where, ": ", description);
+          }
+          set_node(key, *doc.get("value"), where);
         } else {
           static_assert(std::is_same_v<T, std::string*>);
           check_choice(key, value, where);
           *field = value;
         }
       },
-      key.field(config));
+      key.field);
 }
 
 void require(bool ok, const ConfigKey& key, std::string_view requirement, const JobConfig& config) {
@@ -292,7 +353,7 @@ std::string ConfigKey::value_as_toml(const JobConfig& config) const {
 const std::vector<ConfigKey>& config_schema() { return schema(); }
 
 std::string config_reference_markdown() {
-  const JobConfig defaults;
+  JobConfig defaults;  // an array of tables gets one default entry while its keys are listed
   // A '|' ends a table cell even inside a code span (GFM): help that quotes one (a chat template's
   // "<|eot_id|>") is escaped.
   const auto cell = [](std::string_view text) {
@@ -311,6 +372,23 @@ std::string config_reference_markdown() {
       const std::string value = k.value_as_toml(defaults);
       const std::string shown = value == "none" ? "unset" : c10::str("`", value, "`");
       out += c10::str("| `", k.name(), "` | ", k.spec->doc_type(), " | ", cell(shown), " | ", cell(k.help), " |\n");
+    }
+    // The keys of each entry of an array of tables, as a table of their own.
+    for (const ConfigKey& k : schema()) {
+      if (k.section != section.name) continue;
+      const options::FieldRef field = k.field(const_cast<JobConfig&>(defaults));  // only read
+      const auto* array = std::get_if<options::TableArrayRef>(&field);
+      if (array == nullptr) continue;
+      const options::Section& element = array->codec->element();
+      array->codec->resize(array->field, 1);  // a default entry, to show its defaults
+      const void* entry = array->codec->at(array->field, 0);
+      out += c10::str("\nEach `[[", k.name(), "]]` entry:\n\n| key | type | default | meaning |\n| --- | --- | --- | --- |\n");
+      for (const options::Key& e : element.keys) {
+        const std::string value = options::value_as_toml(e, entry);
+        const std::string shown = value == "none" ? "unset" : c10::str("`", value, "`");
+        out += c10::str("| `", e.name, "` | ", e.doc_type(), " | ", cell(shown), " | ", cell(e.help), " |\n");
+      }
+      array->codec->resize(array->field, 0);
     }
     if (!section.doc_after.empty()) out += c10::str("\n", section.doc_after, "\n");
     out += "\n";
@@ -378,7 +456,7 @@ JobConfig parse_config_toml(std::string_view toml_text, const std::string& origi
         fail_usage("unknown config key '", name, "' in ", location(key.source(), origin),
                    " (did you mean '", nearest(name, all_key_names()), "'?)");
       }
-      set_from_node(config, *spec, node, location(node.source(), origin));
+      set_node(target(config, *spec), node, origin);
     }
   }
   return config;

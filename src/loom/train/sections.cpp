@@ -2,6 +2,8 @@
 
 #include "loom/nn/fused.h"
 
+#include <cmath>
+
 namespace loom::train {
 
 const options::EnumNames<StepReadback>& option_names(StepReadback) {
@@ -27,6 +29,22 @@ void check_training(const TrainingSection& t) {
   options::require(t.max_norm > 0.0, s, "max_norm", "> 0", &t);
   options::require(t.steps > 0, s, "steps", "> 0", &t);
   options::require(t.skip_nonfinite_steps >= 0, s, "skip_nonfinite_steps", ">= 0", &t);
+  options::require(t.data_workers >= 0, s, "data_workers", ">= 0 (0 = the rank's intra-op threads)", &t);
+  // A mixture's weights, before any rank starts (TokenCorpus::mix checks them again).
+  double total = 0.0;
+  for (size_t i = 0; i < t.datasets.size(); ++i) {
+    const data::DatasetSource& d = t.datasets[i];
+    LOOM_REQUIRE_USAGE(!d.path.empty(), "training.datasets[", i, "] has no path; give each [[training.datasets]] entry ",
+                       "a path (a file, a directory or a glob)");
+    LOOM_REQUIRE_USAGE(std::isfinite(d.weight) && d.weight >= 0.0, "training.datasets[", i, "].weight = ",
+                       options::format_double(d.weight), " (", d.path,
+                       ") must be a finite number >= 0; a source's share is weight / sum of weights");
+    LOOM_REQUIRE_USAGE(d.format != data::DatasetFormat::kSft, "training.datasets[", i,
+                       "].format = \"sft\" is not supported in a mixture; train sft data through training.dataset_path");
+    total += d.weight;
+  }
+  LOOM_REQUIRE_USAGE(t.datasets.empty() || total > 0.0, "every [[training.datasets]] weight is 0; give at least one ",
+                     "source a weight above 0");
 }
 
 void check_metrics(const MetricsSection& m) {
@@ -82,11 +100,27 @@ const options::Section& training_section() {
            "`loom tokenizer pretokenize`; `sft`: supervised fine-tuning data, one `{\"prompt\": ..., "
            "\"completion\": ...}` or `{\"messages\": [...]}` object per line, rendered with "
            "`sft.chat_template`, the loss on completion and assistant tokens only (docs/lora.md; not "
-           "kept in the token cache); `auto`: guess each file's format (token files by their "
+           "kept in the token cache); `parquet`: Parquet files, each value of the `training.text_column` column a document, read a "
+           "row group at a time; `arrow`: Arrow IPC files, such as a `datasets` cache's `data-*.arrow` "
+           "shards, likewise (a directory read as `parquet`/`arrow` contributes its `*.parquet`/`*.arrow` "
+           "files only); `auto`: guess each file's format (token, Parquet and Arrow files by their "
            "magic, `.jsonl`/`.ndjson` as JSONL, anything else as text; never `sft`). A token file under "
            "`jsonl`/`text`/`sft`, or any other file under `tokens`, is an error naming the file. Token ids "
            "are checked against the model's vocabulary at load."},
           {LOOM_OPTION(S, jsonl_field), "The JSONL field holding each document's text."},
+          {LOOM_OPTION(S, text_column),
+           "The Parquet/Arrow column holding each document's text (a string column; null values are "
+           "skipped). A file without it is an error listing its columns."},
+          {LOOM_OPTION(S, datasets),
+           "A weighted mixture of sources, as `[[training.datasets]]` tables (`path`, `format`, "
+           "`weight`, `text_column`); when given it replaces `dataset_path`/`dataset_format`. The "
+           "sources are interleaved document by document, each within about one document of its "
+           "share `weight / sum`, in an order fixed by `training.seed`; an epoch lasts until every "
+           "source has given each of its documents once (a source weighted above its size repeats). "
+           "The loader's checkpoint records each source's position. See docs/data.md."},
+          {LOOM_OPTION(S, data_workers),
+           "Threads that tokenize text while the data is loaded (documents stay in input order); "
+           "`0` = the rank's intra-op threads."},
           {LOOM_OPTION(S, token_cache),
            "Tokenize each text or JSONL file once: its tokens are kept as a token file in "
            "`$LOOM_CACHE_DIR/tokens` (else `$XDG_CACHE_HOME/loom/tokens`, else `~/.cache/loom/tokens`), "

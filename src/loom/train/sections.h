@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "loom/core/device.h"
 #include "loom/core/dtype.h"
@@ -34,6 +35,9 @@ struct TrainingSection {
   std::string dataset_path = "data/default/corpus.jsonl";
   data::DatasetFormat dataset_format = data::DatasetFormat::kJsonl;
   std::string jsonl_field = "text";  // the JSONL field holding each document's text
+  std::string text_column = "text";  // the Parquet/Arrow column holding each document's text
+  std::vector<data::DatasetSource> datasets;  // a weighted mixture; replaces dataset_path when set
+  int64_t data_workers = 0;  // threads tokenizing at load; 0 = the rank's intra-op threads
   bool token_cache = true;  // text/JSONL inputs tokenized once, kept in data::default_token_cache_dir()
   int64_t local_batch_size = 8;
   int64_t global_batch_size = -1;  // -1 = local_batch_size x data-parallel degree

@@ -1,5 +1,6 @@
 #include "loom/core/dtype.h"
 #include "loom/train/trainer.h"
+#include "loom/train/training_data.h"
 
 #include "loom/train/compatibility.h"
 #include "loom/train/layout_check.h"
@@ -80,7 +81,7 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   check_layout(env);
   // The data inputs are resolved before rendezvous (stat only: nothing is opened or read), so a
   // missing path, a FIFO or a device is one line with exit 2 on every rank, not a job that waits.
-  data::resolve_inputs({config_.training.dataset_path}, "training.dataset_path");
+  check_training_inputs(config_.training);
   if (config_.validation.enable) data::resolve_inputs({config_.validation.dataset_path}, "validation.dataset_path");
   init_distributed(env);
   // From here on every allocation of this thread is watched, so the step's peak can be split into
@@ -200,17 +201,9 @@ PersistentMemory Trainer::persistent_memory() {
 void Trainer::init_data() {
   const auto& t = config_.training;
   Timer timer;
-  data::SourceOptions source;
-  source.format = data::source_format(t.dataset_format);
-  source.jsonl_field = t.jsonl_field;
-  if (t.token_cache) source.token_cache_dir = data::default_token_cache_dir();
-  source.format_setting = "training.dataset_format";
-  source.jsonl_field_setting = "training.jsonl_field";
-  source.inputs_setting = "training.dataset_path";
-  source.sft = config_.sft;
   // Token ids are checked against the embedding here, so a token file from another tokenizer
   // fails at load naming the file, not mid-step inside the embedding lookup.
-  auto corpus = data::TokenCorpus::load({t.dataset_path}, tokenizer_.get(), source, model_vocab_size());
+  auto corpus = load_training_corpus(t, config_.sft, *tokenizer_, model_vocab_size());
   data::DataLoaderOptions options;
   options.seq_len = t.seq_len;
   options.local_batch_size = t.local_batch_size;
@@ -219,7 +212,7 @@ void Trainer::init_data() {
   options.seq_len_setting = "training.seq_len";
   loader_ = std::make_unique<data::DataLoader>(corpus, options);
   grad_accum_steps_ = gradient_accumulation_steps(config_, parallel_dims_->dp_degree());
-  log::info("data: ", t.dataset_path, ": ", corpus->num_documents(), " documents, ", corpus->num_tokens(),
+  log::info("data: ", corpus->description(), ": ", corpus->num_documents(), " documents, ", corpus->num_tokens(),
             " tokens",
             corpus->masked() ? c10::str(" (", corpus->num_trained_tokens(), " trained, the rest masked)") : "",
             ", ", loader_->packer().rows_per_epoch(),
