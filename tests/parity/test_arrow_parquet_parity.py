@@ -201,6 +201,44 @@ def main():
         check_bad_input("glob matching nothing", ["--input", "/tmp/does-not-exist-*.parquet", "--format", "parquet",
                                                   "--output", out_bad], ["does-not-exist"], failures)
 
+        # Training reads the same files: a mixture of the Parquet file and the Arrow cache trains, and
+        # bad data input stops with exit code 2 and one error line before step 1.
+        def train(extra):
+            return subprocess.run(
+                [LOOM_BIN, "train", "--config", os.path.join(SOURCE_DIR, "configs", "llama3_debug.toml"),
+                 "--model.tokenizer_path", TOKENIZER, "--training.steps=2", "--training.seq_len=32",
+                 "--training.local_batch_size=2", "--metrics.log_freq=1", "--training.token_cache=false",
+                 "--job.dump_folder=" + os.path.join(workdir, "run")] + extra,
+                capture_output=True, text=True)
+        mixture = (f'[{{ path = "{parquet}", format = "parquet", text_column = "body", weight = 3 }}, '
+                   f'{{ path = "{arrow_dir}", format = "arrow", text_column = "content", weight = 1 }}]')
+        ok = train(["--training.datasets", mixture])
+        out = ok.stdout + ok.stderr
+        print(f"  train on the Parquet + Arrow mixture: exit code {ok.returncode}")
+        if ok.returncode != 0 or "step 2/2" not in out or "75 %" not in out:
+            failures.append(f"training on the mixture failed: exit code {ok.returncode}: {out[-2000:]}")
+        for label, extra, words in [
+            ("train: missing text column", ["--training.dataset_path", parquet, "--training.dataset_format=parquet",
+                                            "--training.text_column=nosuch"], ["nosuch", "id, meta, body",
+                                                                               "training.text_column"]),
+            ("train: truncated Parquet file", ["--training.dataset_path", truncated,
+                                               "--training.dataset_format=parquet"], ["Parquet", "truncated"]),
+            ("train: glob matching nothing", ["--training.dataset_path", "/tmp/does-not-exist-*.parquet"],
+             ["does-not-exist", "names no file"]),
+            ("train: negative weight", ["--training.datasets", f'[{{ path = "{parquet}", weight = -1 }}]'],
+             ["training.datasets[0].weight", ">= 0"]),
+            ("train: weights all zero", ["--training.datasets",
+                                         f'[{{ path = "{parquet}", weight = 0 }}, {{ path = "{parquet}", weight = 0 }}]'],
+             ["weight is 0"]),
+        ]:
+            proc = train(extra)
+            lines = stderr_lines(proc)
+            print(f"  {label}: exit code {proc.returncode}: {lines[-1] if lines else proc.stderr.strip()!r}")
+            if (proc.returncode != 2 or len(lines) != 1 or not lines[0].startswith("error: ")
+                    or not all(w in lines[0] for w in words) or "[step 1" in proc.stdout + proc.stderr):
+                failures.append(f"{label}: expected exit code 2 and one error line containing {words} before step 1, "
+                                f"got exit code {proc.returncode} and stderr:\n{proc.stderr.strip()[-2000:]}")
+
     for f in failures:
         print("FAIL:", f)
     print(f"Parquet/Arrow parity {'FAILED' if failures else 'passed'}: {len(failures)} failures")
