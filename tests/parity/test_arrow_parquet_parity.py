@@ -209,7 +209,7 @@ def main():
                  "--model.tokenizer_path", TOKENIZER, "--training.steps=2", "--training.seq_len=32",
                  "--training.local_batch_size=2", "--metrics.log_freq=1", "--training.token_cache=false",
                  "--job.dump_folder=" + os.path.join(workdir, "run")] + extra,
-                capture_output=True, text=True)
+                capture_output=True, text=True, cwd=SOURCE_DIR)  # the config's paths are the checkout's
         mixture = (f'[{{ path = "{parquet}", format = "parquet", text_column = "body", weight = 3 }}, '
                    f'{{ path = "{arrow_dir}", format = "arrow", text_column = "content", weight = 1 }}]')
         ok = train(["--training.datasets", mixture])

@@ -379,7 +379,36 @@ TEST(Sources, ConfiguredFormatIsHonoured) {
                      {"data.json", "not a loom token file"});
 
   EXPECT_EQ(parse_source_format("tokens"), SourceFormat::kTokens);
-  expect_usage_error([] { parse_source_format("parquet"); }, {"parquet", "\"jsonl\""});
+  EXPECT_EQ(parse_source_format("parquet"), SourceFormat::kParquet);
+  EXPECT_EQ(parse_source_format("arrow"), SourceFormat::kArrow);
+  expect_usage_error([] { parse_source_format("orc"); }, {"orc", "\"jsonl\"", "\"parquet\"", "\"arrow\""});
+  fs::remove_all(dir);
+}
+
+// Issue 30: Parquet and Arrow files are known by their magic bytes, whatever their names; a file
+// read as one without its magic is refused before reading; a directory read as "parquet" or
+// "arrow" contributes only those files (a `datasets` folder also holds JSON). Reading the files
+// themselves is tested against pyarrow + tokenizers in tests/parity/test_arrow_parquet_parity.py.
+TEST(Sources, ParquetAndArrowByMagicAndDirectoriesByExtension) {
+  const fs::path dir = temp_dir();
+  fs::create_directories(dir / "cache");
+  write(dir / "shard.bin", std::string("PAR1") + std::string(16, '\0') + "PAR1");
+  write(dir / "cache" / "data-00000-of-00001.arrow", std::string("\xff\xff\xff\xff", 4) + std::string(12, '\0'));
+  write(dir / "cache" / "dataset_info.json", "{}");
+  write(dir / "cache" / "state.json", "{}");
+  write(dir / "notes.parquet", "plain text\n");
+  EXPECT_EQ(detect_format((dir / "shard.bin").string()), SourceFormat::kParquet);
+  EXPECT_EQ(detect_format((dir / "cache" / "data-00000-of-00001.arrow").string()), SourceFormat::kArrow);
+  EXPECT_EQ(detect_format((dir / "notes.parquet").string()), SourceFormat::kText);
+  expect_usage_error([&] { resolve_format((dir / "notes.parquet").string(), with_format(SourceFormat::kParquet)); },
+                     {"notes.parquet", "not a Parquet file (no PAR1 magic)", "training.dataset_format is \"parquet\""});
+  expect_usage_error([&] { resolve_format((dir / "shard.bin").string(), with_format(SourceFormat::kArrow)); },
+                     {"shard.bin", "not an Arrow IPC file"});
+  EXPECT_EQ(resolve_inputs({(dir / "cache").string()}, "x", directory_extension(SourceFormat::kArrow)),
+            std::vector<std::string>{(dir / "cache" / "data-00000-of-00001.arrow").string()});
+  EXPECT_EQ(resolve_inputs({(dir / "cache").string()}, "x").size(), 3u);  // other formats: every file
+  EXPECT_EQ(directory_extension(SourceFormat::kParquet), ".parquet");
+  EXPECT_EQ(directory_extension(std::nullopt), "");
   fs::remove_all(dir);
 }
 
