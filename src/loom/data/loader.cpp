@@ -252,52 +252,44 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
         });
         continue;
       }
-      if (options.token_cache_dir.empty()) {
-        ParallelEncoder encoder(*tokenizer, options.workers,
-                                [&](const std::vector<int64_t>& tokens) { corpus->add_memory_document(tokens); });
-        for_each_text_document(path, options, [&](std::string_view text) { encoder.add(text); });
-        encoder.finish();
-        continue;
-      }
-      const std::optional<fs::path> entry = token_cache_entry(path, format, *tokenizer, options);
+      const std::optional<fs::path> entry =
+          options.token_cache_dir.empty() ? std::nullopt : token_cache_entry(path, format, *tokenizer, options);
       if (auto cached = entry ? open_cached(*entry, *tokenizer) : nullptr) {
         corpus->add_token_file(std::move(cached), model_vocab_size);
         continue;
       }
-      // Tokenize, and keep the tokens for the next load. A document holding the EOS id itself
-      // (its text spells the special token) would be cut in two when read back from a token file,
-      // so such a file is not cached; nor is one the cache folder cannot take.
-      std::unique_ptr<TokenFileWriter> writer;
+      // Tokenize into the cache, then map the file written: tokens never pile up in memory, so a
+      // corpus larger than memory trains on its first run as on later ones. A document holding the
+      // EOS id itself (its text spells the special token) would be cut in two when read back from
+      // a token file, so such a file is not cached; nor is one the cache folder cannot take (full,
+      // read-only): those are tokenized again into memory.
       if (entry) {
         try {
           std::error_code ec;
           fs::create_directories(entry->parent_path(), ec);
-          writer = std::make_unique<TokenFileWriter>(entry->string(), tokenizer->vocab_size(), tokenizer->bos_id(),
-                                                     tokenizer->eos_id());
+          TokenFileWriter writer(entry->string(), tokenizer->vocab_size(), tokenizer->bos_id(), tokenizer->eos_id());
+          ParallelEncoder encoder(*tokenizer, options.workers, [&](const std::vector<int64_t>& tokens) {
+            LOOM_REQUIRE(std::find(tokens.begin(), tokens.end(), corpus->eos_id_) == tokens.end(),
+                         "a document spells the EOS token, which would split it in a token file");
+            writer.add_document(tokens);
+          });
+          for_each_text_document(path, options, [&](std::string_view text) { encoder.add(text); });
+          encoder.finish();
+          writer.close();
+          if (auto written = open_cached(*entry, *tokenizer)) {
+            corpus->add_token_file(std::move(written), model_vocab_size);
+            continue;
+          }
+        } catch (const UsageError&) {
+          throw;  // bad input (a missing column, a corrupt file): the same error uncached
         } catch (const std::exception& e) {
           log::debug("data: not caching the tokens of ", path, ": ", e.what());
         }
       }
-      ParallelEncoder encoder(*tokenizer, options.workers, [&](const std::vector<int64_t>& tokens) {
-        corpus->add_memory_document(tokens);
-        if (writer && std::find(tokens.begin(), tokens.end(), corpus->eos_id_) != tokens.end()) writer.reset();
-        if (!writer) return;
-        try {
-          writer->add_document(tokens);
-        } catch (const std::exception& e) {  // e.g. the disk filled up: train on, uncached
-          log::debug("data: not caching the tokens of ", path, ": ", e.what());
-          writer.reset();
-        }
-      });
+      ParallelEncoder encoder(*tokenizer, options.workers,
+                              [&](const std::vector<int64_t>& tokens) { corpus->add_memory_document(tokens); });
       for_each_text_document(path, options, [&](std::string_view text) { encoder.add(text); });
       encoder.finish();
-      if (writer) {
-        try {
-          writer->close();
-        } catch (const std::exception& e) {
-          log::debug("data: not caching the tokens of ", path, ": ", e.what());
-        }
-      }
     }
   }
   // Bad input, which no restart can fix: exit 2, naming the setting (training or validation data).

@@ -39,11 +39,13 @@
 // documents at least once (a source with more weight than documents repeats within the epoch, in
 // its own order, which is what up-weighting a small source means).
 //
-// Memory: text and JSONL inputs are tokenized once when the corpus is loaded and kept as uint32
-// ids (4 bytes per token); token files (sources.h) are memory-mapped and only indexed (8 bytes
-// per document), so pre-tokenize large corpora with `loom tokenizer pretokenize`. SFT documents
-// are rendered and tokenized at every load (the token cache does not keep masks) and take one
-// more byte per token for the flag.
+// Memory: token files (sources.h) are memory-mapped and only indexed (8 bytes per document). Text,
+// JSONL, Parquet and Arrow inputs are tokenized when the corpus is loaded; with a token cache
+// (SourceOptions::token_cache_dir, training.token_cache) the tokens go straight into the cache's
+// token file, which is then mapped like any other, so even the first load holds no more than the
+// tokenizer's batches in flight; without one (or where the cache cannot take a file) they are kept
+// as uint32 ids, 4 bytes per token. SFT documents are rendered and tokenized at every load (the
+// token cache does not keep masks) and take one more byte per token for the flag.
 #pragma once
 #include <torch/types.h>
 
