@@ -36,16 +36,26 @@ struct PlanOptions {
 // The memory-for-speed settings tried on each layout when ranking by time: activation
 // checkpointing none / per-op selective / full, and, where FSDP shards within one pipeline stage,
 // resharding after forward as configured or never.
-std::vector<Layout> memory_variants(const Layout& layout) {
+// With float8 GEMMs on the cluster's devices (and linears whose dims allow them), Float8 on and
+// off too: it changes the speed, not the persistent memory (weights stay in high precision).
+std::vector<Layout> memory_variants(const Layout& layout, const Cluster& cluster, const ModelShape& shape,
+                                    const train::JobConfig& config) {
   std::vector<Layout> out;
   const bool fsdp = layout.dp_shard * layout.cp > 1 && layout.pp == 1;
+  std::vector<const char*> float8 = {""};
+  // Float8 does not compose with async TP (train/compatibility.cpp): only where that is off.
+  const bool async_tp = config.parallelism.enable_async_tensor_parallel && layout.tp > 1;
+  if (cluster.float8_gemm_speedup > 1 && float8_fits(shape, layout) && !async_tp) float8 = {"off", "on"};
   for (const char* ac : {"none", "selective", "full"}) {
     for (const char* reshard : {"", "never"}) {
       if (*reshard != '\0' && !fsdp) continue;
-      Layout v = layout;
-      v.ac_mode = ac;
-      v.reshard_after_forward = reshard;
-      out.push_back(std::move(v));
+      for (const char* f8 : float8) {
+        Layout v = layout;
+        v.ac_mode = ac;
+        v.reshard_after_forward = reshard;
+        v.float8 = f8;
+        out.push_back(std::move(v));
+      }
     }
   }
   return out;
@@ -153,7 +163,7 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
   for (const Layout& layout : found.layouts) {
     // Ranked by time, each layout runs with the fastest of its memory settings that fits.
     const std::vector<Layout> variants =
-        timed && !o.fixed_memory_settings ? memory_variants(layout) : std::vector<Layout>{layout};
+        timed && !o.fixed_memory_settings ? memory_variants(layout, cluster, shape, config) : std::vector<Layout>{layout};
     std::optional<Row> best;
     for (const Layout& v : variants) {
       train::JobConfig c = config;
@@ -246,7 +256,7 @@ void register_plan_command(CLI::App& app) {
   cmd->add_flag("--fixed-memory-settings", o->fixed_memory_settings,
                 "With --cluster: keep the config's activation checkpointing and FSDP resharding instead of "
                 "choosing, per layout, the fastest that fits (AC none / selective per op / full; reshard "
-                "after forward as configured or never)");
+                "after forward as configured or never; Float8 on or off where the devices have float8 GEMMs)");
   cmd->add_flag("--json", o->json, "Print JSON");
   cmd->allow_extras();
   cmd->footer("Config keys can be overridden: --section.key=value (see docs/config.md).");

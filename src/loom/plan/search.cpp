@@ -45,6 +45,7 @@ void Layout::apply_to(train::JobConfig& config) const {
     if (ac_mode == "selective") config.activation_checkpoint.selective_ac_option = "op";
   }
   if (!reshard_after_forward.empty()) p.fsdp_reshard_after_forward = reshard_after_forward;
+  if (!float8.empty()) config.float8.enable = float8 == "on";
 }
 
 std::vector<std::string> Layout::overrides() const {
@@ -65,6 +66,7 @@ std::vector<std::string> Layout::overrides() const {
     if (ac_mode == "selective") out.push_back("--activation_checkpoint.selective_ac_option=op");
   }
   if (!reshard_after_forward.empty()) out.push_back("--parallelism.fsdp_reshard_after_forward=" + reshard_after_forward);
+  if (!float8.empty()) out.push_back(c10::str("--float8.enable=", float8 == "on" ? "true" : "false"));
   return out;
 }
 
@@ -89,6 +91,7 @@ std::string Layout::describe() const {
   if (ac_mode == "selective") out += ", selective AC (per op)";
   if (ac_mode == "full") out += ", full AC";
   if (!reshard_after_forward.empty()) out += ", reshard after forward: " + reshard_after_forward;
+  if (float8 == "on") out += ", Float8";
   return out;
 }
 

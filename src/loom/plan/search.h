@@ -51,6 +51,9 @@ struct Layout {
   // reshard_after_forward ("never": the forward's gathered groups stay until their backward).
   std::string ac_mode;
   std::string reshard_after_forward;
+  // Float8 training of the blocks' linears ("on" / "off"; empty: the config's), chosen where the
+  // cluster's devices have float8 GEMMs (Cluster::float8_gemm_speedup).
+  std::string float8;
 
   // The `loom train` flags that select this layout on top of the request's config.
   std::vector<std::string> overrides() const;

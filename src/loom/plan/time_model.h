@@ -14,7 +14,9 @@
 //   EP         each MoE layer's dispatch and combine all-to-alls, forward and backward (and the
 //              recomputed forward's under full AC): every token's k rows of dim, the (ep-1)/ep of
 //              them bound for other ranks, on the critical path;
-//   PP         the bubble of the schedule the run would execute (pipeline::simulate).
+//   PP         the bubble of the schedule the run would execute (pipeline::simulate);
+//   Float8     the blocks' linear layers (their share of the FLOPs: 6 x their weights per token)
+//              run Cluster::float8_gemm_speedup times faster; the rest of the compute as before.
 // Links: inside a node (NVLink) when a group fits in one, else across nodes (InfiniBand).
 #pragma once
 #include <string>
@@ -38,6 +40,11 @@ struct Cluster {
   int devices_per_node = 8;
   int cores = 0;                // CPU runs: ranks beyond this many share the cores (0: accelerators)
   double peak_flops_all_cores = 0;  // CPU: the GEMM rate with every core (a lone rank uses them all)
+  // How much faster the blocks' linear layers run under Float8 (float8.enable: scaled float8 GEMMs
+  // and their casts) than in bf16; 0: the devices have no float8 GEMMs (the CPU emulates them),
+  // so the planner does not choose Float8 and the model does not price it. H100/H200: fitted on
+  // TorchTitan's published 8B, 8-GPU Float8 row against the row without it (docs/planner.md).
+  double float8_gemm_speedup = 0;
   // "h100" (SXM, 80 GB, NVLink 4, 400 Gb/s InfiniBand per GPU) or "h200" (141 GB); a UsageError
   // lists the known ones. Efficiency: fitted on TorchTitan's published Llama 3.1 8B row
   // (docs/planner.md).
@@ -62,6 +69,14 @@ struct TimeEstimate {
   double mfu = 0;
   std::string binding;  // the largest term: "compute", "pipeline bubble", "TP", "FSDP", ...
 };
+
+// The share of a token's training FLOPs in the blocks' dense linear layers (what Float8 converts:
+// not the embedding, the output head or routed experts), from the model's shapes.
+double linear_flop_fraction(const models::ModelSpec& spec, const models::ModelArgs& args, const ModelShape& shape,
+                            int64_t seq_len);
+// Whether every converted linear's local dims are multiples of 16 under the layout's TP split
+// (float8 GEMMs need it; float8::convert refuses the model otherwise).
+bool float8_fits(const ModelShape& shape, const Layout& layout);
 
 TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArgs& args, const ModelShape& shape,
                            const train::JobConfig& config, const Layout& layout, const Cluster& cluster);
