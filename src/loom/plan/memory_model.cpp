@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
 
 #include "loom/core/error.h"
 #include "loom/fsdp/planner.h"
@@ -88,6 +91,28 @@ ModelShape ModelShape::of(const models::ModelSpec& spec, const models::ModelArgs
     auto key = [](const Group& g) { return g.name == "tok_embeddings" ? -2 : g.name == "head" ? INT64_MAX : g.layer; };
     return key(x) < key(y);
   });
+  // Ids of the distinct group shapes.
+  std::map<std::vector<std::tuple<int64_t, int, bool>>, int> ids;
+  for (auto& g : shape.groups) {
+    std::vector<std::tuple<int64_t, int, bool>> key;
+    for (const auto& x : g.tensors) key.emplace_back(x.numel, x.tp_split, x.expert);
+    g.shape_id = ids.emplace(std::move(key), static_cast<int>(ids.size())).first->second;
+  }
+  shape.num_group_shapes = static_cast<int>(ids.size());
+  for (const auto& g : shape.groups) {
+    for (const auto& x : g.tensors) {
+      const double n = static_cast<double>(x.numel);
+      (x.tp_split >= 0 ? (x.expert ? shape.elems_tp_expert : shape.elems_tp)
+                       : (x.expert ? shape.elems_expert : shape.elems_plain)) += n;
+      // A norm's scale has at most dim elements; routed experts are grouped GEMMs, not converted;
+      // the embedding and the head stay in high precision.
+      if (g.layer >= 0 && !x.expert && x.numel > shape.dim) shape.linear_elems += n;
+    }
+    if (g.moe.experts > 0) {
+      ++shape.moe_layers;
+      shape.moe_top_k_sum += g.moe.top_k;
+    }
+  }
   return shape;
 }
 
@@ -128,27 +153,35 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
     return n;
   };
   // FSDP shard elements of a group on one rank: the planner's shard size (its padding included),
-  // computed once per distinct group shape.
-  std::map<std::pair<std::vector<int64_t>, int64_t>, int64_t> shard_cache;
+  // computed once per distinct group shape and rank count for the whole process (a search over
+  // thousands of layouts meets the same few shapes again and again).
+  static std::mutex shard_mutex;
+  static std::map<std::pair<std::vector<int64_t>, int64_t>, int64_t> shard_cache;
   auto shard_elems = [&](const ModelShape::Group& g, bool experts, int64_t ranks) {
-    fsdp::GroupSpec spec_group;
-    spec_group.name = g.name;
     std::vector<int64_t> key;
     for (const auto& x : g.tensors) {
-      if (x.expert != experts) continue;
-      const int64_t n = local_numel(x);
-      spec_group.tensors.push_back({x.name, {n}, 4, tensor::Granularity::element()});
-      key.push_back(n);
+      if (x.expert == experts) key.push_back(local_numel(x));
     }
-    if (spec_group.tensors.empty()) return int64_t{0};
+    if (key.empty()) return int64_t{0};
     if (ranks <= 1) {
       int64_t total = 0;
       for (int64_t n : key) total += n;
       return total;
     }
-    const auto cache_key = std::make_pair(key, ranks);
-    if (const auto it = shard_cache.find(cache_key); it != shard_cache.end()) return it->second;
+    auto cache_key = std::make_pair(std::move(key), ranks);
+    {
+      std::lock_guard<std::mutex> lock(shard_mutex);
+      if (const auto it = shard_cache.find(cache_key); it != shard_cache.end()) return it->second;
+    }
+    fsdp::GroupSpec spec_group;
+    spec_group.name = g.name;
+    size_t i = 0;
+    for (const auto& x : g.tensors) {
+      if (x.expert != experts) continue;
+      spec_group.tensors.push_back({x.name, {cache_key.first[i++]}, 4, tensor::Granularity::element()});
+    }
     const int64_t elems = fsdp::plan_group(spec_group, ranks).shard_elems;
+    std::lock_guard<std::mutex> lock(shard_mutex);
     shard_cache[cache_key] = elems;
     return elems;
   };
@@ -161,6 +194,31 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
   int64_t stages_per_rank = 1;
   if (pp > 1) {
     const models::PipelineOptions po = train::pipeline_options(config);
+    // What the schedule decides (which layers each rank holds, its micro-batches in flight) is the
+    // same for every layout with the same schedule, degree, micro-batches and split: walked once.
+    struct Walk {
+      std::vector<std::vector<int64_t>> rank_layers;
+      std::vector<int64_t> in_flight;
+      int first_stage_rank = 0, last_stage_rank = 0;
+      int64_t stages_per_rank = 1;
+    };
+    static std::mutex walk_mutex;
+    static std::map<std::string, std::shared_ptr<const Walk>> walks;
+    std::string walk_key = c10::str(po.schedule, '|', pp, '|', po.microbatches, '|', po.layers_per_stage, '|',
+                                    a.n_layers, '|');
+    for (const auto& point : po.split_points) walk_key += c10::str(point, ',');
+    std::shared_ptr<const Walk> cached;
+    {
+      std::lock_guard<std::mutex> lock(walk_mutex);
+      if (const auto it = walks.find(walk_key); it != walks.end()) cached = it->second;
+    }
+    if (cached) {
+      rank_layers = cached->rank_layers;
+      in_flight = cached->in_flight;
+      first_stage_rank = cached->first_stage_rank;
+      last_stage_rank = cached->last_stage_rank;
+      stages_per_rank = cached->stages_per_rank;
+    } else {
     const pipeline::Schedule schedule = pipeline::build_schedule(
         {po.schedule, static_cast<int>(pp), static_cast<int>(po.microbatches), 0});
     const std::vector<int64_t> bounds = models::stage_layer_bounds(
@@ -194,6 +252,15 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
       // Per stage of the rank the count is of micro-batches of one stage's layers: a rank with v
       // stages holds, at its worst, `most` stage-micro-batches of 1/v of its layers each.
       in_flight[static_cast<size_t>(rk)] = most;
+    }
+    auto walk = std::make_shared<Walk>();
+    walk->rank_layers = rank_layers;
+    walk->in_flight = in_flight;
+    walk->first_stage_rank = first_stage_rank;
+    walk->last_stage_rank = last_stage_rank;
+    walk->stages_per_rank = stages_per_rank;
+    std::lock_guard<std::mutex> lock(walk_mutex);
+    walks.emplace(walk_key, std::move(walk));
     }
     tokens = po.microbatch_size * t.seq_len / cp;
   } else {
@@ -240,6 +307,21 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
   MemoryEstimate worst;
   worst.peak = -1;
   std::vector<int64_t> peaks;
+  // Each distinct group shape's shards (dense, experts) and unsharded elements on this layout.
+  struct GroupElems {
+    int64_t dense = -1, experts = 0, unsharded = 0;
+  };
+  std::vector<GroupElems> by_shape(static_cast<size_t>(std::max(1, shape.num_group_shapes)));
+  auto elems_of = [&](const ModelShape::Group& g) -> const GroupElems& {
+    GroupElems& e = by_shape[static_cast<size_t>(g.shape_id)];
+    if (e.dense < 0) {
+      e.dense = shard_elems(g, false, fsdp ? fsdp_ranks : 1);
+      e.experts = shard_elems(g, true, fsdp ? expert_fsdp_ranks : 1);
+      e.unsharded = 0;
+      for (const auto& x : g.tensors) e.unsharded += local_numel(x);
+    }
+    return e;
+  };
   for (int rk = 0; rk < static_cast<int>(pp); ++rk) {
     MemoryEstimate m;
     m.pipeline_rank = rk;
@@ -253,11 +335,9 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
                                      : (g.name == "tok_embeddings" ? rk == first_stage_rank : rk == last_stage_rank);
       if (!mine) continue;
       groups.push_back(&g);
-      const int64_t dense = shard_elems(g, false, fsdp ? fsdp_ranks : 1);
-      const int64_t experts = shard_elems(g, true, fsdp ? expert_fsdp_ranks : 1);
-      param_elems += dense + experts;
-      int64_t unsharded = 0;
-      for (const auto& x : g.tensors) unsharded += local_numel(x);
+      const GroupElems& e = elems_of(g);
+      param_elems += e.dense + e.experts;
+      const int64_t unsharded = e.unsharded;
       largest_group = std::max(largest_group, unsharded);
       gathered_total += unsharded;
     }

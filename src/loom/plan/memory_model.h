@@ -48,7 +48,16 @@ struct ModelShape {
     struct Moe {
       int64_t experts = 0, top_k = 0, hidden = 0, shared_hidden = 0;
     } moe;
+    // Groups with the same tensors (numel, TP split, expert) share an id (ModelShape::of): the
+    // memory model shards each distinct group once per layout, not each of a 405B's 126 blocks.
+    int shape_id = 0;
   };
+  int num_group_shapes = 0;
+  // Sums the time model reads for every layout (ModelShape::of): parameter elements replicated,
+  // split by TP only, by EP only and by both; the blocks' dense linear weights (what Float8
+  // converts); MoE layers and their top-k summed.
+  double elems_plain = 0, elems_tp = 0, elems_expert = 0, elems_tp_expert = 0, linear_elems = 0;
+  int64_t moe_layers = 0, moe_top_k_sum = 0;
   std::vector<Group> groups;  // embedding, layers in order, head
   int64_t dim = 0, n_layers = 0, n_heads = 0, kv_dim = 0, ffn = 0, vocab = 0;
 

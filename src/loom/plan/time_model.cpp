@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <map>
+#include <mutex>
+#include <tuple>
 #include <thread>
 
 #include <ATen/Parallel.h>
@@ -31,15 +33,7 @@ constexpr double kFloat8GemmSpeedup = 1.434;
 
 double linear_flop_fraction(const models::ModelSpec& spec, const models::ModelArgs& args, const ModelShape& shape,
                             int64_t seq_len) {
-  double linear = 0;
-  for (const auto& g : shape.groups) {
-    if (g.layer < 0) continue;  // the embedding and the head stay in high precision
-    for (const auto& t : g.tensors) {
-      // A norm's scale has at most dim elements; routed experts are grouped GEMMs, not converted.
-      if (!t.expert && t.numel > shape.dim) linear += static_cast<double>(t.numel);
-    }
-  }
-  return std::min(1.0, 6.0 * linear / spec.flops_per_token(args, seq_len));
+  return std::min(1.0, 6.0 * shape.linear_elems / spec.flops_per_token(args, seq_len));
 }
 
 bool float8_fits(const ModelShape& shape, const Layout& layout) {
@@ -140,9 +134,22 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
 
   if (layout.pp > 1) {
     const models::PipelineOptions po = train::pipeline_options(config);
-    const pipeline::Schedule schedule = pipeline::build_schedule(
-        {po.schedule, layout.pp, static_cast<int>(po.microbatches), 0});
-    const double bubble = pipeline::simulate(schedule).bubble_fraction;
+    // The bubble depends on the schedule, the degree and the micro-batches only: simulated once each.
+    static std::mutex bubble_mutex;
+    static std::map<std::tuple<std::string, int, int64_t>, double> bubbles;
+    const auto key = std::make_tuple(po.schedule, layout.pp, po.microbatches);
+    double bubble = -1;
+    {
+      std::lock_guard<std::mutex> lock(bubble_mutex);
+      if (const auto it = bubbles.find(key); it != bubbles.end()) bubble = it->second;
+    }
+    if (bubble < 0) {
+      const pipeline::Schedule schedule = pipeline::build_schedule(
+          {po.schedule, layout.pp, static_cast<int>(po.microbatches), 0});
+      bubble = pipeline::simulate(schedule).bubble_fraction;
+      std::lock_guard<std::mutex> lock(bubble_mutex);
+      bubbles[key] = bubble;
+    }
     e.bubble_s = e.compute_s * bubble / std::max(1e-9, 1.0 - bubble);
   }
 
@@ -169,17 +176,9 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
   // FSDP over dp_shard x cp: the rank's groups gathered (forward, and again for the backward when
   // resharded after forward: not under PP, which holds stages gathered) and reduced, per micro-step.
   const double fsdp_ranks = static_cast<double>(layout.dp_shard) * layout.cp;
-  double param_elems = 0;
-  int64_t groups = 0;
-  for (const auto& g : shape.groups) {
-    for (const auto& x : g.tensors) {
-      double n = static_cast<double>(x.numel);
-      if (x.tp_split >= 0) n /= layout.tp;
-      if (x.expert) n /= layout.ep;
-      param_elems += n;
-    }
-    ++groups;
-  }
+  double param_elems = shape.elems_plain + shape.elems_tp / layout.tp + shape.elems_expert / layout.ep +
+                       shape.elems_tp_expert / (static_cast<double>(layout.tp) * layout.ep);
+  const int64_t groups = static_cast<int64_t>(shape.groups.size());
   param_elems /= layout.pp;  // a pipeline rank holds about 1/pp of the groups
   const double groups_here = std::max(1.0, static_cast<double>(groups) / layout.pp);
   const bool fsdp_inside_node = fsdp_ranks * layout.tp <= cluster.devices_per_node;
@@ -216,12 +215,8 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
     const bool inside = layout.ep <= cluster.devices_per_node;
     const double bw = inside ? cluster.intra_node_bw : cluster.inter_node_bw;
     const double lat = inside ? cluster.intra_latency : cluster.inter_latency;
-    double rows_dim = 0, moe_layers = 0;
-    for (const auto& g : shape.groups) {
-      if (g.moe.experts == 0) continue;
-      rows_dim += static_cast<double>(g.moe.top_k) * static_cast<double>(shape.dim);
-      ++moe_layers;
-    }
+    double rows_dim = static_cast<double>(shape.moe_top_k_sum) * static_cast<double>(shape.dim);
+    double moe_layers = static_cast<double>(shape.moe_layers);
     rows_dim /= layout.pp;  // a pipeline rank holds about 1/pp of the layers
     moe_layers /= layout.pp;
     const double remote = (layout.ep - 1.0) / layout.ep;
