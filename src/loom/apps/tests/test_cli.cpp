@@ -145,6 +145,10 @@ TEST(LoomCli, PlanChoosesActivationCheckpointingWhereMemoryIsShort) {
   const auto roomy = run(base, 60);
   EXPECT_EQ(roomy.exit_code, 0) << roomy.output;
   EXPECT_NE(first_row(roomy.output).find(", no AC"), std::string::npos) << roomy.output;
+  // H100s have float8 GEMMs: Float8 is chosen (the 8B's linears are multiples of 16) and named in
+  // the command; with the config's settings kept it is not.
+  EXPECT_NE(first_row(roomy.output).find(", Float8"), std::string::npos) << roomy.output;
+  EXPECT_NE(roomy.output.find("--float8.enable=true"), std::string::npos) << roomy.output;
   const auto tight = run(base + " --memory-gib 20", 60);
   EXPECT_EQ(tight.exit_code, 0) << tight.output;
   const std::string row = first_row(tight.output);
@@ -156,6 +160,8 @@ TEST(LoomCli, PlanChoosesActivationCheckpointingWhereMemoryIsShort) {
   // Without checkpointing no layout of the 8B fits in 20 GiB: choosing it is what made one fit.
   EXPECT_NE(fixed.output.find(", 0 within 20 GiB;"), std::string::npos) << fixed.output;
   EXPECT_EQ(first_row(fixed.output), "") << fixed.output;
+  const auto kept = run(base + " --fixed-memory-settings", 60);
+  EXPECT_EQ(kept.output.find("Float8"), std::string::npos) << kept.output;
   std::filesystem::remove(config);
   std::printf("80 GiB: %s\n20 GiB: %s\n", first_row(roomy.output).c_str(), row.c_str());
 }
