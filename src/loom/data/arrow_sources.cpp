@@ -1,27 +1,27 @@
 #include "loom/data/arrow_sources.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
+#include <filesystem>
+#include <mutex>
+#include <string>
+#include <vector>
 
 #include "loom/core/error.h"
 #include "loom/core/files.h"
-
-#ifdef LOOM_WITH_ARROW
-#include <arrow/api.h>
-#include <arrow/io/file.h>
-#include <arrow/ipc/reader.h>
-#include <parquet/arrow/reader.h>
-#include <parquet/exception.h>
-#include <parquet/file_reader.h>
-#include <parquet/metadata.h>
-#include <parquet/schema.h>
-#endif
+#include "loom/data/arrow_reader/arrow_reader.h"
 
 namespace loom::data {
 namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kReaderLibrary = "libloom_arrow_reader.so";
 
 bool starts_with_bytes(const std::string& path, const void* magic, size_t size) {
   const int fd = open_regular_file(path, "data file");
@@ -32,7 +32,33 @@ bool starts_with_bytes(const std::string& path, const void* magic, size_t size) 
   return match;
 }
 
-#ifdef LOOM_WITH_ARROW
+// The reader module's entry point, loaded once: from the folder of the running binary (the build's
+// bin/, where CMake puts it next to `loom` and the tests), else by the dynamic loader's search.
+// Null when this build has no module (built without pyarrow) or it cannot be loaded (`why`).
+LoomArrowReadText reader_entry(std::string& why) {
+  static std::once_flag once;
+  static LoomArrowReadText entry = nullptr;
+  static std::string error;
+  std::call_once(once, [] {
+    std::error_code ec;
+    const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+    std::vector<std::string> candidates;
+    if (!ec) candidates.push_back((self.parent_path() / kReaderLibrary).string());
+    candidates.push_back(kReaderLibrary);
+    for (const std::string& candidate : candidates) {
+      void* handle = ::dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (handle == nullptr) {
+        if (error.empty()) error = ::dlerror();
+        continue;
+      }
+      entry = reinterpret_cast<LoomArrowReadText>(::dlsym(handle, "loom_arrow_read_text"));
+      if (entry != nullptr) return;
+      error = c10::str(candidate, " has no loom_arrow_read_text");
+    }
+  });
+  why = error;
+  return entry;
+}
 
 // Arrow's messages can span lines; Loom's errors are one line.
 std::string one_line(std::string text) {
@@ -40,135 +66,27 @@ std::string one_line(std::string text) {
   return text;
 }
 
-const char* kind_of(SourceFormat format) { return format == SourceFormat::kParquet ? "Parquet" : "Arrow"; }
+struct EmitContext {
+  const std::function<void(std::string_view)>* fn;
+  std::exception_ptr error;  // what fn threw, rethrown once the module has returned
+};
 
-// A file Arrow cannot read: bad input that no restart fixes (exit 2), before any training step.
-[[noreturn]] void fail_unreadable(const std::string& path, SourceFormat format, const SourceOptions& options,
-                                  const std::string& why) {
-  fail_usage("data file '", path, "' is not a readable ", kind_of(format), " file (", one_line(why),
-             "); it may be truncated or corrupt: re-download it, or set ", options.format_setting,
-             " to the file's format");
-}
-
-template <typename T>
-T value_or_fail(arrow::Result<T> result, const std::string& path, SourceFormat format, const SourceOptions& options) {
-  if (!result.ok()) fail_unreadable(path, format, options, result.status().ToString());
-  return std::move(result).ValueUnsafe();
-}
-
-void ok_or_fail(const arrow::Status& status, const std::string& path, SourceFormat format,
-                const SourceOptions& options) {
-  if (!status.ok()) fail_unreadable(path, format, options, status.ToString());
-}
-
-[[noreturn]] void fail_missing_column(const std::string& path, const arrow::Schema& schema,
-                                      const SourceOptions& options) {
-  std::string columns;
-  for (const auto& field : schema.fields()) columns += (columns.empty() ? "" : ", ") + field->name();
-  fail_usage("data file '", path, "' has no column '", options.text_column, "' (its columns: ",
-             columns.empty() ? std::string("none") : columns, "); set ", options.text_column_setting,
-             " to the column holding the document text");
-}
-
-void check_string_type(const std::string& path, const arrow::Field& field, const SourceOptions& options) {
-  const arrow::Type::type id = field.type()->id();
-  LOOM_REQUIRE_USAGE(id == arrow::Type::STRING || id == arrow::Type::LARGE_STRING || id == arrow::Type::STRING_VIEW,
-                     "data file '", path, "': column '", field.name(), "' holds ", field.type()->ToString(),
-                     ", not text (string); set ", options.text_column_setting, " to the column holding the ",
-                     "document text");
-}
-
-template <typename ArrayType>
-void emit_strings(const ArrayType& array, const SourceOptions& options, const std::function<void(std::string_view)>& fn) {
-  for (int64_t i = 0; i < array.length(); ++i) {
-    if (array.IsNull(i)) continue;
-    const std::string_view text = array.GetView(i);
-    if (!text.empty() || !options.skip_empty) fn(text);
-  }
-}
-
-void emit_column(const arrow::Array& array, const SourceOptions& options,
-                 const std::function<void(std::string_view)>& fn) {
-  switch (array.type_id()) {
-    case arrow::Type::STRING: return emit_strings(static_cast<const arrow::StringArray&>(array), options, fn);
-    case arrow::Type::LARGE_STRING:
-      return emit_strings(static_cast<const arrow::LargeStringArray&>(array), options, fn);
-    case arrow::Type::STRING_VIEW:
-      return emit_strings(static_cast<const arrow::StringViewArray&>(array), options, fn);
-    default: TORCH_INTERNAL_ASSERT(false, "emit_column on ", array.type()->ToString());
-  }
-}
-
-void read_parquet(const std::string& path, const SourceOptions& options,
-                  const std::function<void(std::string_view)>& fn) {
-  const SourceFormat format = SourceFormat::kParquet;
-  auto file = value_or_fail(arrow::io::ReadableFile::Open(path), path, format, options);
-  std::unique_ptr<parquet::arrow::FileReader> reader;
+int32_t emit_document(void* context, const char* text, size_t size) {
+  auto* c = static_cast<EmitContext*>(context);
   try {
-    reader = value_or_fail(parquet::arrow::OpenFile(file, arrow::default_memory_pool()), path, format, options);
-  } catch (const parquet::ParquetException& e) {
-    fail_unreadable(path, format, options, e.what());
-  }
-  std::shared_ptr<arrow::Schema> schema;
-  ok_or_fail(reader->GetSchema(&schema), path, format, options);
-  const int field = schema->GetFieldIndex(options.text_column);
-  if (field < 0) fail_missing_column(path, *schema, options);
-  check_string_type(path, *schema->field(field), options);
-  // The leaf column of the field (ReadRowGroup takes Parquet's leaf indices, which differ from the
-  // Arrow field's when a nested column comes before it).
-  const int leaf = reader->parquet_reader()->metadata()->schema()->ColumnIndex(options.text_column);
-  TORCH_INTERNAL_ASSERT(leaf >= 0, "Parquet column '", options.text_column, "' has no leaf in ", path);
-  for (int group = 0; group < reader->num_row_groups(); ++group) {
-    std::shared_ptr<arrow::Table> table;
-    try {
-      table = value_or_fail(reader->ReadRowGroup(group, {leaf}), path, format, options);
-    } catch (const parquet::ParquetException& e) {
-      fail_unreadable(path, format, options, e.what());
-    }
-    for (const auto& chunk : table->column(0)->chunks()) emit_column(*chunk, options, fn);
+    (*c->fn)(std::string_view(text, size));
+    return 0;
+  } catch (...) {
+    c->error = std::current_exception();
+    return 1;
   }
 }
-
-void read_arrow(const std::string& path, const SourceOptions& options, const std::function<void(std::string_view)>& fn) {
-  const SourceFormat format = SourceFormat::kArrow;
-  // Memory-mapped: record batches point into the mapping, nothing is copied but what is tokenized.
-  auto file = value_or_fail(arrow::io::MemoryMappedFile::Open(path, arrow::io::FileMode::READ), path, format, options);
-  auto visit = [&](const arrow::RecordBatch& batch, int column) { emit_column(*batch.column(column), options, fn); };
-  auto column_of = [&](const arrow::Schema& schema) {
-    const int column = schema.GetFieldIndex(options.text_column);
-    if (column < 0) fail_missing_column(path, schema, options);
-    check_string_type(path, *schema.field(column), options);
-    return column;
-  };
-  static constexpr char kFileMagic[6] = {'A', 'R', 'R', 'O', 'W', '1'};
-  if (starts_with_bytes(path, kFileMagic, sizeof(kFileMagic))) {
-    auto reader = value_or_fail(arrow::ipc::RecordBatchFileReader::Open(file), path, format, options);
-    const int column = column_of(*reader->schema());
-    for (int i = 0; i < reader->num_record_batches(); ++i) {
-      visit(*value_or_fail(reader->ReadRecordBatch(i), path, format, options), column);
-    }
-    return;
-  }
-  auto reader = value_or_fail(arrow::ipc::RecordBatchStreamReader::Open(file), path, format, options);
-  const int column = column_of(*reader->schema());
-  while (true) {
-    std::shared_ptr<arrow::RecordBatch> batch;
-    ok_or_fail(reader->ReadNext(&batch), path, format, options);
-    if (!batch) break;
-    visit(*batch, column);
-  }
-}
-
-#endif  // LOOM_WITH_ARROW
 
 }  // namespace
 
 bool arrow_formats_available() {
-#ifdef LOOM_WITH_ARROW
-  return true;
-#else
-  return false;
-#endif
+  std::string why;
+  return reader_entry(why) != nullptr;
 }
 
 bool has_parquet_magic(const std::string& path) {
@@ -186,18 +104,31 @@ bool has_arrow_magic(const std::string& path) {
 void for_each_table_document(const std::string& path, SourceFormat format, const SourceOptions& options,
                              const std::function<void(std::string_view)>& fn) {
   TORCH_INTERNAL_ASSERT(format == SourceFormat::kParquet || format == SourceFormat::kArrow);
-#ifdef LOOM_WITH_ARROW
-  if (format == SourceFormat::kParquet) {
-    read_parquet(path, options, fn);
-  } else {
-    read_arrow(path, options, fn);
+  const bool parquet = format == SourceFormat::kParquet;
+  std::string why;
+  const LoomArrowReadText read = reader_entry(why);
+  LOOM_REQUIRE_USAGE(read != nullptr, "data file '", path, "' is read as ", source_format_name(format), " (",
+                     options.format_setting, "), but this Loom cannot load its Arrow reader (", one_line(why),
+                     "); run 'make setup' (it installs pyarrow) and rebuild, or convert the data to JSONL");
+  EmitContext context{&fn, nullptr};
+  char message[1024] = {};
+  const int32_t status = read(path.c_str(), parquet ? 1 : 0, options.text_column.c_str(), options.skip_empty ? 1 : 0,
+                              &emit_document, &context, message, sizeof(message));
+  if (context.error) std::rethrow_exception(context.error);
+  switch (status) {
+    case kLoomArrowOk: return;
+    case kLoomArrowMissingColumn:
+      fail_usage("data file '", path, "' has no column '", options.text_column, "' (its columns: ", message, "); set ",
+                 options.text_column_setting, " to the column holding the document text");
+    case kLoomArrowNotText:
+      fail_usage("data file '", path, "': column '", options.text_column, "' holds ", message,
+                 ", not text (string); set ", options.text_column_setting, " to the column holding the document text");
+    default:
+      // Bad input that no restart fixes (exit 2), before any training step.
+      fail_usage("data file '", path, "' is not a readable ", parquet ? "Parquet" : "Arrow", " file (",
+                 one_line(message), "); it may be truncated or corrupt: re-download it, or set ",
+                 options.format_setting, " to the file's format");
   }
-#else
-  (void)fn;
-  fail_usage("data file '", path, "' is read as ", source_format_name(format), " (", options.format_setting,
-             "), but this Loom was built without Apache Arrow; run 'make setup' (it installs pyarrow) and ",
-             "rebuild, or convert the data to JSONL");
-#endif
 }
 
 }  // namespace loom::data

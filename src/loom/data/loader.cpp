@@ -1,5 +1,9 @@
 #include "loom/data/loader.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
@@ -100,6 +104,27 @@ std::optional<fs::path> token_cache_entry(const std::string& path, SourceFormat 
   std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(key));
   return fs::path(options.token_cache_dir) / c10::str(fs::path(path).filename().string(), ".", hex, ".tokens");
 }
+
+// An exclusive flock(2) on "<entry>.lock" for as long as it lives; none (no wait) when the folder
+// cannot take the lock file. The kernel drops it when its holder exits, so a crashed process
+// never blocks the next one.
+class EntryLock {
+ public:
+  explicit EntryLock(const fs::path& entry) {
+    fd_ = ::open((entry.string() + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) return;
+    while (::flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
+    }
+  }
+  ~EntryLock() {
+    if (fd_ >= 0) ::close(fd_);  // releases the lock
+  }
+  EntryLock(const EntryLock&) = delete;
+  EntryLock& operator=(const EntryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
 
 // The cached tokens of the entry, when a complete file written for this tokenizer is there.
 std::shared_ptr<const TokenFile> open_cached(const fs::path& entry, const Tokenizer& tokenizer) {
@@ -267,6 +292,13 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
         try {
           std::error_code ec;
           fs::create_directories(entry->parent_path(), ec);
+          // One process of a host tokenizes the entry while the others wait for it (the ranks of a
+          // job load the same files at the same time), then they map what it wrote.
+          const EntryLock lock(*entry);
+          if (auto written = open_cached(*entry, *tokenizer)) {
+            corpus->add_token_file(std::move(written), model_vocab_size);
+            continue;
+          }
           TokenFileWriter writer(entry->string(), tokenizer->vocab_size(), tokenizer->bos_id(), tokenizer->eos_id());
           ParallelEncoder encoder(*tokenizer, options.workers, [&](const std::vector<int64_t>& tokens) {
             LOOM_REQUIRE(std::find(tokens.begin(), tokens.end(), corpus->eos_id_) == tokens.end(),

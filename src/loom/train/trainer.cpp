@@ -212,7 +212,7 @@ void Trainer::init_data() {
   options.seq_len_setting = "training.seq_len";
   loader_ = std::make_unique<data::DataLoader>(corpus, options);
   grad_accum_steps_ = gradient_accumulation_steps(config_, parallel_dims_->dp_degree());
-  log::info("data: ", corpus->description(), ": ", corpus->num_documents(), " documents, ", corpus->num_tokens(),
+  log::info("data: ", training_data_name(t), ": ", corpus->num_documents(), " documents, ", corpus->num_tokens(),
             " tokens",
             corpus->masked() ? c10::str(" (", corpus->num_trained_tokens(), " trained, the rest masked)") : "",
             ", ", loader_->packer().rows_per_epoch(),

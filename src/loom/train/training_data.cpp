@@ -28,6 +28,11 @@ data::SourceOptions source_options(const TrainingSection& t, const data::SftConf
 
 }  // namespace
 
+std::string training_data_name(const TrainingSection& t) {
+  if (t.datasets.empty()) return t.dataset_path;
+  return c10::str(t.datasets.size(), " sources mixed by weight ([[training.datasets]])");
+}
+
 void check_training_inputs(const TrainingSection& t) {
   if (t.datasets.empty()) {
     data::resolve_inputs({t.dataset_path}, "training.dataset_path");

@@ -15,6 +15,9 @@ namespace loom::train {
 // matches nothing or a FIFO is one line with exit 2, before any rendezvous.
 void check_training_inputs(const TrainingSection& training);
 
+// How the log names the training data: dataset_path, or "N sources mixed by weight".
+std::string training_data_name(const TrainingSection& training);
+
 // Loads the training corpus: dataset_path in dataset_format, or each [[training.datasets]] source in
 // its own format mixed by weight (seeded by training.seed). Token ids are checked against the
 // model's vocabulary; text is tokenized on training.data_workers threads.

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include "loom/testing/errors.h"
 #include "loom/testing/files.h"
@@ -494,7 +495,9 @@ std::vector<int64_t> whole_stream(const TokenCorpus& corpus) {
 std::vector<fs::path> cache_entries(const fs::path& dir) {
   std::vector<fs::path> out;
   if (!fs::exists(dir)) return out;
-  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path());
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() == ".tokens") out.push_back(e.path());  // not the entries' .lock files
+  }
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -555,6 +558,28 @@ TEST(Sources, TokenCacheServesTheSameStreamAndFollowsTheContents) {
   EXPECT_EQ(whole_stream(*TokenCorpus::load({(dir / "eos.txt").string()}, &tok, cached)),
             whole_stream(*TokenCorpus::load({(dir / "eos.txt").string()}, &tok, uncached)));
   EXPECT_EQ(cache_entries(dir / "cache").size(), 3u);
+
+  // Loads racing for one entry (the ranks of a host): one tokenizes under the entry's lock, the
+  // others wait and map its file; every stream is the same and nothing is left half-written.
+  write(dir / "race.jsonl", "{\"text\": \"the cat sat\"}\n{\"text\": \"on the mat\"}\n");
+  const std::vector<int64_t> race_want = whole_stream(*TokenCorpus::load({(dir / "race.jsonl").string()}, &tok, uncached));
+  std::vector<std::vector<int64_t>> race_got(4);
+  {
+    std::vector<std::thread> loaders;
+    for (size_t i = 0; i < race_got.size(); ++i) {
+      loaders.emplace_back([&, i] { race_got[i] = whole_stream(*TokenCorpus::load({(dir / "race.jsonl").string()}, &tok, cached)); });
+    }
+    for (auto& t : loaders) t.join();
+  }
+  for (const auto& got : race_got) EXPECT_EQ(got, race_want);
+  size_t race_entries = 0, temporaries = 0;
+  for (const auto& e : fs::directory_iterator(dir / "cache")) {
+    const std::string name = e.path().filename().string();
+    race_entries += name.rfind("race.jsonl.", 0) == 0 && e.path().extension() == ".tokens";
+    temporaries += name.find(".tmp.") != std::string::npos;
+  }
+  EXPECT_EQ(race_entries, 1u);
+  EXPECT_EQ(temporaries, 0u);
 
   // A cache "folder" that is a file: the load works, uncached.
   write(dir / "not_a_folder", "x");
