@@ -633,6 +633,12 @@ int launch(const LaunchOptions& options) {
   if (!plan.options.exec && plan.options.start_method == StartMethod::kForkServer) {
     fork_server = RankForkServer::start(plan.options.entry);
     plan.fork_server = fork_server.get();
+    // Said, because it costs every rank a fresh libtorch load: some library linked into `loom`
+    // started a thread before main (libarrow's jemalloc did; arrow_reader/arrow_reader.h).
+    if (!fork_server && plan.options.entry) {
+      log::warn("loom launch: no fork server (this process already runs more than one thread at start); ",
+                "every rank is exec'd and loads loom anew (as --start-method exec)");
+    }
   }
   const int max_restarts = plan.options.max_restarts;
   const int attempts = max_restarts + 1;
