@@ -1,5 +1,7 @@
 // Parquet files and Arrow IPC files as document sources (training.dataset_format = "parquet" /
-// "arrow"), read with Apache Arrow's C++ libraries from the pyarrow wheel (CMakeLists.txt).
+// "arrow"), read with Apache Arrow's C++ libraries from the pyarrow wheel, through the module
+// bin/libloom_arrow_reader.so that this file dlopens on the first read (arrow_reader/arrow_reader.h
+// says why it is not linked into `loom`).
 //
 // Parquet: one row group at a time, only the text column (FineWeb's and the Hub's shards hold
 // ~100 MB row groups of many columns); a shard is never read whole. Arrow: the IPC stream files
@@ -16,7 +18,7 @@
 
 namespace loom::data {
 
-// Whether this build reads Parquet and Arrow (it was built with pyarrow's libraries).
+// Whether this build reads Parquet and Arrow (its reader module, built with pyarrow's libraries, loads).
 bool arrow_formats_available();
 
 // Whether the file starts like a Parquet file ("PAR1") / an Arrow IPC stream or file.
