@@ -13,6 +13,10 @@
 #   GPU_CHECK_SUITE=0       skip the whole suite even if time is left
 #   GPU_CHECK_MICRO=0       skip the kernel micro-benchmarks; GPU_CHECK_MICRO_FILTER=REGEX runs only
 #                           those whose name matches (Google Benchmark's --benchmark_filter)
+#   GPU_CHECK_ABLATION=0    the Loom vs PyTorch benchmark without its per-kernel ablation
+#   GPU_CHECK_GEMM=0        skip the GEMM efficiency sweep (bench/gemm_efficiency.py, run on the
+#                           GPU while the build uses the CPU; its lines end in bench.log, its rows
+#                           in bench.json under "gemm_efficiency")
 #   GPU_CHECK_SUITE_CORES=4 the suite runs beside the benchmarks (default): its build and its CPU
 #                           tests on all cores but the first N (taskset), the benchmarks on those
 #                           N, the CUDA-labelled tests after the benchmarks (they use the GPU); 0
@@ -53,6 +57,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tee -a "$out/summary.txt"
 git log --oneline -1 2>/dev/null | tee -a "$out/summary.txt"
 
+# 0. The GEMM efficiency curve (issue 29's time model) on the GPU while the CPU builds: Python and
+# torch only, so it needs nothing from the build.
+gemm_pid=""
+gemm_tmp=$(mktemp -d)
+if [ "${GPU_CHECK_GEMM:-1}" != 0 ]; then
+  say "GEMM efficiency sweep (background, during the build)"
+  timeout --kill-after=5 240 "$PY" bench/gemm_efficiency.py --device cuda --dtype bf16 --peak-tflops 989 \
+    --min-ms 10 --json "$gemm_tmp/gemm.json" >"$gemm_tmp/gemm.log" 2>&1 &
+  gemm_pid=$!
+fi
+
 # 1. Build what the checks need first (the CLI, the kernel tests, the micro-benchmarks).
 B=build-cuda
 say "configure"
@@ -91,6 +106,23 @@ if [ "${GPU_CHECK_SUITE:-1}" != 0 ] && [ "$bench_cores" -gt 0 ] && [ "$cores" -g
   suite_pid=$!
 fi
 
+if [ -n "$gemm_pid" ]; then
+  wait "$gemm_pid"
+  say "GEMM efficiency sweep: exit $?"
+  sed -n '/^block linears/,$p' "$gemm_tmp/gemm.log" | tee -a "$out/summary.txt" >/dev/null
+  grep -E "^square" "$gemm_tmp/gemm.log" | tee -a "$out/summary.txt" >/dev/null
+  cat "$gemm_tmp/gemm.log" >>"$out/bench.log"
+fi
+
+# 1b. The launcher's fork server with a CUDA rank: one rank trains 5 steps on the GPU through
+# `loom launch` (the server forks before any CUDA call; a warning "no fork server" would say it
+# could not).
+launch_dir=$(mktemp -d)
+run_step "launch 1 CUDA rank" 20 "$out/runs.log" "$B/bin/loom" launch --nproc 1 -- train \
+  --config configs/llama3_debug.toml --training.device=cuda --training.steps=5 --checkpoint.enable=false \
+  --validation.enable=false --metrics.log_freq=1 --job.dump_folder="$launch_dir"
+grep -E "fork server|step +5|error" "$out/runs.log" | head -5 | tee -a "$out/summary.txt" >/dev/null
+
 # 2. The kernels against the ATen compositions, then their micro-benchmarks.
 run_step "kernel tests" 30 "$out/kernels.log" "$B/bin/loom_cuda_kernel_tests" --gtest_brief=0
 grep -E "^\[  (PASSED|FAILED) |tests ran|FAILED" "$out/kernels.log" | tee -a "$out/summary.txt"
@@ -104,7 +136,7 @@ grep -E "^BM_" "$out/kernels.log" | tee -a "$out/summary.txt" >/dev/null
 # 3. Loom vs PyTorch eager and torch.compile on the 1B shape, and the per-kernel ablation.
 export PYTHONUNBUFFERED=1
 run_step "benchmark + ablation" 200 "$out/bench.log" "${pin_bench[@]}" "$PY" bench/gpu_vs_pytorch.py \
-  --loom "$B/bin/loom" --ablation --json "$out/bench.json"
+  --loom "$B/bin/loom" $([ "${GPU_CHECK_ABLATION:-1}" != 0 ] && echo --ablation) --json "$out/bench.json"
 grep -E "tokens/s|^\||FAILED|loom / " "$out/bench.log" | tee -a "$out/summary.txt" >/dev/null
 
 # 4. A Kineto trace of 3 steps of the 1B shape with every kernel on.
@@ -177,5 +209,15 @@ elif [ "${GPU_CHECK_SUITE:-1}" != 0 ]; then
   run_step "whole suite" 240 "$out/suite.log" ctest --test-dir "$B" -j "$(nproc)" --timeout 600 \
     --output-on-failure
   grep -E "tests passed|tests failed|^\s+[0-9]+ - .*\((Failed|Timeout)\)" "$out/suite.log" | tee -a "$out/summary.txt"
+fi
+if [ -f "$gemm_tmp/gemm.json" ]; then
+  "$PY" - "$out/bench.json" "$gemm_tmp/gemm.json" <<'EOF' || say "could not merge the GEMM rows into bench.json"
+import json, os, sys
+bench = json.load(open(sys.argv[1])) if os.path.exists(sys.argv[1]) else {}
+if not isinstance(bench, dict):
+    bench = {"gpu_vs_pytorch": bench}
+bench["gemm_efficiency"] = json.load(open(sys.argv[2]))
+json.dump(bench, open(sys.argv[1], "w"), indent=1)
+EOF
 fi
 say "done"
