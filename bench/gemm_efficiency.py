@@ -79,6 +79,8 @@ def timer(device):
 
 def training_linear_seconds(m, k, n, dtype, device, run, min_ms):
     """Seconds of forward + input gradient + weight gradient of a linear k -> n on m tokens."""
+    if dtype == "float8":
+        return float8_linear_seconds(m, k, n, device, run, min_ms)
     x = torch.randn(m, k, dtype=dtype, device=device)
     w = torch.randn(n, k, dtype=dtype, device=device)
     dy = torch.randn(m, n, dtype=dtype, device=device)
@@ -89,10 +91,30 @@ def training_linear_seconds(m, k, n, dtype, device, run, min_ms):
     return fwd, dgrad, wgrad
 
 
+def float8_linear_seconds(m, k, n, device, run, min_ms):
+    """The same three GEMMs as row-wise scaled float8 GEMMs (torch._scaled_mm, e4m3 operands, one
+    fp32 scale per row of A and per column of B, bf16 out), as Loom's float8 recipe issues them.
+    The GEMMs only: the quantization passes are not timed (the end-to-end runs count them)."""
+    e4m3 = torch.float8_e4m3fn
+
+    def operand(rows, cols):
+        return (torch.randn(rows, cols, device=device) * 8).to(e4m3), torch.ones(rows, 1, device=device)
+
+    def gemm(a, b):  # a [M, K] row-major, b [N, K] row-major: a b^T
+        (ad, as_), (bd, bs) = a, b
+        return lambda: torch._scaled_mm(ad, bd.t(), scale_a=as_, scale_b=bs.view(1, -1), out_dtype=torch.bfloat16)
+
+    fwd = run(gemm(operand(m, k), operand(n, k)), min_ms)
+    dgrad = run(gemm(operand(m, n), operand(k, n)), min_ms)
+    wgrad = run(gemm(operand(n, m), operand(k, m)), min_ms)
+    return fwd, dgrad, wgrad
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "float8"],
+                   help="float8: row-wise scaled e4m3 GEMMs (torch._scaled_mm), against the bf16 peak")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="the device's dense peak for --dtype (H100/H200 SXM bf16: 989); 0: efficiency not printed")
     p.add_argument("--tokens", default="2048,4096,8192,16384", help="tokens per micro-batch (GEMM m)")
@@ -108,7 +130,7 @@ def main():
         args.models, args.tokens, args.square = "llama3_8b", "512,2048", "256,512,1024,2048"
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "float8": "float8"}[args.dtype]
     run = timer(args.device)
     peak = args.peak_tflops * 1e12
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu x{torch.get_num_threads()}"

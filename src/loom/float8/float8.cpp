@@ -6,6 +6,9 @@
 
 #include "loom/core/error.h"
 #include "loom/core/strings.h"
+#ifdef LOOM_WITH_CUDA_FLOAT8_KERNELS
+#include "loom/float8/cuda/quantize.h"
+#endif
 
 namespace loom::float8 {
 namespace {
@@ -115,8 +118,47 @@ double float8_max(c10::ScalarType dtype) {
 
 torch::Tensor Float8Operand::dequantize() const { return data.to(torch::kFloat32) / scale; }
 
+#ifdef LOOM_WITH_CUDA_FLOAT8_KERNELS
+namespace {
+
+// The kernels' path: t row-major, or t^T row-major (the backward's W^T, dy^T and x^T), read once
+// for the amax and once for the cast, which writes t's float8 rows contiguous. Returns false when
+// t is neither (the caller then runs the ATen composition).
+bool quantize_on_cuda(const torch::Tensor& t, c10::ScalarType dtype, Recipe recipe, const CommPtr& amax_group,
+                      Float8Operand& result) {
+  if (!t.is_cuda() || !at::isFloatingType(t.scalar_type()) || t.element_size() > 4) return false;
+  const bool transposed = !t.is_contiguous() && t.t().is_contiguous();
+  if (!transposed && !t.is_contiguous()) return false;
+  const torch::Tensor base = transposed ? t.t() : t;  // row-major; t's rows are its columns when transposed
+  const bool rowwise = recipe == Recipe::kRowwise;
+  torch::Tensor amax = cuda::abs_max(base, /*per_column=*/transposed);
+  if (!rowwise) amax = amax.numel() > 0 ? amax.max().reshape({1}) : torch::zeros({1}, amax.options());
+  // A piece of a sharded tensor: the whole tensor's amax (max is exact in any order).
+  if (amax_group != nullptr && amax_group->size() > 1) amax_group->all_reduce(amax, distributed::ReduceOp::kMax);
+  auto [data, scale, inverse] =
+      cuda::quantize(base, amax, transposed, /*per_tensor=*/!rowwise, dtype, float8_max(dtype), /*pow2=*/rowwise);
+  if (rowwise) {
+    result = {data, scale.view({-1, 1}), inverse.view({-1, 1})};
+  } else {
+    result = {data, scale.reshape({}), inverse.reshape({})};
+  }
+  return true;
+}
+
+}  // namespace
+#endif
+
 Float8Operand quantize(const torch::Tensor& t, c10::ScalarType dtype, Recipe recipe,
                        const std::shared_ptr<distributed::Comm>& amax_group) {
+  LOOM_REQUIRE(t.dim() == 2, "float8::quantize takes a 2-D operand, got ", t.sizes());
+#ifdef LOOM_WITH_CUDA_FLOAT8_KERNELS
+  if (Float8Operand result; quantize_on_cuda(t, dtype, recipe, amax_group, result)) return result;
+#endif
+  return quantize_composed(t, dtype, recipe, amax_group);
+}
+
+Float8Operand quantize_composed(const torch::Tensor& t, c10::ScalarType dtype, Recipe recipe,
+                                const std::shared_ptr<distributed::Comm>& amax_group) {
   LOOM_REQUIRE(t.dim() == 2, "float8::quantize takes a 2-D operand, got ", t.sizes());
   const double fmax = float8_max(dtype);
   const torch::Tensor hp = t.to(torch::kFloat32);
@@ -144,8 +186,10 @@ torch::Tensor scaled_mm_nt(const Float8Operand& a, const Float8Operand& b, c10::
     // column-major: B^T of a row-major [N, K] is exactly that. Rowwise wants float32 [M, 1] and
     // [1, N] scales and a bfloat16 output; tensorwise takes 0-dim scales.
     const bool rowwise = a.scale.dim() > 0;
-    const torch::Tensor scale_a = a.scale.reciprocal();
-    const torch::Tensor scale_b = rowwise ? b.scale.reciprocal().view({1, -1}) : b.scale.reciprocal();
+    const torch::Tensor inv_a = a.inverse_scale.defined() ? a.inverse_scale : a.scale.reciprocal();
+    const torch::Tensor inv_b = b.inverse_scale.defined() ? b.inverse_scale : b.scale.reciprocal();
+    const torch::Tensor scale_a = inv_a;
+    const torch::Tensor scale_b = rowwise ? inv_b.view({1, -1}) : inv_b;
     const auto mm_dtype = rowwise ? torch::kBFloat16 : torch::kFloat32;
     return at::_scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a.contiguous(), scale_b.contiguous(),
                           std::nullopt, std::nullopt, mm_dtype)

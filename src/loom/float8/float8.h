@@ -60,15 +60,24 @@ double float8_max(c10::ScalarType dtype);
 struct Float8Operand {
   torch::Tensor data;
   torch::Tensor scale;
+  torch::Tensor inverse_scale;       // 1 / scale, as the GEMM takes it; undefined: computed there
   torch::Tensor dequantize() const;  // float32, data / scale
 };
 
 // Quantizes a 2-D tensor for a GEMM contracting its last dim: rowwise (one scale per row, rounded
-// down to a power of 2) or tensorwise (one scale). Any floating dtype in, float8 `dtype` out.
+// down to a power of 2) or tensorwise (one scale). Any floating dtype in, float8 `dtype` out, data
+// row-major. On CUDA (fp32/bf16/fp16 operands that are row-major or the transposed view of a
+// row-major tensor, as every operand of float8_linear is) Loom's kernels (cuda/quantize.h) do it
+// in two passes, transposing on the way; elsewhere the ATen composition. Both give equal bits.
 // `amax_group`: the tensor is this rank's piece of one sharded over that group along the dims the
 // amax covers; the amax is all-reduced (max) over it (null: the tensor is whole).
 Float8Operand quantize(const torch::Tensor& t, c10::ScalarType dtype, Recipe recipe,
                        const std::shared_ptr<distributed::Comm>& amax_group = nullptr);
+
+// The same quantization as ATen operations (fp32 copy, abs, amax, the scale's arithmetic, multiply,
+// clamp, cast): the CPU's path, and the reference Loom's CUDA kernels are tested against.
+Float8Operand quantize_composed(const torch::Tensor& t, c10::ScalarType dtype, Recipe recipe,
+                                const std::shared_ptr<distributed::Comm>& amax_group = nullptr);
 
 // The groups that shard a linear's features (tensor parallelism); null: not sharded.
 struct Float8Sharding {
