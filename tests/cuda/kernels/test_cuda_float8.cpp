@@ -34,12 +34,16 @@ void expect_same_bits(const torch::Tensor& a, const torch::Tensor& b, const std:
   EXPECT_EQ(differ, 0) << what << ": " << differ << " of " << x.numel() << " bytes differ";
 }
 
+// Equal bits, except that a NaN equals any NaN (the H200 run: ATen's division and Loom's gave NaN
+// scales with different payloads; the float8 data they produce are the same bytes).
 void expect_same_float_bits(const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
   ASSERT_EQ(a.numel(), b.numel()) << what;
-  const torch::Tensor x = a.to(torch::kFloat32).contiguous().view(torch::kInt32).cpu().flatten();
-  const torch::Tensor y = b.to(torch::kFloat32).contiguous().view(torch::kInt32).cpu().flatten();
-  EXPECT_TRUE(x.equal(y)) << what << ": scales differ, max |diff| "
-                          << (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
+  const torch::Tensor fa = a.to(torch::kFloat32).contiguous().cpu().flatten();
+  const torch::Tensor fb = b.to(torch::kFloat32).contiguous().cpu().flatten();
+  const torch::Tensor both_nan = fa.isnan().logical_and(fb.isnan());
+  const torch::Tensor same = fa.view(torch::kInt32).eq(fb.view(torch::kInt32)).logical_or(both_nan);
+  EXPECT_TRUE(same.all().item<bool>()) << what << ": scales differ at " << (~same).sum().item<int64_t>()
+                                       << " of " << fa.numel() << " places";
 }
 
 // Values over many binades (1e-6 .. 1e4), a zero row and, optionally, a NaN.
