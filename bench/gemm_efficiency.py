@@ -25,6 +25,7 @@ import torch
 
 # name: (dim, ffn hidden, heads, kv heads)
 MODELS = {
+    "debugmodel": (256, 768, 16, 16),  # the CPU plan benchmark's model (bench/plan_time.py)
     "llama3_8b": (4096, 14336, 32, 8),
     "llama3_70b": (8192, 28672, 64, 8),
     "llama3_405b": (16384, 53248, 128, 8),
@@ -119,7 +120,7 @@ def main():
                    help="the device's dense peak for --dtype (H100/H200 SXM bf16: 989); 0: efficiency not printed")
     p.add_argument("--tokens", default="2048,4096,8192,16384", help="tokens per micro-batch (GEMM m)")
     p.add_argument("--tp", default="1,2,4,8")
-    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--models", default=",".join(m for m in MODELS if m != "debugmodel"))
     p.add_argument("--square", default="256,512,1024,2048,4096,8192,16384")
     p.add_argument("--min-ms", type=float, default=20.0)
     p.add_argument("--threads", type=int, default=0, help="CPU: intra-op threads (0: torch's default)")
