@@ -12,9 +12,12 @@ reduce-scatter overlaps the rest of the backward. For each it prints tokens/s (a
 and the ratio to FSDP2 (target >= 1.3x with buckets on), and the exposed communication per step: the
 seconds the training thread waited for collectives (`comm_exposed_s` of metrics.jsonl, every wait
 on a collective timed where it blocks) and its share of the step (target <= 10 % with buckets on).
-Medians over the timed steps.
+Memory is not sampled here (bench/fsdp_vs_fsdp2.py compares it): the sampler's 5 ms scans of /proc
+would take CPU from the ranks. Medians over the timed steps of every round: with --rounds R the three runs alternate R times
+(Loom off, Loom on, FSDP2, Loom off, ...), so that the drift of a shared machine's speed over
+minutes falls on all three alike instead of on whichever ran last.
 
-Usage: .venv/bin/python bench/fsdp_overlap.py [--ranks 2,4] [--steps 4] [--warmup 2]
+Usage: .venv/bin/python bench/fsdp_overlap.py [--ranks 2,4] [--steps 4] [--warmup 2] [--rounds 2]
            [--bucket-mb -1] [--depth 2] [--loom build/bin/loom]
 """
 import argparse
@@ -37,11 +40,13 @@ def loom_variants(bucket_mb, depth):
              [f"--parallelism.fsdp_bucket_mb={bucket_mb:g}", f"--parallelism.fsdp_prefetch_depth={depth}"])]
 
 
-def summarize(result, tokens):
-    return {"tps": tokens / statistics.median(result["step_times"]),
-            "step_s": statistics.median(result["step_times"]),
-            "exposed_s": statistics.median(result["exposed_s"]),
-            "exposed_pct": statistics.median(result["exposed_pct"])}
+def summarize(results, tokens):
+    """Medians over the timed steps of all rounds' runs of one variant."""
+    pooled = {k: [v for r in results for v in r[k]] for k in ("step_times", "exposed_s", "exposed_pct")}
+    return {"tps": tokens / statistics.median(pooled["step_times"]),
+            "step_s": statistics.median(pooled["step_times"]),
+            "exposed_s": statistics.median(pooled["exposed_s"]),
+            "exposed_pct": statistics.median(pooled["exposed_pct"])}
 
 
 def main():
@@ -49,6 +54,7 @@ def main():
     p.add_argument("--ranks", default="2,4")
     p.add_argument("--steps", type=int, default=4, help="timed steps after warm-up")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="alternations of the three runs (medians pool them)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--bucket-mb", type=float, default=-1, help="fsdp_bucket_mb of the buckets-on run (-1: automatic)")
     p.add_argument("--depth", type=int, default=2, help="fsdp_prefetch_depth of the buckets-on run")
@@ -64,16 +70,19 @@ def main():
         run_args = argparse.Namespace(steps=args.steps, warmup=args.warmup, nproc=nproc, threads=args.threads,
                                       loom=os.path.abspath(args.loom))
         tokens = nproc * peer.MODEL["batch"] * peer.MODEL["seq_len"]
-        loom = []
-        for label, overrides in variants:
-            with tempfile.TemporaryDirectory() as dump:
-                loom.append((label, summarize(peer.run_loom(run_args, dump, overrides), tokens)))
-        fsdp2 = peer.run_fsdp2(run_args)
-        fsdp2_tps = tokens / statistics.median(fsdp2["step_times"])
-        rows += [(nproc, label, s, fsdp2_tps) for label, s in loom]
+        loom = {label: [] for label, _ in variants}
+        fsdp2 = []
+        for _ in range(args.rounds):
+            for label, overrides in variants:
+                with tempfile.TemporaryDirectory() as dump:
+                    loom[label].append(peer.run_loom(run_args, dump, overrides, sample_memory=False))
+            fsdp2.append(peer.run_fsdp2(run_args, sample_memory=False))
+        fsdp2_tps = tokens / statistics.median([t for r in fsdp2 for t in r["step_times"]])
+        rows += [(nproc, label, summarize(results, tokens), fsdp2_tps) for label, results in loom.items()]
 
     print(f"config: bench/llama3_124m_fsdp.toml, {args.threads} thread(s) per rank, {args.warmup} warm-up + "
-          f"{args.steps} timed steps (medians); tokens/s of all ranks together")
+          f"{args.steps} timed steps, {args.rounds} alternating round(s) (medians of all timed steps); "
+          f"tokens/s of all ranks together")
     print(f"{'ranks':>5} | {'Loom':<28} | {'tok/s':>8} {'FSDP2 tok/s':>11} {'ratio':>6} | {'step s':>7} "
           f"{'exposed s':>9} {'exposed %':>9}")
     met = True

@@ -106,27 +106,34 @@ class RankMemorySampler:
             time.sleep(self.interval)
 
 
-def run_sampled(cmd, env, stdout):
+def run_sampled(cmd, env, stdout, sample=True):
+    """Runs cmd; returns each rank's peak VmHWM (KiB) when `sample`, else {}. The sampler scans /proc
+    every 5 ms, which takes CPU from the ranks on a 2-core machine: runs that only time steps skip it."""
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True)
-    with RankMemorySampler(proc.pid) as sampler:
+    if sample:
+        with RankMemorySampler(proc.pid) as sampler:
+            _, err = proc.communicate()
+        peak_kib = sampler.peak_kib
+    else:
         _, err = proc.communicate()
+        peak_kib = {}
     if proc.returncode != 0:
         sys.exit(f"error: `{' '.join(cmd)}` failed with exit code {proc.returncode}:\n{err[-3000:]}")
-    return sampler.peak_kib
+    return peak_kib
 
 
 def thread_env(threads):
     return dict(os.environ, OMP_NUM_THREADS=str(threads), LOOM_NUM_THREADS=str(threads))
 
 
-def run_loom(args, dump, extra=()):
+def run_loom(args, dump, extra=(), sample_memory=True):
     """One Loom run of CONFIG; `extra`: more `--key=value` overrides (e.g. FSDP bucket settings)."""
     total = args.warmup + args.steps
     cmd = [args.loom, "launch", "--nproc", str(args.nproc), "--", "train", "--config", CONFIG,
            f"--job.dump_folder={dump}", f"--training.steps={total}", "--metrics.log_freq=1",
            # Skip the trainer's own GEMM-peak measurement; MFU is not used here.
            "--metrics.peak_flops=1e11", *extra]
-    peak_kib = run_sampled(cmd, thread_env(args.threads), subprocess.DEVNULL)
+    peak_kib = run_sampled(cmd, thread_env(args.threads), subprocess.DEVNULL, sample_memory)
     rows = [json.loads(l) for l in open(os.path.join(dump, "metrics.jsonl"))]
     assert len(rows) == total, f"expected {total} metric rows from Loom, got {len(rows)}"
     tokens = MODEL["batch"] * MODEL["seq_len"]
@@ -139,13 +146,13 @@ def run_loom(args, dump, extra=()):
             "exposed_pct": [r.get("comm_exposed_pct", 0.0) for r in rows[args.warmup:]]}
 
 
-def run_fsdp2(args):
+def run_fsdp2(args, sample_memory=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            os.path.join(ROOT, "bench/fsdp2_llama.py"), "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--threads", str(args.threads)]
     cmd += [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
     with tempfile.TemporaryFile("w+") as out:
-        peak_kib = run_sampled(cmd, thread_env(args.threads), out)
+        peak_kib = run_sampled(cmd, thread_env(args.threads), out, sample_memory)
         out.seek(0)
         result = json.loads(out.read().strip().splitlines()[-1])
     result["peak_kib"] = peak_kib

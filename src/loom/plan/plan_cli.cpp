@@ -31,7 +31,26 @@ struct PlanOptions {
   bool json = false;
   std::string cluster;  // "h100" / "h200": rank by predicted tokens/s; empty: by peak memory
   bool fixed_memory_settings = false;  // keep the config's AC and resharding (else chosen per layout)
+  Cluster::Overrides cluster_overrides;  // explicit constants over the preset's or the measured ones
 };
+
+// The cluster named by --cluster (measured for "cpu"), with the constants given explicitly.
+Cluster cluster_of(const PlanOptions& o) {
+  const Cluster::Overrides& given = o.cluster_overrides;
+  Cluster c = o.cluster == "cpu" ? Cluster::this_cpu(given.peak_flops, given.peak_flops_all_cores)
+                                 : Cluster::preset(o.cluster);
+  Cluster::Overrides over = o.cluster_overrides;
+  over.devices_per_node = -1;  // --devices-per-node shapes the search, not the links' preset
+  return c.with(over);
+}
+
+nlohmann::json cluster_json(const Cluster& c) {
+  return {{"name", c.name}, {"peak_flops", c.peak_flops}, {"peak_flops_all_cores", c.peak_flops_all_cores},
+          {"efficiency", c.efficiency}, {"intra_node_bw", c.intra_node_bw}, {"inter_node_bw", c.inter_node_bw},
+          {"intra_latency", c.intra_latency}, {"inter_latency", c.inter_latency},
+          {"blocking_call_s", c.blocking_call_s}, {"shared_host_efficiency", c.shared_host_efficiency},
+          {"cores", c.cores}};
+}
 
 // The memory-for-speed settings tried on each layout when ranking by time: activation
 // checkpointing none / per-op selective / full, and, where FSDP shards within one pipeline stage,
@@ -113,8 +132,9 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
     layout.apply_to(config);
     const MemoryEstimate m = estimate_memory(shape, *args, config, layout);
     TimeEstimate time;
+    Cluster cluster;
     if (!o.cluster.empty()) {
-      const Cluster cluster = o.cluster == "cpu" ? Cluster::this_cpu() : Cluster::preset(o.cluster);
+      cluster = cluster_of(o);
       time = estimate_time(spec, *args, shape, config, layout, cluster);
     }
     if (o.json) {
@@ -124,7 +144,15 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
         j["tokens_per_device_s"] = time.tokens_per_device_s;
         j["step_s"] = time.step_s;
         j["compute_s"] = time.compute_s;
+        j["bubble_s"] = time.bubble_s;
+        j["pp_s"] = time.pp_s;
+        j["tp_s"] = time.tp_s;
+        j["fsdp_exposed_s"] = time.fsdp_exposed_s;
+        j["dp_exposed_s"] = time.dp_exposed_s;
+        j["cp_exposed_s"] = time.cp_exposed_s;
+        j["ep_s"] = time.ep_s;
         j["binding"] = time.binding;
+        j["cluster"] = cluster_json(cluster);
       }
       std::printf("%s\n", j.dump().c_str());
       return;
@@ -134,9 +162,9 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
     std::printf("predicted memory per device (pipeline rank %d, the highest): %s\n", m.pipeline_rank,
                 m.describe().c_str());
     if (!o.cluster.empty()) {
-      std::printf("predicted step on %s: %.3f s = compute %.3f + bubble %.3f + TP %.3f + FSDP %.3f + replicas %.3f + "
-                  "CP %.3f + EP %.3f; %.0f tokens/s per device, MFU %.1f %%; bound by %s\n",
-                  o.cluster.c_str(), time.step_s, time.compute_s, time.bubble_s, time.tp_s, time.fsdp_exposed_s,
+      std::printf("predicted step on %s: %.3f s = compute %.3f + bubble %.3f + pipeline exchanges %.3f + TP %.3f + "
+                  "FSDP %.3f + replicas %.3f + CP %.3f + EP %.3f; %.0f tokens/s per device, MFU %.1f %%; bound by %s\n",
+                  o.cluster.c_str(), time.step_s, time.compute_s, time.bubble_s, time.pp_s, time.tp_s, time.fsdp_exposed_s,
                   time.dp_exposed_s, time.cp_exposed_s, time.ep_s, time.tokens_per_device_s, 100 * time.mfu,
                   time.binding.c_str());
     }
@@ -157,7 +185,7 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
     TimeEstimate time;
   };
   const bool timed = !o.cluster.empty();
-  const Cluster cluster = !timed ? Cluster{} : o.cluster == "cpu" ? Cluster::this_cpu() : Cluster::preset(o.cluster);
+  const Cluster cluster = !timed ? Cluster{} : cluster_of(o);
   const double capacity = o.memory_gib > 0 ? o.memory_gib : timed ? cluster.memory_gib : 0;
   std::vector<Row> rows;
   for (const Layout& layout : found.layouts) {
@@ -262,7 +290,8 @@ void register_plan_command(CLI::App& app) {
   cmd->add_option("--world-size", o->world_size, "Devices in all")->capture_default_str();
   cmd->add_option("--devices-per-node", o->devices_per_node, "Devices per node (TP stays inside one)")
       ->capture_default_str();
-  cmd->add_option("--memory-gib", o->memory_gib, "Keep layouts whose predicted peak fits (0: all)")
+  cmd->add_option("--memory-gib", o->memory_gib, "Keep layouts whose predicted peak fits (0: no filter, or "
+                  "with --cluster the device's memory)")
       ->capture_default_str();
   cmd->add_option("--top", o->top, "Rows to print")->capture_default_str();
   cmd->add_flag("--explain", o->explain, "Break down the memory of the config's own layout");
@@ -272,6 +301,20 @@ void register_plan_command(CLI::App& app) {
                 "With --cluster: keep the config's activation checkpointing and FSDP resharding instead of "
                 "choosing, per layout, the fastest that fits (AC none / selective per op / full; reshard "
                 "after forward as configured or never; Float8 on or off where the devices have float8 GEMMs)");
+  // The cluster's constants given explicitly (-1: the preset's, or for cpu the measured ones):
+  // a cluster the presets do not describe, or one `--explain --json` measured, reused as is.
+  auto& co = o->cluster_overrides;
+  cmd->add_option("--peak-flops", co.peak_flops, "With --cluster: dense FLOP/s per device (cpu: one thread's)");
+  cmd->add_option("--peak-flops-all-cores", co.peak_flops_all_cores, "With --cluster cpu: the GEMM rate with every core");
+  cmd->add_option("--efficiency", co.efficiency, "With --cluster: the share of the peak the model's compute reaches");
+  cmd->add_option("--intra-node-bw", co.intra_node_bw, "With --cluster: ring bandwidth per device inside a node, bytes/s");
+  cmd->add_option("--inter-node-bw", co.inter_node_bw, "With --cluster: bandwidth per device across nodes, bytes/s");
+  cmd->add_option("--intra-latency", co.intra_latency, "With --cluster: seconds per ring hop inside a node");
+  cmd->add_option("--inter-latency", co.inter_latency, "With --cluster: seconds per ring hop across nodes");
+  cmd->add_option("--blocking-call-s", co.blocking_call_s,
+                  "With --cluster: seconds a blocking collective costs beyond its bytes (CPU ranks sharing cores)");
+  cmd->add_option("--shared-host-efficiency", co.shared_host_efficiency,
+                  "With --cluster: the rate per token of ranks sharing a host, relative to one process alone");
   cmd->add_flag("--json", o->json, "Print JSON");
   cmd->allow_extras();
   cmd->footer("Config keys can be overridden: --section.key=value (see docs/config.md).");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <thread>
 
@@ -19,11 +20,19 @@
 
 namespace loom::plan {
 namespace {
-// First estimates, not yet fitted (bench/plan_time.py measures them against training on this
-// machine; one run: 5 of the 7 layouts within 20 %, the peak measurement itself varying by
-// ~10-20 % between runs): the debug Llama 3's compute reaches about half of the GEMM peak; Gloo's
-// loopback ring about 2 GB/s.
-constexpr double kCpuEfficiency = 0.5;
+// This machine's CPU constants, fitted with bench/plan_time.py (2026-11-27, two runs of two
+// rounds each, the GEMM peak measured once per run for all rows; docs/planner.md has the tables):
+//  - efficiency, on the one-process row: the debug Llama 3's whole step (attention, norms, AdamW
+//    with the GEMMs) reaches 0.63-0.70 of one thread's square-GEMM rate (0.66);
+//  - shared host, on the FSDP 2 row: ranks sharing the host run at 0.75-0.80 of a lone process's
+//    rate per token (0.78), with communication too small to matter (36 MB a step): memory and
+//    cache contention and the ranks' Gloo, loader and logging threads on the same cores;
+//  - blocking call, on the TP 2 row: its 52 blocking collectives a step cost ~0.3 s beyond their
+//    bytes (6 ms each; the trainer's own comm_exposed_s counts ~4 ms of waiting per call);
+//  - Gloo's loopback ring, about 2 GB/s (measured with torchrun, docs/profiling.md).
+constexpr double kCpuEfficiency = 0.66;
+constexpr double kCpuSharedHostEfficiency = 0.78;
+constexpr double kCpuBlockingCallSeconds = 0.006;
 constexpr double kCpuLoopbackBandwidth = 2e9;
 // Fitted on TorchTitan's Llama 3.1 8B rows on 8 H100s (compile: 6,667, compile + Float8: 8,532
 // tokens/s per GPU, a 1.280x speedup; PlanTime.Float8SpeedupIsFitted... reproduces it), checked on
@@ -66,19 +75,26 @@ Cluster Cluster::preset(const std::string& name) {
   return c;
 }
 
-Cluster Cluster::this_cpu() {
+Cluster Cluster::this_cpu(double peak_flops, double peak_flops_all_cores) {
   Cluster c;
   c.name = "cpu";
   const int threads = at::get_num_threads();
-  at::set_num_threads(1);
   // Longer than a training run's 0.3 s: on a shared machine the best of 0.3 s moved by 15-30 %
   // between invocations, and every prediction scales with it.
   constexpr double kPeakSeconds = 1.5;
-  c.peak_flops = train::measure_peak_fp32_flops(kPeakSeconds);
-  at::set_num_threads(threads);
   c.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  at::set_num_threads(c.cores);
-  c.peak_flops_all_cores = train::measure_peak_fp32_flops(kPeakSeconds);
+  if (peak_flops > 0) {
+    c.peak_flops = peak_flops;
+  } else {
+    at::set_num_threads(1);
+    c.peak_flops = train::measure_peak_fp32_flops(kPeakSeconds);
+  }
+  if (peak_flops_all_cores > 0) {
+    c.peak_flops_all_cores = peak_flops_all_cores;
+  } else {
+    at::set_num_threads(c.cores);
+    c.peak_flops_all_cores = train::measure_peak_fp32_flops(kPeakSeconds);
+  }
   at::set_num_threads(threads);
   c.efficiency = kCpuEfficiency;
   c.intra_node_bw = kCpuLoopbackBandwidth;
@@ -86,6 +102,33 @@ Cluster Cluster::this_cpu() {
   c.intra_latency = c.inter_latency = 50e-6;
   c.devices_per_node = 1 << 20;  // one host: every group is "inside the node"
   c.memory_gib = 0;
+  c.blocking_call_s = kCpuBlockingCallSeconds;
+  c.shared_host_efficiency = kCpuSharedHostEfficiency;
+  return c;
+}
+
+Cluster Cluster::with(const Overrides& o) const {
+  Cluster c = *this;
+  const auto set = [](double& field, double value) {
+    if (value >= 0) field = value;
+  };
+  set(c.peak_flops, o.peak_flops);
+  set(c.efficiency, o.efficiency);
+  set(c.memory_gib, o.memory_gib);
+  set(c.intra_node_bw, o.intra_node_bw);
+  set(c.inter_node_bw, o.inter_node_bw);
+  set(c.intra_latency, o.intra_latency);
+  set(c.inter_latency, o.inter_latency);
+  set(c.blocking_call_s, o.blocking_call_s);
+  set(c.shared_host_efficiency, o.shared_host_efficiency);
+  set(c.peak_flops_all_cores, o.peak_flops_all_cores);
+  if (o.devices_per_node > 0) c.devices_per_node = o.devices_per_node;
+  LOOM_REQUIRE_USAGE(c.peak_flops > 0 && c.efficiency > 0 && c.efficiency <= 1, "the cluster needs a peak "
+                     "FLOP/s > 0 and an efficiency in (0, 1]; got ", c.peak_flops, " and ", c.efficiency);
+  LOOM_REQUIRE_USAGE(c.shared_host_efficiency > 0 && c.shared_host_efficiency <= 1, "the cluster's shared-host "
+                     "efficiency must be in (0, 1]; got ", c.shared_host_efficiency);
+  LOOM_REQUIRE_USAGE(c.intra_node_bw > 0 && c.inter_node_bw > 0, "the cluster's bandwidths must be > 0; got ",
+                     c.intra_node_bw, " and ", c.inter_node_bw, " bytes/s");
   return c;
 }
 
@@ -130,26 +173,43 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
                             : cluster.peak_flops + (all_cores - cluster.peak_flops) *
                                                        (std::min<double>(threads, cluster.cores) - 1) / (cluster.cores - 1);
     e.compute_s *= cluster.peak_flops / rate * std::max(1.0, world * threads / cluster.cores);
+    if (world > 1) e.compute_s /= cluster.shared_host_efficiency;
   }
 
   if (layout.pp > 1) {
     const models::PipelineOptions po = train::pipeline_options(config);
-    // The bubble depends on the schedule, the degree and the micro-batches only: simulated once each.
+    // The bubble depends on the schedule, the degree and the micro-batches only: simulated once
+    // each, with the receives a rank blocks on (activations and gradients from a stage on another
+    // rank), the most of any rank.
+    struct Simulated {
+      double bubble = 0;
+      double receives = 0;
+    };
     static std::mutex bubble_mutex;
-    static std::map<std::tuple<std::string, int, int64_t>, double> bubbles;
+    static std::map<std::tuple<std::string, int, int64_t>, Simulated> simulated;
     const auto key = std::make_tuple(po.schedule, layout.pp, po.microbatches);
-    double bubble = -1;
+    std::optional<Simulated> sim;
     {
       std::lock_guard<std::mutex> lock(bubble_mutex);
-      if (const auto it = bubbles.find(key); it != bubbles.end()) bubble = it->second;
+      if (const auto it = simulated.find(key); it != simulated.end()) sim = it->second;
     }
-    if (bubble < 0) {
+    if (!sim) {
       const pipeline::Schedule schedule = pipeline::build_schedule(
           {po.schedule, layout.pp, static_cast<int>(po.microbatches), 0});
-      bubble = pipeline::simulate(schedule).bubble_fraction;
+      sim = Simulated{pipeline::simulate(schedule).bubble_fraction, 0.0};
+      for (int r = 0; r < schedule.num_ranks; ++r) {
+        double receives = 0;
+        for (const int stage : schedule.stages_of(r)) {
+          if (stage > 0 && schedule.rank_of(stage - 1) != r) receives += 1;                          // activations
+          if (stage + 1 < schedule.num_stages() && schedule.rank_of(stage + 1) != r) receives += 1;  // gradients
+        }
+        sim->receives = std::max(sim->receives, receives * static_cast<double>(schedule.num_microbatches));
+      }
       std::lock_guard<std::mutex> lock(bubble_mutex);
-      bubbles[key] = bubble;
+      simulated[key] = *sim;
     }
+    const double bubble = sim->bubble;
+    e.pp_s = sim->receives * micro_steps * cluster.blocking_call_s;
     e.bubble_s = e.compute_s * bubble / std::max(1e-9, 1.0 - bubble);
   }
 
@@ -170,7 +230,7 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
     const double microbatches = layout.pp > 1 ? static_cast<double>(layout.local_batch_size / layout.microbatch_size) : 1.0;
     const double calls = collectives * micro_steps * microbatches;
     e.tp_s = collectives * (layout.tp - 1.0) / layout.tp * bytes / cluster.intra_node_bw +
-             calls * (layout.tp - 1.0) * cluster.intra_latency;
+             calls * ((layout.tp - 1.0) * cluster.intra_latency + cluster.blocking_call_s);
   }
 
   // FSDP over dp_shard x cp: the rank's groups gathered (forward, and again for the backward when
@@ -203,6 +263,11 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
     const double bytes = tokens * 2.0 * static_cast<double>(shape.kv_dim) / layout.tp * c;
     const bool inside = layout.cp * layout.tp <= cluster.devices_per_node;
     e.cp_exposed_s = 0.2 * 3.0 * layers * ring(layout.cp, bytes * layout.cp, inside);
+    // Each of the cp - 1 exchanges of those passes blocks (one per micro-batch, and a fourth pass
+    // when full AC recomputes the forward).
+    const double microbatches = layout.pp > 1 ? static_cast<double>(layout.local_batch_size / layout.microbatch_size) : 1.0;
+    const double passes = ac.mode == ac::Mode::kFull ? 4.0 : 3.0;
+    e.cp_exposed_s += passes * layers * (layout.cp - 1.0) * micro_steps * microbatches * cluster.blocking_call_s;
   }
 
   // EP: per MoE layer of this rank and micro-batch, 2 all-to-alls in the forward (dispatch,
@@ -221,14 +286,14 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
     moe_layers /= layout.pp;
     const double remote = (layout.ep - 1.0) / layout.ep;
     e.ep_s = calls_per_layer * (remote * tokens * rows_dim * c / bw +
-                                moe_layers * micro_steps * microbatches * (layout.ep - 1.0) * lat);
+                                moe_layers * micro_steps * microbatches * ((layout.ep - 1.0) * lat + cluster.blocking_call_s));
   }
 
-  e.step_s = e.compute_s + e.bubble_s + e.tp_s + e.fsdp_exposed_s + e.dp_exposed_s + e.cp_exposed_s + e.ep_s;
+  e.step_s = e.compute_s + e.bubble_s + e.pp_s + e.tp_s + e.fsdp_exposed_s + e.dp_exposed_s + e.cp_exposed_s + e.ep_s;
   e.tokens_per_device_s = global_tokens / e.step_s / world;
   e.mfu = flops_per_token * e.tokens_per_device_s / cluster.peak_flops;
   const std::vector<std::pair<double, const char*>> terms = {
-      {e.compute_s, "compute"}, {e.bubble_s, "pipeline bubble"}, {e.tp_s, "TP"},
+      {e.compute_s, "compute"}, {e.bubble_s, "pipeline bubble"}, {e.pp_s, "pipeline exchanges"}, {e.tp_s, "TP"},
       {e.fsdp_exposed_s, "FSDP"}, {e.dp_exposed_s, "data-parallel all-reduce"}, {e.cp_exposed_s, "CP"},
       {e.ep_s, "EP all-to-all"}};
   e.binding = std::max_element(terms.begin(), terms.end())->second;

@@ -14,7 +14,10 @@
 //   EP         each MoE layer's dispatch and combine all-to-alls, forward and backward (and the
 //              recomputed forward's under full AC): every token's k rows of dim, the (ep-1)/ep of
 //              them bound for other ranks, on the critical path;
-//   PP         the bubble of the schedule the run would execute (pipeline::simulate);
+//   PP         the bubble of the schedule the run would execute (pipeline::simulate), and on CPU
+//              ranks the cost of each blocking receive between stages;
+//   blocking   on CPU ranks sharing a host, every blocking collective (TP, CP, PP, EP) also costs
+//              Cluster::blocking_call_s: the ranks wait for whichever the OS ran last;
 //   Float8     the blocks' linear layers (their share of the FLOPs: 6 x their weights per token)
 //              run Cluster::float8_gemm_speedup times faster; the rest of the compute as before.
 // Links: inside a node (NVLink) when a group fits in one, else across nodes (InfiniBand).
@@ -45,6 +48,15 @@ struct Cluster {
   // so the planner does not choose Float8 and the model does not price it. H100/H200: fitted on
   // TorchTitan's published 8B, 8-GPU Float8 row against the row without it (docs/planner.md).
   double float8_gemm_speedup = 0;
+  // CPU ranks that share a host's cores: what one blocking collective (a TP or CP exchange, a
+  // pipeline send/recv, an EP all-to-all) costs beyond its bytes -- every rank waits for the one
+  // the OS ran last, and Gloo's threads wake and copy on the same cores. Fitted on this machine's
+  // TP 2 run (docs/planner.md); 0 for accelerators, whose per-call cost is the link latency.
+  double blocking_call_s = 0;
+  // CPU: the rate per token of ranks sharing the host, relative to one process alone (memory and
+  // cache contention, the ranks' communication, loader and logging threads on the same cores).
+  // Fitted on this machine's FSDP 2 run; 1 for accelerators.
+  double shared_host_efficiency = 1;
   // "h100" (SXM, 80 GB, NVLink 4, 400 Gb/s InfiniBand per GPU) or "h200" (141 GB); a UsageError
   // lists the known ones. Efficiency: fitted on TorchTitan's published Llama 3.1 8B row
   // (docs/planner.md).
@@ -53,12 +65,23 @@ struct Cluster {
   // the loopback: the peak is one thread's measured fp32 GEMM rate (train::measure_peak_fp32_flops,
   // all cores' for a lone rank); efficiency and loopback bandwidth are first estimates, not yet
   // fitted (docs/planner.md).
-  static Cluster this_cpu();
+  // Peaks given (> 0) are taken as they are instead of measured.
+  static Cluster this_cpu(double peak_flops = -1, double peak_flops_all_cores = -1);
+  // The preset or measured cluster with the constants given explicitly (`loom plan --peak-flops
+  // ...`): a negative field keeps the cluster's own.
+  struct Overrides {
+    double peak_flops = -1, efficiency = -1, memory_gib = -1, intra_node_bw = -1, inter_node_bw = -1,
+           intra_latency = -1, inter_latency = -1, blocking_call_s = -1, peak_flops_all_cores = -1,
+           shared_host_efficiency = -1;
+    int devices_per_node = -1;
+  };
+  Cluster with(const Overrides& o) const;
 };
 
 struct TimeEstimate {
   double compute_s = 0;
   double bubble_s = 0;
+  double pp_s = 0;  // the pipeline's blocking receives (CPU ranks: Cluster::blocking_call_s each)
   double tp_s = 0;
   double fsdp_exposed_s = 0;
   double dp_exposed_s = 0;
