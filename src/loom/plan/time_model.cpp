@@ -20,19 +20,21 @@
 
 namespace loom::plan {
 namespace {
-// This machine's CPU constants, fitted with bench/plan_time.py (2026-11-27, two runs of two
-// rounds each, the GEMM peak measured once per run for all rows; docs/planner.md has the tables):
+// This machine's CPU constants, fitted with bench/plan_time.py (2026-11-27, four runs of two
+// rounds each, the GEMM peak measured once per run for all rows; docs/planner.md has the tables;
+// each run also calibrates them on its own rows, which gave the ranges below):
 //  - efficiency, on the one-process row: the debug Llama 3's whole step (attention, norms, AdamW
-//    with the GEMMs) reaches 0.63-0.70 of one thread's square-GEMM rate (0.66);
-//  - shared host, on the FSDP 2 row: ranks sharing the host run at 0.75-0.80 of a lone process's
+//    with the GEMMs) reaches 0.63-0.71 of one thread's square-GEMM rate (0.66);
+//  - shared host, on the FSDP 2 row: ranks sharing the host run at 0.73-0.83 of a lone process's
 //    rate per token (0.78), with communication too small to matter (36 MB a step): memory and
 //    cache contention and the ranks' Gloo, loader and logging threads on the same cores;
-//  - blocking call, on the TP 2 row: its 52 blocking collectives a step cost ~0.3 s beyond their
-//    bytes (6 ms each; the trainer's own comm_exposed_s counts ~4 ms of waiting per call);
+//  - blocking call, on the TP 2 row: its 52 blocking collectives a step cost 0.15-0.3 s beyond
+//    their bytes (2.8-6 ms each, 4 ms; the trainer's own comm_exposed_s counts ~4 ms of waiting
+//    per call);
 //  - Gloo's loopback ring, about 2 GB/s (measured with torchrun, docs/profiling.md).
 constexpr double kCpuEfficiency = 0.66;
 constexpr double kCpuSharedHostEfficiency = 0.78;
-constexpr double kCpuBlockingCallSeconds = 0.006;
+constexpr double kCpuBlockingCallSeconds = 0.004;
 constexpr double kCpuLoopbackBandwidth = 2e9;
 // Fitted on TorchTitan's Llama 3.1 8B rows on 8 H100s (compile: 6,667, compile + Float8: 8,532
 // tokens/s per GPU, a 1.280x speedup; PlanTime.Float8SpeedupIsFitted... reproduces it), checked on

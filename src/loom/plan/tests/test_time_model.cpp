@@ -158,8 +158,8 @@ TEST(PlanTime, ExpertParallelismAddsItsAllToAlls) {
   const auto ep = estimate(2, "none");
   EXPECT_EQ(fsdp.ep_s, 0.0);
   ASSERT_GT(ep.ep_s, 0.0);
-  EXPECT_DOUBLE_EQ(ep.step_s, ep.compute_s + ep.bubble_s + ep.tp_s + ep.fsdp_exposed_s + ep.dp_exposed_s +
-                                 ep.cp_exposed_s + ep.ep_s);
+  EXPECT_DOUBLE_EQ(ep.step_s, ep.compute_s + ep.bubble_s + ep.pp_s + ep.tp_s + ep.fsdp_exposed_s +
+                                 ep.dp_exposed_s + ep.cp_exposed_s + ep.ep_s);
   EXPECT_DOUBLE_EQ(ep.compute_s, fsdp.compute_s);
   EXPECT_LE(ep.fsdp_exposed_s, fsdp.fsdp_exposed_s);  // each rank gathers half of the experts
   int64_t moe_layers = 0, top_k = 0;
@@ -170,6 +170,85 @@ TEST(PlanTime, ExpertParallelismAddsItsAllToAlls) {
   const double want = 4 * moe_layers * (bytes / cluster.intra_node_bw + cluster.intra_latency);
   EXPECT_NEAR(ep.ep_s, want, 1e-12);
   EXPECT_NEAR(estimate(2, "full").ep_s, 1.5 * want, 1e-12);
+}
+
+// CPU ranks on one host (a cluster with cores): each blocking collective costs blocking_call_s
+// (TP: 8 per layer and micro-step; CP: 3 ring passes per layer; PP: the receives from stages on
+// other ranks, one per micro-batch and neighbour), and ranks sharing the host compute at
+// shared_host_efficiency of a lone process's rate. Fixed constants, so no machine measurement.
+TEST(PlanTime, CpuBlockingCallsAndSharedHostArePricedPerCall) {
+  const auto& spec = loom::models::get_spec("llama3");
+  const auto args = spec.build_args({"debugmodel", 2048, 256, 0});
+  const auto shape = loom::plan::ModelShape::of(spec, *args);
+  loom::plan::Cluster cpu;
+  cpu.name = "cpu-test";
+  cpu.cores = 2;
+  cpu.peak_flops = cpu.peak_flops_all_cores = 70e9;
+  cpu.efficiency = 0.66;
+  cpu.intra_node_bw = cpu.inter_node_bw = 2e9;
+  cpu.intra_latency = cpu.inter_latency = 50e-6;
+  cpu.devices_per_node = 1 << 20;
+  cpu.shared_host_efficiency = 0.78;
+  auto estimate = [&](loom::plan::Layout layout, const loom::plan::Cluster& cluster) {
+    loom::train::JobConfig config = loom::train::parse_config_toml(
+        "[model]\nname = \"llama3\"\nflavor = \"debugmodel\"\nvocab_size = 2048\n[training]\nseq_len = 256\n"
+        "global_batch_size = 8\nlocal_batch_size = 8\n[validation]\nenable = false\n",
+        "test");
+    layout.local_batch_size = 8;
+    if (layout.pp > 1) layout.microbatch_size = 2;
+    layout.apply_to(config);
+    return loom::plan::estimate_time(spec, *args, shape, config, layout, cluster);
+  };
+  loom::plan::Cluster free_calls = cpu;
+  free_calls.blocking_call_s = 0;
+  loom::plan::Cluster priced = cpu;
+  priced.blocking_call_s = 0.005;
+
+  loom::plan::Layout one;
+  loom::plan::Layout tp2;
+  tp2.tp = 2;
+  loom::plan::Layout cp2;
+  cp2.cp = 2;
+  loom::plan::Layout pp2;
+  pp2.pp = 2;
+  pp2.schedule = "1F1B";
+  // One process: no sharing; two ranks on two cores: the same FLOPs per rank at 0.78 of the rate.
+  const auto alone = estimate(one, priced);
+  EXPECT_NEAR(estimate(tp2, free_calls).compute_s, alone.compute_s / 2 / 0.78, 1e-9 * alone.compute_s);
+  // TP 2: 8 blocking collectives per layer of the 6.
+  EXPECT_NEAR(estimate(tp2, priced).tp_s - estimate(tp2, free_calls).tp_s, 8 * 6 * 0.005, 1e-12);
+  // CP 2: 3 ring passes per layer, one exchange each.
+  EXPECT_NEAR(estimate(cp2, priced).cp_exposed_s - estimate(cp2, free_calls).cp_exposed_s, 3 * 6 * 0.005, 1e-12);
+  // PP 2, 1F1B, 4 micro-batches: each rank receives once per micro-batch (activations on rank 1,
+  // gradients on rank 0).
+  EXPECT_EQ(estimate(pp2, free_calls).pp_s, 0.0);
+  EXPECT_NEAR(estimate(pp2, priced).pp_s, 4 * 0.005, 1e-12);
+  const auto pp = estimate(pp2, priced);
+  EXPECT_DOUBLE_EQ(pp.step_s, pp.compute_s + pp.bubble_s + pp.pp_s + pp.tp_s + pp.fsdp_exposed_s + pp.dp_exposed_s +
+                                  pp.cp_exposed_s + pp.ep_s);
+}
+
+// `loom plan --peak-flops ... --blocking-call-s ...`: explicit constants replace the cluster's, a
+// negative one keeps it, and an impossible one is a usage error naming it.
+TEST(PlanTime, ExplicitClusterConstantsOverrideThePreset) {
+  const loom::plan::Cluster h100 = loom::plan::Cluster::preset("h100");
+  loom::plan::Cluster::Overrides o;
+  o.peak_flops = 500e12;
+  o.blocking_call_s = 0.001;
+  const loom::plan::Cluster c = h100.with(o);
+  EXPECT_EQ(c.peak_flops, 500e12);
+  EXPECT_EQ(c.blocking_call_s, 0.001);
+  EXPECT_EQ(c.efficiency, h100.efficiency);
+  EXPECT_EQ(c.intra_node_bw, h100.intra_node_bw);
+  EXPECT_EQ(c.shared_host_efficiency, 1.0);
+  loom::plan::Cluster::Overrides bad;
+  bad.efficiency = 1.5;
+  try {
+    (void)h100.with(bad);
+    FAIL() << "an efficiency above 1 was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("efficiency in (0, 1]"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace plan_time_test
