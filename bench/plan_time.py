@@ -1,6 +1,7 @@
 """`loom plan --explain --cluster cpu`'s time model against measured tokens/s on this machine (issue 29).
 
-Each layout of the debug Llama 3 (CPU, Gloo, fp32, one intra-op thread per rank) trains for
+Each layout of the debug Llama 3 (and of the debug Qwen3-MoE, alone and with expert parallelism;
+CPU, Gloo, fp32, one intra-op thread per rank) trains for
 --warmup + --steps steps; the measured figure is the median of rank 0's tokens/s per rank over the
 timed steps (metrics.jsonl `tps`); the predicted one is `loom plan --explain --json --cluster cpu`
 for the same config (Cluster::this_cpu: one thread's measured GEMM peak x a fitted efficiency,
@@ -31,8 +32,9 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = 0.20
-BASE = ["--config", "configs/llama3_debug.toml", "--validation.enable=false", "--training.seq_len=256",
-        "--metrics.peak_flops=1e11"]
+BASE = ["--validation.enable=false", "--training.seq_len=256", "--metrics.peak_flops=1e11"]
+LLAMA = ["--config", "configs/llama3_debug.toml"]
+MOE = ["--config", "configs/qwen3_moe_debug.toml"]  # 8 experts, top 2, every layer
 LAYOUTS = [
     ("one process (fitted: efficiency)", 1, ["--parallelism.data_parallel_shard_degree=1",
                                              "--training.local_batch_size=8", "--training.global_batch_size=8"]),
@@ -52,13 +54,23 @@ LAYOUTS = [
     ("HSDP 2 x 2 (4 ranks on 2 cores)", 4, ["--parallelism.data_parallel_replicate_degree=2",
                                             "--parallelism.data_parallel_shard_degree=2",
                                             "--training.local_batch_size=2", "--training.global_batch_size=8"]),
+    ("Qwen3-MoE, one process", 1, MOE + ["--parallelism.data_parallel_shard_degree=1",
+                                         "--training.local_batch_size=8", "--training.global_batch_size=8"]),
+    ("Qwen3-MoE, FSDP 2 x EP 2", 2, MOE + ["--parallelism.data_parallel_shard_degree=2",
+                                           "--parallelism.expert_parallel_degree=2",
+                                           "--training.local_batch_size=4", "--training.global_batch_size=8"]),
 ]
+
+
+def with_config(overrides):
+    """The debug Llama 3 unless the overrides name a config."""
+    return overrides if "--config" in overrides else LLAMA + overrides
 
 
 def measured(loom, ranks, overrides, steps, warmup):
     """rank 0's tokens/s per rank of the timed steps."""
     with tempfile.TemporaryDirectory() as dump:
-        cmd = [loom, "launch", "--nproc", str(ranks), "--", "train", *BASE, *overrides, "--metrics.log_freq=1",
+        cmd = [loom, "launch", "--nproc", str(ranks), "--", "train", *BASE, *with_config(overrides), "--metrics.log_freq=1",
                f"--training.steps={steps + warmup}", f"--job.dump_folder={dump}"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -68,7 +80,7 @@ def measured(loom, ranks, overrides, steps, warmup):
 
 def predicted(loom, ranks, overrides, cluster_flags):
     cmd = [loom, "plan", "--explain", "--json", "--cluster", "cpu", "--world-size", str(ranks), *cluster_flags,
-           *BASE, *overrides]
+           *BASE, *with_config(overrides)]
     out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1")).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -106,7 +118,7 @@ def main():
             err = (want - measured_tps) / measured_tps
             worst = max(worst, abs(err))
             terms = " ".join(f"{k[:-2]} {pr[k]:.3f}" for k in ("compute_s", "bubble_s", "pp_s", "tp_s", "fsdp_exposed_s",
-                                                               "dp_exposed_s", "cp_exposed_s") if pr.get(k, 0) > 0)
+                                                               "dp_exposed_s", "cp_exposed_s", "ep_s") if pr.get(k, 0) > 0)
             shown = label if fitted else label.split(" (fitted")[0]
             print(f"{shown:<38} {measured_tps:14.0f} {want:10.0f} {100 * err:+6.1f}%  {terms}", flush=True)
         return worst
