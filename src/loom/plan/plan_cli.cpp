@@ -40,7 +40,9 @@ Cluster cluster_of(const PlanOptions& o) {
   Cluster c = o.cluster == "cpu" ? Cluster::this_cpu(given.peak_flops, given.peak_flops_all_cores)
                                  : Cluster::preset(o.cluster);
   Cluster::Overrides over = o.cluster_overrides;
-  over.devices_per_node = -1;  // --devices-per-node shapes the search, not the links' preset
+  // --devices-per-node shapes the search (TP inside a node) and the links the time model prices
+  // (NVLink inside a node, InfiniBand across); a CPU host is one node whatever it says.
+  over.devices_per_node = o.cluster == "cpu" ? -1 : o.devices_per_node;
   return c.with(over);
 }
 
