@@ -712,7 +712,7 @@ WorkHandle Comm::reduce_scatter_tensor_async(const at::Tensor& output, const at:
   // isCompleted() stays false even after wait() (torch 2.13), which breaks polling. Loom instead
   // exchanges the chunks directly -- one all-to-all sends each rank the W copies of its chunk,
   // (W - 1) / W of the tensor per rank, half the ring's traffic -- and sums them in rank order on
-  // completion. On one host's loopback that is 2.5x less time and CPU at 4 ranks (docs/fsdp.md),
+  // completion. On one host's loopback that is 2.5x less time and CPU at 4 ranks (docs/profiling.md),
   // and the order of the sum no longer depends on the ring's position.
   // The scratch is a communication buffer in memory accounting (core/memory.h): counted from here
   // to the completion, and invisible to the allocator hook, since Gloo's threads may free it.
