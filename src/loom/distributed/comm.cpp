@@ -17,6 +17,7 @@
 #include "loom/core/error.h"
 #include "loom/core/memory.h"
 #include "loom/core/logging.h"
+#include "loom/distributed/shm_collectives.h"
 
 namespace loom::distributed {
 namespace {
@@ -531,10 +532,12 @@ struct Comm::Issue {
 
 Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, std::string name,
            std::vector<int> world_ranks, int rank,
-           c10::intrusive_ptr<c10d::Backend> device_backend, c10::Device device)
+           c10::intrusive_ptr<c10d::Backend> device_backend, c10::Device device,
+           std::shared_ptr<SharedMemoryCollectives> shared_memory)
     : backend_(std::move(backend)),
       device_backend_(std::move(device_backend)),
       device_(device),
+      shared_memory_(std::move(shared_memory)),
       name_(std::move(name)),
       world_ranks_(std::move(world_ranks)),
       rank_(rank) {
@@ -590,6 +593,10 @@ const c10::intrusive_ptr<c10d::Backend>& Comm::backend_for(const at::Tensor& ten
 
 c10d::Backend* Comm::routed(const at::Tensor& tensor) const {
   return size() == 1 ? nullptr : backend_for(tensor).get();
+}
+
+SharedMemoryCollectives* Comm::shared_memory_for(const at::Tensor& tensor) const {
+  return size() > 1 && tensor.is_cpu() ? shared_memory_.get() : nullptr;
 }
 
 void Comm::check_peer(int peer, const char* what) const {
@@ -650,6 +657,10 @@ WorkHandle Comm::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   Issue issue{CommOp::kAllReduce, bytes, ring_wire_bytes(CommOp::kAllReduce, bytes, size()),
               tensor.sizes().vec(), tensor.sizes().vec(), tensor.scalar_type()};
+  if (SharedMemoryCollectives* shm = shared_memory_for(tensor)) {
+    return launch(std::move(issue), routed(tensor),
+                  [&](c10d::Backend&) { return shm->all_reduce(tensor, op); }, nullptr);
+  }
   return launch(std::move(issue), routed(tensor), [&](c10d::Backend& backend) {
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions opts;
@@ -674,6 +685,10 @@ WorkHandle Comm::all_gather_into_tensor_async(const at::Tensor& output, const at
   at::Tensor flat_in = input.view({-1});
   std::function<void()> finalize;
   if (size() == 1) finalize = [flat_out, flat_in] { flat_out.copy_(flat_in); };
+  if (SharedMemoryCollectives* shm = shared_memory_for(input)) {
+    return launch(std::move(issue), routed(input),
+                  [&](c10d::Backend&) { return shm->all_gather(flat_out, flat_in); }, nullptr);
+  }
   return launch(std::move(issue), routed(input), [&](c10d::Backend& backend) {
     return backend._allgather_base(flat_out, flat_in);
   }, std::move(finalize));
@@ -700,6 +715,10 @@ WorkHandle Comm::reduce_scatter_tensor_async(const at::Tensor& output, const at:
                   [flat_out, flat_in] { flat_out.copy_(flat_in); });
   }
   c10d::Backend* backend = routed(input);
+  if (SharedMemoryCollectives* shm = shared_memory_for(input)) {
+    return launch(std::move(issue), backend,
+                  [&](c10d::Backend&) { return shm->reduce_scatter(flat_out, flat_in, op); }, nullptr);
+  }
   if (backend->getBackendName() != "gloo") {  // NCCL reduce-scatters natively
     return launch(std::move(issue), backend, [&](c10d::Backend& b) {
       c10d::ReduceScatterOptions opts;

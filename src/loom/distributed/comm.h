@@ -185,14 +185,18 @@ FlightRecorder& flight_recorder();
 // Comm
 
 using WorkHandle = c10::intrusive_ptr<c10d::Work>;
+class SharedMemoryCollectives;
 
 class Comm {
  public:
   // `world_ranks`: the members' world ranks in group-rank order; `rank`: this process's group rank.
   // `backend` serves CPU tensors; `device_backend` (null on CPU runs) serves tensors on `device`.
+  // `shared_memory` (null: none), for groups whose ranks share a host, takes over the all-gathers,
+  // reduce-scatters and all-reduces of CPU tensors from `backend` (shm_collectives.h).
   Comm(c10::intrusive_ptr<c10d::Backend> backend, std::string name, std::vector<int> world_ranks,
        int rank, c10::intrusive_ptr<c10d::Backend> device_backend = {},
-       c10::Device device = c10::Device(c10::kCPU));
+       c10::Device device = c10::Device(c10::kCPU),
+       std::shared_ptr<SharedMemoryCollectives> shared_memory = {});
   // A group of just this process (world rank `world_rank`): no backend, no network.
   static std::shared_ptr<Comm> single(std::string name, int world_rank);
 
@@ -208,6 +212,8 @@ class Comm {
   const c10::intrusive_ptr<c10d::Backend>& device_backend() const { return device_backend_; }
   // The rank's compute device (the CPU on CPU runs).
   const c10::Device& device() const { return device_; }
+  // Whether CPU all-gathers, reduce-scatters and all-reduces go through shared memory.
+  bool uses_shared_memory() const { return shared_memory_ != nullptr; }
   // The backend a collective on `tensor` goes to: the host backend for CPU tensors, the device
   // backend for tensors on device(). loom::Error for any other device, or in a group of one rank
   // (it has no backend: its collectives are local).
@@ -255,11 +261,14 @@ class Comm {
                     const std::function<WorkHandle(c10d::Backend&)>& run,
                     std::function<void()> finalize);
   c10d::Backend* routed(const at::Tensor& tensor) const;
+  // The shared-memory transport for a collective on `tensor`, or null (Gloo or NCCL serves it).
+  SharedMemoryCollectives* shared_memory_for(const at::Tensor& tensor) const;
   void check_peer(int peer, const char* what) const;
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   c10::intrusive_ptr<c10d::Backend> device_backend_;
   c10::Device device_;
+  std::shared_ptr<SharedMemoryCollectives> shared_memory_;
   std::string name_;
   std::vector<int> world_ranks_;
   int rank_;

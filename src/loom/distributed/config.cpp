@@ -19,6 +19,10 @@ const options::Section& comm_section() {
           {LOOM_OPTION(CommConfig, timeout_seconds),
            "Timeout for rendezvous and for each collective, in seconds: 1 to 604800 (one week; larger"
            " values would overflow the millisecond timeouts)."},
+          {LOOM_OPTION(CommConfig, shared_memory),
+           "When every rank runs on one host, all-gathers, reduce-scatters and all-reduces of CPU"
+           " tensors go through shared memory (one copy in, reads straight from the peers' segments)"
+           " instead of Gloo's TCP loopback; false keeps them on Gloo. Sums run in rank order."},
       },
       {},
       {},

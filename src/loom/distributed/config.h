@@ -12,6 +12,8 @@ inline constexpr int64_t kMaxCommTimeoutSeconds = 7 * 24 * 3600;
 
 struct CommConfig {
   int64_t timeout_seconds = 300;  // at most kMaxCommTimeoutSeconds
+  // Ranks on one host exchange CPU tensors through shared memory (shm_collectives.h), not Gloo.
+  bool shared_memory = true;
 
   bool operator==(const CommConfig&) const = default;
 };

@@ -18,6 +18,7 @@
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
 #include "loom/distributed/peer_abort.h"
+#include "loom/distributed/shm_collectives.h"
 #include "loom/distributed/watchdog.h"
 
 namespace loom::distributed {
@@ -116,12 +117,13 @@ int intra_op_threads(const LaunchEnv& env) {
 }
 
 Distributed::Distributed(LaunchEnv env, std::chrono::milliseconds timeout, c10::Device device,
-                         c10::intrusive_ptr<c10d::Store> store)
+                         c10::intrusive_ptr<c10d::Store> store, bool shared_memory)
     : env_(std::move(env)),
       timeout_(timeout),
       device_(device),
       device_backend_kind_(backend_kind_for(device)),
-      store_(std::move(store)) {
+      store_(std::move(store)),
+      shared_memory_(shared_memory) {
   LOOM_REQUIRE(env_.world_size == 1 || store_, "a world of ", env_.world_size,
                " ranks needs a rendezvous store");
   std::vector<int> all(env_.world_size);
@@ -145,6 +147,7 @@ void Distributed::set_timeout(std::chrono::milliseconds timeout) {
   for (auto& [ranks, backends] : backends_) {
     backends.host->setTimeout(backend_timeout_for(timeout));
     if (backends.device) backends.device->setTimeout(backend_timeout_for(timeout));
+    if (backends.shared_memory) backends.shared_memory->set_timeout(backend_timeout_for(timeout));
   }
   if (watchdog_) watchdog_->set_timeout(timeout);
 }
@@ -179,6 +182,12 @@ Distributed::GroupBackends Distributed::make_backends(const std::vector<int>& ra
     out.device = new_nccl_backend(c10::make_intrusive<c10d::PrefixStore>(prefix + "nccl/", store_),
                                   group_rank, size, backend_timeout_for(timeout_), device_, ranks);
   }
+  // Ranks on one host: CPU all-gathers, reduce-scatters and all-reduces skip Gloo's TCP loopback.
+  if (shared_memory_ && env_.single_node()) {
+    out.shared_memory = SharedMemoryCollectives::create(
+        c10::make_intrusive<c10d::PrefixStore>(prefix + "shm/", store_), group_rank, size,
+        backend_timeout_for(timeout_));
+  }
   return out;
 }
 
@@ -209,7 +218,7 @@ std::shared_ptr<Comm> Distributed::new_group(const std::vector<int>& ranks,
     it = backends_.emplace(ranks, std::move(backends)).first;
   }
   return std::make_shared<Comm>(it->second.host, name, ranks, group_rank, it->second.device,
-                                device_);
+                                device_, it->second.shared_memory);
 }
 
 void Distributed::enable_peer_abort() {
@@ -233,7 +242,7 @@ void Distributed::shutdown() {
 
 std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
                                               std::chrono::milliseconds timeout,
-                                              c10::Device device) {
+                                              c10::Device device, bool shared_memory) {
   (void)backend_kind_for(device);  // a build without NCCL refuses a CUDA rank before rendezvous
   LOOM_REQUIRE_USAGE(timeout.count() > 0, "distributed timeout must be positive (got ",
                      timeout.count(), " ms)");
@@ -270,7 +279,8 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
          "; check MASTER_ADDR/MASTER_PORT and that all ", env.world_size, " ranks were started");
   }
   try {
-    auto dist = std::make_shared<Distributed>(env, timeout, device, std::move(store));
+    auto dist = std::make_shared<Distributed>(env, timeout, device, std::move(store),
+                                              shared_memory);
     dist->enable_peer_abort();
     return dist;
   } catch (const c10::Error& e) {

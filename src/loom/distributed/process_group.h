@@ -53,8 +53,10 @@ inline constexpr std::chrono::milliseconds kDefaultDistTimeout = std::chrono::mi
 // `device`: this rank's compute device; groups get a device backend for it unless it is the CPU.
 class Distributed {
  public:
+  // `shared_memory`: groups of ranks that share a host (a single-node world) move the all-gathers,
+  // reduce-scatters and all-reduces of CPU tensors through shared memory (shm_collectives.h).
   Distributed(LaunchEnv env, std::chrono::milliseconds timeout, c10::Device device,
-              c10::intrusive_ptr<c10d::Store> store);
+              c10::intrusive_ptr<c10d::Store> store, bool shared_memory = true);
   ~Distributed();
   Distributed(const Distributed&) = delete;
   Distributed& operator=(const Distributed&) = delete;
@@ -98,6 +100,7 @@ class Distributed {
   struct GroupBackends {
     c10::intrusive_ptr<c10d::Backend> host;
     c10::intrusive_ptr<c10d::Backend> device;  // null on CPU runs
+    std::shared_ptr<SharedMemoryCollectives> shared_memory;  // null: off or not one host
   };
   GroupBackends make_backends(const std::vector<int>& ranks, int group_rank);
   c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
@@ -108,6 +111,7 @@ class Distributed {
   c10::Device device_;
   BackendKind device_backend_kind_;
   c10::intrusive_ptr<c10d::Store> store_;
+  bool shared_memory_;
   // One Gloo transport device (one I/O loop) serves every group of this process.
   std::shared_ptr<gloo::transport::Device> gloo_device_;
   std::shared_ptr<Comm> world_;
@@ -122,9 +126,11 @@ class Distributed {
 // `device` is the rank's compute device (loom::select_device): CPU runs use Gloo alone, CUDA ranks
 // NCCL for device tensors as well. Throws loom::Error naming the rendezvous address when it times
 // out.
+// `shared_memory`: see Distributed (comm.shared_memory in a job config).
 std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
                                               std::chrono::milliseconds timeout = kDefaultDistTimeout,
-                                              c10::Device device = c10::Device(c10::kCPU));
+                                              c10::Device device = c10::Device(c10::kCPU),
+                                              bool shared_memory = true);
 
 // Intra-op threads for one rank: LOOM_NUM_THREADS, else OMP_NUM_THREADS, else the CPUs this
 // process may run on divided by the ranks on this node (at least 1), so ranks do not oversubscribe.

@@ -56,6 +56,19 @@ TEST(MultiRank, CollectivesOn4Ranks) {
   expect_all_ranks_ok(run_worker(4, kCollectives), 4, kCollectives);
 }
 
+// The same collectives with shared memory turned off: Gloo's path (what a multi-host world uses).
+TEST(MultiRank, CollectivesOn4RanksOverGloo) {
+  const std::vector<std::string> scenarios = {"all_reduce", "all_gather", "reduce_scatter"};
+  std::string command = "env LOOM_TEST_SHARED_MEMORY=0 " + loom_launch(4) + " --exec -- " + bin_dir() +
+                        "/loom_distributed_worker";
+  for (const auto& s : scenarios) command += " " + s;
+  expect_all_ranks_ok(run(command), 4, scenarios);
+}
+
+TEST(MultiRank, SharedMemoryCollectivesMatchGloo) {
+  expect_all_ranks_ok(run_worker(3, {"shared_memory"}), 3, {"shared_memory"});
+}
+
 TEST(MultiRank, Mesh2x2SubGroupsAndFlattenedDims) {
   expect_all_ranks_ok(run_worker(4, {"mesh_2x2"}), 4, {"mesh_2x2"});
 }

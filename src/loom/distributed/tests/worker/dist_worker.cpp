@@ -5,10 +5,13 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <string>
 #include <thread>
+
+#include <unistd.h>
 
 #include "loom/core/error.h"
 #include "loom/core/error_report.h"
@@ -33,8 +36,17 @@ at::Tensor ramp(int64_t n, int r, at::ScalarType dtype) {
   return (at::arange(1, n + 1, at::kDouble) * (r + 1)).to(dtype);
 }
 
+// Whether this launch asked for shared-memory collectives (LOOM_TEST_SHARED_MEMORY=0 turns them
+// off, so the same scenarios also run over Gloo).
+bool shared_memory_requested() {
+  const char* v = std::getenv("LOOM_TEST_SHARED_MEMORY");
+  return v == nullptr || std::string(v) != "0";
+}
+
 void scenario_all_reduce(const std::shared_ptr<Distributed>& dist) {
   Comm& world = *dist->world();
+  LOOM_REQUIRE(world.uses_shared_memory() == shared_memory_requested(), "the world group ",
+               world.uses_shared_memory() ? "uses" : "does not use", " shared memory");
   const int w = world.size(), r = world.rank();
   const double sum_factor = w * (w + 1) / 2.0;
   for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kLong, at::kInt}) {
@@ -485,6 +497,68 @@ void scenario_exposed_wait(const std::shared_ptr<Distributed>& dist) {
               sync, hidden);
 }
 
+// Shared-memory collectives (shm_collectives.h) against Gloo on the same group: random tensors of
+// growing and shrinking sizes (each rank's segment regrows), three in flight at once around a
+// synchronous Gloo broadcast, waited out of order. All-gathers must equal Gloo's bitwise; sums may
+// differ from Gloo's (differently ordered) fp32 sums by rounding only, bf16 averages by one bf16 ulp.
+void scenario_shared_memory(const std::shared_ptr<Distributed>& dist) {
+  Comm& world = *dist->world();
+  LOOM_REQUIRE(world.uses_shared_memory() == shared_memory_requested(), "the world group ",
+               world.uses_shared_memory() ? "uses" : "does not use", " shared memory");
+  LOOM_REQUIRE(world.uses_shared_memory(), "this scenario compares shared memory with Gloo: run it "
+               "without LOOM_TEST_SHARED_MEMORY=0");
+  Comm gloo(world.backend(), "gloo", world.world_ranks(), world.rank());
+  LOOM_REQUIRE(!gloo.uses_shared_memory(), "a Comm built on the backend alone uses shared memory");
+  const int w = world.size(), r = world.rank();
+  at::manual_seed(1234 + r);
+  for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{1} << 16, int64_t{1} << 20, int64_t{3} << 20,
+                    int64_t{1} << 18}) {
+    at::Tensor shard = at::randn({n});
+    at::Tensor gathered = at::empty({n * w});
+    at::Tensor grads = at::randn({n * w});
+    at::Tensor scattered = at::empty({n});
+    at::Tensor half = at::randn({n}).to(at::kBFloat16);
+    const at::Tensor half_in = half.clone();
+    WorkHandle gather = world.all_gather_into_tensor_async(gathered, shard);
+    WorkHandle scatter = world.reduce_scatter_tensor_async(scattered, grads, ReduceOp::kSum);
+    at::Tensor root = at::full({4}, static_cast<double>(r), at::kFloat);
+    gloo.broadcast(root, 0);
+    WorkHandle average = world.all_reduce_async(half, ReduceOp::kAvg);
+    average->wait();
+    scatter->wait();
+    gather->wait();
+    expect_equal(root, at::zeros({4}, at::kFloat), "Gloo broadcast between shared-memory collectives");
+
+    at::Tensor gathered_ref = at::empty_like(gathered);
+    gloo.all_gather_into_tensor(gathered_ref, shard);
+    expect_equal(gathered, gathered_ref, c10::str("all_gather of ", n, " per rank"));
+    // The sums' reference: every rank's input gathered over Gloo and added here in rank order,
+    // as the shared-memory path adds them (fp32; bf16 accumulated in fp32 and rounded once).
+    at::Tensor all_grads = at::empty({w, n * w});
+    gloo.all_gather_into_tensor(all_grads, grads);
+    at::Tensor scattered_ref = all_grads[0].narrow(0, r * n, n) + all_grads[1].narrow(0, r * n, n);
+    for (int i = 2; i < w; ++i) scattered_ref.add_(all_grads[i].narrow(0, r * n, n));
+    expect_equal(scattered, scattered_ref, c10::str("reduce_scatter of ", n, " per rank"));
+    at::Tensor all_half = at::empty({w, n}, at::kBFloat16);
+    gloo.all_gather_into_tensor(all_half, half_in);
+    at::Tensor half_ref = all_half[0].to(at::kFloat);
+    for (int i = 1; i < w; ++i) half_ref.add_(all_half[i]);
+    expect_equal(half, half_ref.div_(w).to(at::kBFloat16), c10::str("bf16 all_reduce avg of ", n));
+  }
+  // Integer max, in place, equals Gloo's exactly.
+  at::Tensor ints = at::randint(-1000, 1000, {777}, at::kLong);
+  at::Tensor ints_ref = ints.clone();
+  world.all_reduce(ints, ReduceOp::kMax);
+  gloo.all_reduce(ints_ref, ReduceOp::kMax);
+  expect_equal(ints, ints_ref, "all_reduce max of int64");
+  // Every segment was unlinked once its peers had opened it: nothing of this process in /dev/shm.
+  const std::string mine = c10::str("loom-", ::getpid(), "-");
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    LOOM_REQUIRE(entry.path().filename().string().rfind(mine, 0) != 0, "segment ", entry.path(),
+                 " is still linked");
+  }
+}
+
 const std::map<std::string, std::function<void(const std::shared_ptr<Distributed>&)>>& scenarios() {
   static const std::map<std::string, std::function<void(const std::shared_ptr<Distributed>&)>> all = {
       {"all_reduce", scenario_all_reduce},       {"all_gather", scenario_all_gather},
@@ -495,7 +569,7 @@ const std::map<std::string, std::function<void(const std::shared_ptr<Distributed
       {"die_once", scenario_die_once},           {"stall_once", scenario_stall_once},
       {"peer_exit", scenario_peer_exit},         {"unwaited_async", scenario_unwaited_async},
       {"killed_peer", scenario_killed_peer},     {"stopped_peer", scenario_stopped_peer},
-      {"exposed_wait", scenario_exposed_wait},
+      {"exposed_wait", scenario_exposed_wait},   {"shared_memory", scenario_shared_memory},
   };
   return all;
 }
@@ -519,7 +593,8 @@ int main(int argc, char** argv) {
   try {
     const LaunchEnv env = detect_launch_env();
     rank = env.rank;
-    auto dist = init_distributed(env, std::chrono::seconds(60));
+    auto dist = init_distributed(env, std::chrono::seconds(60), c10::Device(c10::kCPU),
+                                 shared_memory_requested());
     for (const auto& name : names) {
       current = name;
       scenarios().at(name)(dist);
