@@ -4,18 +4,21 @@ Each layout of the debug Llama 3 (and of the debug Qwen3-MoE, alone and with exp
 CPU, Gloo, fp32, one intra-op thread per rank) trains for
 --warmup + --steps steps; the measured figure is the median of rank 0's tokens/s per rank over the
 timed steps (metrics.jsonl `tps`); the predicted one is `loom plan --explain --json --cluster cpu`
-for the same config (Cluster::this_cpu: one thread's measured GEMM peak x a fitted efficiency,
-Gloo's loopback bandwidth and the cost of a blocking collective fitted). Prints both, the error,
+for the same config (Cluster::this_cpu: the CPU's fp32 peak per core -- its vector units x its
+clock, read from /proc/cpuinfo -- x a fitted efficiency,
+Gloo's loopback bandwidth and the cost of a blocking exchange over it (CP, PP, EP), the
+shared-memory collectives' bandwidth and call cost (TP, FSDP, HSDP; comm.shared_memory)). Prints both, the error,
 and whether every layout is within the target (+-20 %). The rows marked "fitted" are the ones the
 CPU constants were fitted on.
 
-The GEMM peaks are measured once, by the first prediction, and passed to the others
-(`--peak-flops`, `--peak-flops-all-cores`): on a shared machine a fresh measurement per layout moved
-by 15-30 %, which is noise between rows rather than a property of the layout. The errors are
+The peaks are taken once, by the first prediction, and passed to the others (`--peak-flops`,
+`--peak-flops-all-cores`): where the CPU's peak cannot be read (not x86) it is a GEMM measurement,
+and on a shared machine a fresh measurement per layout moved by 15-30 %, which is noise between
+rows rather than a property of the layout. The errors are
 printed twice: with the constants built into Cluster::this_cpu (fitted on earlier runs), and with
 the three constants calibrated on this run's own fitted rows (efficiency on the one-process row,
-shared host on FSDP 2, blocking call on TP 2; `loom plan --efficiency ... --shared-host-efficiency
-... --blocking-call-s ...`), which takes the machine's speed of the hour out of the comparison; the
+shared host on FSDP 2, the shared-memory call cost on TP 2; `loom plan --efficiency ...
+--shared-host-efficiency ... --shm-call-s ...`), which takes the machine's speed of the hour out of the comparison; the
 target is judged on the second. With --rounds R every
 layout trains R times, the layouts alternating (all of them, then all again), and the medians pool
 the rounds' timed steps: the machine's drift over minutes falls on every row alike.
@@ -42,7 +45,7 @@ LAYOUTS = [
                                                 "--training.local_batch_size=4", "--training.global_batch_size=8"]),
     ("one process, full AC", 1, ["--parallelism.data_parallel_shard_degree=1", "--training.local_batch_size=8",
                                  "--training.global_batch_size=8", "--activation_checkpoint.mode=full"]),
-    ("TP 2 (SP) (fitted: blocking call)", 2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.tensor_parallel_degree=2",
+    ("TP 2 (SP) (fitted: shm call)", 2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.tensor_parallel_degree=2",
                       "--training.local_batch_size=8", "--training.global_batch_size=8"]),
     ("PP 2, 1F1B, 4 micro-batches", 2, ["--parallelism.data_parallel_shard_degree=1",
                                         "--parallelism.pipeline_parallel_degree=2",
@@ -93,13 +96,14 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="alternations of all layouts (medians pool them)")
     args = p.parse_args()
-    # The GEMM peaks, measured once (the first prediction) and passed to every later one.
+    # The peaks, taken once (the first prediction) and passed to every later one.
     c = predicted(args.loom, *LAYOUTS[0][1:], [])["cluster"]
     peaks = [f"--peak-flops={c['peak_flops']}", f"--peak-flops-all-cores={c['peak_flops_all_cores']}"]
-    print(f"cluster cpu, GEMM peaks measured once: one thread {c['peak_flops'] / 1e9:.1f} GFLOP/s, all {c['cores']} "
+    print(f"cluster cpu, peaks: one thread {c['peak_flops'] / 1e9:.1f} GFLOP/s, all {c['cores']} "
           f"cores {c['peak_flops_all_cores'] / 1e9:.1f} GFLOP/s; built-in constants: efficiency {c['efficiency']}, "
-          f"shared host {c['shared_host_efficiency']}, blocking call {1e3 * c['blocking_call_s']:g} ms, loopback "
-          f"{c['intra_node_bw'] / 1e9:g} GB/s", flush=True)
+          f"shared host {c['shared_host_efficiency']}, blocking call (Gloo) {1e3 * c['blocking_call_s']:g} ms, loopback "
+          f"{c['intra_node_bw'] / 1e9:g} GB/s, shared-memory call {1e3 * c['shm_call_s']:g} ms at "
+          f"{c['shm_bw'] / 1e9:g} GB/s", flush=True)
     tps = [[] for _ in LAYOUTS]
     for _ in range(args.rounds):
         for i, (label, ranks, overrides) in enumerate(LAYOUTS):
@@ -129,19 +133,20 @@ def main():
     # This run's calibration, each constant from its row (the rows in the order of LAYOUTS: one
     # process, FSDP 2, then TP 2 at index 3): the one-process row is compute only (step ~ 1 /
     # efficiency); FSDP 2 adds the shared host (its communication is ~0); TP 2's step is linear
-    # in the blocking-call cost (the slope from two predictions).
+    # in the shared-memory call cost (the slope from two predictions). Gloo's blocking-call cost
+    # (CP, PP, EP) keeps its built-in value: no row is fitted for it.
     eff = c["efficiency"] * got[0] / predicted(args.loom, *LAYOUTS[0][1:], peaks)["tokens_per_device_s"]
     flags = [f"--efficiency={eff}"]
     fsdp = predicted(args.loom, *LAYOUTS[1][1:], peaks + flags)["tokens_per_device_s"]
     shared = min(1.0, c["shared_host_efficiency"] * got[1] / fsdp)
     flags.append(f"--shared-host-efficiency={shared}")
-    step = [predicted(args.loom, *LAYOUTS[3][1:], peaks + flags + [f"--blocking-call-s={a}"])["step_s"] for a in (0.0, 0.001)]
-    tp_tps0 = predicted(args.loom, *LAYOUTS[3][1:], peaks + flags + ["--blocking-call-s=0"])["tokens_per_device_s"]
+    step = [predicted(args.loom, *LAYOUTS[3][1:], peaks + flags + [f"--shm-call-s={a}"])["step_s"] for a in (0.0, 0.001)]
+    tp_tps0 = predicted(args.loom, *LAYOUTS[3][1:], peaks + flags + ["--shm-call-s=0"])["tokens_per_device_s"]
     target_step = step[0] * tp_tps0 / got[3]
-    blocking = max(0.0, (target_step - step[0]) / ((step[1] - step[0]) / 0.001))
-    flags.append(f"--blocking-call-s={blocking}")
-    print(f"-- calibrated in this run: efficiency {eff:.3f}, shared host {shared:.3f}, blocking call "
-          f"{1e3 * blocking:.1f} ms (the rows marked fitted); the other rows are predictions")
+    call = max(0.0, (target_step - step[0]) / ((step[1] - step[0]) / 0.001))
+    flags.append(f"--shm-call-s={call}")
+    print(f"-- calibrated in this run: efficiency {eff:.3f}, shared host {shared:.3f}, shared-memory call "
+          f"{1e3 * call:.2f} ms (the rows marked fitted); the other rows are predictions")
     worst = report("", predict_all(flags), True)
     print(f"built-in constants: worst error {100 * worst_builtin:.1f} %; calibrated in this run: worst error "
           f"{100 * worst:.1f} %, {'within' if worst <= TARGET else 'NOT within'} the +-{100 * TARGET:.0f} % target on "

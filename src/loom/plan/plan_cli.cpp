@@ -51,7 +51,7 @@ nlohmann::json cluster_json(const Cluster& c) {
           {"efficiency", c.efficiency}, {"intra_node_bw", c.intra_node_bw}, {"inter_node_bw", c.inter_node_bw},
           {"intra_latency", c.intra_latency}, {"inter_latency", c.inter_latency},
           {"blocking_call_s", c.blocking_call_s}, {"shared_host_efficiency", c.shared_host_efficiency},
-          {"cores", c.cores}};
+          {"shm_bw", c.shm_bw}, {"shm_call_s", c.shm_call_s}, {"cores", c.cores}};
 }
 
 // The memory-for-speed settings tried on each layout when ranking by time: activation
@@ -317,6 +317,10 @@ void register_plan_command(CLI::App& app) {
                   "With --cluster: seconds a blocking collective costs beyond its bytes (CPU ranks sharing cores)");
   cmd->add_option("--shared-host-efficiency", co.shared_host_efficiency,
                   "With --cluster: the rate per token of ranks sharing a host, relative to one process alone");
+  cmd->add_option("--shm-bw", co.shm_bw,
+                  "With --cluster cpu: bytes/s of the shared-memory collectives between a host's ranks");
+  cmd->add_option("--shm-call-s", co.shm_call_s,
+                  "With --cluster cpu: seconds a blocking shared-memory collective costs beyond its bytes");
   cmd->add_flag("--json", o->json, "Print JSON");
   cmd->allow_extras();
   cmd->footer("Config keys can be overridden: --section.key=value (see docs/config.md).");

@@ -1,9 +1,13 @@
 #include "loom/plan/time_model.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
+#include <sstream>
 #include <tuple>
 #include <thread>
 
@@ -20,22 +24,32 @@
 
 namespace loom::plan {
 namespace {
-// This machine's CPU constants, fitted with bench/plan_time.py (2026-11-27, four runs of two
-// rounds each, the GEMM peak measured once per run for all rows; docs/planner.md has the tables;
-// each run also calibrates them on its own rows, which gave the ranges below):
+// This machine's CPU constants, fitted with bench/plan_time.py (2026-11-27; docs/planner.md has the
+// tables; each run also calibrates them on its own rows, which gave the ranges below):
 //  - efficiency, on the one-process row: the debug Llama 3's whole step (attention, norms, AdamW
-//    with the GEMMs) reaches 0.63-0.71 of one thread's square-GEMM rate (0.66);
-//  - shared host, on the FSDP 2 row: ranks sharing the host run at 0.73-0.83 of a lone process's
-//    rate per token (0.78), with communication too small to matter (36 MB a step): memory and
-//    cache contention and the ranks' Gloo, loader and logging threads on the same cores;
-//  - blocking call, on the TP 2 row: its 52 blocking collectives a step cost 0.15-0.3 s beyond
-//    their bytes (2.8-6 ms each, 4 ms; the trainer's own comm_exposed_s counts ~4 ms of waiting
-//    per call);
-//  - Gloo's loopback ring, about 2 GB/s (measured with torchrun, docs/profiling.md).
-constexpr double kCpuEfficiency = 0.66;
-constexpr double kCpuSharedHostEfficiency = 0.78;
+//    with the GEMMs) reached 0.63-0.71 of one thread's measured square-GEMM rate in four runs, but
+//    that rate itself moved 47-79 GFLOP/s; against the CPU's own peak (cpu_spec_peak_fp32_flops:
+//    78.3 GFLOP/s here, AVX2 FMA at 2.45 GHz, which the best measurements reach) 0.565 and 0.541
+//    in two runs (0.55);
+//  - shared host, on the FSDP 2 row: ranks sharing the host ran at 0.73-0.83 of a lone process's
+//    rate per token while Gloo's threads moved FSDP's bytes over TCP on the same cores; with the
+//    shared-memory collectives (comm.shared_memory, below) at 0.923 and 0.919 (two runs, 0.92):
+//    memory and cache contention, the ranks' loader and logging threads;
+//  - blocking call, fitted on the TP 2 row while its collectives went over Gloo: 52 blocking
+//    collectives a step cost 0.15-0.3 s beyond their bytes (2.8-6 ms each, 4 ms; the trainer's
+//    own comm_exposed_s counted ~4 ms of waiting per call). It now prices Gloo's exchanges only
+//    (CP's ring, PP's receives, EP's all-to-alls), which were within 20 % with it;
+//  - Gloo's loopback ring, about 2 GB/s (measured with torchrun, docs/profiling.md);
+//  - shared-memory collectives (TP's, FSDP's and HSDP's all-gathers, reduce-scatters and
+//    all-reduces since 2026-11-27): 5 GB/s (each byte is copied in once and read out once at a
+//    core's ~10 GB/s memcpy rate) and, fitted on the TP 2 row, 0.9 ms per blocking call (0.98 and
+//    0.75 ms in two runs: the peer the OS ran last, not the copy).
+constexpr double kCpuEfficiency = 0.55;
+constexpr double kCpuSharedHostEfficiency = 0.92;
 constexpr double kCpuBlockingCallSeconds = 0.004;
 constexpr double kCpuLoopbackBandwidth = 2e9;
+constexpr double kCpuSharedMemoryBandwidth = 5e9;
+constexpr double kCpuSharedMemoryCallSeconds = 0.0009;
 // Fitted on TorchTitan's Llama 3.1 8B rows on 8 H100s (compile: 6,667, compile + Float8: 8,532
 // tokens/s per GPU, a 1.280x speedup; PlanTime.Float8SpeedupIsFitted... reproduces it), checked on
 // the 128-GPU pair (6,514 and 8,380) it was not fitted on.
@@ -77,22 +91,78 @@ Cluster Cluster::preset(const std::string& name) {
   return c;
 }
 
+std::optional<double> cpu_spec_peak_fp32_flops(const std::string& cpuinfo, const std::string& max_freq_khz) {
+  // The first processor's fields ("key\t: value" lines up to the first blank line).
+  std::map<std::string, std::string> field;
+  std::istringstream in(cpuinfo);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) {
+      if (!field.empty()) break;
+      continue;
+    }
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    std::string key = line.substr(0, colon);
+    while (!key.empty() && (key.back() == ' ' || key.back() == '\t')) key.pop_back();
+    std::string value = line.substr(colon + 1);
+    if (!value.empty() && value.front() == ' ') value.erase(0, 1);
+    field.emplace(key, value);
+  }
+  const auto flags_it = field.find("flags");
+  if (flags_it == field.end()) return std::nullopt;  // not x86: measure instead
+  std::set<std::string> flags;
+  std::istringstream words(flags_it->second);
+  for (std::string w; words >> w;) flags.insert(w);
+  const bool amd = field["vendor_id"] == "AuthenticAMD";
+  const int family = field.count("cpu family") ? std::atoi(field["cpu family"].c_str()) : 0;
+  // fp32 FLOPs per cycle and core: two FMA pipes of the widest vector unit (2 x lanes x 2).
+  // AMD's Zen 4 (family 0x19 with AVX-512) runs 512-bit FMAs as two 256-bit halves.
+  double per_cycle = 8;                                           // SSE: 4 lanes, add + mul
+  if (flags.count("avx")) per_cycle = 16;                         // 8 lanes, add + mul
+  if (flags.count("avx2") && flags.count("fma")) per_cycle = 32;  // 2 x 8 lanes x FMA
+  if (flags.count("avx512f") && !(amd && family <= 0x19)) per_cycle = 64;
+  double hz = 0;
+  if (!max_freq_khz.empty()) hz = std::atof(max_freq_khz.c_str()) * 1e3;
+  if (hz <= 0 && field.count("cpu MHz")) hz = std::atof(field["cpu MHz"].c_str()) * 1e6;
+  if (hz <= 0) return std::nullopt;
+  return per_cycle * hz;
+}
+
+namespace {
+std::string read_text(const char* path) {
+  std::ifstream f(path);
+  std::ostringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+}  // namespace
+
 Cluster Cluster::this_cpu(double peak_flops, double peak_flops_all_cores) {
   Cluster c;
   c.name = "cpu";
   const int threads = at::get_num_threads();
-  // Longer than a training run's 0.3 s: on a shared machine the best of 0.3 s moved by 15-30 %
-  // between invocations, and every prediction scales with it.
+  // Only where the CPU's own peak cannot be read: longer than a training run's 0.3 s, since on a
+  // shared machine the best of 0.3 s moved by 15-30 % between invocations.
   constexpr double kPeakSeconds = 1.5;
   c.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // The peak from the CPU's vector units and clock, as a GPU's comes from its data sheet: on this
+  // shared machine a measured GEMM peak read 47-79 GFLOP/s within minutes (noisy neighbours), the
+  // training rate it predicts moved 4 %; the efficiency is fitted against this steady figure.
+  const std::optional<double> spec =
+      cpu_spec_peak_fp32_flops(read_text("/proc/cpuinfo"),
+                               read_text("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"));
   if (peak_flops > 0) {
     c.peak_flops = peak_flops;
+  } else if (spec) {
+    c.peak_flops = *spec;
   } else {
     at::set_num_threads(1);
     c.peak_flops = train::measure_peak_fp32_flops(kPeakSeconds);
   }
   if (peak_flops_all_cores > 0) {
     c.peak_flops_all_cores = peak_flops_all_cores;
+  } else if (spec) {
+    c.peak_flops_all_cores = *spec * c.cores;
   } else {
     at::set_num_threads(c.cores);
     c.peak_flops_all_cores = train::measure_peak_fp32_flops(kPeakSeconds);
@@ -106,6 +176,8 @@ Cluster Cluster::this_cpu(double peak_flops, double peak_flops_all_cores) {
   c.memory_gib = 0;
   c.blocking_call_s = kCpuBlockingCallSeconds;
   c.shared_host_efficiency = kCpuSharedHostEfficiency;
+  c.shm_bw = kCpuSharedMemoryBandwidth;
+  c.shm_call_s = kCpuSharedMemoryCallSeconds;
   return c;
 }
 
@@ -124,11 +196,15 @@ Cluster Cluster::with(const Overrides& o) const {
   set(c.blocking_call_s, o.blocking_call_s);
   set(c.shared_host_efficiency, o.shared_host_efficiency);
   set(c.peak_flops_all_cores, o.peak_flops_all_cores);
+  set(c.shm_bw, o.shm_bw);
+  set(c.shm_call_s, o.shm_call_s);
   if (o.devices_per_node > 0) c.devices_per_node = o.devices_per_node;
   LOOM_REQUIRE_USAGE(c.peak_flops > 0 && c.efficiency > 0 && c.efficiency <= 1, "the cluster needs a peak "
                      "FLOP/s > 0 and an efficiency in (0, 1]; got ", c.peak_flops, " and ", c.efficiency);
   LOOM_REQUIRE_USAGE(c.shared_host_efficiency > 0 && c.shared_host_efficiency <= 1, "the cluster's shared-host "
                      "efficiency must be in (0, 1]; got ", c.shared_host_efficiency);
+  LOOM_REQUIRE_USAGE(c.shm_bw >= 0 && c.shm_call_s >= 0, "the cluster's shared-memory bandwidth and call cost "
+                     "must be >= 0 (0: no shared-memory transport); got ", c.shm_bw, " and ", c.shm_call_s);
   LOOM_REQUIRE_USAGE(c.intra_node_bw > 0 && c.inter_node_bw > 0, "the cluster's bandwidths must be > 0; got ",
                      c.intra_node_bw, " and ", c.inter_node_bw, " bytes/s");
   return c;
@@ -215,9 +291,14 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
     e.bubble_s = e.compute_s * bubble / std::max(1e-9, 1.0 - bubble);
   }
 
-  // A ring collective over n ranks moving `bytes` (the whole buffer's size) per device.
-  const auto ring = [&](double n, double bytes, bool inside_node) {
+  // CPU ranks on one host with the shared-memory transport: all-gathers, reduce-scatters and
+  // all-reduces are one round through shared memory, not Gloo's ring.
+  const bool shm = cluster.shm_bw > 0 && config.comm.shared_memory;
+  // A ring collective over n ranks moving `bytes` (the whole buffer's size) per device; `exchange`:
+  // point-to-point sends (CP's ring), which stay on Gloo with the shared-memory transport too.
+  const auto ring = [&](double n, double bytes, bool inside_node, bool exchange = false) {
     if (n <= 1) return 0.0;
+    if (shm && inside_node && !exchange) return (n - 1) / n * bytes / cluster.shm_bw;
     const double bw = inside_node ? cluster.intra_node_bw : cluster.inter_node_bw;
     const double lat = inside_node ? cluster.intra_latency : cluster.inter_latency;
     return (n - 1) / n * bytes / bw + (n - 1) * lat;
@@ -231,8 +312,9 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
     const double bytes = tokens * static_cast<double>(shape.dim) * c;  // over the whole step
     const double microbatches = layout.pp > 1 ? static_cast<double>(layout.local_batch_size / layout.microbatch_size) : 1.0;
     const double calls = collectives * micro_steps * microbatches;
-    e.tp_s = collectives * (layout.tp - 1.0) / layout.tp * bytes / cluster.intra_node_bw +
-             calls * ((layout.tp - 1.0) * cluster.intra_latency + cluster.blocking_call_s);
+    e.tp_s = shm ? collectives * (layout.tp - 1.0) / layout.tp * bytes / cluster.shm_bw + calls * cluster.shm_call_s
+                 : collectives * (layout.tp - 1.0) / layout.tp * bytes / cluster.intra_node_bw +
+                       calls * ((layout.tp - 1.0) * cluster.intra_latency + cluster.blocking_call_s);
   }
 
   // FSDP over dp_shard x cp: the rank's groups gathered (forward, and again for the backward when
@@ -264,7 +346,7 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
     const double tokens = global_tokens / (dp * layout.cp);
     const double bytes = tokens * 2.0 * static_cast<double>(shape.kv_dim) / layout.tp * c;
     const bool inside = layout.cp * layout.tp <= cluster.devices_per_node;
-    e.cp_exposed_s = 0.2 * 3.0 * layers * ring(layout.cp, bytes * layout.cp, inside);
+    e.cp_exposed_s = 0.2 * 3.0 * layers * ring(layout.cp, bytes * layout.cp, inside, /*exchange=*/true);
     // Each of the cp - 1 exchanges of those passes blocks (one per micro-batch, and a fourth pass
     // when full AC recomputes the forward).
     const double microbatches = layout.pp > 1 ? static_cast<double>(layout.local_batch_size / layout.microbatch_size) : 1.0;

@@ -16,12 +16,15 @@
 //              them bound for other ranks, on the critical path;
 //   PP         the bubble of the schedule the run would execute (pipeline::simulate), and on CPU
 //              ranks the cost of each blocking receive between stages;
-//   blocking   on CPU ranks sharing a host, every blocking collective (TP, CP, PP, EP) also costs
-//              Cluster::blocking_call_s: the ranks wait for whichever the OS ran last;
+//   blocking   on CPU ranks sharing a host, every blocking exchange over Gloo (CP's ring, PP's
+//              receives, EP's all-to-alls) also costs Cluster::blocking_call_s: the ranks wait for
+//              whichever the OS ran last; TP's all-gathers and reduce-scatters (and FSDP's, HSDP's)
+//              go through shared memory (comm.shared_memory): Cluster::shm_bw and shm_call_s;
 //   Float8     the blocks' linear layers (their share of the FLOPs: 6 x their weights per token)
 //              run Cluster::float8_gemm_speedup times faster; the rest of the compute as before.
 // Links: inside a node (NVLink) when a group fits in one, else across nodes (InfiniBand).
 #pragma once
+#include <optional>
 #include <string>
 
 #include "loom/models/spec.h"
@@ -57,26 +60,41 @@ struct Cluster {
   // cache contention, the ranks' communication, loader and logging threads on the same cores).
   // Fitted on this machine's FSDP 2 run; 1 for accelerators.
   double shared_host_efficiency = 1;
+  // CPU ranks of one host with comm.shared_memory on: their all-gathers, reduce-scatters and
+  // all-reduces (TP, FSDP, HSDP/DDP) go through shared memory (distributed/shm_collectives.h), one
+  // round per collective: priced at shm_bw (memcpy-bound, bytes/s per rank in the ring formula)
+  // plus shm_call_s per blocking call (TP's: the hand-off between peers through a futex, and the
+  // wait for the peer the OS ran last), instead of the Gloo terms above. 0: no such transport
+  // (accelerators, or comm.shared_memory = false: Gloo's terms apply).
+  double shm_bw = 0;
+  double shm_call_s = 0;
   // "h100" (SXM, 80 GB, NVLink 4, 400 Gb/s InfiniBand per GPU) or "h200" (141 GB); a UsageError
   // lists the known ones. Efficiency: fitted on TorchTitan's published Llama 3.1 8B row
   // (docs/planner.md).
   static Cluster preset(const std::string& name);
-  // This machine's CPU cores as the devices of a run with one intra-op thread per rank, Gloo over
-  // the loopback: the peak is one thread's measured fp32 GEMM rate (train::measure_peak_fp32_flops,
-  // all cores' for a lone rank); efficiency and loopback bandwidth are first estimates, not yet
-  // fitted (docs/planner.md).
-  // Peaks given (> 0) are taken as they are instead of measured.
+  // This machine's CPU cores as the devices of a run with one intra-op thread per rank: the peak
+  // is the CPU's own (cpu_spec_peak_fp32_flops, times the cores for all of them), measured as the
+  // best fp32 GEMM rate (train::measure_peak_fp32_flops) only where it cannot be read (not x86);
+  // efficiency, shared host and the per-call costs are fitted on this machine (docs/planner.md).
+  // Peaks given (> 0) are taken as they are.
   static Cluster this_cpu(double peak_flops = -1, double peak_flops_all_cores = -1);
   // The preset or measured cluster with the constants given explicitly (`loom plan --peak-flops
   // ...`): a negative field keeps the cluster's own.
   struct Overrides {
     double peak_flops = -1, efficiency = -1, memory_gib = -1, intra_node_bw = -1, inter_node_bw = -1,
            intra_latency = -1, inter_latency = -1, blocking_call_s = -1, peak_flops_all_cores = -1,
-           shared_host_efficiency = -1;
+           shared_host_efficiency = -1, shm_bw = -1, shm_call_s = -1;
     int devices_per_node = -1;
   };
   Cluster with(const Overrides& o) const;
 };
+
+// An x86 CPU's fp32 peak per core from its /proc/cpuinfo text (the first processor's flags, vendor,
+// family and "cpu MHz") and, when non-empty, cpufreq's cpuinfo_max_freq (kHz), which wins over
+// the MHz: two FMA pipes of the widest vector unit (AVX2 + FMA: 32 FLOPs a cycle; AVX-512: 64,
+// except AMD's Zen 4, which splits them: 32; AVX: 16; SSE: 8) times the clock. nullopt without x86
+// flags or a clock (the caller measures instead).
+std::optional<double> cpu_spec_peak_fp32_flops(const std::string& cpuinfo, const std::string& max_freq_khz);
 
 struct TimeEstimate {
   double compute_s = 0;

@@ -228,6 +228,68 @@ TEST(PlanTime, CpuBlockingCallsAndSharedHostArePricedPerCall) {
                                   pp.cp_exposed_s + pp.ep_s);
 }
 
+// CPU ranks with the shared-memory transport (Cluster::shm_bw > 0 and comm.shared_memory on): TP's
+// all-gathers and reduce-scatters are priced at shm_bw plus shm_call_s per call, not Gloo's ring and
+// blocking call; CP's ring of sends stays on Gloo's terms; comm.shared_memory = false restores Gloo's.
+TEST(PlanTime, SharedMemoryCollectivesReplaceGlooForTpButNotForCp) {
+  const auto& spec = loom::models::get_spec("llama3");
+  const auto args = spec.build_args({"debugmodel", 2048, 256, 0});
+  const auto shape = loom::plan::ModelShape::of(spec, *args);
+  loom::plan::Cluster cpu;
+  cpu.name = "cpu-test";
+  cpu.cores = 2;
+  cpu.peak_flops = cpu.peak_flops_all_cores = 70e9;
+  cpu.intra_node_bw = cpu.inter_node_bw = 2e9;
+  cpu.intra_latency = cpu.inter_latency = 50e-6;
+  cpu.devices_per_node = 1 << 20;
+  cpu.blocking_call_s = 0.004;
+  cpu.shm_bw = 5e9;
+  cpu.shm_call_s = 0.0005;
+  auto estimate = [&](loom::plan::Layout layout, bool shared_memory) {
+    loom::train::JobConfig config = loom::train::parse_config_toml(
+        "[model]\nname = \"llama3\"\nflavor = \"debugmodel\"\nvocab_size = 2048\n[training]\nseq_len = 256\n"
+        "global_batch_size = 8\nlocal_batch_size = 8\n[validation]\nenable = false\n",
+        "test");
+    config.comm.shared_memory = shared_memory;
+    layout.local_batch_size = 8;
+    layout.apply_to(config);
+    return loom::plan::estimate_time(spec, *args, shape, config, layout, cpu);
+  };
+  loom::plan::Layout tp2;
+  tp2.tp = 2;
+  loom::plan::Layout cp2;
+  cp2.cp = 2;
+  // TP 2 on the debug model: 8 collectives per layer of 6, each moving 8 x 256 tokens x dim 256 fp32.
+  const double calls = 8 * 6;
+  const double bytes = 8.0 * 256 * 256 * 4;
+  EXPECT_NEAR(estimate(tp2, true).tp_s, calls * (0.5 * bytes / 5e9 + 0.0005), 1e-12);
+  EXPECT_NEAR(estimate(tp2, false).tp_s, calls * (0.5 * bytes / 2e9 + 50e-6 + 0.004), 1e-12);
+  // CP's exchanges are sends: the same with or without the transport.
+  EXPECT_DOUBLE_EQ(estimate(cp2, true).cp_exposed_s, estimate(cp2, false).cp_exposed_s);
+  EXPECT_GT(estimate(cp2, true).cp_exposed_s, 3 * 6 * 0.004);
+}
+
+// The CPU's peak read from /proc/cpuinfo: this machine's AMD EPYC (Zen 3, AVX2 + FMA, 2.45 GHz),
+// an AVX-512 Intel part, AMD's Zen 4 (AVX-512 in two halves), cpufreq's maximum over the MHz line,
+// and a CPU without x86 flags (measured instead).
+TEST(PlanTime, CpuPeakComesFromTheVectorUnitsAndTheClock) {
+  const auto cpu = [](const std::string& vendor, int family, const std::string& flags, const std::string& mhz) {
+    return "processor\t: 0\nvendor_id\t: " + vendor + "\ncpu family\t: " + std::to_string(family) +
+           "\ncpu MHz\t\t: " + mhz + "\nflags\t\t: " + flags + "\n\nprocessor\t: 1\nflags\t\t: sse\n";
+  };
+  EXPECT_NEAR(*loom::plan::cpu_spec_peak_fp32_flops(cpu("AuthenticAMD", 25, "fpu sse sse2 avx avx2 fma", "2445.406"), ""),
+              32 * 2445.406e6, 1);
+  EXPECT_NEAR(*loom::plan::cpu_spec_peak_fp32_flops(cpu("GenuineIntel", 6, "sse avx avx2 fma avx512f", "2000.000"), ""),
+              64 * 2e9, 1);
+  EXPECT_NEAR(*loom::plan::cpu_spec_peak_fp32_flops(cpu("AuthenticAMD", 25, "sse avx avx2 fma avx512f", "3000"), ""),
+              32 * 3e9, 1);
+  EXPECT_NEAR(*loom::plan::cpu_spec_peak_fp32_flops(cpu("AuthenticAMD", 26, "sse avx avx2 fma avx512f", "3000"), ""),
+              64 * 3e9, 1);
+  EXPECT_NEAR(*loom::plan::cpu_spec_peak_fp32_flops(cpu("GenuineIntel", 6, "sse avx", "1000"), "3500000\n"), 16 * 3.5e9, 1);
+  EXPECT_FALSE(loom::plan::cpu_spec_peak_fp32_flops("processor\t: 0\nFeatures\t: fp asimd\n", "").has_value());
+  EXPECT_FALSE(loom::plan::cpu_spec_peak_fp32_flops(cpu("GenuineIntel", 6, "sse avx2 fma", "0"), "").has_value());
+}
+
 // `loom plan --peak-flops ... --blocking-call-s ...`: explicit constants replace the cluster's, a
 // negative one keeps it, and an impossible one is a usage error naming it.
 TEST(PlanTime, ExplicitClusterConstantsOverrideThePreset) {
