@@ -11,6 +11,7 @@
 #include <ctime>
 #include <fstream>
 #include <numeric>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -72,10 +73,13 @@ class CommWork : public c10d::Work {
  public:
   // `record` identifies the collective in error messages; record.seq == 0: not recorded.
   // `dim`: the group's mesh dim, under which the time callers wait is counted (empty: not counted).
+  // `host_threads`: the backend completes the work on its own threads (Gloo, the shared-memory
+  // worker), which drop their reference to it just after completing it.
   CommWork(int rank, CommOp op, WorkHandle inner, std::function<void()> finalize,
-           FlightRecord record, std::string dim = {})
+           FlightRecord record, std::string dim = {}, bool host_threads = false)
       : c10d::Work(rank, op_type(op)),
         inner_(std::move(inner)),
+        host_threads_(host_threads),
         finalize_(std::move(finalize)),
         record_(std::move(record)),
         op_(op),
@@ -133,6 +137,7 @@ class CommWork : public c10d::Work {
     } catch (const std::exception& e) {
       error = std::make_exception_ptr(named_failure(e.what()));
     }
+    release_inner();
     if (error && record_.seq != 0) {
       // A broken collective ends the run: the rank's last collectives go to its flight-recorder
       // file (when the trainer set one) before the error unwinds.
@@ -144,6 +149,17 @@ class CommWork : public c10d::Work {
       }
     }
     settle(error);
+  }
+
+  // The backend's work holds the collective's tensors. A backend thread that completed it drops
+  // its reference a moment later; if that were the last one, the tensors would be freed on that
+  // thread, where c10 reports the free to no allocation tracker (reporting is per thread), and
+  // the memory breakdown would count them for good ("other" growing every step). So the caller's
+  // thread waits for that moment (microseconds; bounded) and drops the work itself.
+  void release_inner() {
+    if (!inner_ || !host_threads_) return;
+    for (int i = 0; i < 10000 && inner_.use_count() > 1; ++i) std::this_thread::yield();
+    inner_.reset();
   }
 
   Error named_failure(const std::string& cause) const {
@@ -166,6 +182,7 @@ class CommWork : public c10d::Work {
   }
 
   WorkHandle inner_;
+  bool host_threads_ = false;
   std::function<void()> finalize_;
   FlightRecord record_;
   CommOp op_;
@@ -647,8 +664,9 @@ WorkHandle Comm::launch(Issue issue, c10d::Backend* backend,
       flight_recorder().finish(seq, !future.hasError());
     });
   }
+  const bool host_threads = backend->getBackendName() == "gloo";
   return c10::make_intrusive<CommWork>(rank_, issue.op, std::move(inner), std::move(finalize),
-                                       std::move(identity), name_);
+                                       std::move(identity), name_, host_threads);
 }
 
 WorkHandle Comm::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {

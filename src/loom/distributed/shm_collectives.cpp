@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/StringUtil.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -121,6 +122,11 @@ struct SharedMemoryCollectives::Segment {
 
 struct SharedMemoryCollectives::Job {
   c10::intrusive_ptr<SharedMemoryCollectives::Work> work;
+  // The issuing thread's debug info (Loom's allocation tracker, the profiler): the worker runs and
+  // drops the job under it, so the frees of tensors whose last reference the job held are reported
+  // to the tracker that saw them allocated (c10 reports per thread; a free reported nowhere would
+  // stay counted for good).
+  std::shared_ptr<c10::ThreadLocalDebugInfo> debug_info;
   at::Tensor contribution;  // what this rank posts (contiguous; its bytes are copied in)
   std::function<void(const std::vector<const char*>&)> combine;  // reads every rank's data
   const char* what = "";
@@ -329,6 +335,7 @@ WorkHandle SharedMemoryCollectives::all_reduce(at::Tensor tensor, ReduceOp op) {
 
 WorkHandle SharedMemoryCollectives::enqueue(std::shared_ptr<Job> job) {
   WorkHandle handle = job->work;
+  job->debug_info = c10::ThreadLocalDebugInfo::current();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.push_back(std::move(job));
@@ -350,6 +357,7 @@ void SharedMemoryCollectives::worker_loop() {
       if (stop_ && failed_.empty()) failed_ = "the group was shut down with the collective pending";
       failed = failed_;
     }
+    c10::DebugInfoGuard issuer(job->debug_info);
     std::exception_ptr error;
     if (!failed.empty()) {
       error = std::make_exception_ptr(Error(c10::str("shared-memory ", job->what, ": ", failed)));
@@ -366,7 +374,9 @@ void SharedMemoryCollectives::worker_loop() {
                                                        rank_, ": ", e.what())));
       }
     }
-    job->work->complete(error);
+    const c10::intrusive_ptr<Work> work = std::move(job->work);
+    job.reset();  // the tensors it held, released under the issuer's debug info
+    work->complete(error);
   }
 }
 
