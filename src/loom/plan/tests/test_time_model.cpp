@@ -172,32 +172,45 @@ TEST(PlanTime, ExpertParallelismAddsItsAllToAlls) {
   EXPECT_NEAR(estimate(2, "full").ep_s, 1.5 * want, 1e-12);
 }
 
+// A 2-core CPU host with fixed constants (no machine measurement), and the debug Llama 3 (seq 256,
+// global batch 8) estimated on it under a layout.
+loom::plan::Cluster fixed_cpu_cluster() {
+  loom::plan::Cluster cpu;
+  cpu.name = "cpu-test";
+  cpu.cores = 2;
+  cpu.peak_flops = cpu.peak_flops_all_cores = 70e9;
+  cpu.intra_node_bw = cpu.inter_node_bw = 2e9;
+  cpu.intra_latency = cpu.inter_latency = 50e-6;
+  cpu.devices_per_node = 1 << 20;
+  return cpu;
+}
+
+loom::plan::TimeEstimate estimate_debug_llama(loom::plan::Layout layout, const loom::plan::Cluster& cluster,
+                                              bool shared_memory = true) {
+  const auto& spec = loom::models::get_spec("llama3");
+  const auto args = spec.build_args({"debugmodel", 2048, 256, 0});
+  const auto shape = loom::plan::ModelShape::of(spec, *args);
+  loom::train::JobConfig config = loom::train::parse_config_toml(
+      "[model]\nname = \"llama3\"\nflavor = \"debugmodel\"\nvocab_size = 2048\n[training]\nseq_len = 256\n"
+      "global_batch_size = 8\nlocal_batch_size = 8\n[validation]\nenable = false\n",
+      "test");
+  config.comm.shared_memory = shared_memory;
+  layout.local_batch_size = 8;
+  if (layout.pp > 1) layout.microbatch_size = 2;
+  layout.apply_to(config);
+  return loom::plan::estimate_time(spec, *args, shape, config, layout, cluster);
+}
+
 // CPU ranks on one host (a cluster with cores): each blocking collective costs blocking_call_s
 // (TP: 8 per layer and micro-step; CP: 3 ring passes per layer; PP: the receives from stages on
 // other ranks, one per micro-batch and neighbour), and ranks sharing the host compute at
 // shared_host_efficiency of a lone process's rate. Fixed constants, so no machine measurement.
 TEST(PlanTime, CpuBlockingCallsAndSharedHostArePricedPerCall) {
-  const auto& spec = loom::models::get_spec("llama3");
-  const auto args = spec.build_args({"debugmodel", 2048, 256, 0});
-  const auto shape = loom::plan::ModelShape::of(spec, *args);
-  loom::plan::Cluster cpu;
-  cpu.name = "cpu-test";
-  cpu.cores = 2;
-  cpu.peak_flops = cpu.peak_flops_all_cores = 70e9;
+  loom::plan::Cluster cpu = fixed_cpu_cluster();
   cpu.efficiency = 0.66;
-  cpu.intra_node_bw = cpu.inter_node_bw = 2e9;
-  cpu.intra_latency = cpu.inter_latency = 50e-6;
-  cpu.devices_per_node = 1 << 20;
   cpu.shared_host_efficiency = 0.78;
-  auto estimate = [&](loom::plan::Layout layout, const loom::plan::Cluster& cluster) {
-    loom::train::JobConfig config = loom::train::parse_config_toml(
-        "[model]\nname = \"llama3\"\nflavor = \"debugmodel\"\nvocab_size = 2048\n[training]\nseq_len = 256\n"
-        "global_batch_size = 8\nlocal_batch_size = 8\n[validation]\nenable = false\n",
-        "test");
-    layout.local_batch_size = 8;
-    if (layout.pp > 1) layout.microbatch_size = 2;
-    layout.apply_to(config);
-    return loom::plan::estimate_time(spec, *args, shape, config, layout, cluster);
+  const auto estimate = [](const loom::plan::Layout& layout, const loom::plan::Cluster& cluster) {
+    return estimate_debug_llama(layout, cluster);
   };
   loom::plan::Cluster free_calls = cpu;
   free_calls.blocking_call_s = 0;
@@ -232,28 +245,12 @@ TEST(PlanTime, CpuBlockingCallsAndSharedHostArePricedPerCall) {
 // all-gathers and reduce-scatters are priced at shm_bw plus shm_call_s per call, not Gloo's ring and
 // blocking call; CP's ring of sends stays on Gloo's terms; comm.shared_memory = false restores Gloo's.
 TEST(PlanTime, SharedMemoryCollectivesReplaceGlooForTpButNotForCp) {
-  const auto& spec = loom::models::get_spec("llama3");
-  const auto args = spec.build_args({"debugmodel", 2048, 256, 0});
-  const auto shape = loom::plan::ModelShape::of(spec, *args);
-  loom::plan::Cluster cpu;
-  cpu.name = "cpu-test";
-  cpu.cores = 2;
-  cpu.peak_flops = cpu.peak_flops_all_cores = 70e9;
-  cpu.intra_node_bw = cpu.inter_node_bw = 2e9;
-  cpu.intra_latency = cpu.inter_latency = 50e-6;
-  cpu.devices_per_node = 1 << 20;
+  loom::plan::Cluster cpu = fixed_cpu_cluster();
   cpu.blocking_call_s = 0.004;
   cpu.shm_bw = 5e9;
   cpu.shm_call_s = 0.0005;
-  auto estimate = [&](loom::plan::Layout layout, bool shared_memory) {
-    loom::train::JobConfig config = loom::train::parse_config_toml(
-        "[model]\nname = \"llama3\"\nflavor = \"debugmodel\"\nvocab_size = 2048\n[training]\nseq_len = 256\n"
-        "global_batch_size = 8\nlocal_batch_size = 8\n[validation]\nenable = false\n",
-        "test");
-    config.comm.shared_memory = shared_memory;
-    layout.local_batch_size = 8;
-    layout.apply_to(config);
-    return loom::plan::estimate_time(spec, *args, shape, config, layout, cpu);
+  const auto estimate = [&](const loom::plan::Layout& layout, bool shared_memory) {
+    return estimate_debug_llama(layout, cpu, shared_memory);
   };
   loom::plan::Layout tp2;
   tp2.tp = 2;
