@@ -110,6 +110,11 @@ c10::intrusive_ptr<c10d::Backend> new_nccl_backend(const c10::intrusive_ptr<c10d
 #endif
 }
 
+std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env, const CommConfig& comm,
+                                              c10::Device device) {
+  return init_distributed(env, std::chrono::seconds(comm.timeout_seconds), device, comm.shared_memory);
+}
+
 int intra_op_threads(const LaunchEnv& env) {
   if (auto n = positive_env_int("LOOM_NUM_THREADS")) return *n;
   if (auto n = positive_env_int("OMP_NUM_THREADS")) return *n;

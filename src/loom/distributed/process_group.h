@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "loom/distributed/comm.h"
+#include "loom/distributed/config.h"
 #include "loom/distributed/launch_env.h"
 
 namespace gloo::transport {
@@ -131,6 +132,11 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
                                               std::chrono::milliseconds timeout = kDefaultDistTimeout,
                                               c10::Device device = c10::Device(c10::kCPU),
                                               bool shared_memory = true);
+
+// The same, with the job config's [comm] section (its timeout and transport), so a new comm option
+// reaches the process groups without the trainer naming it.
+std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env, const CommConfig& comm,
+                                              c10::Device device);
 
 // Intra-op threads for one rank: LOOM_NUM_THREADS, else OMP_NUM_THREADS, else the CPUs this
 // process may run on divided by the ranks on this node (at least 1), so ranks do not oversubscribe.

@@ -157,8 +157,7 @@ void Trainer::init_distributed(const distributed::LaunchEnv& env) {
   // batch is moved there.
   device_ = select_device(config_.training.device, env.local_rank);
   set_current_device(device_);  // before NCCL creates its communicators on it
-  dist_ = distributed::init_distributed(env, std::chrono::seconds(config_.comm.timeout_seconds), device_,
-                                        config_.comm.shared_memory);
+  dist_ = distributed::init_distributed(env, config_.comm, device_);
   const auto& pd = *parallel_dims_;
   mesh_ = std::make_unique<distributed::DeviceMesh>(pd.build_mesh(dist_));
   // Where this rank's last collectives go when the job stops on a stalled or broken collective
