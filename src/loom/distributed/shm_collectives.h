@@ -17,7 +17,8 @@
 // spinning, which would steal the core from the rank being waited for when ranks outnumber cores).
 //
 // Segments are created under unique names, opened by every member through the group's store,
-// and unlinked as soon as all have opened them: nothing is left in /dev/shm, even after a crash.
+// and unlinked as soon as all have opened them: a crash leaves nothing in /dev/shm (except one
+// during the set-up itself).
 // A rank that fails (timeout, a peer that gave up, no room to grow) marks its header failed; its
 // peers' waits end with an error instead of hanging, and every later operation on the group fails.
 #pragma once
