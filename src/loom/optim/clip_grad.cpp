@@ -21,30 +21,33 @@ std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype(at::TensorList grads)
 
 }  // namespace
 
+at::Tensor sum_of_squares(at::TensorList grads, const at::TensorOptions& options) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> norms;
+  c10::Device device = options.device();
+  for (const auto& [dtype, list] : by_dtype(grads)) {
+    device = list.front().device();
+    for (at::Tensor& n : at::_foreach_norm(list, 2, at::kDouble)) norms.push_back(std::move(n));
+  }
+  if (norms.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+  return at::stack(norms).square().sum();
+}
+
 at::Tensor total_grad_norm(at::TensorList grads, const SquaredNormReduceHook& reduce) {
   at::NoGradGuard no_grad;
-  const auto buckets = by_dtype(grads);
-  // Norms are computed in float32 (float64 if any gradient is float64). For float32 gradients
-  // this is exactly PyTorch's computation; bf16/fp16 gradients get a float32 norm where PyTorch
-  // would round each per-tensor norm to the gradient dtype.
+  // The norm is float32 (float64 if any gradient is float64), as PyTorch's; its squares are summed
+  // in float64 (see the header).
   at::ScalarType norm_dtype = at::kFloat;
-  for (const auto& [dtype, list] : buckets) norm_dtype = at::promoteTypes(norm_dtype, dtype);
-  std::vector<at::Tensor> norms;
-  for (const auto& [dtype, list] : buckets) {
-    const std::optional<at::ScalarType> accumulate =
-        dtype == norm_dtype ? std::nullopt : std::optional<at::ScalarType>(norm_dtype);
-    for (at::Tensor& n : at::_foreach_norm(list, 2, accumulate)) norms.push_back(std::move(n));
+  for (const at::Tensor& g : grads) {
+    if (g.defined()) norm_dtype = at::promoteTypes(norm_dtype, g.scalar_type());
   }
-  at::Tensor total = norms.empty() ? at::zeros({}, at::TensorOptions().dtype(norm_dtype))
-                                   : at::linalg_vector_norm(at::stack(norms), 2);
+  at::Tensor squares = sum_of_squares(grads);
   if (reduce) {
-    at::Tensor sum_of_squares = total * total;
-    reduce(sum_of_squares);
-    LOOM_REQUIRE(sum_of_squares.defined() && sum_of_squares.numel() == 1,
+    reduce(squares);
+    LOOM_REQUIRE(squares.defined() && squares.numel() == 1,
                  "the gradient-norm reduce hook must leave a scalar tensor in place");
-    total = sum_of_squares.reshape({}).sqrt();
   }
-  return total;
+  return squares.reshape({}).sqrt().to(norm_dtype);
 }
 
 void clip_grads_with_norm_(at::TensorList grads, double max_norm, const at::Tensor& total_norm) {

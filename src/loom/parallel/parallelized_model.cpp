@@ -1,5 +1,6 @@
 #include "loom/parallel/parallelized_model.h"
 
+#include <map>
 #include <set>
 
 #include <ATen/record_function.h>
@@ -11,17 +12,6 @@
 #include "loom/optim/clip_grad.h"
 
 namespace loom::parallel {
-namespace {
-
-// Sum of squares of a list of gradients, fp32, on their device (zero for an empty list).
-torch::Tensor sum_of_squares(const std::vector<torch::Tensor>& grads, const torch::TensorOptions& options) {
-  if (grads.empty()) return torch::zeros({}, options);
-  std::vector<torch::Tensor> norms = at::_foreach_norm(grads, 2);
-  for (auto& n : norms) n = n.to(torch::kFloat32);
-  return at::stack(norms).pow(2).sum();
-}
-
-}  // namespace
 
 ParallelizedModel::ParallelizedModel(ParallelParts parts) : parts_(std::move(parts)) {
   LOOM_REQUIRE(!parts_.modules.empty(), "ParallelizedModel needs the model's parts");
@@ -120,90 +110,89 @@ std::vector<torch::Tensor> ParallelizedModel::resident_gradients() {
 torch::Tensor ParallelizedModel::grad_norm() {
   ParameterStorage& storage = *parts_.storage;
   storage.complete_reductions();
-  // The groups each gradient's squares are summed over, outer to inner (the order finish runs):
-  // the storage's (FSDP's shard group), then each parallelism's, innermost last.
-  auto comms_of = [&](const std::string& name) {
-    std::vector<tensor::CommPtr> comms;
-    if (auto c = storage.norm_comm(name)) comms.push_back(c);
-    for (auto it = parts_.synchronizers.rbegin(); it != parts_.synchronizers.rend(); ++it) {
-      if (auto c = (*it)->norm_comm(name)) comms.push_back(c);
+  // The norm is the square root of one sum: every element of every gradient counted once. A
+  // gradient whose pieces are spread over some groups of ranks (FSDP's shard group, tp for a TP
+  // shard, ep for an expert, pp for every stage's) has its squares summed over exactly those
+  // groups, and over no other (a piece another rank holds identically, a replica, is counted
+  // once). The rule that makes the reductions match on every rank: the groups are the layout's
+  // (`declared`, the same list on every rank: the storage's, then each parallelism's, outer to
+  // inner), not the ones this rank's parameters happen to use. Each gradient's set of groups is a
+  // bit mask over that list; the squares are summed per mask, and the reduction over group i
+  // carries one entry per mask that names i and no group before it, as groups before it are done
+  // (entries whose remaining groups agree are added first). Every rank of group i so sends the
+  // same entries in the same order, whichever parameters it holds: pipeline stages hold different
+  // ones (a stage may have no TP-replicated norm first, or no MoE layer at all), so an order taken
+  // from a rank's own parameters would add one stage's norms to another's shards.
+  std::vector<tensor::CommPtr> declared;
+  auto declare = [&declared](const std::vector<tensor::CommPtr>& comms) {
+    for (const auto& c : comms) {
+      if (c && std::find(declared.begin(), declared.end(), c) == declared.end()) declared.push_back(c);
     }
-    return comms;
   };
-  struct Group {
-    std::vector<tensor::CommPtr> comms;
-    std::vector<torch::Tensor> grads;
-    torch::Tensor squares;
+  declare(storage.norm_comms());
+  for (auto it = parts_.synchronizers.rbegin(); it != parts_.synchronizers.rend(); ++it) declare((*it)->norm_comms());
+  LOOM_REQUIRE(declared.size() < 16, "the gradient norm supports at most 15 groups of ranks, got ", declared.size());
+  auto mask_of = [&](const std::string& name) {
+    uint32_t mask = 0;
+    auto add = [&](const tensor::CommPtr& c) {
+      if (!c) return;
+      const auto it = std::find(declared.begin(), declared.end(), c);
+      LOOM_REQUIRE(it != declared.end(), "the gradient of ", name, " is spread over the group ", c->describe(),
+                   ", which no parallelism declares in norm_comms()");
+      mask |= 1u << static_cast<uint32_t>(it - declared.begin());
+    };
+    add(storage.norm_comm(name));
+    for (const auto& s : parts_.synchronizers) add(s->norm_comm(name));
+    return mask;
   };
-  std::vector<Group> groups;
-  const NamedGradients grads = storage.local_gradients();
-  torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
-  for (const auto& [name, g] : grads) {
-    auto comms = comms_of(name);
-    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& group) { return group.comms == comms; });
-    if (it == groups.end()) {
-      groups.push_back({std::move(comms), {}, {}});
-      it = groups.end() - 1;
-    }
+  // This rank's gradients by mask.
+  std::map<uint32_t, std::vector<torch::Tensor>> by_mask;
+  torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat64);
+  for (const auto& [name, g] : storage.local_gradients()) {
+    auto& list = by_mask[mask_of(name)];
     if (!g.defined() || g.numel() == 0) continue;
     options = options.device(g.device());
-    it->grads.push_back(g);
+    list.push_back(g);
   }
-  if (groups.size() <= 1) {
-    // Every gradient summed over the same groups: PyTorch's clip_grad_norm_ over the storage's
-    // tensors (FSDP: its flat shards), the squares reduced over each group in turn.
-    const std::vector<tensor::CommPtr> comms = groups.empty() ? comms_of("") : groups.front().comms;
-    return optim::total_grad_norm(storage.norm_gradients(), [&comms](torch::Tensor& sum_of_squares) {
-      for (const auto& c : comms) c->all_reduce(sum_of_squares, distributed::ReduceOp::kSum);
-    });
+  const uint32_t masks = 1u << static_cast<uint32_t>(declared.size());
+  std::vector<torch::Tensor> squares(masks);
+  if (by_mask.size() == 1) {
+    // Every local gradient spread over the same groups: the storage's tensors (FSDP: its flat
+    // shards, fewer and larger, whose padding is zero).
+    squares[by_mask.begin()->first] = optim::sum_of_squares(storage.norm_gradients(), options);
+  } else {
+    for (const auto& [mask, list] : by_mask) squares[mask] = optim::sum_of_squares(list, options);
   }
-  // Groups that differ: each group's squares, reduced over one group of ranks at a time, outer to
-  // inner; the groups whose remaining ranks agree are added first, so each all-reduce carries every
-  // group that needs it stacked in one tensor.
-  for (Group& group : groups) group.squares = sum_of_squares(group.grads, options);
-  std::vector<tensor::CommPtr> order;
-  for (const Group& group : groups) {
-    for (const auto& c : group.comms) {
-      if (std::find(order.begin(), order.end(), c) == order.end()) order.push_back(c);
-    }
+  const torch::Tensor zero = torch::zeros({}, options);
+  for (auto& s : squares) {
+    if (!s.defined()) s = zero;
   }
-  // The groups' remaining ranks after the first `done` of `order` are reduced.
-  auto remaining = [&](const Group& group, size_t done) {
-    std::vector<tensor::CommPtr> out;
-    for (const auto& c : group.comms) {
-      if (std::find(order.begin(), order.begin() + static_cast<int64_t>(done), c) == order.begin() + static_cast<int64_t>(done)) {
-        out.push_back(c);
-      }
+  for (uint32_t i = 0; i < declared.size(); ++i) {
+    // Entries that differ only in the groups already reduced (bits below i) now need the same
+    // remaining reductions: add them into the entry with those bits clear, in mask order.
+    const uint32_t done = (1u << i) - 1;
+    for (uint32_t m = 0; m < masks; ++m) {
+      if ((m & done) != 0) squares[m & ~done] = squares[m & ~done] + squares[m], squares[m] = zero;
     }
-    return out;
-  };
-  for (size_t done = 0; done < order.size(); ++done) {
-    // Merge the groups left with the same ranks to reduce over.
-    for (size_t a = 0; a < groups.size(); ++a) {
-      for (size_t b = a + 1; b < groups.size();) {
-        if (remaining(groups[a], done) == remaining(groups[b], done)) {
-          groups[a].squares = groups[a].squares + groups[b].squares;
-          groups.erase(groups.begin() + static_cast<int64_t>(b));
-        } else {
-          ++b;
-        }
-      }
-    }
-    const tensor::CommPtr& comm = order[done];
-    std::vector<size_t> members;
-    for (size_t i = 0; i < groups.size(); ++i) {
-      const auto& c = groups[i].comms;
-      if (std::find(c.begin(), c.end(), comm) != c.end()) members.push_back(i);
+    std::vector<uint32_t> members;
+    for (uint32_t m = 0; m < masks; ++m) {
+      if ((m & done) == 0 && (m >> i & 1u) != 0) members.push_back(m);
     }
     std::vector<torch::Tensor> parts;
-    for (size_t i : members) parts.push_back(groups[i].squares.reshape({1}));
+    for (uint32_t m : members) parts.push_back(squares[m].reshape({1}));
     torch::Tensor stacked = at::cat(parts);
-    comm->all_reduce(stacked, distributed::ReduceOp::kSum);
-    for (size_t j = 0; j < members.size(); ++j) groups[members[j]].squares = stacked.narrow(0, j, 1).reshape({});
+    declared[i]->all_reduce(stacked, distributed::ReduceOp::kSum);
+    for (size_t j = 0; j < members.size(); ++j) squares[members[j]] = stacked.narrow(0, static_cast<int64_t>(j), 1).reshape({});
   }
-  torch::Tensor total = groups.front().squares;
-  for (size_t i = 1; i < groups.size(); ++i) total = total + groups[i].squares;
-  return total.sqrt();
+  torch::Tensor total = squares[0];
+  for (uint32_t m = 1; m < masks; ++m) total = total + squares[m];
+  // Float32 like PyTorch's norm of float32 gradients (float64 when the squares are, see
+  // optim::total_grad_norm); the squares were summed in float64.
+  bool float64 = false;
+  for (const auto& [mask, list] : by_mask) {
+    for (const auto& g : list) float64 = float64 || g.scalar_type() == torch::kFloat64;
+  }
+  return total.sqrt().to(float64 ? torch::kFloat64 : torch::kFloat32);
 }
 
 torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {

@@ -39,6 +39,8 @@ class ParameterStorage {
   // The group over which the squares of parameter `param`'s gradient are summed (FSDP: the shard
   // group of its FSDP group: the experts' own under expert parallelism); null: none.
   virtual tensor::CommPtr norm_comm(const std::string& /*param*/) const { return nullptr; }
+  // Every group norm_comm can return, the same list on every rank (see Synchronizer::norm_comms).
+  virtual std::vector<tensor::CommPtr> norm_comms() const { return {}; }
   virtual std::vector<torch::Tensor> resident_parameters() = 0;
   virtual bool gradients_persist() const = 0;
   virtual void zero_grad() = 0;
@@ -84,11 +86,15 @@ class ModuleParameters : public ParameterStorage {
 // FSDP's flat shards: every group of the rank's FSDP roots (the model's, or each pipeline stage's).
 class FsdpParameters : public ParameterStorage {
  public:
-  explicit FsdpParameters(fsdp::FSDPRoots fsdp) : fsdp_(std::move(fsdp)) {}
+  // `shard_comms`: the shard group of every FSDP mesh the composition made (the dense one, the
+  // experts' efsdp one), whether or not this rank's parts hold a group on each.
+  FsdpParameters(fsdp::FSDPRoots fsdp, std::vector<tensor::CommPtr> shard_comms)
+      : fsdp_(std::move(fsdp)), shard_comms_declared_(std::move(shard_comms)) {}
   void complete_reductions() override { fsdp_.finalize_backward(); }
   NamedGradients local_gradients() override;
   std::vector<torch::Tensor> norm_gradients() override;
   tensor::CommPtr norm_comm(const std::string& param) const override;
+  std::vector<tensor::CommPtr> norm_comms() const override { return shard_comms_declared_; }
   std::vector<torch::Tensor> resident_parameters() override;
   bool gradients_persist() const override { return true; }
   void zero_grad() override { fsdp_.zero_grad(); }
@@ -103,6 +109,7 @@ class FsdpParameters : public ParameterStorage {
 
  private:
   fsdp::FSDPRoots fsdp_;
+  std::vector<tensor::CommPtr> shard_comms_declared_;
   mutable std::map<std::string, tensor::CommPtr> shard_comms_;  // by parameter, filled on first use
 };
 

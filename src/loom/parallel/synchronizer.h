@@ -14,6 +14,9 @@
 //   norm_comm(param)         the groups over which the squares of a        FSDP's shard group; TP for
 //                            parameter's gradient are summed (its          its shards; PP for all
 //                            pieces live on different ranks)
+//   norm_comms()             every group norm_comm may name, the same      TP: tp; EP: ep; PP: pp
+//                            list on every rank whatever parameters it
+//                            holds (the norm's reductions are agreed on it)
 #pragma once
 #include <torch/torch.h>
 
@@ -58,6 +61,11 @@ class Synchronizer {
   virtual bool zero_grad() { return false; }
   virtual bool owns_gradients() const { return false; }
   virtual tensor::CommPtr norm_comm(const std::string& /*param*/) const { return nullptr; }
+  // Every group norm_comm can return for any parameter of the model, not only this rank's: the
+  // same list, in the same order, on every rank of the job. Pipeline ranks hold different
+  // parameters, so what a rank's own parameters use cannot tell the norm which reductions its
+  // peers will make; this does (ParallelizedModel::grad_norm).
+  virtual std::vector<tensor::CommPtr> norm_comms() const { return {}; }
   // What the optimizer's layout check reads of this parallelism (its degree, its shards' dtype).
   virtual void describe_layout(OptimizerLayout& /*layout*/) const {}
   // Metrics of the last step for metrics.jsonl and TensorBoard (e.g. MoE expert loads), by key.

@@ -22,6 +22,7 @@ class TensorParallelSync : public Synchronizer {
   std::string describe() const override;
   void finish(ParameterStorage& storage) override;
   tensor::CommPtr norm_comm(const std::string& param) const override;
+  std::vector<tensor::CommPtr> norm_comms() const override { return {tp_->comm()}; }
   void describe_layout(OptimizerLayout& layout) const override { layout.tensor_parallel_degree = tp_->degree(); }
 
  private:
@@ -38,6 +39,7 @@ class ExpertParallelSync : public Synchronizer {
   tensor::CommPtr norm_comm(const std::string& param) const override {
     return ep_->is_sharded(param) ? ep_->comm() : nullptr;
   }
+  std::vector<tensor::CommPtr> norm_comms() const override { return {ep_->comm()}; }
 
  private:
   std::shared_ptr<ep::ExpertParallel> ep_;
@@ -113,6 +115,7 @@ class PipelineSync : public Synchronizer {
   std::string describe() const override;
   const char* separator() const override { return " x "; }
   tensor::CommPtr norm_comm(const std::string& /*param*/) const override { return pp_; }
+  std::vector<tensor::CommPtr> norm_comms() const override { return {pp_}; }
 
  private:
   std::shared_ptr<pipeline::PipelineExecutor> executor_;

@@ -91,6 +91,15 @@ inline std::vector<double> logged_losses(const std::filesystem::path& dump_folde
   return out;
 }
 
+// The gradient norm (before clipping) of every logged step, in the order of logged_losses.
+inline std::vector<double> logged_grad_norms(const std::filesystem::path& dump_folder) {
+  std::vector<double> out;
+  for (const auto& row : read_jsonl(dump_folder / "metrics.jsonl")) {
+    if (!row.contains("event") && row.contains("loss") && row.contains("grad_norm")) out.push_back(row["grad_norm"]);
+  }
+  return out;
+}
+
 // The logged losses of a run in `dir` (see logged_losses).
 inline std::vector<double> losses(const TempDir& dir) { return logged_losses(dir.path()); }
 

@@ -312,7 +312,9 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
     }
     // One queue of in-flight reductions for the rank's roots: HSDP's all-reduces in one order.
     if (roots.size() > 1) fsdp::FSDPModule::share_reductions(roots);
-    parts.storage = std::make_unique<parallel::FsdpParameters>(fsdp::FSDPRoots(roots));
+    std::vector<tensor::CommPtr> shard_comms{fsdp_mesh.shard};
+    if (experts_mesh) shard_comms.push_back(experts_mesh->shard);
+    parts.storage = std::make_unique<parallel::FsdpParameters>(fsdp::FSDPRoots(roots), std::move(shard_comms));
     parts.synchronizers.push_back(std::make_shared<parallel::FsdpSync>(fsdp::FSDPRoots(roots)));
   } else {
     for (const auto& model : models) {

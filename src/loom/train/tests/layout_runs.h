@@ -59,6 +59,13 @@ inline void expect_bitwise_equal_checkpoints(const std::map<std::string, torch::
 // layouts split the same modules), at a twentieth of the compute, so a run costs its start-up.
 inline const std::string kTinyModel = " --model.flavor=tiny";
 
+// The gradient-clipping threshold of every layout-parity run: below the tiny model's gradient norms
+// over its first steps, so clipping engages on most of them and a wrong norm changes the update
+// (a norm reduction that misses a group of ranks is otherwise invisible in the losses: issue 45).
+// expect_layout_matches_single_process checks that the reference clipped on at least half its
+// steps.
+inline const std::string kLayoutMaxNorm = "0.5";
+
 // The tiny model on the default corpus, seq 64, deterministic, every step logged, lr 1e-3 (at the
 // debug config's 4e-3 the loss spikes and amplifies any rounding difference ~100x); `flags` choose
 // the layout (a later --model.flavor overrides the tiny one).
@@ -69,7 +76,7 @@ inline std::string layout_train_args(const std::string& dump_folder, int steps, 
          dump_folder + " --training.seq_len=64 --training.steps=" + std::to_string(steps) +
          " --training.local_batch_size=" + std::to_string(local_batch) +
          " --training.deterministic=true --optimizer.lr=1e-3 --lr_scheduler.warmup_steps=2"
-         " --metrics.log_freq=1 --metrics.peak_flops=1e11 " + flags;
+         " --training.max_norm=" + kLayoutMaxNorm + " --metrics.log_freq=1 --metrics.peak_flops=1e11 " + flags;
 }
 inline std::string layout_train_args(const TempDir& dir, int steps, int local_batch, const std::string& flags) {
   return layout_train_args(dir.str(), steps, local_batch, flags);
@@ -213,13 +220,21 @@ inline double worst_parameter_difference(const std::map<std::string, torch::Tens
 inline const std::string kSaveLast = " --checkpoint.enable=true --checkpoint.interval=1000";
 
 
-// What a parity table holds each layout to: per-step losses within `loss` and, when `params` >= 0,
-// the gathered final parameters within `params` (relative, as worst_relative and
-// worst_parameter_difference measure); a tolerance of 0 means bitwise.
+// What a parity table holds each layout to: per-step losses within `loss`, per-step gradient norms
+// within `norm` (< 0: the loss tolerance) and, when `params` >= 0, the gathered final parameters
+// within `params` (relative, as worst_relative and worst_parameter_difference measure); a
+// tolerance of 0 means bitwise.
 struct Tolerance {
   double loss;
   double params = -1;
+  double norm = -1;
 };
+
+// How many of a run's steps were clipped: a logged gradient norm above training.max_norm.
+inline int clipped_steps(const std::vector<double>& grad_norms) {
+  const double max_norm = std::stod(kLayoutMaxNorm);
+  return static_cast<int>(std::count_if(grad_norms.begin(), grad_norms.end(), [&](double n) { return n > max_norm; }));
+}
 
 // The single process with the table's global batch (8 rows per step unless `flags` say
 // otherwise), cached: the reference every layout of a parity table is compared with.
@@ -242,6 +257,11 @@ inline void expect_layout_matches_single_process(
   const auto want = logged_losses(reference);
   ASSERT_EQ(want.size(), static_cast<size_t>(steps));
   EXPECT_LT(want.back(), want.front());
+  // Clipping engages on at least half the reference's steps, so a wrong norm would change them.
+  const auto want_norms = logged_grad_norms(reference);
+  ASSERT_EQ(want_norms.size(), want.size());
+  EXPECT_GE(2 * clipped_steps(want_norms), steps)
+      << "the reference clipped on too few steps for the norm to matter; lower kLayoutMaxNorm";
   TempDir dir(l.name);
   RunResult r = run(loom_command(l.nproc, layout_train_args(dir, steps, l.local_batch,
                                                             model_flags + " " + l.flags + (gather ? kSaveLast : "") +
@@ -256,6 +276,15 @@ inline void expect_layout_matches_single_process(
   } else {
     EXPECT_LE(worst, tol.loss) << l.name;
   }
+  const auto got_norms = logged_grad_norms(dir.path());
+  ASSERT_EQ(got_norms.size(), want_norms.size()) << l.name;
+  const double norm_tol = tol.norm >= 0 ? tol.norm : tol.loss;
+  const double worst_norm = worst_relative(want_norms, got_norms);
+  if (norm_tol == 0) {
+    EXPECT_EQ(got_norms, want_norms) << l.name << ": per-step gradient norms must be bitwise the single process's";
+  } else {
+    EXPECT_LE(worst_norm, norm_tol) << l.name << ": the gradient norm differs from the single process's";
+  }
   double worst_param = 0;
   if (gather) {
     const auto parameters = gathered_parameters(dir, steps);
@@ -263,9 +292,9 @@ inline void expect_layout_matches_single_process(
     EXPECT_LE(worst_param, tol.params) << l.name;
     if (check_parameters) check_parameters(parameters);
   }
-  std::printf("%-36s %2d ranks, %2d steps: max relative loss difference from the single process %.2e (final %.6f vs "
-              "%.6f)%s\n",
-              l.name, l.nproc, steps, worst, got.back(), want.back(),
+  std::printf("%-36s %2d ranks, %2d steps (%d clipped): max relative difference from the single process: loss %.2e, "
+              "grad norm %.2e (final loss %.6f vs %.6f)%s\n",
+              l.name, l.nproc, steps, clipped_steps(want_norms), worst, worst_norm, got.back(), want.back(),
               gather ? c10::str("; gathered parameters: relative L2 difference ", worst_param).c_str() : "");
 }
 
