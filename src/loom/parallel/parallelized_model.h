@@ -12,8 +12,10 @@
 //               under sequence parallelism, QK-norms) are summed over tp once the data-parallel
 //               reductions are done (finish runs outer to inner);
 //   clipping    every element of every gradient counted once: each gradient's squares are summed
-//               over the groups its pieces are spread over (FSDP's shard group, tp for TP shards,
-//               pp for every stage's), grouped so each group costs one all-reduce;
+//               (in float64) over the groups its pieces are spread over (FSDP's shard group, tp for
+//               TP shards, ep for experts, pp for every stage's), one all-reduce per group; which
+//               entries each all-reduce carries follows from the groups the layout declares
+//               (norm_comms), never from the parameters a rank holds, so pipeline ranks agree;
 //   checkpoint  each parameter (and its optimizer state) is a box of its global tensor when its
 //               slot's layout shards it (TP), and FSDP's flat range within that box (or within the
 //               whole tensor);
