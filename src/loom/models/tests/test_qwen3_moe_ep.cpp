@@ -1,5 +1,6 @@
 // Expert parallelism on the tiny Qwen3-MoE (8 experts, top 2, layer 0 dense) against the single
-// process, 20 steps of 8 rows x 64 tokens: per-step losses within 1e-5 (relative), the gathered
+// process, 20 steps of 8 rows x 64 tokens: per-step losses and gradient norms (clipping engaged)
+// within 1e-5 (relative), the gathered
 // final parameters within 1e-4 (relative L2), and every selection bias bitwise equal to the single
 // process's. The bias moves by +-coeff per step from the summed token counts, so an entry that
 // differs means some routing decision differed: the test reports how many entries do.
@@ -36,6 +37,12 @@ TEST_P(Qwen3MoeExpertParallel, TrainsLikeTheSingleProcess) {
   ASSERT_EQ(got.size(), want.size());
   const double worst = T::worst_relative(want, got);
   EXPECT_LE(worst, 1e-5) << l.name;
+  // The gradient norms, with clipping engaged on at least half the steps (layout_runs.h).
+  const auto want_norms = T::logged_grad_norms(reference), got_norms = T::logged_grad_norms(dir.path());
+  ASSERT_EQ(got_norms.size(), want_norms.size()) << l.name;
+  EXPECT_GE(2 * T::clipped_steps(want_norms, T::effective_max_norm(model)), kSteps);
+  const double worst_norm = T::worst_relative(want_norms, got_norms);
+  EXPECT_LE(worst_norm, 1e-5) << l.name << ": the gradient norm differs from the single process's";
   const auto want_params = T::gathered_parameters(reference, kSteps);
   const auto got_params = T::gathered_parameters(dir, kSteps);
   const double worst_param = T::worst_parameter_difference(want_params, got_params);
@@ -50,9 +57,9 @@ TEST_P(Qwen3MoeExpertParallel, TrainsLikeTheSingleProcess) {
   }
   EXPECT_EQ(biases, 3);
   EXPECT_EQ(differing, 0) << l.name << ": selection-bias entries that differ from the single process's";
-  std::printf("%-20s %d ranks: max relative loss difference %.2e (final %.6f vs %.6f); parameters %.2e; "
-              "selection-bias entries differing from the single process: %lld of %lld layers x 8\n",
-              l.name, l.nproc, worst, got.back(), want.back(), worst_param, static_cast<long long>(differing),
+  std::printf("%-20s %d ranks: max relative loss difference %.2e (final %.6f vs %.6f), grad norm %.2e; parameters "
+              "%.2e; selection-bias entries differing from the single process: %lld of %lld layers x 8\n",
+              l.name, l.nproc, worst, got.back(), want.back(), worst_norm, worst_param, static_cast<long long>(differing),
               static_cast<long long>(biases));
 }
 

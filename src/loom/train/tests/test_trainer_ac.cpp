@@ -1,5 +1,6 @@
 // Activation checkpointing through `loom train` (issue 13's acceptance): 6 steps of the tiny
-// model with full, selective every 2nd block and selective per op give per-step losses bitwise
+// model with full, selective every 2nd block and selective per op give per-step losses and gradient
+// norms bitwise
 // equal to no checkpointing, in one process, under FSDP 2 (the recompute reads parameters FSDP
 // re-gathered in backward; the reduce-scatters are not repeated), under TP 2 and async TP 2
 // (sequence-parallel collectives re-run in the recompute) and under CP 2 (ring attention,
@@ -65,10 +66,16 @@ TEST_P(TrainerACLayout, EveryModeTrainsBitwiseLikeNoCheckpointing) {
     ASSERT_EQ(r.exit_code, 0) << l.name << " " << m.name << "\n" << r.output;
     EXPECT_NE(r.output.find("activation checkpointing: "), std::string::npos) << r.output;
     const auto got = losses(dir);
+    // The gradient norms too (clipping engages: layout_runs.h's max_norm).
+    const auto want_norms = loom::testing::logged_grad_norms(reference.path());
+    const auto got_norms = loom::testing::logged_grad_norms(dir.path());
+    ASSERT_EQ(want_norms.size(), want.size()) << l.name;
     if (std::string(l.name).find("ZBV") != std::string::npos) {
       EXPECT_LE(loom::testing::worst_relative(want, got), 1e-5) << m.name;
+      EXPECT_LE(loom::testing::worst_relative(want_norms, got_norms), 1e-5) << m.name << ": gradient norms";
     } else {
       EXPECT_EQ(got, want) << l.name << " " << m.name << ": per-step losses must be bitwise those without AC";
+      EXPECT_EQ(got_norms, want_norms) << l.name << " " << m.name << ": per-step gradient norms must be bitwise";
     }
     const double bytes = comm_bytes_per_step(dir);
     if (std::string(l.name) == "fsdp2") {

@@ -167,7 +167,7 @@ Counters expected_counters(fsdp::FSDPModule& root, const Config& cfg, ByteCount&
     if (hpz) formula_wire += ByteCount::fraction((N - 1) * psi * ag_hpz * bp, N);
     if (R > 1) formula_wire += ByteCount::fraction(2 * (R - 1) * (psi / W) * rs * br, R);
   }
-  add(CommOp::kAllReduce, mesh.shard->name(), W, 4, 1);  // clipping's sum of squares
+  add(CommOp::kAllReduce, mesh.shard->name(), W, 8, 1);  // clipping's sum of squares (float64)
   return out;
 }
 
