@@ -228,7 +228,29 @@ SourceFormat detect_format(const std::string& path) {
 }
 
 SourceFormat resolve_format(const std::string& path, const SourceOptions& options) {
-  if (!options.format) return detect_format(path);
+  if (!options.format) {
+    const SourceFormat detected = detect_format(path);
+    // A name that says Parquet or Arrow with content that is neither: most often a git-lfs pointer
+    // (a clone without git-lfs), which would otherwise train as a few lines of text.
+    const std::string ext = fs::path(path).extension().string();
+    const bool parquet_name = ext == ".parquet" || ext == ".pq";
+    const bool arrow_name = ext == ".arrow" || ext == ".feather" || ext == ".ipc";
+    if ((parquet_name || arrow_name) && detected != SourceFormat::kParquet && detected != SourceFormat::kArrow) {
+      std::string head(64, '\0');
+      {
+        FdGuard fd{open_regular_file(path, "data file")};
+        const ssize_t n = ::pread(fd.fd, head.data(), head.size(), 0);
+        head.resize(n > 0 ? static_cast<size_t>(n) : 0);
+      }
+      const bool lfs = head.rfind("version https://git-lfs", 0) == 0;
+      fail_usage("data file '", path, "' is named like ", parquet_name ? "a Parquet" : "an Arrow", " file but has no ",
+                 parquet_name ? "PAR1" : "Arrow", " magic",
+                 lfs ? " (it is a git-lfs pointer: fetch the data with 'git lfs pull')" : "",
+                 "; replace it with the real file, or set ", options.format_setting,
+                 " to \"text\" or \"jsonl\" to read it as that");
+    }
+    return detected;
+  }
   const SourceFormat format = *options.format;
   const char* name = source_format_name(format);
   // Only the token magic is checked here: it is certain, where JSONL and text can hold each other

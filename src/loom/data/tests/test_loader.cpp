@@ -401,6 +401,21 @@ TEST(Sources, ParquetAndArrowByMagicAndDirectoriesByExtension) {
   EXPECT_EQ(detect_format((dir / "shard.bin").string()), SourceFormat::kParquet);
   EXPECT_EQ(detect_format((dir / "cache" / "data-00000-of-00001.arrow").string()), SourceFormat::kArrow);
   EXPECT_EQ(detect_format((dir / "notes.parquet").string()), SourceFormat::kText);
+  // Issue 46 (5): under "auto" a name that says Parquet or Arrow with other content is refused (a
+  // clone without git-lfs holds pointer files), and a git-lfs pointer is named as one.
+  expect_usage_error([&] { resolve_format((dir / "notes.parquet").string(), with_format(std::nullopt)); },
+                     {"notes.parquet", "named like a Parquet file but has no PAR1 magic", "training.dataset_format",
+                      "\"text\""});
+  write(dir / "train-00000.parquet",
+        "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 123456\n");
+  expect_usage_error([&] { resolve_format((dir / "train-00000.parquet").string(), with_format(std::nullopt)); },
+                     {"train-00000.parquet", "git-lfs pointer", "git lfs pull"});
+  write(dir / "cache" / "other.arrow", "{}\n");
+  expect_usage_error([&] { resolve_format((dir / "cache" / "other.arrow").string(), with_format(std::nullopt)); },
+                     {"other.arrow", "named like an Arrow file but has no Arrow magic"});
+  fs::remove(dir / "cache" / "other.arrow");
+  // Read as text on purpose: the format says so.
+  EXPECT_EQ(resolve_format((dir / "notes.parquet").string(), with_format(SourceFormat::kText)), SourceFormat::kText);
   expect_usage_error([&] { resolve_format((dir / "notes.parquet").string(), with_format(SourceFormat::kParquet)); },
                      {"notes.parquet", "not a Parquet file (no PAR1 magic)", "training.dataset_format is \"parquet\""});
   expect_usage_error([&] { resolve_format((dir / "shard.bin").string(), with_format(SourceFormat::kArrow)); },
