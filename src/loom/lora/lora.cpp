@@ -141,6 +141,15 @@ LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfMod
     }
   }
   LOOM_REQUIRE_USAGE(!targets.empty(), "lora.target_modules matches no linear of this model");
+  // B A has rank at most min(in, out): a larger r only adds parameters (a rank of 100,000 on a
+  // 256-wide model would allocate a billion of them), so it is refused before any adapter exists.
+  for (const auto& [path, linear] : targets) {
+    const int64_t in = linear->weight().size(1), out = linear->weight().size(0);
+    LOOM_REQUIRE_USAGE(options.rank <= std::min(in, out), "lora.rank = ", options.rank, " exceeds what linear '",
+                       path, "' (", in, " -> ", out, ") can use: an adapter's rank is at most min(in, out) = ",
+                       std::min(in, out), "; set lora.rank <= ", std::min(in, out),
+                       " or leave that linear out of lora.target_modules");
+  }
   LoRAReport report;
   const double scaling = options.scaling();
   const double dropout = options.dropout;

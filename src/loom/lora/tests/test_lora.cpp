@@ -98,6 +98,21 @@ TEST(LoRA, AllLinearSkipsTheHeadAndUnknownTargetsListTheModelsLinears) {
       {"lora.target_modules names 'gate_proj', which is no linear of this model; its linears: o_proj, q_proj"});
 }
 
+// Issue 46 (10): a rank above min(in, out) of a targeted linear is refused before any adapter is
+// built (wq is 8 -> 6: rank 6 is its most); nothing was adapted.
+TEST(LoRA, RankAboveWhatATargetCanUseIsRefusedBeforeAnyAdapter) {
+  Tiny model;
+  LoRAOptions o;
+  o.rank = 100000, o.target_modules = {"q_proj"};
+  loom::testing::expect_error<loom::UsageError>([&] { loom::lora::apply_lora(model, o, hf_name); },
+                                                {"lora.rank = 100000", "'wq' (8 -> 6)", "lora.rank <= 6"});
+  EXPECT_EQ(model.wq->find_submodule("lora"), nullptr);
+  o.rank = 7;
+  loom::testing::expect_error<loom::UsageError>([&] { loom::lora::apply_lora(model, o, hf_name); }, {"lora.rank <= 6"});
+  o.rank = 6;
+  EXPECT_EQ(loom::lora::apply_lora(model, o, hf_name).adapted, (std::vector<std::string>{"wq"}));
+}
+
 }  // namespace lora_tests
 
 namespace lora_tests {
