@@ -479,8 +479,8 @@ SequencePacker::SequencePacker(std::shared_ptr<const TokenCorpus> corpus, int64_
                      "; use more data or a shorter ", seq_len_setting);
   // Every rank packs the same rows, so one of them says it.
   if (!corpus_->masked() || log::rank() != 0) return;
-  // A row whose every label is masked adds nothing to the loss, and a batch of only such rows has
-  // none to average: the step's loss is NaN (stopped by the non-finite guard). Say so up front.
+  // A row whose every label is masked adds nothing to the loss; a micro-batch of only such rows
+  // counts with zero weight (loss 0, no gradient: nn::fused_linear_cross_entropy). Say how many.
   const int64_t row_len = seq_len_ + 1;
   std::vector<int64_t> tokens(row_len), positions(row_len), documents(row_len);
   std::vector<uint8_t> trained(row_len);
@@ -491,8 +491,8 @@ SequencePacker::SequencePacker(std::shared_ptr<const TokenCorpus> corpus, int64_
   }
   if (empty_rows > 0) {
     log::warn("data: ", empty_rows, " of the ", rows_per_epoch_, " rows of ", corpus_->description(),
-              " have no trained label (prompts longer than a row); a batch made only of such rows has "
-              "a NaN loss: use a longer ", seq_len_setting, " or shorter prompts");
+              " have no trained label (prompts longer than a row); they train nothing, and a micro-batch made "
+              "only of them counts with zero weight (loss 0): use a longer ", seq_len_setting, " or shorter prompts");
   }
 }
 

@@ -357,8 +357,8 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
       if (lp[i] < 0 || lp[i] >= vocab) fail_label(lp[i], i, vocab);
       ++n_valid;
     }
-    // mean over valid tokens (nan when none, as PyTorch); each softmax row is pre-scaled by it.
-    const double scale = 1.0 / static_cast<double>(n_valid);
+    // mean over valid tokens (0 when none: see fused.h); each softmax row is pre-scaled by it.
+    const double scale = n_valid > 0 ? 1.0 / static_cast<double>(n_valid) : 0.0;
     const bool need_grad = need_hidden_grad || need_weight_grad;
     torch::Tensor grad_hidden = need_hidden_grad ? torch::empty_like(h) : torch::Tensor();
     torch::Tensor grad_weight;
@@ -473,8 +473,8 @@ struct GenericLinearCrossEntropyFunction
       fail_label(lab[pos].item<int64_t>(), pos, vocab);
     }
     const torch::Tensor usable = valid.logical_and(bad.logical_not());
-    // mean over valid tokens: the loss is nan when none is valid (0 * inf, as PyTorch), the
-    // gradients are then all zero (row_scale 0, not 0 * inf).
+    // mean over valid tokens: with none valid the loss is 0 and the gradients all zero
+    // (row_scale 0; see fused.h).
     const torch::Tensor n_valid = valid.sum().to(math_dtype);
     const torch::Tensor scale = n_valid.reciprocal();
     const torch::Tensor row_scale = at::where(n_valid.gt(0), scale, at::zeros_like(scale));
@@ -529,7 +529,7 @@ struct GenericLinearCrossEntropyFunction
     }
     ctx->saved_data["grad_hidden"] = grad_hidden;
     ctx->saved_data["grad_weight"] = grad_weight;
-    torch::Tensor loss = loss_sum.mul(scale).to(torch::kFloat32);
+    torch::Tensor loss = loss_sum.mul(row_scale).to(torch::kFloat32);  // 0 when no label is valid
     if (!lab.device().is_cpu()) {
       loss = at::where(bad.any(), at::full_like(loss, std::numeric_limits<float>::quiet_NaN()), loss);
     }
@@ -671,7 +671,7 @@ struct CudaLinearCrossEntropyFunction
     const bool need_grad = need_hidden_grad || need_weight_grad;
 
     const torch::Tensor n_valid = lab.ne(ignore_index).sum().to(torch::kFloat32);
-    const torch::Tensor scale = n_valid.reciprocal();  // inf when no token is valid
+    const torch::Tensor scale = n_valid.reciprocal();  // inf when no token is valid: row_scale is 0 then
     const torch::Tensor row_scale = at::where(n_valid.gt(0), scale, at::zeros_like(scale));
     torch::Tensor bad = torch::zeros({}, lab.options().dtype(torch::kInt32));
     torch::Tensor row_loss = torch::empty({tokens}, h.options().dtype(torch::kFloat32));
@@ -714,7 +714,7 @@ struct CudaLinearCrossEntropyFunction
     }
     ctx->saved_data["grad_hidden"] = grad_hidden;
     ctx->saved_data["grad_weight"] = grad_weight;
-    const torch::Tensor loss = row_loss.sum().mul(scale);
+    const torch::Tensor loss = row_loss.sum().mul(row_scale);  // 0 when no label is valid
     return at::where(bad.gt(0), at::full_like(loss, std::numeric_limits<float>::quiet_NaN()), loss);
   }
 

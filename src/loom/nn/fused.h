@@ -114,7 +114,10 @@ torch::Tensor fused_swiglu(const torch::Tensor& gate, const torch::Tensor& up,
 // computed in the forward and the backward only scales them by the incoming gradient. Extra memory
 // is O(chunk_tokens * vocab) on every device and dtype.
 // hidden: [N, dim], weight: [vocab, dim], labels: [N] int64 on hidden's device (ignore_index marks
-// padding). Returns a 0-dim fp32 loss (nan when every label is ignored, as PyTorch). Throws
+// padding). Returns a 0-dim fp32 loss. When every label is ignored the loss is 0 and every gradient
+// zero: such a micro-batch counts with zero weight (an SFT row whose prompt fills it, or a
+// context-parallel chunk of prompt tokens), where PyTorch's cross_entropy gives nan, which would
+// stop the run as a divergence. Throws
 // loom::Error for out-of-range labels on the CPU; on an accelerator, where that check would be a
 // host sync in the middle of the forward, an out-of-range label makes the loss nan instead (the
 // trainer checks token ids on the host when it loads the data). Nothing here reads a device value

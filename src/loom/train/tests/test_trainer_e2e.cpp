@@ -489,3 +489,35 @@ TEST(TrainerE2E, InitialLoadFromLoomCheckpointEqualsHfDirectory) {
   EXPECT_EQ(again.exit_code, 2) << again.output;
   EXPECT_NE(again.output.find("already exists"), std::string::npos) << again.output;
 }
+
+// Issue 46 (3): an SFT prompt longer than a row leaves rows with no trained label. A micro-batch
+// made only of such rows counts with zero weight (loss 0, no gradient) instead of a NaN loss that
+// stopped the run as a divergence; the loader's warning says how many rows there are.
+TEST(TrainerSft, RowsWithoutATrainedLabelCountWithZeroWeight) {
+  TempDir dir("sft_long_prompt");
+  const auto data = dir.path() / "long_prompts.jsonl";
+  {
+    std::ofstream out(data);
+    std::string prompt;
+    for (int i = 0; i < 40; ++i) prompt += "the story goes on ";
+    for (int i = 0; i < 6; ++i) out << R"({"prompt": ")" << prompt << R"(", "completion": " and ends."})" << "\n";
+  }
+  RunResult r = run(bin_dir() + "/loom train --config " + source_path("configs/llama3_sft_debug.toml") +
+                        " --model.flavor=tiny --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
+                        " --training.dataset_path=" + data.string() + " --job.dump_folder=" + (dir.path() / "run").string() +
+                        " --training.seq_len=32 --training.local_batch_size=1 --training.steps=4"
+                        " --training.deterministic=true --metrics.log_freq=1 --parallelism.data_parallel_shard_degree=1"
+                        " --validation.enable=false",
+                    300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("have no trained label"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("counts with zero weight"), std::string::npos) << r.output;
+  const auto got = loom::testing::logged_losses(dir.path() / "run");
+  ASSERT_EQ(got.size(), 4u);
+  int zero = 0;
+  for (double loss : got) {
+    EXPECT_TRUE(std::isfinite(loss));
+    zero += loss == 0.0 ? 1 : 0;
+  }
+  EXPECT_GE(zero, 1) << "the first rows are all prompt: their micro-batch has loss 0";
+}
