@@ -145,6 +145,27 @@ ModelDirArgs read_hf_args(const fs::path& dir) {
   out.hf_tied = c.tie_word_embeddings;
   return out;
 }
+// Loaded weights must be finite: a NaN or inf in a file (a save of a diverged run, a corrupt
+// conversion) would otherwise surface as NaN scores with exit 0, or as a "divergence" that blames
+// the learning rate. Names the first tensor (module order) and how many of its values are bad.
+void require_finite_weights(nn::Module& model, const std::string& source) {
+  torch::NoGradGuard no_grad;
+  auto check = [&](const std::string& name, const torch::Tensor& t) {
+    if (!t.defined() || !t.is_floating_point() || t.numel() == 0) return;
+    const torch::Tensor bad = t.isfinite().logical_not();
+    if (!bad.any().item<bool>()) return;
+    const int64_t count = bad.sum().item<int64_t>();
+    const int64_t first = bad.reshape(-1).nonzero().min().item<int64_t>();
+    fail_usage("'", source, "' holds non-finite weights: tensor '", name, "' has ", count, " NaN/inf value",
+               count == 1 ? "" : "s", " of ", t.numel(), " (the first at flat index ", first,
+               ", value ", t.reshape(-1)[first].item<double>(),
+               "); the file is corrupt or was saved from a diverged run: use an earlier checkpoint or a fresh copy");
+  };
+  for (const auto& p : model.named_parameters()) check(p.name, p.tensor().detach());
+  for (const auto& b : model.named_buffers()) {
+    if (b.slot->persistent) check(b.name, b.slot->tensor);
+  }
+}
 }  // namespace
 
 const DecoderArgs& ModelDirArgs::decoder() const {
@@ -227,6 +248,7 @@ LoadedModel load_model_dir(const fs::path& dir, const LoadOptions& options) {
     }
     check_adapter_base(adapter, base);
     attach_adapter(*loaded.spec, *loaded.model, adapter);
+    require_finite_weights(*loaded.model, dir.string());
     loaded.adapter = std::move(adapter);
     return loaded;
   }
@@ -307,6 +329,7 @@ LoadedModel load_hf_model_dir(const fs::path& dir, const LoadOptions& options) {
     LOOM_REQUIRE(filled.count(p.name), "'", ckpt.source().string(), "' is missing '",
                  hf.to_hf_name(p.name).value_or(p.name), "'");
   }
+  require_finite_weights(*model, dir.string());
   return {config.spec, model, ModelDirFormat::kHuggingFace, dir};
 }
 
@@ -356,6 +379,7 @@ LoadedModel load_loom_checkpoint(const fs::path& path, const LoadOptions& option
     LOOM_REQUIRE(result.has_value(), "'", path.string(), "' holds no complete checkpoint");
     loaded.source = result->path;
   }
+  require_finite_weights(*model, loaded.source.string());
   return loaded;
 }
 

@@ -14,6 +14,7 @@
 #include "loom/models/llama3/hf_adapter.h"
 #include "loom/models/llama3/model.h"
 #include "loom/models/common/model_dir.h"
+#include "loom/testing/errors.h"
 #include "loom/testing/run.h"
 
 namespace {
@@ -358,6 +359,28 @@ TEST(ModelDir, LoomAndHfFormatsRoundTripExactly) {
   EXPECT_EQ(hf_back.format, ModelDirFormat::kHuggingFace);
   EXPECT_TRUE(torch::equal(hf_back.model->forward(tokens), expected));
   EXPECT_EQ(hf_back.model->decoder_args().summary(), model->args().summary());
+}
+
+// Issue 46 (6): a model whose file holds NaN or inf is refused at load, naming the tensor, in both
+// formats (score, generate, convert and an HF initial load all go through these loaders).
+TEST(ModelDir, NonFiniteWeightsAreRefusedNamingTheTensor) {
+  TempDir tmp;
+  auto model = tiny_model(4);
+  {
+    torch::NoGradGuard no_grad;
+    auto w = model->parameter("layers.1.feed_forward.w2.weight");
+    w.view(-1)[5] = std::numeric_limits<float>::quiet_NaN();
+    w.view(-1)[9] = std::numeric_limits<float>::infinity();
+  }
+  save_loom_checkpoint(llama_spec(), *model, tmp.path() / "loom");
+  export_hf_model_dir(llama_spec(), *model, tmp.path() / "hf");
+  for (const char* dir : {"loom", "hf"}) {
+    SCOPED_TRACE(dir);
+    loom::testing::expect_error<loom::UsageError>(
+        [&] { load_model_dir(tmp.path() / dir); },
+        {"holds non-finite weights", "'layers.1.feed_forward.w2.weight' has 2 NaN/inf values", "flat index 5",
+         "use an earlier checkpoint"});
+  }
 }
 
 TEST(ModelDir, TiedHfCheckpointAndMissingTensorErrors) {
