@@ -109,6 +109,7 @@ LoadResult load_checkpoint(const fs::path& dir, const ShardedStateDict& dest, in
   result.saved_world_size = metadata.world_size;
   result.model_only = metadata.model_only;
   result.json = metadata.json;
+  if (options.check_state) options.check_state(dir, metadata.json);
   if (rank >= 0 && rank < static_cast<int>(metadata.rank_json.size())) {
     result.rank_json = metadata.rank_json[static_cast<size_t>(rank)];
   }

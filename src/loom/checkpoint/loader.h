@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,6 +31,11 @@ struct LoadOptions {
   // load_latest logs the checkpoint it loaded (info, on stdout). Commands whose stdout is their
   // result (`loom generate --ids`, `loom score`) turn it off; warnings about skipped ones stay.
   bool log_loaded = true;
+  // Called with the checkpoint's folder and saved global JSON state before any tensor is read; it
+  // throws (a loom::UsageError) to refuse the checkpoint, so a setting that does not fit it (LoRA's
+  // rank, its base) is named rather than the first tensor whose shape differs. Not a reason to
+  // fall back to an older step: load_latest lets what it throws through.
+  std::function<void(const std::filesystem::path& dir, const nlohmann::json& state)> check_state;
 };
 
 // A model-only checkpoint where full training state was asked for (LoadOptions::skip_model_only).

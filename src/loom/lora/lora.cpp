@@ -245,6 +245,25 @@ LoRAOptions from_json(const nlohmann::json& entry, const std::string& source) {
   return o;
 }
 
+std::string resume_mismatch(const LoRAOptions& saved, const LoRAOptions& now) {
+  auto list = [](const std::vector<std::string>& v) {
+    std::string out;
+    for (const auto& s : std::set<std::string>(v.begin(), v.end())) out += (out.empty() ? "" : ",") + s;
+    return out;
+  };
+  if (saved.rank != now.rank) return c10::str("lora.rank = ", saved.rank, ", not ", now.rank);
+  if (list(saved.target_modules) != list(now.target_modules)) {
+    return c10::str("lora.target_modules = \"", list(saved.target_modules), "\", not \"", list(now.target_modules),
+                    "\" (the adapters of a target left out would be dropped from every later checkpoint)");
+  }
+  if (saved.scaling() != now.scaling()) {
+    return c10::str("lora.alpha = ", saved.alpha, saved.use_rslora ? " with use_rslora" : "", " (scaling ",
+                    saved.scaling(), "), not lora.alpha = ", now.alpha, now.use_rslora ? " with use_rslora" : "",
+                    " (scaling ", now.scaling(), "; the trained adapters would be rescaled)");
+  }
+  return {};
+}
+
 std::optional<nn::ParameterInit> adapter_init(const std::string& name) {
   const std::string a = std::string(".") + kAdapterName + ".a", b = std::string(".") + kAdapterName + ".b";
   if (ends_with(name, a)) return nn::ParameterInit::kaiming_uniform();

@@ -107,6 +107,12 @@ Adapter* find_adapter(nn::Module& model, const std::string& linear_path);
 // for a malformed entry.
 nlohmann::json to_json(const LoRAOptions& options);
 LoRAOptions from_json(const nlohmann::json& entry, const std::string& source);
+// Why a run with adapter settings `now` cannot resume adapters trained with `saved` (empty when it
+// can): another rank or set of target modules (the adapters of a dropped target would be
+// discarded from every later checkpoint), or another scaling (alpha, use_rslora: the trained
+// adapters would be silently rescaled). A different dropout is allowed (it shapes training, not
+// the adapters), and so is an alpha/rsLoRA change that keeps the scaling.
+std::string resume_mismatch(const LoRAOptions& saved, const LoRAOptions& now);
 inline constexpr const char* kCheckpointKey = "lora";
 
 // The initialization of an adapter parameter by name ("...lora.a": kaiming-uniform over its fan-in,

@@ -351,11 +351,14 @@ void Trainer::init_checkpointing() {
     if (base_reference_.is_object() && !c.initial_load_path.empty()) load_initial_weights(c.initial_load_path);
     checkpoint::LoadOptions load_options;
     load_options.skip_model_only = true;  // a model-only last save cannot resume training
+    // The base and adapter settings it was trained with, before any tensor is read.
+    load_options.check_state = [this](const fs::path& dir, const nlohmann::json& state) {
+      check_resumed_base(dir, state);
+    };
     if (auto loaded = checkpointer_->load(state_dict(), load_options)) {
       LOOM_REQUIRE(!loaded->model_only, "checkpoint ", loaded->path.string(),
                    " holds only model weights and cannot resume training; set "
                    "checkpoint.initial_load_path to it instead, or remove it");
-      check_resumed_base(*loaded);
       step_ = loaded->json.at("step").get<int64_t>();
       LOOM_REQUIRE_USAGE(step_ < config_.training.steps, "checkpoint ", loaded->path.string(),
                          " is at step ", step_, ", which is not before training.steps = ",
@@ -391,17 +394,24 @@ nlohmann::json Trainer::frozen_base_reference() {
   return nlohmann::json::parse(group->all_gather(reference).at(0));
 }
 
-void Trainer::check_resumed_base(const checkpoint::LoadResult& loaded) const {
+void Trainer::check_resumed_base(const fs::path& checkpoint, const nlohmann::json& state) const {
   if (!base_reference_.is_object()) return;
-  const nlohmann::json saved = loaded.json.value(models::kBaseKey, nlohmann::json());
+  const nlohmann::json saved = state.value(models::kBaseKey, nlohmann::json());
   // The path may move; the checksum (or the seed) is what identifies the base.
   const auto identity = [](const nlohmann::json& base) {
     return base.is_object() && base.contains("checksum") ? base.at("checksum") : base.value("seed", nlohmann::json());
   };
-  LOOM_REQUIRE_USAGE(identity(saved) == identity(base_reference_), "checkpoint ", loaded.path.string(),
+  LOOM_REQUIRE_USAGE(identity(saved) == identity(base_reference_), "checkpoint ", checkpoint.string(),
                      " trained adapters on the base ", saved.dump(), " but this run's base is ", base_reference_.dump(),
                      "; set checkpoint.initial_load_path (and training.seed) to the base it was trained on, or "
                      "start a new run in another job.dump_folder");
+  // The adapters' own settings: resuming with others would rescale or drop trained adapters.
+  if (state.contains(lora::kCheckpointKey)) {
+    const lora::LoRAOptions trained = lora::from_json(state.at(lora::kCheckpointKey), checkpoint.string());
+    const std::string mismatch = lora::resume_mismatch(trained, lora::LoRAOptions::from(config_.lora));
+    LOOM_REQUIRE_USAGE(mismatch.empty(), "checkpoint ", checkpoint.string(), " trained its adapters with ", mismatch,
+                       "; resume with the settings it was trained with, or start a new run in another job.dump_folder");
+  }
 }
 
 void Trainer::save_checkpoint_to(const fs::path& folder) {

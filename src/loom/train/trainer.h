@@ -113,8 +113,9 @@ class Trainer {
   // checkpoint.initial_load_path, or {"seed"} of a randomly initialized one; null when nothing is
   // frozen. Checkpoints record it (and copy the base's weights only when no file holds them).
   nlohmann::json frozen_base_reference();
-  // A resumed checkpoint's recorded base must be this run's.
-  void check_resumed_base(const checkpoint::LoadResult& loaded) const;
+  // A checkpoint to resume (its folder and saved state) must record this run's base and, for
+  // LoRA adapters, the adapter settings they were trained with (lora::resume_mismatch).
+  void check_resumed_base(const std::filesystem::path& checkpoint, const nlohmann::json& state) const;
   // The loaded batch as this rank's model takes it (documents, context-parallel chunks), on the
   // device.
   parallel::ModelBatch model_batch(const data::Batch& batch) const;

@@ -155,6 +155,23 @@ TEST(TrainerLoRA, AdapterCheckpointsReferenceTheBaseAndResume) {
              300);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("trained adapters on the base"), std::string::npos) << r.output;
+  // Issue 46 (1): other adapter settings are refused in one line (exit 2) rather than rescaling the
+  // trained adapters or dropping a target's from later checkpoints; a dropout change resumes.
+  const std::string same_base = lora + base_dir.string() + " --parallelism.data_parallel_shard_degree=1";
+  for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
+           {" --lora.alpha=16", "lora.alpha = 8 (scaling 2), not lora.alpha = 16 (scaling 4"},
+           {" --lora.use_rslora=true", "not lora.alpha = 8 with use_rslora"},
+           {" --lora.target_modules=q_proj,v_proj,o_proj", "lora.target_modules = \"down_proj,o_proj,q_proj,v_proj\""},
+           {" --lora.rank=8", "lora.rank = 4, not 8"}}) {
+    SCOPED_TRACE(flags);
+    r = T::run(T::loom_command(1, T::layout_train_args(resumed, 9, 8, same_base + flags)), 300);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("resume with the settings it was trained with"), std::string::npos) << r.output;
+  }
+  r = T::run(T::loom_command(1, T::layout_train_args(resumed, 7, 8, same_base + " --lora.dropout=0.05")), 300);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
 }
 
 TEST(TrainerLoRA, BadSettingsAreOneLine) {
