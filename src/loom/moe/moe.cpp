@@ -75,4 +75,9 @@ void MoE::balance_experts(const torch::Tensor& counts) {
   tokens_per_expert_->tensor.zero_();
 }
 
+void MoE::reset_load_counts() {
+  torch::NoGradGuard no_grad;
+  if (tokens_per_expert_ != nullptr) tokens_per_expert_->tensor.zero_();
+}
+
 }  // namespace loom::moe

@@ -68,6 +68,9 @@ class MoE : public nn::Module {
   // parallel ranks); bias += coeff * sign(mean(counts) - counts), re-centred to mean 0. Resets
   // tokens_per_expert. No-op without load balancing.
   void balance_experts(const torch::Tensor& counts);
+  // Zeroes tokens_per_expert without moving the bias (a frozen base's layer: the loads are
+  // measured, the routing stays as loaded).
+  void reset_load_counts();
   // Zeroes the routing state (the selection bias and the counts) where the buffers now live.
   void reset_state();
 

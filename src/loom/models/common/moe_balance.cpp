@@ -3,8 +3,8 @@
 namespace loom::models {
 
 MoEBalanceSync::MoEBalanceSync(std::vector<std::pair<std::string, moe::MoE*>> layers,
-                               std::vector<tensor::CommPtr> comms)
-    : comms_(std::move(comms)) {
+                               std::vector<tensor::CommPtr> comms, bool update_biases)
+    : comms_(std::move(comms)), update_biases_(update_biases) {
   for (auto& [name, layer] : layers) {
     names_.push_back(name);
     layers_.push_back(layer);
@@ -12,7 +12,8 @@ MoEBalanceSync::MoEBalanceSync(std::vector<std::pair<std::string, moe::MoE*>> la
 }
 
 std::string MoEBalanceSync::describe() const {
-  return c10::str("MoE load balancing (", layers_.size(), " layer", layers_.size() == 1 ? "" : "s", ")");
+  return c10::str("MoE load balancing (", layers_.size(), " layer", layers_.size() == 1 ? "" : "s",
+                  update_biases_ ? ")" : "; selection biases frozen with the base)");
 }
 
 void MoEBalanceSync::finish(parallel::ParameterStorage&) {
@@ -27,7 +28,11 @@ void MoEBalanceSync::finish(parallel::ParameterStorage&) {
   for (moe::MoE* layer : layers_) {
     const int64_t n = layer->tokens_per_expert().numel();
     const torch::Tensor counts = all.narrow(0, offset, n);
-    layer->balance_experts(counts);
+    if (update_biases_) {
+      layer->balance_experts(counts);
+    } else {
+      layer->reset_load_counts();
+    }
     const double mean = counts.mean().item<double>();
     last_.push_back({mean > 0 ? counts.max().item<double>() / mean : 0.0,
                      mean > 0 ? counts.min().item<double>() / mean : 0.0,

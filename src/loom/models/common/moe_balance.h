@@ -20,7 +20,10 @@ class MoEBalanceSync : public parallel::Synchronizer {
  public:
   // `comms`: the groups to sum the counts over, each once (summing over ranks that routed the same
   // tokens only scales the counts, which the rule's sign ignores).
-  MoEBalanceSync(std::vector<std::pair<std::string, moe::MoE*>> layers, std::vector<tensor::CommPtr> comms);
+  // `update_biases` false: the selection biases belong to a frozen base (LoRA adapters train on
+  // it), so they stay as loaded, like every other base weight; the loads are still measured.
+  MoEBalanceSync(std::vector<std::pair<std::string, moe::MoE*>> layers, std::vector<tensor::CommPtr> comms,
+                 bool update_biases = true);
   std::string describe() const override;
   void finish(parallel::ParameterStorage& storage) override;
   // Per layer, of the last step: moe/<layer>/load_max and load_min (the busiest and idlest expert's
@@ -32,6 +35,7 @@ class MoEBalanceSync : public parallel::Synchronizer {
   std::vector<moe::MoE*> layers_;
   std::vector<std::array<double, 3>> last_;  // load_max, load_min, bias_norm per layer
   std::vector<tensor::CommPtr> comms_;
+  bool update_biases_ = true;
 };
 
 // Every MoE layer under `root` that balances its experts (load_balance_coeff > 0), with its path.

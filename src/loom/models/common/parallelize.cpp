@@ -336,7 +336,10 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
     std::vector<tensor::CommPtr> comms;
     if (dims.dp_cp_enabled()) comms.push_back(mesh.comm("dp_cp"));
     if (dims.tp_enabled()) comms.push_back(mesh.comm("tp"));
-    parts.synchronizers.push_back(std::make_shared<MoEBalanceSync>(std::move(balanced), std::move(comms)));
+    // Under LoRA the base is frozen, its selection biases included: PEFT exports and restores only
+    // the adapters, and adapters scored over one base must all see the base's routing.
+    parts.synchronizers.push_back(
+        std::make_shared<MoEBalanceSync>(std::move(balanced), std::move(comms), /*update_biases=*/!options.lora));
   }
   return parts;
 }

@@ -196,3 +196,29 @@ TEST(TrainerLoRA, BadSettingsAreOneLine) {
 }
 
 }  // namespace test_trainer_lora
+
+namespace test_trainer_lora {
+
+// Issue 46 (2): LoRA on an MoE base leaves the base's selection (routing) biases as loaded: they
+// belong to the frozen base, which PEFT exports and restores without them and which several
+// adapters scored over one base share. The loads are still measured; without LoRA they move.
+TEST(TrainerLoRA, MoeBaseSelectionBiasesStayFrozen) {
+  T::TempDir lora_run("lora_moe"), full_run("full_moe");
+  const std::string moe = " --model.name=qwen3_moe --parallelism.data_parallel_shard_degree=1" + T::kSaveLast;
+  auto r = T::run(T::loom_command(1, T::layout_train_args(lora_run, 3, 8, moe + kLora)), 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("selection biases frozen with the base"), std::string::npos) << r.output;
+  r = T::run(T::loom_command(1, T::layout_train_args(full_run, 3, 8, moe)), 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  int biases = 0;
+  const auto lora_params = T::gathered_parameters(lora_run, 3), full_params = T::gathered_parameters(full_run, 3);
+  for (const auto& [name, value] : lora_params) {
+    if (name.find("expert_bias") == std::string::npos) continue;
+    ++biases;
+    EXPECT_EQ(value.abs().sum().item<double>(), 0.0) << name << " moved under LoRA";
+    EXPECT_GT(full_params.at(name).abs().sum().item<double>(), 0.0) << name << " never moved in full training";
+  }
+  EXPECT_EQ(biases, 3);
+}
+
+}  // namespace test_trainer_lora
