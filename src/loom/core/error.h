@@ -54,6 +54,14 @@ class IncompatibleCheckpointError : public Error {
   explicit IncompatibleCheckpointError(const std::string& message) : Error(message, kExitUsage) {}
 };
 
+// An allocation that did not fit (memory::rethrow_with_allocation_context names what and how
+// much): exit code 1 like any failure, and its own type so that callers turning their input's
+// errors into usage errors (models/common/model_dir.cpp) leave it as it is.
+class MemoryError : public Error {
+ public:
+  using Error::Error;
+};
+
 // Training produced a non-finite loss or gradient norm: exit code 3.
 class DivergedError : public Error {
  public:

@@ -238,8 +238,8 @@ bool is_allocation_failure(const std::exception_ptr& error) {
 void rethrow_with_allocation_context(const std::exception_ptr& error, const std::string& what, int64_t bytes,
                                      const c10::Device& device, const std::string& hint) {
   if (!is_allocation_failure(error)) std::rethrow_exception(error);
-  fail("out of memory allocating ", what, ": ", bytes_text(bytes), " on ", device.str(), " (",
-       allocator_words(error), "); ", hint);
+  throw MemoryError(c10::str("out of memory allocating ", what, ": ", bytes_text(bytes), " on ", device.str(), " (",
+                             allocator_words(error), "); ", hint));
 }
 
 std::string bytes_text(int64_t bytes) {

@@ -174,7 +174,30 @@ const DecoderArgs& ModelDirArgs::decoder() const {
   return *decoder;
 }
 
-ModelDirFormat detect_model_dir_format(const fs::path& dir) {
+// What a model directory or checkpoint given as input can be wrong in (a missing path, a config
+// that lies about sizes, a missing or truncated shard, misshaped fp8 scales, an unsupported rope or
+// model type) is the input's fault: a restart reads the same files and fails the same way. So every
+// error of the readers below leaves as a usage error (exit 2, never retried by `loom launch
+// --max-restarts`), with its message unchanged; running out of memory stays what it is.
+template <typename Fn>
+static auto as_input_error(Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const UsageError&) {
+    throw;
+  } catch (const MemoryError&) {
+    throw;
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const Error& e) {
+    if (e.exit_code() != kExitFailure) throw;
+    throw UsageError(e.what());
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());
+  }
+}
+
+static ModelDirFormat detect_model_dir_format_unchecked(const fs::path& dir) {
   LOOM_REQUIRE(fs::is_directory(dir), "'", dir.string(), "' is not a directory; expected a Loom "
                "checkpoint or a Hugging Face model directory");
   if (is_checkpoint_dir(dir) || holds_checkpoints(dir)) return ModelDirFormat::kLoom;
@@ -189,7 +212,7 @@ ModelDirFormat detect_model_dir_format(const fs::path& dir) {
        "a Loom checkpoint or a Hugging Face model directory");
 }
 
-fs::path resolve_loom_checkpoint(const fs::path& path) {
+static fs::path resolve_loom_checkpoint_unchecked(const fs::path& path) {
   if (is_checkpoint_dir(path)) return path;
   LOOM_REQUIRE(holds_checkpoints(path), "'", path.string(), "' is not a Loom checkpoint (no "
                "metadata.json) nor a folder of step-N checkpoints");
@@ -199,7 +222,7 @@ fs::path resolve_loom_checkpoint(const fs::path& path) {
   return latest->path;
 }
 
-ModelDirArgs read_checkpoint_model_args(const fs::path& path) {
+static ModelDirArgs read_checkpoint_model_args_unchecked(const fs::path& path) {
   const fs::path dir = resolve_loom_checkpoint(path);
   const checkpoint::CheckpointMetadata metadata = checkpoint::CheckpointMetadata::read(dir);
   const std::string where = (dir / checkpoint::kMetadataFile).string();
@@ -215,7 +238,7 @@ ModelDirArgs read_checkpoint_model_args(const fs::path& path) {
   return out;
 }
 
-ModelDirArgs read_model_dir_args(const fs::path& dir) {
+static ModelDirArgs read_model_dir_args_unchecked(const fs::path& dir) {
   // A PEFT directory has no model config of its own: its base's.
   if (is_adapter_dir(dir) && !fs::exists(dir / checkpoint::kMetadataFile) && !holds_checkpoints(dir)) {
     const AdapterDir adapter = read_adapter_dir(dir);
@@ -228,7 +251,7 @@ ModelDirArgs read_model_dir_args(const fs::path& dir) {
   return read_hf_args(dir);
 }
 
-LoadedModel load_model_dir(const fs::path& dir, const LoadOptions& options) {
+static LoadedModel load_model_dir_unchecked(const fs::path& dir, const LoadOptions& options) {
   // An adapter on a base elsewhere. (A LoRA run on a seeded base saved that base with its
   // adapters: load_loom_checkpoint reads both.)
   std::optional<AdapterDir> adapter_dir;
@@ -256,7 +279,7 @@ LoadedModel load_model_dir(const fs::path& dir, const LoadOptions& options) {
                                                                : load_hf_model_dir(dir, options);
 }
 
-LoadedModel load_hf_model_dir(const fs::path& dir, const LoadOptions& options) {
+static LoadedModel load_hf_model_dir_unchecked(const fs::path& dir, const LoadOptions& options) {
   ModelDirArgs config = read_hf_args(dir);
   set_max_seq_len(*config.args, options.max_seq_len);
   const HfFormat& hf = *config.spec->hf;
@@ -333,7 +356,7 @@ LoadedModel load_hf_model_dir(const fs::path& dir, const LoadOptions& options) {
   return {config.spec, model, ModelDirFormat::kHuggingFace, dir};
 }
 
-LoadedModel load_loom_checkpoint(const fs::path& path, const LoadOptions& options) {
+static LoadedModel load_loom_checkpoint_unchecked(const fs::path& path, const LoadOptions& options) {
   const fs::path dir = resolve_loom_checkpoint(path);
   ModelDirArgs recorded = read_checkpoint_model_args(dir);
   set_max_seq_len(*recorded.args, options.max_seq_len);
@@ -434,7 +457,7 @@ void export_hf_model_dir(const ModelSpec& spec, Decoder& model, const fs::path& 
       dir / "config.json", spec.hf->write_config(model.decoder_args(), dtype_name).dump(2) + "\n");
 }
 
-InitialWeights read_initial_weights(const ModelSpec& spec, const fs::path& path) {
+static InitialWeights read_initial_weights_unchecked(const ModelSpec& spec, const fs::path& path) {
   InitialWeights weights;
   if (detect_model_dir_format(path) == ModelDirFormat::kLoom) {
     weights.loom_checkpoint = resolve_loom_checkpoint(path);
@@ -449,6 +472,38 @@ InitialWeights read_initial_weights(const ModelSpec& spec, const fs::path& path)
     if (b.slot->persistent) weights.full_parameters[b.name] = b.slot->tensor;
   }
   return weights;
+}
+
+ModelDirFormat detect_model_dir_format(const fs::path& dir) {
+  return as_input_error([&] { return detect_model_dir_format_unchecked(dir); });
+}
+
+fs::path resolve_loom_checkpoint(const fs::path& path) {
+  return as_input_error([&] { return resolve_loom_checkpoint_unchecked(path); });
+}
+
+ModelDirArgs read_checkpoint_model_args(const fs::path& path) {
+  return as_input_error([&] { return read_checkpoint_model_args_unchecked(path); });
+}
+
+ModelDirArgs read_model_dir_args(const fs::path& dir) {
+  return as_input_error([&] { return read_model_dir_args_unchecked(dir); });
+}
+
+LoadedModel load_model_dir(const fs::path& dir, const LoadOptions& options) {
+  return as_input_error([&] { return load_model_dir_unchecked(dir, options); });
+}
+
+LoadedModel load_hf_model_dir(const fs::path& dir, const LoadOptions& options) {
+  return as_input_error([&] { return load_hf_model_dir_unchecked(dir, options); });
+}
+
+LoadedModel load_loom_checkpoint(const fs::path& path, const LoadOptions& options) {
+  return as_input_error([&] { return load_loom_checkpoint_unchecked(path, options); });
+}
+
+InitialWeights read_initial_weights(const ModelSpec& spec, const fs::path& path) {
+  return as_input_error([&] { return read_initial_weights_unchecked(spec, path); });
 }
 
 }  // namespace loom::models

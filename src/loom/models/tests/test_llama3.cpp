@@ -383,6 +383,43 @@ TEST(ModelDir, NonFiniteWeightsAreRefusedNamingTheTensor) {
   }
 }
 
+// Issue 46 (8): whatever is wrong with a model directory given as input is a usage error (exit 2:
+// `loom launch --max-restarts` does not retry it), with its own message: a missing path, a missing
+// tensor, a truncated shard, a config that lies about the sizes, an unknown model type.
+TEST(ModelDir, EveryInconsistentDirectoryIsAUsageError) {
+  TempDir tmp;
+  auto model = tiny_model(5);
+  export_hf_model_dir(llama_spec(), *model, tmp.path() / "hf");
+  auto usage = [](const fs::path& dir, const std::string& says) {
+    try {
+      load_model_dir(dir);
+      ADD_FAILURE() << dir << " loaded";
+    } catch (const loom::UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << dir << ": not a usage error: " << e.what();
+    }
+  };
+  usage(tmp.path() / "missing", "is not a directory");
+  // A truncated shard.
+  fs::copy(tmp.path() / "hf", tmp.path() / "truncated", fs::copy_options::recursive);
+  const fs::path shard = tmp.path() / "truncated" / "model.safetensors";
+  fs::resize_file(shard, fs::file_size(shard) / 2);
+  usage(tmp.path() / "truncated", "model.safetensors");
+  // A config that says another vocabulary than the tensors hold.
+  fs::copy(tmp.path() / "hf", tmp.path() / "lying", fs::copy_options::recursive);
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(tmp.path() / "hf" / "config.json"));
+  config["vocab_size"] = config["vocab_size"].get<int64_t>() + 3;
+  std::ofstream(tmp.path() / "lying" / "config.json") << config.dump();
+  usage(tmp.path() / "lying", "embed_tokens");
+  // An unsupported model type.
+  fs::copy(tmp.path() / "hf", tmp.path() / "other", fs::copy_options::recursive);
+  config["vocab_size"] = config["vocab_size"].get<int64_t>() - 3;
+  config["model_type"] = "mamba";
+  std::ofstream(tmp.path() / "other" / "config.json") << config.dump();
+  usage(tmp.path() / "other", "mamba");
+}
+
 TEST(ModelDir, TiedHfCheckpointAndMissingTensorErrors) {
   TempDir tmp;
   auto model = tiny_model(3);
