@@ -75,12 +75,13 @@ void zero_gradient(at::Tensor& param, bool set_to_none) {
 }
 
 StepGuard clip_and_skip_guard(const at::Tensor& grad_norm, const at::Tensor& loss, double max_norm) {
-  LOOM_REQUIRE(max_norm > 0.0, "max_norm for gradient clipping must be > 0, got ", max_norm);
+  LOOM_REQUIRE(max_norm >= 0.0, "max_norm for gradient clipping must be >= 0 (0: no clipping), got ", max_norm);
   LOOM_REQUIRE(grad_norm.numel() == 1 && loss.numel() == 1, "clip_and_skip_guard takes a scalar norm and loss");
   at::NoGradGuard no_grad;
   const at::Tensor norm = grad_norm.detach().reshape({}).to(at::kFloat);
-  // The same coefficient as clip_grads_with_norm_: 1 (so grad / 1 is exact) unless clipping.
-  const at::Tensor coef = at::clamp_max(max_norm / (norm + 1e-6), 1.0);
+  // The same coefficient as clip_grads_with_norm_: 1 (so grad / 1 is exact) unless clipping; 1
+  // always when max_norm is 0 (no clipping).
+  const at::Tensor coef = max_norm > 0.0 ? at::clamp_max(max_norm / (norm + 1e-6), 1.0) : at::ones_like(norm);
   StepGuard guard;
   guard.grad_scale = at::reciprocal(coef);
   guard.found_inf = at::logical_not(at::logical_and(at::isfinite(norm),

@@ -62,8 +62,8 @@ struct StepGuard {
 
 // The guard for clipping to `max_norm` and skipping a non-finite step, from the global gradient
 // norm and the global loss (both 0-dim, any floating dtype): grad_scale = 1 / min(1, max_norm /
-// (norm + 1e-6)), the reciprocal of clip_grads_with_norm_'s coefficient; found_inf = 1 when the
-// norm or the loss is NaN/inf. No host sync.
+// (norm + 1e-6)), the reciprocal of clip_grads_with_norm_'s coefficient (1 when max_norm is 0: no
+// clipping); found_inf = 1 when the norm or the loss is NaN/inf. No host sync.
 StepGuard clip_and_skip_guard(const at::Tensor& grad_norm, const at::Tensor& loss, double max_norm);
 
 class Optimizer {

@@ -196,8 +196,9 @@ torch::Tensor ParallelizedModel::grad_norm() {
 }
 
 torch::Tensor ParallelizedModel::clip_grad_norm_(double max_norm) {
-  LOOM_REQUIRE_USAGE(max_norm > 0, "clip_grad_norm_ needs max_norm > 0, got ", max_norm);
+  LOOM_REQUIRE_USAGE(max_norm >= 0, "clip_grad_norm_ needs max_norm >= 0 (0: no clipping), got ", max_norm);
   const torch::Tensor norm = grad_norm();
+  if (max_norm == 0) return norm;  // no clipping (TorchTitan's max_norm = 0); the norm is still reported
   std::vector<torch::Tensor> grads;
   for (const auto& g : parts_.storage->norm_gradients()) {
     if (g.defined() && g.numel() > 0) grads.push_back(g);

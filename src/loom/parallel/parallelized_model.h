@@ -83,8 +83,8 @@ class ParallelizedModel {
   // Global 2-norm of the gradients over every mesh dim, each element counted once (a device
   // tensor, no host sync; collective over the mesh).
   torch::Tensor grad_norm();
-  // grad_norm(), then scales the gradients by min(1, max_norm / norm); returns the norm before
-  // clipping. (A step whose optimizer applies a StepGuard clips inside the update instead.)
+  // grad_norm(), then scales the gradients by min(1, max_norm / norm) (not at all when max_norm is
+  // 0); returns the norm before clipping. (A step whose optimizer applies a StepGuard clips inside the update instead.)
   torch::Tensor clip_grad_norm_(double max_norm);
   // This rank's gradient pieces by parameter name, in module order (the same names on every rank).
   std::vector<std::pair<std::string, torch::Tensor>> local_gradients();

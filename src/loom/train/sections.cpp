@@ -26,7 +26,7 @@ void check_training(const TrainingSection& t) {
                    s, "global_batch_size",
                    c10::str("-1 or a positive multiple of training.local_batch_size (", t.local_batch_size, ")"), &t);
   options::require(t.seq_len > 0, s, "seq_len", "> 0", &t);
-  options::require(t.max_norm > 0.0, s, "max_norm", "> 0", &t);
+  options::require(t.max_norm >= 0.0, s, "max_norm", ">= 0 (0 = no clipping)", &t);
   options::require(t.steps > 0, s, "steps", "> 0", &t);
   options::require(t.skip_nonfinite_steps >= 0, s, "skip_nonfinite_steps", ">= 0", &t);
   options::require(t.data_workers >= 0, s, "data_workers", ">= 0 (0 = the rank's intra-op threads)", &t);
@@ -133,7 +133,9 @@ const options::Section& training_section() {
            "degree. Otherwise it must be a multiple of `local_batch_size x dp` and the trainer "
            "accumulates gradients over `global / (local x dp)` micro-batches."},
           {LOOM_OPTION(S, seq_len), "Tokens per sequence."},
-          {LOOM_OPTION(S, max_norm), "Gradients are clipped to this global 2-norm (over all shards), `> 0`."},
+          {LOOM_OPTION(S, max_norm),
+           "Gradients are clipped to this global 2-norm (over all shards); `0` = no clipping (the norm is still "
+           "computed and logged), as in TorchTitan."},
           {LOOM_OPTION(S, steps), "Optimizer steps to run."},
           {LOOM_OPTION(S, seed), "Seed for parameter initialization and data order."},
           {LOOM_OPTION(S, deterministic),

@@ -521,3 +521,29 @@ TEST(TrainerSft, RowsWithoutATrainedLabelCountWithZeroWeight) {
   }
   EXPECT_GE(zero, 1) << "the first rows are all prompt: their micro-batch has loss 0";
 }
+
+// Issue 46 (11): training.max_norm = 0 means no clipping, as in TorchTitan: the run equals one whose
+// threshold is never reached, bitwise, and still logs the gradient norm; a negative one is refused.
+TEST(TrainerClipping, MaxNormZeroMeansNoClipping) {
+  auto train = [](const std::string& max_norm, int expected_exit) {
+    TempDir dir("max_norm");
+    RunResult r = run(bin_dir() + "/loom train --config " + source_path("configs/llama3_debug.toml") +
+                          " --model.flavor=tiny --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
+                          " --training.dataset_path=" + source_path("data/default/corpus.jsonl") +
+                          " --job.dump_folder=" + dir.str() +
+                          " --training.seq_len=64 --training.local_batch_size=4 --training.steps=3"
+                          " --training.deterministic=true --metrics.log_freq=1 --parallelism.data_parallel_shard_degree=1"
+                          " --validation.enable=false --training.max_norm=" + max_norm,
+                      300);
+    EXPECT_EQ(r.exit_code, expected_exit) << r.output;
+    if (expected_exit == 2) EXPECT_NE(r.output.find(">= 0 (0 = no clipping)"), std::string::npos) << r.output;
+    return std::make_pair(loom::testing::logged_losses(dir.path()), loom::testing::logged_grad_norms(dir.path()));
+  };
+  const auto off = train("0", 0), never = train("1e9", 0), clipped = train("0.1", 0);
+  ASSERT_EQ(off.first.size(), 3u);
+  EXPECT_EQ(off.first, never.first);
+  EXPECT_EQ(off.second, never.second);
+  EXPECT_GT(off.second.front(), 0.1);  // so the 0.1 run clips, and differs
+  EXPECT_NE(off.first.back(), clipped.first.back());
+  train("-1", 2);
+}
