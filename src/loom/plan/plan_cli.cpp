@@ -1,5 +1,6 @@
 #include "loom/plan/plan_cli.h"
 
+#include <cmath>
 #include <c10/util/StringUtil.h>
 #include <nlohmann/json.hpp>
 
@@ -110,6 +111,12 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
   LOOM_REQUIRE_USAGE(o.world_size >= 1, "--world-size must be at least 1, got ", o.world_size);
   LOOM_REQUIRE_USAGE(o.top >= 1, "--top must be at least 1, got ", o.top);
   LOOM_REQUIRE_USAGE(o.memory_gib >= 0, "--memory-gib must be >= 0 (0: no limit), got ", o.memory_gib);
+  LOOM_REQUIRE_USAGE(o.devices_per_node >= 1, "--devices-per-node must be at least 1, got ", o.devices_per_node);
+  // `loom launch` starts the same number of ranks on every node.
+  LOOM_REQUIRE_USAGE(o.world_size <= o.devices_per_node || o.world_size % o.devices_per_node == 0, "--world-size ",
+                     o.world_size, " is not a multiple of --devices-per-node ", o.devices_per_node,
+                     ": every node runs the same number of ranks; use a world size that is a multiple of ",
+                     o.devices_per_node, " or a --devices-per-node that divides ", o.world_size);
   train::JobConfig config = train::load_job_config(o.config, overrides);
   const int64_t vocab = vocab_of(config);
   const models::ModelSpec& spec = models::get_spec(config.model.name);
@@ -190,6 +197,7 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
   const Cluster cluster = !timed ? Cluster{} : cluster_of(o);
   const double capacity = o.memory_gib > 0 ? o.memory_gib : timed ? cluster.memory_gib : 0;
   std::vector<Row> rows;
+  std::optional<Row> smallest;  // the least memory of every variant, for "nothing fits"
   for (const Layout& layout : found.layouts) {
     // Ranked by time, each layout runs with the fastest of its memory settings that fits.
     const std::vector<Layout> variants =
@@ -215,11 +223,20 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
     for (const auto& [time, v] : by_speed) {
       configure(*v);
       const MemoryEstimate m = estimate_memory(shape, *args, c, *v);
+      if (!smallest || m.peak < smallest->memory.peak) smallest = Row{*v, m, time};
       if (capacity > 0 && as_gib(m.peak) > capacity) continue;
       rows.push_back(Row{*v, m, time});
       break;
     }
   }
+  // Nothing to print is no result: say why, and what would fit.
+  LOOM_REQUIRE_USAGE(!found.layouts.empty(), "no layout of ", config.model.name, " ", config.model.flavor, " on ",
+                     o.world_size, " devices passes training's checks (", found.candidates,
+                     " tried); try another --world-size or training.global_batch_size");
+  LOOM_REQUIRE_USAGE(!rows.empty(), "no layout of ", config.model.name, " ", config.model.flavor, " on ", o.world_size,
+                     " devices fits in ", capacity, " GiB per device: the smallest needs ",
+                     c10::str(std::round(as_gib(smallest->memory.peak) * 100) / 100), " GiB (",
+                     smallest->layout.describe(), "); raise --memory-gib, add devices, or shorten training.seq_len");
   if (timed) {
     std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
       return a.time.tokens_per_device_s > b.time.tokens_per_device_s;
@@ -304,23 +321,44 @@ void register_plan_command(CLI::App& app) {
                 "choosing, per layout, the fastest that fits (AC none / selective per op / full; reshard "
                 "after forward as configured or never; Float8 on or off where the devices have float8 GEMMs)");
   // The cluster's constants given explicitly (-1: the preset's, or for cpu the measured ones):
-  // a cluster the presets do not describe, or one `--explain --json` measured, reused as is.
+  // a cluster the presets do not describe, or one `--explain --json` measured, reused as is. A
+  // given value must be a finite number > 0 (>= 0 for the latencies and per-call costs): a
+  // negative one would otherwise read as "not given" and be silently replaced.
   auto& co = o->cluster_overrides;
-  cmd->add_option("--peak-flops", co.peak_flops, "With --cluster: dense FLOP/s per device (cpu: one thread's)");
-  cmd->add_option("--peak-flops-all-cores", co.peak_flops_all_cores, "With --cluster cpu: the GEMM rate with every core");
-  cmd->add_option("--efficiency", co.efficiency, "With --cluster: the share of the peak the model's compute reaches");
-  cmd->add_option("--intra-node-bw", co.intra_node_bw, "With --cluster: ring bandwidth per device inside a node, bytes/s");
-  cmd->add_option("--inter-node-bw", co.inter_node_bw, "With --cluster: bandwidth per device across nodes, bytes/s");
-  cmd->add_option("--intra-latency", co.intra_latency, "With --cluster: seconds per ring hop inside a node");
-  cmd->add_option("--inter-latency", co.inter_latency, "With --cluster: seconds per ring hop across nodes");
+  const auto finite = [](bool allow_zero) {
+    return CLI::Validator(
+        [allow_zero](std::string& text) -> std::string {
+          double v = 0;
+          try {
+            size_t used = 0;
+            v = std::stod(text, &used);
+            if (used != text.size()) return "'" + text + "' is not a number";
+          } catch (const std::exception&) {
+            return "'" + text + "' is not a number";
+          }
+          if (!std::isfinite(v) || v < 0 || (!allow_zero && v == 0)) {
+            return c10::str("must be a finite number ", allow_zero ? ">= 0" : "> 0", ", got ", text);
+          }
+          return {};
+        },
+        allow_zero ? "NUMBER >= 0" : "NUMBER > 0");
+  };
+  const CLI::Validator positive = finite(false), non_negative = finite(true);
+  cmd->add_option("--peak-flops", co.peak_flops, "With --cluster: dense FLOP/s per device (cpu: one thread's)")->check(positive);
+  cmd->add_option("--peak-flops-all-cores", co.peak_flops_all_cores, "With --cluster cpu: the GEMM rate with every core")->check(positive);
+  cmd->add_option("--efficiency", co.efficiency, "With --cluster: the share of the peak the model's compute reaches")->check(positive);
+  cmd->add_option("--intra-node-bw", co.intra_node_bw, "With --cluster: ring bandwidth per device inside a node, bytes/s")->check(positive);
+  cmd->add_option("--inter-node-bw", co.inter_node_bw, "With --cluster: bandwidth per device across nodes, bytes/s")->check(positive);
+  cmd->add_option("--intra-latency", co.intra_latency, "With --cluster: seconds per ring hop inside a node")->check(non_negative);
+  cmd->add_option("--inter-latency", co.inter_latency, "With --cluster: seconds per ring hop across nodes")->check(non_negative);
   cmd->add_option("--blocking-call-s", co.blocking_call_s,
-                  "With --cluster: seconds a blocking collective costs beyond its bytes (CPU ranks sharing cores)");
+                  "With --cluster: seconds a blocking collective costs beyond its bytes (CPU ranks sharing cores)")->check(non_negative);
   cmd->add_option("--shared-host-efficiency", co.shared_host_efficiency,
-                  "With --cluster: the rate per token of ranks sharing a host, relative to one process alone");
+                  "With --cluster: the rate per token of ranks sharing a host, relative to one process alone")->check(positive);
   cmd->add_option("--shm-bw", co.shm_bw,
-                  "With --cluster cpu: bytes/s of the shared-memory collectives between a host's ranks");
+                  "With --cluster cpu: bytes/s of the shared-memory collectives between a host's ranks")->check(positive);
   cmd->add_option("--shm-call-s", co.shm_call_s,
-                  "With --cluster cpu: seconds a blocking shared-memory collective costs beyond its bytes");
+                  "With --cluster cpu: seconds a blocking shared-memory collective costs beyond its bytes")->check(non_negative);
   cmd->add_flag("--json", o->json, "Print JSON");
   cmd->allow_extras();
   cmd->footer("Config keys can be overridden: --section.key=value (see docs/config.md).");

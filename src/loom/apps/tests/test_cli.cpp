@@ -119,6 +119,16 @@ TEST(LoomCli, PlanExplainsSearchesAndRefusesBadRequestsInOneLine) {
       {" --world-size 2", "error: loom plan needs the global batch"},
       {" --world-size 2 --training.global_batch_size=8 --cluster a100", "error: unknown cluster 'a100'; use h100, h200 or cpu"},
       {" --explain --world-size 3 --parallelism.data_parallel_shard_degree=2", "error: "},
+      // Issue 46 (11): a world that no number of equal nodes makes, and cluster constants that are
+      // no positive finite number (a negative one read as "not given" and was silently replaced).
+      {" --world-size 8 --devices-per-node 3 --training.global_batch_size=8",
+       "error: --world-size 8 is not a multiple of --devices-per-node 3"},
+      {" --world-size 2 --training.global_batch_size=8 --cluster h100 --peak-flops -1",
+       "error: --peak-flops: must be a finite number > 0, got -1"},
+      {" --world-size 2 --training.global_batch_size=8 --cluster h100 --efficiency nan",
+       "error: --efficiency: must be a finite number > 0, got nan"},
+      {" --world-size 2 --training.global_batch_size=8 --cluster h100 --inter-latency -0.5",
+       "error: --inter-latency: must be a finite number >= 0, got -0.5"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.args);
@@ -156,10 +166,13 @@ TEST(LoomCli, PlanChoosesActivationCheckpointingWhereMemoryIsShort) {
       << tight.output;
   EXPECT_NE(tight.output.find("--activation_checkpoint.mode="), std::string::npos) << tight.output;
   const auto fixed = run(base + " --memory-gib 20 --fixed-memory-settings", 60);
-  EXPECT_EQ(fixed.exit_code, 0) << fixed.output;
   // Without checkpointing no layout of the 8B fits in 20 GiB: choosing it is what made one fit.
-  EXPECT_NE(fixed.output.find(", 0 within 20 GiB;"), std::string::npos) << fixed.output;
-  EXPECT_EQ(first_row(fixed.output), "") << fixed.output;
+  // Nothing fitting is one line, exit 2, naming the smallest peak and its layout (issue 46, 11).
+  EXPECT_EQ(fixed.exit_code, 2) << fixed.output;
+  EXPECT_EQ(fixed.output.rfind("error: no layout of llama3 8B on 8 devices fits in 20 GiB per device: the smallest "
+                               "needs ", 0), 0u) << fixed.output;
+  EXPECT_NE(fixed.output.find("raise --memory-gib"), std::string::npos) << fixed.output;
+  EXPECT_EQ(count_occurrences(fixed.output, "\n"), 1) << fixed.output;
   const auto kept = run(base + " --fixed-memory-settings", 60);
   EXPECT_EQ(kept.output.find("Float8"), std::string::npos) << kept.output;
   std::filesystem::remove(config);
