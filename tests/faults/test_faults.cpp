@@ -521,6 +521,59 @@ TEST(Faults, GenerateScoreConvertFallBackPastACorruptNewestStep) {
   EXPECT_TRUE(fs::exists(dir.path() / "hf" / "config.json"));
 }
 
+// Issue 46 (7): the same fallback for a LoRA run's adapter checkpoints on a referenced base: `loom
+// score --adapter <run's checkpoint folder>` whose newest step is CRC-corrupt reads the previous
+// complete step, with the warning, and scores as that step does. Before: exit 1 at the corrupt step.
+TEST(Faults, AdapterCheckpointFolderFallsBackPastACorruptNewestStep) {
+  TempDir base("lora-fallback-base"), run_dir("lora-fallback-run");
+  const std::string tiny = " --model.flavor=tiny --parallelism.data_parallel_shard_degree=1";
+  RunResult r = run(loom_bin() + train_args(base, 1, tiny + " --checkpoint.enable=true --checkpoint.model_only=true"),
+                    120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const fs::path base_dir = base.path() / "checkpoint" / "step-1";
+  r = run(loom_bin() + train_args(run_dir, 4, tiny + " --lora.rank=4 --lora.target_modules=q_proj,v_proj"
+                                               " --checkpoint.enable=true --checkpoint.interval=2"
+                                               " --checkpoint.initial_load_path=" + base_dir.string()),
+          120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const fs::path folder = run_dir.path() / "checkpoint";
+  ASSERT_TRUE(fs::exists(folder / "step-2" / "metadata.json"));
+  {
+    // Every chunk of the newest step corrupt (the adapters are a small part of a file that also
+    // holds their optimizer state): one byte in every 64 after the safetensors header.
+    const fs::path file = folder / "step-4" / "rank-0.safetensors";
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    uint64_t header = 0;
+    f.read(reinterpret_cast<char*>(&header), sizeof(header));
+    const auto size = static_cast<std::streamoff>(fs::file_size(file));
+    for (std::streamoff at = static_cast<std::streamoff>(8 + header); at < size; at += 64) {
+      char c = 0;
+      f.seekg(at);
+      f.read(&c, 1);
+      c = static_cast<char>(c ^ 0x5a);
+      f.seekp(at);
+      f.write(&c, 1);
+    }
+  }
+  const std::string score = loom_bin() + " score --checkpoint " + base_dir.string() + " --tokens 1,2,3,4 --adapter ";
+  const RunResult fallback = run(score + folder.string(), 60), step2 = run(score + (folder / "step-2").string(), 60);
+  EXPECT_EQ(fallback.exit_code, 0) << fallback.output;
+  EXPECT_NE(fallback.output.find("step-4' is unusable: "), std::string::npos) << fallback.output;
+  EXPECT_NE(fallback.output.find("CRC-32C"), std::string::npos) << fallback.output;
+  ASSERT_EQ(step2.exit_code, 0) << step2.output;
+  // The same scores as the step it fell back to (the lines that carry numbers).
+  auto scores = [](const std::string& out) {
+    std::string lines;
+    std::istringstream in(out);
+    for (std::string line; std::getline(in, line);) {
+      if (line.find("loss") != std::string::npos || line.find("nll") != std::string::npos) lines += line + "\n";
+    }
+    return lines;
+  };
+  EXPECT_FALSE(scores(step2.output).empty()) << step2.output;
+  EXPECT_EQ(scores(fallback.output), scores(step2.output)) << fallback.output << "\n---\n" << step2.output;
+}
+
 // Item 11: a tokenizer smaller than the model's vocabulary (a padded embedding table) is accepted
 // as Hugging Face does: sampled ids without a token are left out of the text, with one warning,
 // instead of failing mid-output. The head is rigged so that greedy decoding always picks a padded id.

@@ -162,6 +162,7 @@ AdapterDir read_adapter_dir(const fs::path& dir) {
   AdapterDir out;
   out.format = AdapterFormat::kLoom;
   out.source = step;
+  if (step != dir) out.folder = dir;
   out.options = lora::from_json(json.at(lora::kCheckpointKey), where);
   if (json.contains(kBaseKey)) {
     out.base = json.at(kBaseKey);
@@ -218,8 +219,8 @@ int64_t attach_adapter(const ModelSpec& spec, Decoder& model, const AdapterDir& 
     }
     return bytes;
   }
-  // A Loom adapter checkpoint: its model tensors are the adapters (and persistent buffers a run
-  // updates, e.g. an MoE layer's selection bias).
+  // A Loom adapter checkpoint: its model tensors are the adapters (and the persistent buffers,
+  // e.g. an MoE layer's selection bias, which stays the base's under LoRA).
   const auto saved = checkpoint::CheckpointMetadata::read(adapter.source).tensors;
   checkpoint::ShardedStateDict state;
   for (const auto& [name, t] : saved) {
@@ -249,7 +250,19 @@ int64_t attach_adapter(const ModelSpec& spec, Decoder& model, const AdapterDir& 
   }
   checkpoint::LoadOptions quiet;
   quiet.log_loaded = false;
-  bytes += checkpoint::load_checkpoint(adapter.source, state, /*rank=*/0, quiet).bytes_read;
+  if (adapter.folder.empty()) {
+    bytes += checkpoint::load_checkpoint(adapter.source, state, /*rank=*/0, quiet).bytes_read;
+    return bytes;
+  }
+  // A run's checkpoint folder: like a resume, a newest step whose chunks turn out corrupt is
+  // skipped, with a warning, for the previous complete one (the same run: the same adapters).
+  const auto loaded = checkpoint::load_latest(adapter.folder, state, *checkpoint::single_process_group(), quiet);
+  LOOM_REQUIRE_USAGE(loaded.has_value(), "adapter '", adapter.folder.string(), "' holds no complete checkpoint");
+  if (loaded->path != adapter.source) {
+    log::warn("adapter '", adapter.folder.string(), "': read ", loaded->path.string(), " (", adapter.source.string(),
+              " is unusable)");
+  }
+  bytes += loaded->bytes_read;
   return bytes;
 }
 

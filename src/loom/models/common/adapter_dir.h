@@ -44,6 +44,9 @@ bool is_adapter_dir(const std::filesystem::path& dir);
 struct AdapterDir {
   AdapterFormat format = AdapterFormat::kLoom;
   std::filesystem::path source;  // the PEFT directory, or the checkpoint's resolved step-N
+  // Loom: the checkpoint folder `source` was resolved from (empty when a step-N was given): its
+  // tensors are read as a resume reads them, from an earlier step when the newest is corrupt.
+  std::filesystem::path folder;
   lora::LoRAOptions options;
   // Where the base is: the Loom checkpoint's base path (empty for a seed-initialized base), or
   // PEFT's base_model_name_or_path (a path or a Hub name).
