@@ -159,11 +159,13 @@ void start(const Run& run, const CheckOptions& o, int64_t probe_step) {
   args.insert(args.end(), run.overrides.begin(), run.overrides.end());
   args.push_back("--job.dump_folder=" + run.dir.string());
   fs::create_directories(run.dir);
+  if (probe_step > 0) fs::remove_all(run.dir / "probe");  // another step's records
   const fs::path log = run.dir / (probe_step > 0 ? "probe.log" : "run.log");
   const auto begin = std::chrono::steady_clock::now();
-  std::printf("%s %s (%s, %d %s)...", probe_step > 0 ? "re-running step" : "running", run.label.c_str(),
+  std::printf("%s %s (%s, %d %s)", probe_step > 0 ? "re-running" : "running", run.label.c_str(),
               run.layout.text.c_str(), w, w == 1 ? "process" : "ranks");
   if (probe_step > 0) std::printf(" with hooks at step %lld", static_cast<long long>(probe_step));
+  std::printf("...");
   std::fflush(stdout);
   const int code = run_child(args, log);
   std::printf(" %.1f s\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
@@ -261,6 +263,31 @@ StepActivations probe(const Run& run, const CheckOptions& o, int64_t step, int64
   return a;
 }
 
+// Every module both runs recorded, in forward order: its output's and its output gradient's
+// differences (printed, and returned for the JSON).
+nlohmann::json module_table(const std::string& name, const StepActivations& ref, const StepActivations& got,
+                            int64_t step, double tolerance) {
+  std::printf("%s, step %lld with hooks: each recorded module's output and the gradient at it\n", name.c_str(),
+              static_cast<long long>(step));
+  std::printf("  %-28s %-12s %-12s\n", "module", "output diff", "grad diff");
+  nlohmann::json rows = nlohmann::json::array();
+  for (const std::string& m : ref.order) {
+    if (!got.outputs.count(m)) {
+      std::printf("  %-28s (not recorded in the layout)\n", m.c_str());
+      continue;
+    }
+    const double out = relative_difference(ref.outputs.at(m), got.outputs.at(m));
+    const bool has_grad = ref.grads.count(m) && got.grads.count(m);
+    const double grad = has_grad ? relative_difference(ref.grads.at(m), got.grads.at(m)) : 0.0;
+    const bool bad = !(out <= tolerance) || !(grad <= tolerance);
+    char grad_text[32] = "-";
+    if (has_grad) std::snprintf(grad_text, sizeof(grad_text), "%.2e", grad);
+    std::printf("  %-28s %-12.2e %-12s%s\n", m.c_str(), out, grad_text, bad ? "  differs" : "");
+    rows.push_back({{"module", m}, {"output_diff", number(out)}, {"grad_diff", has_grad ? number(grad) : nullptr}});
+  }
+  return rows;
+}
+
 }  // namespace
 
 int check_layouts(const CheckOptions& o, const std::vector<std::string>& given) {
@@ -269,6 +296,8 @@ int check_layouts(const CheckOptions& o, const std::vector<std::string>& given) 
   LOOM_REQUIRE_USAGE(o.steps >= 1 && o.steps <= 1000, "--steps must be between 1 and 1000, got ", o.steps);
   LOOM_REQUIRE_USAGE(std::isfinite(o.tolerance) && o.tolerance > 0, "--tolerance must be a positive number, got ",
                      o.tolerance);
+  LOOM_REQUIRE_USAGE(o.probe_step >= 0 && o.probe_step <= o.steps, "--probe-step must be a step from 1 to --steps (",
+                     o.steps, "), got ", o.probe_step);
   std::vector<std::string> overrides;
   for (const auto& a : given) {
     if (a != "--") overrides.push_back(a);
@@ -335,8 +364,8 @@ int check_layouts(const CheckOptions& o, const std::vector<std::string>& given) 
   for (size_t i = 0; i < runs.size(); ++i) runs[i].dir = work / (i == 0 ? std::string("reference") : c10::str("layout-", i));
 
   // ---- The runs ----
-  std::printf("loom check-layouts: %lld steps of %s (%s), %lld rows of %lld tokens per batch; work folder %s%s\n",
-              static_cast<long long>(o.steps), o.config.c_str(), base.model.flavor.c_str(),
+  std::printf("loom check-layouts: %lld step%s of %s (%s), %lld rows of %lld tokens per batch; work folder %s%s\n",
+              static_cast<long long>(o.steps), o.steps == 1 ? "" : "s", o.config.c_str(), base.model.flavor.c_str(),
               static_cast<long long>(global_rows), static_cast<long long>(base.training.seq_len), work.c_str(),
               remove_work ? " (removed at the end; --keep keeps it)" : "");
   for (const Run& run : runs) start(run, o, 0);
@@ -428,6 +457,16 @@ int check_layouts(const CheckOptions& o, const std::vector<std::string>& given) 
       entry["first_divergence"] = divergence;
       summary.push_back(c10::str(run.layout.text, ": ", line));
     }
+    if (o.probe_step > 0) {
+      std::vector<std::string> notes;
+      if (!ref_probes.count(o.probe_step)) ref_probes[o.probe_step] = probe(ref, o, o.probe_step, step_rows, notes);
+      const StepActivations got = probe(run, o, o.probe_step, step_rows, notes);
+      entry["activations"] = {{"step", o.probe_step},
+                              {"modules", module_table(run.layout.text, ref_probes.at(o.probe_step), got, o.probe_step,
+                                                       o.tolerance)}};
+      for (const auto& n : notes) std::printf("note: %s\n", n.c_str());
+      if (!notes.empty()) entry["activations"]["notes"] = notes;
+    }
     report["layouts"].push_back(entry);
   }
   report["matches"] = all_match;
@@ -462,6 +501,10 @@ void register_check_layouts_command(CLI::App& app) {
   cmd->add_option("--json", o->json, "Also write the report as JSON to this file");
   cmd->add_option("--work-dir", o->work_dir, "Folder for the runs (kept); default: a temporary one, removed");
   cmd->add_flag("--keep", o->keep, "Keep the temporary work folder");
+  cmd->add_option("--probe-step", o->probe_step,
+                  "Also re-run this step with hooks and print every recorded module's output and gradient "
+                  "difference (0: only on a gradient divergence, for its first step)")
+      ->capture_default_str();
   cmd->add_option("overrides", o->after_dash, "Train overrides (--section.key=value), after --");
   cmd->allow_extras();
   cmd->footer("Train overrides after --, e.g. -- --training.seq_len=64 (docs/check_layouts.md).");

@@ -23,6 +23,9 @@ struct CheckOptions {
   std::string json;      // where to write the JSON report; empty: none
   std::string work_dir;  // empty: a temporary folder, removed at the end unless `keep`
   bool keep = false;
+  // > 0: also re-run this step of the reference and every layout with hooks and print each recorded
+  // module's output and gradient difference, whatever the verdict.
+  int64_t probe_step = 0;
   std::vector<std::string> after_dash;  // the train overrides given after `--`
 };
 

@@ -32,10 +32,13 @@ nlohmann::json read_json(const std::filesystem::path& path) {
   return nlohmann::json::parse(in);
 }
 
+// With --probe-step 2 every recorded activation and its gradient is gathered from the four ranks
+// (sequence-parallel shards, micro-batches on two stages) and compared too.
 TEST(CheckLayoutsRun, PipelineTimesTensorParallelMatchesOneProcess) {
   TempDir dir("check-layouts");
   const auto json = dir.path() / "report.json";
-  const RunResult r = run(check_layouts("--layout \"pp=2,tp=2\" --steps 2 --json " + json.string() + tiny_overrides()), 120);
+  const RunResult r = run(
+      check_layouts("--layout \"pp=2,tp=2\" --steps 2 --probe-step 2 --json " + json.string() + tiny_overrides()), 120);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("worst gradient"), std::string::npos) << r.output;  // the table
   EXPECT_NE(r.output.find("pp=2,tp=2 matches the reference on all 2 steps"), std::string::npos) << r.output;
@@ -52,6 +55,14 @@ TEST(CheckLayoutsRun, PipelineTimesTensorParallelMatchesOneProcess) {
     clipped += step.at("grad_norm_ref").get<double>() > 0.5 ? 1 : 0;
   }
   EXPECT_EQ(clipped, 2) << "clipping must engage, or a wrong norm would not change the update";
+  const auto& modules = layout.at("activations").at("modules");
+  ASSERT_EQ(modules.size(), 14u) << layout.at("activations").dump();  // embedding, 4 x (attention, FFN, block), norm
+  EXPECT_EQ(modules.at(0).at("module"), "tok_embeddings");
+  EXPECT_EQ(modules.at(13).at("module"), "norm");
+  for (const auto& m : modules) {
+    EXPECT_LE(m.at("output_diff").get<double>(), 1e-5) << m.dump();
+    EXPECT_LE(m.at("grad_diff").get<double>(), 1e-5) << m.dump();
+  }
   std::printf("%s\n", r.output.c_str());
 }
 
