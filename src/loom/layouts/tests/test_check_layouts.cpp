@@ -113,6 +113,10 @@ TEST(CheckLayoutsBadInput, OneLineAndExit2BeforeAnythingRuns) {
   expect_refused("--layout tp=2" + tiny + " --training.deterministic=false", "training.deterministic = true");
   expect_refused("--layout tp=2" + tiny + " --parallelism.tensor_parallel_degree=2", "--layout");
   expect_refused("--layout tp=2 --tolerance -1" + tiny, "--tolerance");
+  expect_refused("--layout tp=2 --steps 2 --probe-step 3" + tiny, "--probe-step");
+  TempDir used("check-layouts-used");
+  std::ofstream(used.path() / "file") << "x";
+  expect_refused("--layout tp=2 --work-dir " + used.str() + tiny, "is not empty");
 }
 
 }  // namespace
