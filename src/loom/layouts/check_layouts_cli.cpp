@@ -32,6 +32,7 @@
 #include "loom/models/spec.h"
 #include "loom/train/config.h"
 #include "loom/train/layout_check.h"
+#include "loom/train/training_data.h"
 
 namespace loom::layouts {
 namespace fs = std::filesystem;
@@ -335,6 +336,7 @@ int check_layouts(const CheckOptions& o, const std::vector<std::string>& given) 
     try {
       run.config = train::load_job_config(o.config, run.overrides);
       train::check_layout(run.config, run.layout.world_size(), 0, spec, model_args);
+      train::check_training_inputs(run.config.training);  // what the Trainer checks next, before rendezvous
     } catch (const UsageError& e) {
       throw UsageError(c10::str(i == 0 ? "reference" : "layout", " '", run.layout.text, "': ", e.what()));
     }
@@ -404,8 +406,8 @@ int check_layouts(const CheckOptions& o, const std::vector<std::string>& given) 
     nlohmann::json entry = {{"layout", run.layout.text}, {"ranks", run.layout.world_size()},
                             {"matches", !first.has_value()}, {"steps", steps}, {"first_divergence", nullptr}};
     if (!first) {
-      std::printf("%s matches the reference on all %lld steps\n", run.layout.text.c_str(),
-                  static_cast<long long>(o.steps));
+      std::printf("%s matches the reference on all %lld step%s\n", run.layout.text.c_str(),
+                  static_cast<long long>(o.steps), o.steps == 1 ? "" : "s");
       summary.push_back(c10::str(run.layout.text, ": matches"));
     } else {
       all_match = false;
