@@ -16,11 +16,14 @@ namespace fs = std::filesystem;
 namespace {
 
 // Divides out the clipping train_step applied: the coefficient as optim::clip_grads_with_norm_
-// computes it, from the reported norm (the float32 norm's value).
+// computes it, from the reported norm (the float32 norm's value). training.max_norm = 0: no
+// clipping happened.
 void unclip_gradients(train::Trainer& trainer, double grad_norm) {
+  const double max_norm = trainer.config().training.max_norm;
+  if (max_norm <= 0) return;
   torch::NoGradGuard no_grad;
   const torch::Tensor norm = torch::tensor(static_cast<float>(grad_norm), torch::kFloat32);
-  const torch::Tensor coef = at::clamp_max(trainer.config().training.max_norm / (norm + 1e-6), 1.0);
+  const torch::Tensor coef = at::clamp_max(max_norm / (norm + 1e-6), 1.0);
   if (coef.item<float>() == 1.0f) return;
   for (auto& [name, g] : trainer.parallelized_model().local_gradients()) {
     if (g.defined() && g.numel() > 0) g.div_(coef.to(g.device(), g.scalar_type()));

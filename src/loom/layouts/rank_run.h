@@ -9,7 +9,8 @@
 //   - with --probe-step S, it runs steps 1..S and records step S's activations and their gradients
 //     (layouts/activations.h) as probe/rank-R.safetensors, and saves nothing else.
 // The gradients are saved unclipped: train_step scales them in place by
-// min(1, max_norm / (norm + 1e-6)) with the step's norm; that coefficient is recomputed from the
+// min(1, max_norm / (norm + 1e-6)) with the step's norm (not at all when training.max_norm is 0);
+// that coefficient is recomputed from the
 // reported norm exactly as clipping computed it (float32) and divided out, which restores each
 // gradient to within one rounding of its value before clipping. A layout whose norm is wrong
 // clipped by a wrong coefficient; unclipped with its own norm, its gradients still equal the
