@@ -9,6 +9,7 @@
 
 #include "loom/data/tokenizer_cli.h"
 #include "loom/distributed/launcher_cli.h"
+#include "loom/layouts/check_layouts_cli.h"
 #include "loom/models/cli/cli.h"
 #include "loom/pipeline/pipeline_cli.h"
 #include "loom/plan/plan_cli.h"
@@ -25,10 +26,13 @@ std::vector<CLI::App*> commands(CLI::App& app) {
   return app.get_subcommands([](CLI::App* sub) { return !sub->get_name().empty(); });
 }
 
-// "launch, train, ...": from the registered commands, so the list cannot drift from them.
+// "launch, train, ...": from the registered commands, so the list cannot drift from them (hidden
+// ones, in no group, left out: check-layouts' rank command).
 std::string command_list(CLI::App& app) {
   std::string out;
-  for (const CLI::App* sub : commands(app)) out += (out.empty() ? "" : ", ") + sub->get_name();
+  for (const CLI::App* sub : commands(app)) {
+    if (!sub->get_group().empty()) out += (out.empty() ? "" : ", ") + sub->get_name();
+  }
   return out;
 }
 
@@ -65,6 +69,7 @@ int run_loom(int argc, char** argv) {
   loom::models::register_convert_command(app);
   loom::pipeline::register_pipeline_command(app);
   loom::plan::register_plan_command(app);
+  loom::layouts::register_check_layouts_command(app);
   // Usage errors go through report_error like every other error: under `loom launch` the rank's
   // LOOM_ERROR_FILE then says exit code 2, so the launcher does not restart a command line that
   // cannot work (an unreported exit 2 could be anything's and would be retried).

@@ -126,7 +126,8 @@ void register_launch_command(CLI::App& app, std::vector<std::string> typed, Rank
       std::string known;
       bool found = false;
       for (const CLI::App* sub : app.get_subcommands([](CLI::App* c) { return !c->get_name().empty(); })) {
-        known += (known.empty() ? "" : ", ") + sub->get_name();
+        // Hidden commands (no group: check-layouts' rank side) run but are not offered.
+        if (!sub->get_group().empty()) known += (known.empty() ? "" : ", ") + sub->get_name();
         found = found || sub->check_name(word);
       }
       LOOM_REQUIRE_USAGE(found, "loom launch: '", word, "' is not a loom command the ranks can run; "

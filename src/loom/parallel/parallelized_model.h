@@ -106,6 +106,15 @@ class ParallelizedModel {
   // and any layout loads. `frozen`: whether the frozen parameters (LoRA's base) are in it; a
   // checkpoint leaves them out when they come from a file it references instead.
   void add_to_state_dict(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer, bool frozen = true);
+  // This rank's pieces of the trainable parameters' gradients as the step left them (every
+  // reduction done; clipped once the step clipped), component "model", under the parameters'
+  // names and global shapes: a checkpoint of them gathers whole in one process.
+  // Inline, so parallelized_model.cpp can be swapped for an older one (e.g. eef73f4's norm, to
+  // reproduce issue 45 under `loom check-layouts`: docs/check_layouts.md).
+  void add_gradients_to_state_dict(checkpoint::ShardedStateDict& state) {
+    parts_.storage->complete_reductions();
+    parts_.storage->add_gradients(state, parameter_layouts());
+  }
   // The parameters initial weights fill (checkpoint.initial_load_path), component "model": the
   // frozen ones when some are frozen (the base under LoRA adapters), else every parameter; and
   // the persistent buffers.

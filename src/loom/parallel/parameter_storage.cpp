@@ -102,6 +102,15 @@ void ModuleParameters::add_parameters(checkpoint::ShardedStateDict& state, const
   }
 }
 
+void ModuleParameters::add_gradients(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts) {
+  for (const auto& p : named_parameters()) {
+    if (!p.slot->requires_grad) continue;
+    const torch::Tensor grad = p.slot->tensor.grad();
+    add_piece(state, layouts, p.name, checkpoint::kModelComponent, p.name,
+              grad.defined() ? grad.detach() : torch::zeros_like(p.slot->tensor.detach()), {}, std::nullopt);
+  }
+}
+
 void ModuleParameters::add_optimizer_state(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
                                            const ParameterLayouts& layouts) {
   for (const auto& [name, t] : optimizer.state_dict()) {
@@ -185,6 +194,20 @@ void FsdpParameters::add_parameters(checkpoint::ShardedStateDict& state, const P
   for (const auto& st : fsdp_.sharded_state_dict()) {
     if (st.trainable != trainable) continue;
     add_piece(state, layouts, st.name, checkpoint::kModelComponent, st.name, st.local, st.global_shape,
+              st.global_offset);
+  }
+}
+
+void FsdpParameters::add_gradients(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts) {
+  // A parameter's sharded gradient mirrors its shard (the same flat range of the same tensor).
+  std::map<std::string, torch::Tensor> grads;
+  for (auto& [name, g] : local_gradients()) grads.emplace(name, std::move(g));
+  for (const auto& st : fsdp_.sharded_state_dict()) {
+    if (!st.trainable) continue;
+    const auto it = grads.find(st.name);
+    const bool has = it != grads.end() && it->second.defined() && it->second.numel() == st.local.numel();
+    add_piece(state, layouts, st.name, checkpoint::kModelComponent, st.name,
+              has ? it->second.detach().view_as(st.local) : torch::zeros_like(st.local.detach()), st.global_shape,
               st.global_offset);
   }
 }

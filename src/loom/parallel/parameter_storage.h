@@ -51,6 +51,13 @@ class ParameterStorage {
   // base), component "model".
   virtual void add_parameters(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts,
                               bool trainable) = 0;
+  // This rank's pieces of the trainable parameters' gradients as the last backward left them (after
+  // every reduction, and after clipping once the step clipped), component "model", under the
+  // parameters' names and with their global shapes and boxes: a gradient's pieces mirror its
+  // parameter's (FSDP's sharded gradient has its shard's range), so a checkpoint of them loads
+  // whole in one process (`loom check-layouts` compares layouts that way). A parameter without a
+  // gradient this step adds zeros.
+  virtual void add_gradients(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts) = 0;
   // This rank's pieces of `optimizer`'s state, component "optimizer".
   virtual void add_optimizer_state(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
                                    const ParameterLayouts& layouts) = 0;
@@ -73,6 +80,7 @@ class ModuleParameters : public ParameterStorage {
   void zero_grad() override;
   std::unique_ptr<optim::Optimizer> build_optimizer(const OptimizerSpec& spec, const OptimizerRequest& request) override;
   void add_parameters(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts, bool trainable) override;
+  void add_gradients(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts) override;
   void add_optimizer_state(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
                            const ParameterLayouts& layouts) override;
   bool has_frozen_parameters() override;
@@ -101,6 +109,7 @@ class FsdpParameters : public ParameterStorage {
   std::unique_ptr<optim::Optimizer> build_optimizer(const OptimizerSpec& spec, const OptimizerRequest& request) override;
   void describe_layout(OptimizerLayout& layout) const override;
   void add_parameters(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts, bool trainable) override;
+  void add_gradients(checkpoint::ShardedStateDict& state, const ParameterLayouts& layouts) override;
   void add_optimizer_state(checkpoint::ShardedStateDict& state, optim::Optimizer& optimizer,
                            const ParameterLayouts& layouts) override;
   bool has_frozen_parameters() override;

@@ -1,6 +1,9 @@
 #include "loom/tp/tensor_parallel.h"
 
+#include <cstdlib>
+
 #include "loom/core/error.h"
+#include "loom/core/logging.h"
 #include "loom/lora/lora.h"
 #include "loom/tp/collective_matmul.h"
 
@@ -33,7 +36,30 @@ void TensorParallel::shard_parameter(nn::Module& module, const std::string& fqn,
   layouts_[param] = layout;
 }
 
-void TensorParallel::reduce_partial_output(nn::Module& module) {
+namespace {
+
+// Fault injection for tests (like the Trainer's LOOM_FAULT_*): LOOM_FAULT_SKIP_TP_REDUCE=<text>
+// makes every rowwise linear whose path contains <text> (e.g. "layers.1.attention") skip its
+// reduction over tp, keeping its own partial sums (under sequence parallelism, its own sequence
+// shard of them): a broken layout `loom check-layouts` must name (layouts/tests). Never set in a
+// real run.
+bool skips_tp_reduce(const std::string& fqn) {
+  const char* pattern = std::getenv("LOOM_FAULT_SKIP_TP_REDUCE");
+  return pattern != nullptr && *pattern != '\0' && fqn.find(pattern) != std::string::npos;
+}
+
+}  // namespace
+
+void TensorParallel::reduce_partial_output(nn::Module& module, const std::string& fqn) {
+  if (skips_tp_reduce(fqn)) {
+    log::warn("LOOM_FAULT_SKIP_TP_REDUCE: ", fqn, " skips its reduction over tp (fault injection)");
+    module.add_forward_post_hook([this](nn::Module&, torch::Tensor, torch::Tensor out) {
+      if (!sequence_parallel_) return out;
+      const int64_t part = out.size(kSequenceDim) / degree();
+      return out.narrow(kSequenceDim, part * rank(), part);
+    });
+    return;
+  }
   // Each rank's output is its addend of the full result.
   module.add_forward_post_hook([this](nn::Module&, torch::Tensor, torch::Tensor out) {
     return sequence_parallel_ ? tensor::reduce_scatter(out, kSequenceDim, comm_)
@@ -70,7 +96,7 @@ void TensorParallel::rowwise(nn::Linear& linear, const std::string& fqn) {
     });
     return;
   }
-  reduce_partial_output(linear);
+  reduce_partial_output(linear, fqn);
 }
 
 void TensorParallel::rowwise_embedding(nn::Embedding& embedding, const std::string& fqn) {

@@ -89,7 +89,8 @@ class TensorParallel {
 
  private:
   void shard_parameter(nn::Module& module, const std::string& fqn, const std::string& name, int64_t dim);
-  void reduce_partial_output(nn::Module& module);
+  // `fqn`: the module's path, which the fault-injection switch LOOM_FAULT_SKIP_TP_REDUCE matches.
+  void reduce_partial_output(nn::Module& module, const std::string& fqn);
 
   tensor::CommPtr comm_;
   bool sequence_parallel_;

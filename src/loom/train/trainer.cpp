@@ -414,7 +414,16 @@ void Trainer::check_resumed_base(const fs::path& checkpoint, const nlohmann::jso
   }
 }
 
-void Trainer::save_checkpoint_to(const fs::path& folder) {
+void Trainer::save_checkpoint_to(const fs::path& folder) { save_to(folder, state_dict()); }
+
+void Trainer::save_gradients_to(const fs::path& folder) {
+  checkpoint::ShardedStateDict sd;
+  parallel_model_->add_gradients_to_state_dict(sd);
+  sd.json()["step"] = step_;
+  save_to(folder, sd);
+}
+
+void Trainer::save_to(const fs::path& folder, const checkpoint::ShardedStateDict& state) {
   checkpoint::CheckpointOptions options;
   options.folder = folder;
   options.keep_latest_k = 0;
@@ -422,7 +431,7 @@ void Trainer::save_checkpoint_to(const fs::path& folder) {
   auto group = dist_->world_size() > 1 ? checkpoint::comm_group(dist_->world())
                                        : checkpoint::single_process_group();
   checkpoint::Checkpointer saver(options, group);
-  saver.save(step_, state_dict());
+  saver.save(step_, state);
   saver.wait();
 }
 

@@ -82,8 +82,15 @@ class Trainer {
   // synchronously, on every rank (collective): e.g. to move a checkpoint to another layout without
   // training (load in this layout, save, and any layout reads it back bitwise).
   void save_checkpoint_to(const std::filesystem::path& folder);
+  // Saves the gradients the last step left (train_step clipped them in place) as
+  // <folder>/step-<N>, like save_checkpoint_to: each parameter's pieces under its name, component
+  // "model", so the gradients of any layout load whole in one process (`loom check-layouts`).
+  void save_gradients_to(const std::filesystem::path& folder);
 
   nn::Module& model() { return *model_; }
+  // The model with its parallelisms applied: the modules this rank holds (pipeline stages), its
+  // gradients. For tools that look at a step from outside (`loom check-layouts`' hooks).
+  parallel::ParallelizedModel& parallelized_model() { return *parallel_model_; }
   const distributed::ParallelDims& parallel_dims() const { return *parallel_dims_; }
   const JobConfig& config() const { return config_; }
   const c10::Device& device() const { return device_; }
@@ -108,6 +115,8 @@ class Trainer {
   PersistentMemory persistent_memory();
   // Everything a checkpoint holds, as views into the live state (used for save and for load).
   checkpoint::ShardedStateDict state_dict();
+  // Saves `state` as <folder>/step-<step_>, synchronously, on every rank (collective).
+  void save_to(const std::filesystem::path& folder, const checkpoint::ShardedStateDict& state);
   void load_initial_weights(const std::string& path);
   // The base a model with frozen parameters (LoRA) trains on: {"path", "checksum"} of
   // checkpoint.initial_load_path, or {"seed"} of a randomly initialized one; null when nothing is
