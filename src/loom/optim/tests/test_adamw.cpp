@@ -331,7 +331,12 @@ TEST(StepGuard, ClipAndSkipGuardValues) {
   EXPECT_EQ(guard(INFINITY, 3.0).second, 1.0f);
   EXPECT_EQ(guard(0.5, INFINITY).second, 1.0f);
   EXPECT_EQ(guard(0.5, std::nan("")).second, 1.0f);
-  EXPECT_THROW(clip_and_skip_guard(torch::tensor(1.0), torch::tensor(1.0), 0.0), loom::Error);
+  // max_norm = 0: no clipping (scale exactly 1 whatever the norm); the non-finite check still holds.
+  const StepGuard off = clip_and_skip_guard(torch::tensor(40.0), torch::tensor(1.0), 0.0);
+  EXPECT_EQ(off.grad_scale.item<float>(), 1.0f);
+  EXPECT_EQ(off.found_inf.item<float>(), 0.0f);
+  EXPECT_EQ(clip_and_skip_guard(torch::tensor(INFINITY), torch::tensor(1.0), 0.0).found_inf.item<float>(), 1.0f);
+  EXPECT_THROW(clip_and_skip_guard(torch::tensor(1.0), torch::tensor(1.0), -1.0), loom::Error);
 }
 
 // A guarded step equals clip_grads_with_norm_ + step: bitwise when nothing is clipped (the divisor is
