@@ -574,6 +574,32 @@ TEST(Faults, AdapterCheckpointFolderFallsBackPastACorruptNewestStep) {
   EXPECT_EQ(scores(fallback.output), scores(step2.output)) << fallback.output << "\n---\n" << step2.output;
 }
 
+// Issue 46 (6), the Trainer's side: a Loom checkpoint given as checkpoint.initial_load_path (read by
+// each rank for its own pieces, on 2 ranks here) with a NaN in one weight stops before any step,
+// exit 2, naming the tensor on every rank, instead of a "divergence" at step 1 that blames the LR.
+TEST(Faults, InitialWeightsWithNaNAreRefusedNamingTheTensor) {
+  TempDir dir("nan-weights");
+  RunResult base = run(loom_bin() + train_args(dir.path() / "base", 1,
+                                               " --model.flavor=tiny --parallelism.data_parallel_shard_degree=1"
+                                               " --checkpoint.enable=true --checkpoint.model_only=true"),
+                       120);
+  ASSERT_EQ(base.exit_code, 0) << base.output;
+  const auto loaded = loom::models::load_model_dir(dir.path() / "base" / "checkpoint");
+  {
+    torch::NoGradGuard no_grad;
+    loaded.model->parameter("layers.2.attention.wk.weight").view(-1)[3] = std::numeric_limits<float>::quiet_NaN();
+  }
+  loom::models::save_loom_checkpoint(*loaded.spec, *loaded.model, dir.path() / "weights");
+  const RunResult r = run(launch(2) + train_args(dir.path() / "run", 2,
+                                                 " --model.flavor=tiny --checkpoint.initial_load_path=" +
+                                                     (dir.path() / "weights").string()),
+                          120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("holds non-finite weights: tensor 'layers.2.attention.wk.weight'"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("training diverged"), std::string::npos) << r.output;
+}
+
 // Item 11: a tokenizer smaller than the model's vocabulary (a padded embedding table) is accepted
 // as Hugging Face does: sampled ids without a token are left out of the text, with one warning,
 // instead of failing mid-output. The head is rigged so that greedy decoding always picks a padded id.

@@ -355,10 +355,12 @@ void Trainer::init_checkpointing() {
     load_options.check_state = [this](const fs::path& dir, const nlohmann::json& state) {
       check_resumed_base(dir, state);
     };
-    if (auto loaded = checkpointer_->load(state_dict(), load_options)) {
+    const checkpoint::ShardedStateDict state = state_dict();
+    if (auto loaded = checkpointer_->load(state, load_options)) {
       LOOM_REQUIRE(!loaded->model_only, "checkpoint ", loaded->path.string(),
                    " holds only model weights and cannot resume training; set "
                    "checkpoint.initial_load_path to it instead, or remove it");
+      require_finite_weights(state, loaded->path.string());
       step_ = loaded->json.at("step").get<int64_t>();
       LOOM_REQUIRE_USAGE(step_ < config_.training.steps, "checkpoint ", loaded->path.string(),
                          " is at step ", step_, ", which is not before training.steps = ",
@@ -471,6 +473,7 @@ void Trainer::load_initial_weights(const std::string& path) {
     checkpoint::ShardedStateDict base;
     parallel_model_->add_base_to_state_dict(base);
     checkpoint::load_checkpoint(dir, base, dist_->rank());
+    require_finite_weights(base, dir.string());
     log::info("initial weights loaded from ", dir.string());
     return;
   }
@@ -689,6 +692,38 @@ std::string Trainer::first_nonfinite_gradient() {
     first = -t.item<int64_t>();
   }
   return first < none ? all[static_cast<size_t>(first)].name : "";
+}
+
+void Trainer::require_finite_weights(const checkpoint::ShardedStateDict& loaded, const std::string& source) {
+  // The whole model's parameter (and buffer) order, which every rank knows: the first non-finite
+  // one any rank holds is named on all of them (a pipeline rank holds only its stages').
+  std::vector<std::string> names;
+  for (const auto& p : model_->named_parameters()) names.push_back(p.name);
+  for (const auto& b : model_->named_buffers()) names.push_back(b.name);
+  std::map<std::string, int64_t> index;
+  for (size_t i = 0; i < names.size(); ++i) index.emplace(names[i], static_cast<int64_t>(i));
+  const auto none = static_cast<int64_t>(names.size());
+  int64_t first = none;
+  for (const auto& [name, tensor] : loaded.tensors()) {
+    const auto it = index.find(name);
+    if (it == index.end() || it->second >= first) continue;
+    for (const auto& chunk : tensor.chunks) {
+      const torch::Tensor& t = chunk.data;
+      if (t.defined() && t.is_floating_point() && t.numel() > 0 && !torch::isfinite(t).all().item<bool>()) {
+        first = it->second;
+        break;
+      }
+    }
+  }
+  if (dist_->world_size() > 1) {
+    torch::Tensor t = torch::tensor({-first}, torch::kInt64);  // max of -index = min index
+    dist_->world()->all_reduce(t, distributed::ReduceOp::kMax);
+    first = -t.item<int64_t>();
+  }
+  LOOM_REQUIRE_USAGE(first == none, "'", source, "' holds non-finite weights: tensor '",
+                     names[static_cast<size_t>(std::min(first, none - 1))],
+                     "' has NaN/inf values; the file is corrupt or was saved from a diverged run: use an earlier "
+                     "checkpoint or a fresh copy");
 }
 
 void Trainer::handle_nonfinite_step(const StepResult& r, bool skipped_on_device) {

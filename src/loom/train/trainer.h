@@ -143,6 +143,10 @@ class Trainer {
   // `skipped_on_device`: the step was found at a later log step's read-back (step_readback =
   // "log_steps"); its update was skipped on the device and its gradients are gone.
   void handle_nonfinite_step(const StepResult& result, bool skipped_on_device = false);
+  // A one-line usage error on every rank (collective) when any rank's pieces of the model's
+  // parameters or buffers in `loaded` (just read from `source`) hold a NaN/inf, naming the first
+  // tensor in module order: training from them would stop as a "divergence" blaming the LR.
+  void require_finite_weights(const checkpoint::ShardedStateDict& loaded, const std::string& source);
   // The first parameter (module order) whose gradient has a NaN/inf on any rank; "" if none.
   std::string first_nonfinite_gradient();
   void maybe_inject_fault(bool after_step);
