@@ -137,7 +137,12 @@ ModelDirArgs read_hf_args(const fs::path& dir) {
   const fs::path config_path = dir / "config.json";
   const nlohmann::json config = read_json(config_path);
   LOOM_REQUIRE(config.is_object(), config_path.string(), " is not a JSON object");
-  const std::string model_type = config.value("model_type", "llama");
+  // transformers itself needs model_type to pick a config class; reading a config without one as
+  // Llama would misread any other family's.
+  LOOM_REQUIRE_USAGE(config.contains("model_type") && config.at("model_type").is_string(), config_path.string(),
+                     " has no \"model_type\"; add the family's (\"llama\", \"qwen3\", \"qwen3_moe\" or "
+                     "\"deepseek_v3\"), as transformers' config.json files carry it");
+  const std::string model_type = config.at("model_type").get<std::string>();
   ModelDirArgs out;
   out.spec = &spec_for_hf_model_type(model_type, config_path.string());
   HfFormat::Config c = out.spec->hf->read_config(config, config_path.string());

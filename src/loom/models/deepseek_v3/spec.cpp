@@ -136,7 +136,10 @@ models::HfFormat::Config hf_config_to_model_args(const nlohmann::json& c, const 
     a.n_limited_groups = get_or<int64_t>(c, "topk_group", 1);
     a.norm_topk_prob = get_or<bool>(c, "norm_topk_prob", true);
     a.route_scale = get_or<double>(c, "routed_scaling_factor", 1.0);
-    a.score_sigmoid = get_or<std::string>(c, "scoring_func", "sigmoid") == "sigmoid";
+    const std::string scoring = get_or<std::string>(c, "scoring_func", "sigmoid");
+    LOOM_REQUIRE_USAGE(scoring == "sigmoid" || scoring == "softmax", source, ": scoring_func '", scoring,
+                       "' is not supported; the router scores with \"sigmoid\" (DeepSeek-V3) or \"softmax\"");
+    a.score_sigmoid = scoring == "sigmoid";
     a.q_lora_rank = get_or<int64_t>(c, "q_lora_rank", 0);
     a.kv_lora_rank = c.at("kv_lora_rank").get<int64_t>();
     a.qk_nope_head_dim = c.at("qk_nope_head_dim").get<int64_t>();

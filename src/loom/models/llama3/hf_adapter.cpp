@@ -56,6 +56,10 @@ HfLlamaConfig hf_config_to_model_args(const nlohmann::json& c, const std::string
       rope = c.at("rope_scaling");
     }
     a.rope_theta = get_or<double>(rope, "rope_theta", get_or<double>(c, "rope_theta", 10000.0));
+    // A scaling without its type would silently read as no scaling at all.
+    LOOM_REQUIRE_USAGE(rope.contains("rope_type") || rope.contains("type") || !rope.contains("factor"), source,
+                       ": the rope scaling sets \"factor\" but no \"rope_type\" (or \"type\"); add the type it was "
+                       "trained with (Loom reads \"default\" and \"llama3\")");
     const std::string rope_type =
         get_or<std::string>(rope, "rope_type", get_or<std::string>(rope, "type", "default"));
     if (rope_type == "default") {

@@ -315,6 +315,33 @@ TEST(HfAdapter, ReadsV4AndV5RopeConfigsAndRejectsUnsupported) {
   nlohmann::json missing = v4;
   missing.erase("hidden_size");
   EXPECT_THROW(hf_config_to_model_args(missing, "missing.json"), loom::Error);
+  // Issue 46 (11): a scaling factor without its type was read as no scaling at all.
+  nlohmann::json untyped = v4;
+  untyped["rope_scaling"] = {{"factor", 8.0}};
+  loom::testing::expect_error<loom::UsageError>([&] { hf_config_to_model_args(untyped, "untyped.json"); },
+                                                {"untyped.json: the rope scaling sets \"factor\" but no \"rope_type\""});
+}
+
+// Issue 46 (11): configs Loom misread without a word: no model_type (read as Llama), a DeepSeek
+// scoring_func other than the two the router has (routed as softmax).
+TEST(HfAdapter, ConfigsWithoutModelTypeOrWithAnUnknownScoringAreRefused) {
+  TempDir tmp;
+  auto model = tiny_model(6);
+  export_hf_model_dir(llama_spec(), *model, tmp.path() / "hf");
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(tmp.path() / "hf" / "config.json"));
+  config.erase("model_type");
+  std::ofstream(tmp.path() / "hf" / "config.json") << config.dump();
+  loom::testing::expect_error<loom::UsageError>([&] { load_model_dir(tmp.path() / "hf"); },
+                                                {"has no \"model_type\"", "\"llama\""});
+  const auto& deepseek = loom::models::get_spec("deepseek_v3");
+  const auto args = deepseek.build_args({"tiny", 2048, 64, 0});
+  nlohmann::json ds = deepseek.hf->write_config(dynamic_cast<const loom::models::DecoderArgs&>(*args), "float32");
+  EXPECT_NO_THROW(deepseek.hf->read_config(ds, "ds.json"));
+  ds["scoring_func"] = "softmax";
+  EXPECT_NO_THROW(deepseek.hf->read_config(ds, "ds.json"));
+  ds["scoring_func"] = "sparsemax";
+  loom::testing::expect_error<loom::UsageError>([&] { deepseek.hf->read_config(ds, "ds.json"); },
+                                                {"ds.json: scoring_func 'sparsemax' is not supported"});
 }
 
 TEST(ModelDir, LoomAndHfFormatsRoundTripExactly) {
