@@ -600,6 +600,22 @@ TEST(Faults, InitialWeightsWithNaNAreRefusedNamingTheTensor) {
   EXPECT_EQ(r.output.find("training diverged"), std::string::npos) << r.output;
 }
 
+// Issue 46 (11): `loom score` of more tokens than the model's max_seq_len is one line, exit 2,
+// before loading (RoPE past the trained positions makes the scores meaningless); it was accepted.
+TEST(Faults, ScoreBeyondMaxSeqLenIsRefused) {
+  TempDir dir("score-long");
+  test_faults::tiny_checkpoint(dir.path() / "model", 1);  // max_seq_len 32
+  std::string tokens = "1";
+  for (int i = 0; i < 32; ++i) tokens += ",2";
+  const RunResult r = run(loom_bin() + " score --checkpoint " + (dir.path() / "model").string() + " --tokens " + tokens, 60);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(r.output.rfind("error: the 33 tokens to score are more than the model's max_seq_len of 32", 0), 0u)
+      << r.output;
+  const RunResult fits =
+      run(loom_bin() + " score --checkpoint " + (dir.path() / "model").string() + " --tokens " + tokens.substr(2), 60);
+  EXPECT_EQ(fits.exit_code, 0) << fits.output;
+}
+
 // Item 11: a tokenizer smaller than the model's vocabulary (a padded embedding table) is accepted
 // as Hugging Face does: sampled ids without a token are left out of the text, with one warning,
 // instead of failing mid-output. The head is rigged so that greedy decoding always picks a padded id.

@@ -544,13 +544,25 @@ std::vector<int64_t> parse_token_ids(std::string_view text, std::string_view whe
     ids.push_back(id);
     item.clear();
   };
+  // An empty entry between two commas ("1,,2", a trailing or leading comma) is a mistake, not a
+  // separator: it was silently dropped, shifting every later id.
+  bool entry_since_comma = false;
   for (const char c : text) {
-    if (c == ',' || c == ' ' || c == '\t' || c == '\n' || c == '\r') {
+    if (c == ',') {
+      LOOM_REQUIRE_USAGE(entry_since_comma || !item.empty(), where, ": an empty entry before comma ",
+                         "(expected non-negative integers separated by commas or spaces, like 1,2,3)");
+      flush();
+      entry_since_comma = false;
+    } else if (c == ' ' || c == '\t' || c == '\n' || c == '\r') {
+      entry_since_comma = entry_since_comma || !item.empty();
       flush();
     } else {
       item += c;
     }
   }
+  LOOM_REQUIRE_USAGE(entry_since_comma || !item.empty() || ids.empty(), where,
+                     ": an empty entry after the last comma (expected non-negative integers separated by commas "
+                     "or spaces, like 1,2,3)");
   flush();
   return ids;
 }

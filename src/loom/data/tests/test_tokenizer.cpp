@@ -501,4 +501,10 @@ TEST(Tokenizer, TokenIdListsParseCommasAndSpacesAndNameTheBadEntry) {
     loom::testing::expect_error<loom::UsageError>([&] { parse_token_ids(bad, "--tokens"); },
                                                   {"--tokens: '", "' is not a token id"});
   }
+  // Issue 46 (11): an empty entry is an error, not a separator (it shifted every later id).
+  for (const char* bad : {"1,,2", ",1", "1,2,", "1, ,2"}) {
+    SCOPED_TRACE(bad);
+    loom::testing::expect_error<loom::UsageError>([&] { parse_token_ids(bad, "--tokens"); },
+                                                  {"--tokens: an empty entry"});
+  }
 }

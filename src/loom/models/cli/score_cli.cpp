@@ -97,6 +97,11 @@ void run_score(const ScoreOptions& o) {
   LoadOptions load;
   load.max_seq_len = seq_len;  // the RoPE cache only needs this sequence
   const c10::Device device = select_device(o.device, /*local_rank=*/0, "--device");
+  // Past the positions the model was made for, RoPE extrapolates and the scores mean nothing.
+  const int64_t trained_len = read_model_dir_args(o.checkpoint).decoder().max_seq_len;
+  LOOM_REQUIRE_USAGE(seq_len <= trained_len, "the ", seq_len, " tokens to score are more than the model's max_seq_len of ",
+                     trained_len, " (", o.checkpoint, "); score at most ", trained_len,
+                     " tokens at a time, e.g. in windows");
   load.options = torch::TensorOptions()
                      .dtype(parse_dtype(o.dtype, "--dtype"))
                      .device(device);
