@@ -455,6 +455,8 @@ TEST(Faults, GenerateRefusesWhatDoesNotFitTheModelBeforeLoading) {
       {"--prompt-tokens 1,2,3 --max-new-tokens 9223372036854775807", {"--max-new-tokens 9223372036854775807", "at most 29"}},
       {"--prompt-tokens 1,2,3 --top-p nan", {"--top-p must be in (0, 1]", "got nan"}},
       {"--prompt-tokens 1,2,3 --seed -1", {"--seed must be a non-negative integer, got -1"}},
+      // Issue 46 (11): an empty --prompt-tokens asked for a tokenizer instead of saying it is empty.
+      {"--prompt-tokens ''", {"--prompt-tokens is empty: give at least one token id"}},
   };
   for (const auto& [flags, parts] : cases) {
     const RunResult r = test_faults::generate(ckpt, flags);

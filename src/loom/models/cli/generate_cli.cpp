@@ -25,6 +25,7 @@ struct GenerateOptions {
   std::string checkpoint;
   std::string prompt;
   std::string prompt_tokens;
+  bool prompt_is_ids = false;  // --prompt-tokens was given (even empty): no tokenizer needed for it
   std::string tokenizer;
   std::string device = "cpu";
   std::string dtype = "float32";
@@ -63,12 +64,13 @@ void run_generate(GenerateOptions o) {
     tokenizer_path = (fs::path(o.checkpoint) / "tokenizer.json").string();
   }
   if (!tokenizer_path.empty()) tokenizer = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(tokenizer_path));
-  LOOM_REQUIRE_USAGE(tokenizer || !o.prompt_tokens.empty(),
+  LOOM_REQUIRE_USAGE(tokenizer || o.prompt_is_ids,
                      "loom generate --prompt needs a tokenizer: pass --tokenizer tokenizer.json (none found in '",
                      o.checkpoint, "'), or give --prompt-tokens");
   std::vector<int64_t> prompt;
-  if (!o.prompt_tokens.empty()) {
+  if (o.prompt_is_ids) {
     prompt = data::parse_token_ids(o.prompt_tokens, "--prompt-tokens");
+    LOOM_REQUIRE_USAGE(!prompt.empty(), "--prompt-tokens is empty: give at least one token id, e.g. --prompt-tokens 1");
   } else {
     prompt = tokenizer->encode(o.prompt, /*add_bos=*/!o.no_bos && tokenizer->bos_id() >= 0, /*add_eos=*/false);
   }
@@ -190,6 +192,7 @@ void register_generate_command(CLI::App& app) {
       ->check(CLI::IsMember({"float32", "bfloat16"}));
   cmd->callback([options, text, ids] {
     LOOM_REQUIRE_USAGE(text->count() + ids->count() == 1, "loom generate needs exactly one of --prompt or --prompt-tokens");
+    options->prompt_is_ids = ids->count() > 0;
     run_generate(*options);
   });
 }
