@@ -593,21 +593,56 @@ void DataLoader::load_state_dict(const nlohmann::json& state) {
   // restart would meet the same mismatch).
   LOOM_REQUIRE_COMPATIBLE(seq_len == packer_.seq_len(), "data loader state was saved with seq_len ", seq_len,
                " but this run uses ", packer_.seq_len(), "; rows would not line up");
-  LOOM_REQUIRE_COMPATIBLE(stream_tokens == packer_.corpus().stream_length(), "data loader state was saved for a corpus of ",
-               stream_tokens, " packed tokens but this corpus has ", packer_.corpus().stream_length(),
-               "; resume with the same data inputs and tokenizer");
   LOOM_REQUIRE(rows >= 0, "data loader state has negative rows_consumed ", rows);
+  // A mixture is compared source by source first, so a mismatch is named in the sources' terms
+  // rather than as a different count of packed tokens. What decides the interleave is each source's
+  // share (weight / sum of weights, TokenCorpus::mix), so weights in proportion (7 and 3 after 0.7
+  // and 0.3) resume: the same shares give the same stream.
   const auto& mixture = packer_.corpus().mixture();
   if (state.contains("sources")) {
     const auto& saved = state.at("sources");
-    bool same = saved.is_array() && saved.size() == mixture.size();
-    for (size_t i = 0; same && i < mixture.size(); ++i) {
-      same = saved[i].value("weight", -1.0) == mixture[i].weight &&
-             saved[i].value("documents", int64_t{-1}) == mixture[i].corpus->num_documents();
+    auto describe = [](const std::vector<std::string>& names, const std::vector<double>& weights,
+                       const std::vector<int64_t>& documents) {
+      double total = 0;
+      for (double w : weights) total += w;
+      std::string out;
+      for (size_t i = 0; i < names.size(); ++i) {
+        out += c10::str(i ? ", " : "", names[i], " (weight ", weights[i], ", share ",
+                        total > 0 ? weights[i] / total : 0.0, ", ", documents[i], " documents)");
+      }
+      return out;
+    };
+    std::vector<std::string> saved_names, names;
+    std::vector<double> saved_weights, weights;
+    std::vector<int64_t> saved_documents, documents;
+    if (saved.is_array()) {
+      for (const auto& e : saved) {
+        saved_names.push_back(e.value("name", std::string("?")));
+        saved_weights.push_back(e.value("weight", -1.0));
+        saved_documents.push_back(e.value("documents", int64_t{-1}));
+      }
     }
-    LOOM_REQUIRE_COMPATIBLE(same, "data loader state was saved for the mixture ", saved.dump(),
-                            " but this run mixes other sources or weights; resume with the same [[training.datasets]]");
+    for (const MixtureSource& m : mixture) {
+      names.push_back(m.name);
+      weights.push_back(m.weight);
+      documents.push_back(m.corpus->num_documents());
+    }
+    auto shares = [](const std::vector<double>& w) {
+      double total = 0;
+      for (double x : w) total += x;
+      std::vector<double> out;
+      for (double x : w) out.push_back(total > 0 ? x / total : -1.0);
+      return out;
+    };
+    const bool same = saved.is_array() && saved_documents == documents && shares(saved_weights) == shares(weights);
+    LOOM_REQUIRE_COMPATIBLE(same, "the checkpoint's data position is in the mixture ",
+                            describe(saved_names, saved_weights, saved_documents), " but this run mixes ",
+                            describe(names, weights, documents),
+                            "; resume with the same sources in the same proportions ([[training.datasets]])");
   }
+  LOOM_REQUIRE_COMPATIBLE(stream_tokens == packer_.corpus().stream_length(), "data loader state was saved for a corpus of ",
+               stream_tokens, " packed tokens but this corpus has ", packer_.corpus().stream_length(),
+               "; resume with the same data inputs and tokenizer");
   rows_consumed_ = rows;
 }
 

@@ -220,7 +220,17 @@ TEST(DataReshard, AMixtureResumesAtAnotherDegreeWithItsSourcesPositions) {
   DataLoader loader(reweighted, DataLoaderOptions{16, 2, 0, 2});
   nlohmann::json same_length = saved;
   same_length["stream_tokens"] = reweighted->stream_length();
-  loom::testing::expect_error([&] { loader.load_state_dict(same_length); }, {"mixes other sources or weights"});
+  loom::testing::expect_error([&] { loader.load_state_dict(same_length); },
+                              {"in the mixture a (weight 2, share 0.666667, 60 documents), b (weight 1",
+                               "but this run mixes a (weight 1, share 0.333333", "same proportions"});
+  // Issue 46 (11): the checks speak of the sources, not of packed tokens, even when the stream's
+  // length differs too; and weights in proportion (4 and 2 after 2 and 1: the same shares, so the
+  // same stream) resume.
+  loom::testing::expect_error([&] { loader.load_state_dict(saved); }, {"in the mixture a (weight 2"});
+  auto proportional = TokenCorpus::mix({{named_documents(0, 60, 7), 4.0, "a"}, {named_documents(1, 16, 7), 2.0, "b"}}, 5);
+  EXPECT_EQ(proportional->stream_length(), mixed->stream_length());
+  DataLoader scaled(proportional, DataLoaderOptions{16, 2, 0, 2});
+  EXPECT_NO_THROW(scaled.load_state_dict(saved));
 }
 
 TEST(ParallelEncoder, WorkersGiveTheSerialTokensInInputOrder) {
