@@ -602,6 +602,29 @@ TEST(Faults, InitialWeightsWithNaNAreRefusedNamingTheTensor) {
   EXPECT_EQ(r.output.find("training diverged"), std::string::npos) << r.output;
 }
 
+// Issue 46 (8): errors no restart can fix are exit 2, so `loom launch --max-restarts` does not
+// retry them: a LoRA run whose base (checkpoint.initial_load_path) was deleted before a resume, and
+// a missing initial_load_path. Both were exit 1.
+TEST(Faults, DeletedLoraBaseAndMissingInitialWeightsAreExit2) {
+  TempDir dir("lora-deleted-base");
+  const std::string tiny = " --model.flavor=tiny --parallelism.data_parallel_shard_degree=1";
+  RunResult r = run(loom_bin() + train_args(dir.path() / "base", 1, tiny + " --checkpoint.enable=true --checkpoint.model_only=true"),
+                    120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string lora = tiny + " --lora.rank=4 --checkpoint.enable=true --checkpoint.interval=2"
+                                  " --checkpoint.initial_load_path=" + (dir.path() / "base" / "checkpoint" / "step-1").string();
+  r = run(loom_bin() + train_args(dir.path() / "run", 2, lora), 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  fs::remove_all(dir.path() / "base");
+  r = run(loom_bin() + train_args(dir.path() / "run", 4, lora), 120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("step-1' is not a directory"), std::string::npos) << r.output;
+  r = run(loom_bin() + train_args(dir.path() / "fresh", 2, tiny + " --checkpoint.initial_load_path=/nonexistent/weights"),
+          120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("'/nonexistent/weights' is not a directory"), std::string::npos) << r.output;
+}
+
 // Issue 46 (11): `loom score` of more tokens than the model's max_seq_len is one line, exit 2,
 // before loading (RoPE past the trained positions makes the scores meaningless); it was accepted.
 TEST(Faults, ScoreBeyondMaxSeqLenIsRefused) {
