@@ -625,6 +625,26 @@ TEST(Faults, DeletedLoraBaseAndMissingInitialWeightsAreExit2) {
   EXPECT_NE(r.output.find("'/nonexistent/weights' is not a directory"), std::string::npos) << r.output;
 }
 
+// Issue 46 (11): an adapter made for another model family is named as such (its targets are the
+// adapter's, not this run's lora.target_modules, which the message used to blame).
+TEST(Faults, AnAdapterOfAnotherFamilySaysSo) {
+  TempDir dir("adapter-other-family");
+  const fs::path base = test_faults::tiny_checkpoint(dir.path() / "model", 1);
+  const fs::path adapter = dir.path() / "qwen3_moe_adapter";
+  fs::create_directories(adapter);
+  std::ofstream(adapter / "adapter_config.json")
+      << R"({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0,)"
+      << R"( "target_modules": ["gate", "q_proj"], "bias": "none", "base_model_name_or_path": "Qwen/Qwen3-30B-A3B"})";
+  loom::checkpoint::save_safetensors(adapter / "adapter_model.safetensors",
+                                     {{"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch::zeros({4, 32})}});
+  const RunResult r = run(loom_bin() + " score --checkpoint " + base.string() + " --tokens 1,2,3 --adapter " +
+                              adapter.string(), 60);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("does not fit this llama3 base: its target_modules name 'gate'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("it was made for another model (Qwen/Qwen3-30B-A3B)"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("lora.target_modules"), std::string::npos) << r.output;
+}
+
 // Issue 46 (11): `loom score` of more tokens than the model's max_seq_len is one line, exit 2,
 // before loading (RoPE past the trained positions makes the scores meaningless); it was accepted.
 TEST(Faults, ScoreBeyondMaxSeqLenIsRefused) {

@@ -175,8 +175,20 @@ int64_t attach_adapter(const ModelSpec& spec, Decoder& model, const AdapterDir& 
   LOOM_REQUIRE_USAGE(spec.hf.has_value(), "model '", spec.name, "' has no Hugging Face module names for LoRA targets");
   LOOM_REQUIRE(lora::remove_lora(model) == 0, "attach_adapter: the model already carries adapters");
   const lora::HfModuleName hf_names = hf_module_names(*spec.hf);
-  const lora::LoRAReport report = lora::apply_lora(model, adapter.options, hf_names);
   const std::string where = adapter.source.string();
+  lora::LoRAReport report;
+  try {
+    report = lora::apply_lora(model, adapter.options, hf_names);
+  } catch (const UsageError& e) {
+    // The settings are the adapter's, not this run's lora.* keys: a target this base lacks means
+    // the adapter was made for another model (family or shape).
+    std::string why = e.what();
+    const std::string config_key = "lora.target_modules names ";
+    if (why.rfind(config_key, 0) == 0) why = "its target_modules name " + why.substr(config_key.size());
+    fail_usage("adapter '", where, "' does not fit this ", spec.name, " base: ", why,
+               "; it was made for another model", adapter.base_path.empty() ? "" : c10::str(" (", adapter.base_path, ")"),
+               ": attach it to the base it was trained on");
+  }
   int64_t bytes = 0;
   torch::NoGradGuard no_grad;
   // The adapters to fill, by their Loom parameter names.
