@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -107,24 +108,52 @@ std::optional<fs::path> token_cache_entry(const std::string& path, SourceFormat 
 
 // An exclusive flock(2) on "<entry>.lock" for as long as it lives; none (no wait) when the folder
 // cannot take the lock file. The kernel drops it when its holder exits, so a crashed process
-// never blocks the next one.
+// never blocks the next one. The holder removes the lock file when it is done, so a cache folder
+// keeps no lock file per entry ever tried; a waiter that then finds its locked file unlinked (the
+// path gone, or another file there) takes the lock again on what the path holds now.
 class EntryLock {
  public:
-  explicit EntryLock(const fs::path& entry) {
-    fd_ = ::open((entry.string() + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd_ < 0) return;
-    while (::flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
+  explicit EntryLock(const fs::path& entry) : path_(entry.string() + ".lock") {
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+      if (fd_ < 0) return;
+      while (::flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
+      }
+      struct stat held {}, now {};
+      if (::fstat(fd_, &held) == 0 && ::stat(path_.c_str(), &now) == 0 && held.st_ino == now.st_ino &&
+          held.st_dev == now.st_dev) {
+        return;  // the lock on the file the path names
+      }
+      ::close(fd_);  // the previous holder removed it: lock the current one
+      fd_ = -1;
     }
   }
   ~EntryLock() {
-    if (fd_ >= 0) ::close(fd_);  // releases the lock
+    if (fd_ < 0) return;
+    ::unlink(path_.c_str());  // still ours: nobody else holds a lock on this inode
+    ::close(fd_);             // releases the lock
   }
   EntryLock(const EntryLock&) = delete;
   EntryLock& operator=(const EntryLock&) = delete;
 
  private:
+  std::string path_;
   int fd_ = -1;
 };
+
+// Removes "<entry>.tmp.<pid>" files left by writers that died mid-write (killed runs). Called
+// under the entry's lock, which every writer of the entry holds while its temporary exists, so
+// any such file another process left is stale.
+void remove_stale_temporaries(const fs::path& entry) {
+  std::error_code ec;
+  const std::string prefix = entry.filename().string() + ".tmp.";
+  for (const auto& e : fs::directory_iterator(entry.parent_path(), ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) != 0 || name == prefix + std::to_string(::getpid())) continue;
+    std::error_code remove_ec;
+    if (fs::remove(e.path(), remove_ec)) log::info("data: removed ", e.path().string(), ", left by a killed run");
+  }
+}
 
 // The cached tokens of the entry, when a complete file written for this tokenizer is there.
 std::shared_ptr<const TokenFile> open_cached(const fs::path& entry, const Tokenizer& tokenizer) {
@@ -295,6 +324,7 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
           // One process of a host tokenizes the entry while the others wait for it (the ranks of a
           // job load the same files at the same time), then they map what it wrote.
           const EntryLock lock(*entry);
+          remove_stale_temporaries(*entry);
           if (auto written = open_cached(*entry, *tokenizer)) {
             corpus->add_token_file(std::move(written), model_vocab_size);
             continue;

@@ -595,6 +595,22 @@ TEST(Sources, TokenCacheServesTheSameStreamAndFollowsTheContents) {
   }
   EXPECT_EQ(race_entries, 1u);
   EXPECT_EQ(temporaries, 0u);
+  // Issue 46 (11): no lock file is left per entry ever tried (each holder removes its own), and a
+  // temporary a killed run left ("<entry>.tmp.<pid>") is removed when the entry is next written.
+  size_t locks = 0;
+  for (const auto& e : fs::directory_iterator(dir / "cache")) locks += e.path().extension() == ".lock";
+  EXPECT_EQ(locks, 0u);
+  fs::path race_entry;
+  for (const auto& e : cache_entries(dir / "cache")) {
+    if (e.filename().string().rfind("race.jsonl.", 0) == 0) race_entry = e;
+  }
+  ASSERT_FALSE(race_entry.empty());
+  const fs::path stale = race_entry.string() + ".tmp.999999999";
+  write(stale, "half a token file");
+  fs::remove(race_entry);
+  EXPECT_EQ(whole_stream(*TokenCorpus::load({(dir / "race.jsonl").string()}, &tok, cached)), race_want);
+  EXPECT_FALSE(fs::exists(stale));
+  EXPECT_TRUE(fs::exists(race_entry));
 
   // A cache "folder" that is a file: the load works, uncached.
   write(dir / "not_a_folder", "x");
