@@ -101,14 +101,16 @@ void fill(Decoder& model, const std::string& name, const checkpoint::Safetensors
   for (const auto& b : model.named_buffers()) {
     if (b.name != name || !b.slot->persistent) continue;
     LOOM_REQUIRE(value.sizes() == b.slot->tensor.sizes(), "tensor '", source_name, "' in '", ckpt.source().string(),
-                 "' has shape ", value.sizes(), " but buffer '", name, "' of the model has ", b.slot->tensor.sizes());
+                 "' has shape ", value.sizes(), " but buffer '", name, "' of the model config.json describes has ",
+                 b.slot->tensor.sizes(), "; config.json does not match the weights: correct the size it gives");
     b.slot->tensor.copy_(value);
     return;
   }
   nn::ParameterSlot& slot = model.parameter_slot(name);
   LOOM_REQUIRE(value.sizes() == slot.tensor.sizes(), "tensor '", source_name, "' in '",
                ckpt.source().string(), "' has shape ", value.sizes(), " but parameter '", name,
-               "' of the model has ", slot.tensor.sizes());
+               "' of the model config.json describes has ", slot.tensor.sizes(),
+               "; config.json does not match the weights: correct the size it gives");
   torch::NoGradGuard no_grad;
   slot.tensor.copy_(value);
 }

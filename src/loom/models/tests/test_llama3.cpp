@@ -439,6 +439,7 @@ TEST(ModelDir, EveryInconsistentDirectoryIsAUsageError) {
   config["vocab_size"] = config["vocab_size"].get<int64_t>() + 3;
   std::ofstream(tmp.path() / "lying" / "config.json") << config.dump();
   usage(tmp.path() / "lying", "embed_tokens");
+  usage(tmp.path() / "lying", "config.json does not match the weights");  // the config, not another key, is blamed
   // An unsupported model type.
   fs::copy(tmp.path() / "hf", tmp.path() / "other", fs::copy_options::recursive);
   config["vocab_size"] = config["vocab_size"].get<int64_t>() - 3;
