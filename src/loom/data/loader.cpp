@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <cmath>
@@ -363,7 +364,114 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
   return corpus;
 }
 
+// ---- Mixtures: stride scheduling -----------------------------------------------------------------
+//
+// Source j's k-th document (k counts on past the source's end: a source that repeats within the
+// epoch restarts its own order) has the pass offset_j + k * stride_j; the mixture is every
+// source's documents in order of the key (pass, j). stride_j = 2^40 / share_j, rounded, so passes
+// advance at one per 2^40 per document on average over all sources; a source of weight 0 has none.
+// Counting is exact integer arithmetic (128 bits: an epoch is at most 2^50 documents, so passes
+// stay below 2^91), so every rank and every lookup agree on the order.
+struct TokenCorpus::MixtureIndex {
+  using Pass = unsigned __int128;
+  struct Source {
+    const TokenCorpus* corpus;
+    bool weighted;
+    Pass stride, offset;
+    int64_t documents, length;  // of one pass through the source: documents and stream tokens
+    // A masked source: trained tokens of its documents [0, i) (else empty).
+    std::vector<int64_t> trained_before;
+  };
+  std::vector<Source> sources;
+  Pass end_pass = 0;  // the key (end_pass, end_source) of the epoch's last document
+  size_t end_source = 0;
+
+  // Documents of source j whose pass is below `pass`.
+  int64_t below(size_t j, Pass pass) const {
+    const Source& s = sources[j];
+    if (!s.weighted || pass <= s.offset) return 0;
+    return static_cast<int64_t>((pass - s.offset - 1) / s.stride + 1);
+  }
+  // Documents of each source before the key (pass, source).
+  std::vector<int64_t> before(Pass pass, size_t source) const {
+    std::vector<int64_t> counts(sources.size());
+    for (size_t j = 0; j < sources.size(); ++j) counts[j] = below(j, j < source ? pass + 1 : pass);
+    return counts;
+  }
+  // Stream tokens of source j's first `count` documents (whole passes through it, then a prefix).
+  int64_t tokens(size_t j, int64_t count) const {
+    const Source& s = sources[j];
+    return count / s.documents * s.length + s.corpus->doc_start_[count % s.documents];
+  }
+  int64_t trained(size_t j, int64_t count) const {
+    const Source& s = sources[j];
+    if (s.trained_before.empty()) return tokens(j, count) - count;  // every token and the EOS
+    return count / s.documents * s.trained_before.back() + s.trained_before[count % s.documents];
+  }
+  static int64_t sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
+  int64_t sum_tokens(const std::vector<int64_t>& counts) const {
+    int64_t t = 0;
+    for (size_t j = 0; j < counts.size(); ++j) t += tokens(j, counts[j]);
+    return t;
+  }
+
+  // A document of the mixture: its key, its index in the mixture, where its BOS sits in the
+  // stream and which of its source's documents it is.
+  struct Document {
+    Pass pass;
+    size_t source;
+    int64_t index, start, source_document;
+  };
+  // The document holding the `target`-th unit, where `measure` counts the units (documents or
+  // stream tokens) of the documents before a key: the smallest pass whose documents, with all
+  // before them, exceed `target`, then the sources at that pass in order.
+  template <typename Measure>
+  Document find(int64_t target, Measure&& measure) const {
+    Pass lo = 0, hi = end_pass;  // the answer's pass lies in [lo, hi]
+    while (lo < hi) {
+      const Pass mid = lo + (hi - lo) / 2;
+      if (measure(before(mid + 1, 0)) > target) hi = mid; else lo = mid + 1;
+    }
+    std::vector<int64_t> counts = before(lo, 0);
+    for (size_t j = 0; j < sources.size(); ++j) {
+      if (below(j, lo + 1) == counts[j]) continue;  // no document of j at this pass
+      ++counts[j];
+      if (measure(counts) > target) {
+        --counts[j];
+        return {lo, j, sum(counts), sum_tokens(counts), counts[j] % sources[j].documents};
+      }
+    }
+    TORCH_CHECK(false, "mixture index: unit ", target, " lies past the epoch");
+  }
+  Document document(int64_t index) const {
+    return find(index, [](const std::vector<int64_t>& c) { return sum(c); });
+  }
+  Document document_at(int64_t position) const {
+    return find(position, [this](const std::vector<int64_t>& c) { return sum_tokens(c); });
+  }
+  // The document after `d` in the mixture.
+  Document next(const Document& d) const {
+    Document best{0, sources.size(), d.index + 1, d.start + sources[d.source].corpus->doc_start_[d.source_document + 1] -
+                                                     sources[d.source].corpus->doc_start_[d.source_document], 0};
+    int64_t best_k = 0;
+    for (size_t j = 0; j < sources.size(); ++j) {
+      if (!sources[j].weighted) continue;
+      // Later sources may share d's pass; earlier ones (and d's own) need a later one.
+      const int64_t k = below(j, j > d.source ? d.pass : d.pass + 1);
+      const Pass pass = sources[j].offset + static_cast<Pass>(k) * sources[j].stride;
+      if (best.source == sources.size() || pass < best.pass) {
+        best.pass = pass;
+        best.source = j;
+        best_k = k;
+      }
+    }
+    best.source_document = best_k % sources[best.source].documents;
+    return best;
+  }
+};
+
 std::shared_ptr<const TokenCorpus> TokenCorpus::mix(std::vector<MixtureSource> sources, uint64_t seed) {
+  using Pass = MixtureIndex::Pass;
   LOOM_REQUIRE_USAGE(!sources.empty(), "a data mixture needs at least one source");
   double total = 0.0;
   for (const MixtureSource& s : sources) {
@@ -381,72 +489,83 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::mix(std::vector<MixtureSource> s
     LOOM_REQUIRE_USAGE(s.corpus->bos_id() == corpus->bos_id_ && s.corpus->eos_id() == corpus->eos_id_, s.name,
                        " has BOS/EOS ", s.corpus->bos_id(), "/", s.corpus->eos_id(), " but ", sources.front().name,
                        " has ", corpus->bos_id_, "/", corpus->eos_id_, "; every source needs the same tokenizer");
+    LOOM_REQUIRE_USAGE(s.corpus->mixture().empty(), s.name, " is itself a data mixture; list its sources instead");
     names += (names.empty() ? "" : " + ") + s.name;
   }
   corpus->description_ = c10::str("the data mixture (", names, ")");
-  const size_t n = sources.size();
-  std::vector<double> weight(n), credit(n);
-  std::vector<int64_t> taken(n, 0);
   // The epoch's length: until every weighted source is through once, about max(documents / share).
   double estimate = 0.0;
-  for (size_t i = 0; i < n; ++i) {
-    weight[i] = sources[i].weight / total;
-    if (weight[i] > 0) estimate = std::max(estimate, static_cast<double>(sources[i].corpus->num_documents()) / weight[i]);
+  for (const MixtureSource& s : sources) {
+    if (s.weight > 0) estimate = std::max(estimate, static_cast<double>(s.corpus->num_documents()) * total / s.weight);
   }
-  LOOM_REQUIRE_USAGE(estimate < 2147483648.0, "the data mixture's epoch would hold ", estimate,
+  LOOM_REQUIRE_USAGE(estimate < 0x1p50, "the data mixture's epoch would hold ", estimate,
                      " documents (a source with a tiny weight and many documents must be read through once); ",
                      "raise that source's weight or give it fewer documents");
+  auto index = std::make_shared<MixtureIndex>();
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
-  for (size_t i = 0; i < n; ++i) credit[i] = weight[i] > 0 ? uniform(rng) : 0.0;
-  auto unfinished = [&] {
-    for (size_t i = 0; i < n; ++i) {
-      if (weight[i] > 0 && taken[i] < sources[i].corpus->num_documents()) return true;
+  for (const MixtureSource& s : sources) {
+    MixtureIndex::Source src{s.corpus.get(), s.weight > 0, 0, 0, s.corpus->num_documents(), s.corpus->stream_length(), {}};
+    if (src.weighted) {
+      // share >= documents / 2^50 > 2^-50 by the check above: a stride below 2^91.
+      const long double exact = std::ldexp(static_cast<long double>(total) / s.weight, 40);
+      src.stride = static_cast<Pass>(exact + 0.5L);
+      src.offset = static_cast<Pass>(uniform(rng) * static_cast<long double>(src.stride));
     }
-    return false;
-  };
-  corpus->mixed_source_.reserve(static_cast<size_t>(estimate) + n);
-  corpus->mixed_document_.reserve(static_cast<size_t>(estimate) + n);
-  corpus->doc_start_.reserve(static_cast<size_t>(estimate) + n + 1);
-  while (unfinished()) {
-    // Ties go to the earlier source; a source of weight 0 is never picked.
-    size_t pick = n;
-    for (size_t i = 0; i < n; ++i) {
-      if (weight[i] == 0) continue;
-      credit[i] += weight[i];
-      if (pick == n || credit[i] > credit[pick]) pick = i;
-    }
-    credit[pick] -= 1.0;
-    const TokenCorpus& source = *sources[pick].corpus;
-    const int64_t doc = taken[pick]++ % source.num_documents();
-    corpus->mixed_source_.push_back(static_cast<uint32_t>(pick));
-    corpus->mixed_document_.push_back(doc);
-    const int64_t length = source.doc_start_[doc + 1] - source.doc_start_[doc];
-    corpus->doc_start_.push_back(corpus->doc_start_.back() + length);
-    if (!source.masked()) {
-      corpus->trained_tokens_ += length - 1;  // every token and the EOS
-    } else {
-      std::vector<int64_t> t(length), p(length), d(length);
-      std::vector<uint8_t> flags(length);
-      source.read_stream(source.doc_start_[doc], length, t.data(), p.data(), d.data(), flags.data());
-      corpus->trained_tokens_ += std::count(flags.begin(), flags.end(), 1);
+    if (s.corpus->masked()) {
       corpus->masked_ = true;
+      const int64_t n = s.corpus->num_documents();
+      src.trained_before.assign(static_cast<size_t>(n) + 1, 0);
+      for (int64_t d = 0; d < n; ++d) {
+        const int64_t from = s.corpus->doc_start_[d], length = s.corpus->doc_start_[d + 1] - from;
+        std::vector<int64_t> t(length), p(length), doc(length);
+        std::vector<uint8_t> flags(length);
+        s.corpus->read_stream(from, length, t.data(), p.data(), doc.data(), flags.data());
+        src.trained_before[d + 1] = src.trained_before[d] + std::count(flags.begin(), flags.end(), 1);
+      }
+    }
+    index->sources.push_back(std::move(src));
+  }
+  // The epoch ends with the latest key among the weighted sources' last first-time documents.
+  bool any = false;
+  for (size_t j = 0; j < index->sources.size(); ++j) {
+    const MixtureIndex::Source& s = index->sources[j];
+    if (!s.weighted) continue;
+    const Pass last = s.offset + static_cast<Pass>(s.documents - 1) * s.stride;
+    if (!any || last >= index->end_pass) {
+      index->end_pass = last;
+      index->end_source = j;
+      any = true;
     }
   }
+  const std::vector<int64_t> epoch = index->before(index->end_pass, index->end_source + 1);
+  long double stream = 0;
+  for (size_t j = 0; j < epoch.size(); ++j) {
+    stream += static_cast<long double>(epoch[j]) / index->sources[j].documents * index->sources[j].length;
+  }
+  LOOM_REQUIRE_USAGE(stream < 0x1p62L, "the data mixture's epoch would hold ", static_cast<double>(stream),
+                     " tokens; raise the weight of the sources with many documents or give them fewer");
+  corpus->mixed_documents_ = MixtureIndex::sum(epoch);
+  corpus->mixed_stream_length_ = index->sum_tokens(epoch);
+  for (size_t j = 0; j < epoch.size(); ++j) corpus->trained_tokens_ += index->trained(j, epoch[j]);
+  corpus->mixture_index_ = std::move(index);
   corpus->mixture_ = std::move(sources);
   return corpus;
 }
 
 std::vector<int64_t> TokenCorpus::mixture_counts(int64_t documents) const {
-  std::vector<int64_t> counts(mixture_.size(), 0);
-  documents = std::min(documents, num_documents());
-  for (int64_t d = 0; d < documents; ++d) ++counts[mixed_source_[d]];
-  return counts;
+  if (documents >= num_documents()) {
+    return mixture_index_->before(mixture_index_->end_pass, mixture_index_->end_source + 1);
+  }
+  if (documents <= 0) return std::vector<int64_t>(mixture_.size(), 0);
+  const MixtureIndex::Document d = mixture_index_->document(documents);
+  return mixture_index_->before(d.pass, d.source);
 }
 
 int64_t TokenCorpus::document_at(int64_t position) const {
   TORCH_CHECK(position >= 0 && position < stream_length(), "stream position ", position, " outside [0, ",
               stream_length(), ")");
+  if (mixture_index_) return mixture_index_->document_at(position).index;
   return std::upper_bound(doc_start_.begin(), doc_start_.end(), position) - doc_start_.begin() - 1;
 }
 
@@ -454,23 +573,27 @@ void TokenCorpus::read_stream(int64_t start, int64_t count, int64_t* tokens, int
                               int64_t* documents, uint8_t* trained) const {
   TORCH_CHECK(start >= 0 && count >= 0 && start + count <= stream_length(), "stream read [", start, ", ",
               start + count, ") outside [0, ", stream_length(), ")");
-  int64_t doc = std::upper_bound(doc_start_.begin(), doc_start_.end(), start) - doc_start_.begin() - 1;
-  if (!mixture_.empty()) {
+  if (mixture_index_) {
     // Each document is read from its source, then renumbered as this stream's document.
+    if (count == 0) return;
+    MixtureIndex::Document doc = mixture_index_->document_at(start);
     int64_t p = start, out = 0;
     const int64_t end = start + count;
-    for (; p < end; ++doc) {
-      const TokenCorpus& source = *mixture_[mixed_source_[doc]].corpus;
-      const int64_t stop = std::min(end, doc_start_[doc + 1]);
-      const int64_t from = source.doc_start_[mixed_document_[doc]] + (p - doc_start_[doc]);
+    while (true) {
+      const TokenCorpus& source = *mixture_index_->sources[doc.source].corpus;
+      const int64_t length = source.doc_start_[doc.source_document + 1] - source.doc_start_[doc.source_document];
+      const int64_t stop = std::min(end, doc.start + length);
+      const int64_t from = source.doc_start_[doc.source_document] + (p - doc.start);
       source.read_stream(from, stop - p, tokens + out, positions + out, documents + out,
                          trained ? trained + out : nullptr);
-      std::fill(documents + out, documents + out + (stop - p), doc);
+      std::fill(documents + out, documents + out + (stop - p), doc.index);
       out += stop - p;
       p = stop;
+      if (p == end) return;
+      doc = mixture_index_->next(doc);
     }
-    return;
   }
+  int64_t doc = std::upper_bound(doc_start_.begin(), doc_start_.end(), start) - doc_start_.begin() - 1;
   auto shard_of = [&](int64_t d) {
     auto it = std::upper_bound(shards_.begin(), shards_.end(), d,
                                [](int64_t v, const Shard& s) { return v < s.first_doc; });

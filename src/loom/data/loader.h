@@ -29,15 +29,19 @@
 // loading it into a loader over different data or a different seq_len is an error.
 //
 // Mixtures (TokenCorpus::mix, `[[training.datasets]]`): several sources, each a corpus of its own,
-// interleaved document by document by weight. The interleave is deterministic smooth weighted
-// round robin: before each document every source gains its normalised weight in credit, the
-// source with the most credit gives the next document and pays 1. Every prefix of the mixture
-// then holds each source within about one document of its share (weight / total), the order
-// depends only on the weights and the seed (which sets the sources' starting credits), and the
-// mixture is again one packed stream, so the row cursor, resharding and resumption work as for
-// one source. A mixture's epoch lasts until every source with a weight above 0 has given all its
-// documents at least once (a source with more weight than documents repeats within the epoch, in
-// its own order, which is what up-weighting a small source means).
+// interleaved document by document by weight. The interleave is deterministic stride scheduling:
+// source j's k-th document gets the pass offset_j + k * stride_j, with stride_j inversely
+// proportional to its share (weight / total) and offset_j in [0, stride_j) drawn from the seed; the
+// mixture takes every source's documents in order of (pass, source). Every prefix of the mixture
+// then holds each source within about one document of its share, the order depends only on the
+// shares and the seed, and the mixture is again one packed stream, so the row cursor, resharding
+// and resumption work as for one source. A mixture's epoch lasts until every source with a weight
+// above 0 has given all its documents at least once (a source with more weight than documents
+// repeats within the epoch, in its own order, which is what up-weighting a small source means).
+// Nothing per mixed document is stored: how many documents (and stream tokens) each source has
+// given before any pass is a division per source, so finding the document at a stream position
+// is a binary search over passes, and a mixture's index takes a few words per source however long
+// its epoch (a small weight on a large source makes an epoch of billions of documents).
 //
 // Memory: token files (sources.h) are memory-mapped and only indexed (8 bytes per document). Text,
 // JSONL, Parquet and Arrow inputs are tokenized when the corpus is loaded; with a token cache
@@ -106,7 +110,8 @@ class TokenCorpus {
 
   // The sources interleaved by weight (see the top of this file), starting credits drawn from
   // `seed`. loom::UsageError for no sources, a negative or non-finite weight, weights that are all
-  // zero, sources with different BOS/EOS ids, or a mixture over 2^31 documents per epoch.
+  // zero, sources with different BOS/EOS ids, a source that is itself a mixture, or an epoch over
+  // 2^50 documents.
   static std::shared_ptr<const TokenCorpus> mix(std::vector<MixtureSource> sources, uint64_t seed);
   // A mixture's sources (empty for a plain corpus), and how many documents each gave to the
   // stream's documents [0, documents) (documents up to one epoch).
@@ -115,9 +120,11 @@ class TokenCorpus {
   // The document holding stream position `position` (0 <= position < stream_length()).
   int64_t document_at(int64_t position) const;
 
-  int64_t num_documents() const { return static_cast<int64_t>(doc_start_.size()) - 1; }
+  int64_t num_documents() const {
+    return mixture_index_ ? mixed_documents_ : static_cast<int64_t>(doc_start_.size()) - 1;
+  }
   int64_t num_tokens() const { return stream_length() - 2 * num_documents(); }  // without BOS/EOS
-  int64_t stream_length() const { return doc_start_.back(); }
+  int64_t stream_length() const { return mixture_index_ ? mixed_stream_length_ : doc_start_.back(); }
   int64_t bos_id() const { return bos_id_; }
   int64_t eos_id() const { return eos_id_; }
   // How errors name this corpus: "validation.dataset_path = \"x\"" (SourceOptions::inputs_setting
@@ -149,10 +156,11 @@ class TokenCorpus {
   void add_token_file(std::shared_ptr<const TokenFile> file, int64_t model_vocab_size);
 
   std::vector<Shard> shards_;
-  // A mixture: each document's source and its index there (no shards of its own).
+  // A mixture: its sources and the stride schedule that interleaves them (no shards of its own).
+  struct MixtureIndex;
   std::vector<MixtureSource> mixture_;
-  std::vector<uint32_t> mixed_source_;
-  std::vector<int64_t> mixed_document_;
+  std::shared_ptr<const MixtureIndex> mixture_index_;
+  int64_t mixed_documents_ = 0, mixed_stream_length_ = 0;
   std::vector<int64_t> doc_start_{0};  // stream offset of each document's BOS, then the end
   int64_t bos_id_ = -1, eos_id_ = -1;
   bool masked_ = false;
