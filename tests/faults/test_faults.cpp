@@ -268,6 +268,22 @@ TEST(Faults, OutOfRangeTokenIdIsNamedAtLoadAndEndsTheJob) {
 
 // Issue 8, item 6: a configuration error is not retried (before: 4 attempts x 2 ranks = 8
 // identical lines, exit 1); the launch exits 2 like the README says.
+// Issue 46 (9): a /dev/shm without room for a collective (rank 1 limited to 1 MiB of segment) moves
+// that group to Gloo on every rank at the same collective instead of ending the job at it; the
+// run trains the same losses and gradient norms as one with room (the fallback sums in rank order).
+TEST(Faults, SharedMemoryWithoutRoomMidRunFallsBackToGlooAndTrainsTheSameModel) {
+  TempDir limited("shm_full"), roomy("shm_roomy");
+  const std::string flags = " --training.deterministic=true";
+  const RunResult r = run("env LOOM_FAULT_SHM_LIMIT=1048576@1 " + launch(2) + train_args(limited, 3, flags));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("continue on Gloo from this one on"), std::string::npos) << r.output;
+  const RunResult ref = run(launch(2) + train_args(roomy, 3, flags));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  EXPECT_EQ(ref.output.find("continue on Gloo"), std::string::npos) << ref.output;
+  EXPECT_EQ(loom::testing::logged_losses(limited.path()), loom::testing::logged_losses(roomy.path()));
+  EXPECT_EQ(loom::testing::logged_grad_norms(limited.path()), loom::testing::logged_grad_norms(roomy.path()));
+}
+
 TEST(Faults, ConfigErrorsAreNotRestarted) {
   TempDir dir("usage");
   RunResult r = run(launch(2, " --max-restarts 3") + train_args(dir, 4, " --optimizer.lr=-1"));

@@ -214,6 +214,8 @@ class Comm {
   const c10::Device& device() const { return device_; }
   // Whether CPU all-gathers, reduce-scatters and all-reduces go through shared memory.
   bool uses_shared_memory() const { return shared_memory_ != nullptr; }
+  // The shared-memory transport of this group's CPU collectives, or null.
+  const SharedMemoryCollectives* shared_memory() const { return shared_memory_.get(); }
   // The backend a collective on `tensor` goes to: the host backend for CPU tensors, the device
   // backend for tensors on device(). loom::Error for any other device, or in a group of one rank
   // (it has no backend: its collectives are local).

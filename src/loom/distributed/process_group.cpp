@@ -189,9 +189,13 @@ Distributed::GroupBackends Distributed::make_backends(const std::vector<int>& ra
   }
   // Ranks on one host: CPU all-gathers, reduce-scatters and all-reduces skip Gloo's TCP loopback.
   if (shared_memory_ && env_.single_node()) {
+    // Its own Gloo backend, made only if a member runs out of room in /dev/shm mid-run.
+    auto fallback_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "shm-gloo/", store_);
     out.shared_memory = SharedMemoryCollectives::create(
         c10::make_intrusive<c10d::PrefixStore>(prefix + "shm/", store_), group_rank, size,
-        backend_timeout_for(timeout_));
+        backend_timeout_for(timeout_), [this, fallback_store, group_rank, size] {
+          return make_gloo_backend(fallback_store, group_rank, size);
+        });
   }
   return out;
 }

@@ -34,6 +34,8 @@ struct Header {
   std::atomic<uint32_t> failed;    // non-zero once the owner gave up: peers stop waiting for it
   std::atomic<int64_t> data_capacity;  // bytes of the data region (it only grows)
   std::atomic<int32_t> pid;            // the owner's process, watched by its peers
+  // Non-zero: the operation from which the owner runs the group on Gloo (it had no room to post).
+  std::atomic<uint32_t> gloo_from;
 };
 static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<int64_t>::is_always_lock_free,
               "process-shared atomics must be lock-free");
@@ -46,6 +48,27 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 }
 
 std::string errno_text() { return std::strerror(errno); }
+
+// Thrown by wait_for when the awaited peer moved the group to Gloo (not a std::exception: it is a
+// change of transport, not a failure).
+struct PeerMovedToGloo {
+  int peer;
+};
+
+// Test-only fault (LOOM_FAULT_SHM_LIMIT=<bytes>@<rank>): the rank of that global RANK behaves as if
+// /dev/shm had room for only <bytes> of its segment, as a small tmpfs does.
+int64_t fault_segment_limit() {
+  static const int64_t limit = [] {
+    const char* spec = std::getenv("LOOM_FAULT_SHM_LIMIT");
+    const char* rank = std::getenv("RANK");
+    if (spec == nullptr) return int64_t{-1};
+    const std::string s(spec);
+    const size_t at = s.find('@');
+    if (at == std::string::npos || rank == nullptr || s.substr(at + 1) != rank) return int64_t{-1};
+    return static_cast<int64_t>(std::stoll(s.substr(0, at)));
+  }();
+  return limit;
+}
 
 // Sums (or maxes) `parts` in rank order into `out`. Half-precision sums accumulate in fp32 and
 // round once, as NCCL's and at::sum's do.
@@ -78,6 +101,27 @@ void reduce_into(at::Tensor out, const std::vector<at::Tensor>& parts, ReduceOp 
     acc.reset();
   }
   memory::note_comm_buffer_bytes(out.device(), -acc_bytes);
+}
+
+// A communication buffer of `numel` elements of `like`'s type: counted as one (core/memory.h), not
+// as a tensor of the issuer's.
+at::Tensor comm_scratch(const at::Tensor& like, int64_t numel) {
+  at::Tensor t;
+  {
+    memory::UntrackedAllocationScope untracked;
+    t = at::empty({numel}, like.options());
+  }
+  memory::note_comm_buffer_bytes(like.device(), static_cast<int64_t>(t.nbytes()));
+  return t;
+}
+void release_scratch(at::Tensor& t) {
+  const auto bytes = static_cast<int64_t>(t.nbytes());
+  const c10::Device device = t.device();
+  {
+    memory::UntrackedAllocationScope untracked;
+    t.reset();
+  }
+  memory::note_comm_buffer_bytes(device, -bytes);
 }
 
 }  // namespace
@@ -129,6 +173,9 @@ struct SharedMemoryCollectives::Job {
   std::shared_ptr<c10::ThreadLocalDebugInfo> debug_info;
   at::Tensor contribution;  // what this rank posts (contiguous; its bytes are copied in)
   std::function<void(const std::vector<const char*>&)> combine;  // reads every rank's data
+  // The same operation on the group's fallback Gloo backend, with the same result bit for bit
+  // (every rank's contribution gathered, then combined in rank order), run to completion.
+  std::function<void(c10d::Backend&)> on_gloo;
   const char* what = "";
 };
 
@@ -191,8 +238,9 @@ class SharedMemoryCollectives::Work : public c10d::Work {
 
 std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::create(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-    std::chrono::milliseconds timeout) {
-  std::unique_ptr<SharedMemoryCollectives> group(new SharedMemoryCollectives(rank, size, timeout));
+    std::chrono::milliseconds timeout, BackendFactory make_fallback) {
+  std::unique_ptr<SharedMemoryCollectives> group(
+      new SharedMemoryCollectives(rank, size, timeout, std::move(make_fallback)));
   // 1. This rank's segment, under a name no other process uses.
   static std::atomic<uint64_t> created{0};
   std::random_device entropy;
@@ -253,8 +301,9 @@ std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::create(
   return group;
 }
 
-SharedMemoryCollectives::SharedMemoryCollectives(int rank, int size, std::chrono::milliseconds timeout)
-    : rank_(rank), size_(size), timeout_(timeout) {
+SharedMemoryCollectives::SharedMemoryCollectives(int rank, int size, std::chrono::milliseconds timeout,
+                                                 BackendFactory make_fallback)
+    : rank_(rank), size_(size), timeout_(timeout), make_fallback_(std::move(make_fallback)) {
   LOOM_REQUIRE(size >= 2 && rank >= 0 && rank < size, "shared-memory group: rank ", rank, " of ",
                size);
 }
@@ -272,6 +321,7 @@ SharedMemoryCollectives::~SharedMemoryCollectives() {
 void SharedMemoryCollectives::set_timeout(std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mutex_);
   timeout_ = timeout;
+  if (fallback_) fallback_->setTimeout(timeout);
 }
 
 int64_t SharedMemoryCollectives::segment_bytes() const {
@@ -293,6 +343,10 @@ WorkHandle SharedMemoryCollectives::all_gather(at::Tensor output, at::Tensor inp
       std::memcpy(out + r * shard_bytes, static_cast<int>(r) == me ? own_input : data[r], shard_bytes);
     }
   };
+  job->on_gloo = [output, input](c10d::Backend& gloo) {
+    at::Tensor out = output, in = input;
+    gloo._allgather_base(out, in)->wait();
+  };
   return enqueue(std::move(job));
 }
 
@@ -312,6 +366,17 @@ WorkHandle SharedMemoryCollectives::reduce_scatter(at::Tensor output, at::Tensor
     }
     reduce_into(output, parts, op);
   };
+  job->on_gloo = [output, input, chunk, op, size = size_](c10d::Backend& gloo) {
+    // Every rank's copy of this rank's chunk, by one all-to-all, summed in rank order.
+    at::Tensor received = comm_scratch(input, input.numel());
+    at::Tensor in = input;
+    std::vector<int64_t> equal_splits;
+    gloo.alltoall_base(received, in, equal_splits, equal_splits)->wait();
+    std::vector<at::Tensor> parts;
+    for (int r = 0; r < size; ++r) parts.push_back(received.narrow(0, r * chunk, chunk));
+    reduce_into(output, parts, op);
+    release_scratch(received);
+  };
   return enqueue(std::move(job));
 }
 
@@ -329,6 +394,17 @@ WorkHandle SharedMemoryCollectives::all_reduce(at::Tensor tensor, ReduceOp op) {
       parts.push_back(at::from_blob(const_cast<char*>(d), {flat.numel()}, flat.options()));
     }
     reduce_into(flat, parts, op);
+  };
+  job->on_gloo = [flat, op, size = size_](c10d::Backend& gloo) {
+    // Every rank's tensor gathered, then reduced in rank order as above.
+    at::Tensor gathered = comm_scratch(flat, flat.numel() * size);
+    at::Tensor in = flat;
+    gloo._allgather_base(gathered, in)->wait();
+    const int64_t n = flat.numel();
+    std::vector<at::Tensor> parts;
+    for (int r = 0; r < size; ++r) parts.push_back(gathered.narrow(0, r * n, n));
+    reduce_into(flat, parts, op);
+    release_scratch(gathered);
   };
   return enqueue(std::move(job));
 }
@@ -382,6 +458,10 @@ void SharedMemoryCollectives::worker_loop() {
 
 void SharedMemoryCollectives::run(const Job& job) {
   const uint32_t op = ++next_op_;
+  if (on_gloo_since_.load() != 0) {
+    job.on_gloo(*fallback_);
+    return;
+  }
   Segment& own = *segments_[static_cast<size_t>(rank_)];
   const auto bytes = static_cast<int64_t>(job.contribution.nbytes());
   // 1. Every peer has read this rank's previous contribution: its data region may be overwritten.
@@ -391,8 +471,15 @@ void SharedMemoryCollectives::run(const Job& job) {
     wait_for(peer, [&] { return s.header()->finished.load(std::memory_order_acquire) + 1 >= op; },
              "finish the previous collective", op);
   }
-  // 2. Post this rank's contribution.
-  ensure_own_capacity(bytes);
+  // 2. Post this rank's contribution, or, without room for it, that the group moves to Gloo.
+  std::string no_room;
+  if (!ensure_own_capacity(bytes, no_room)) {
+    own.header()->gloo_from.store(op, std::memory_order_release);
+    ring_own_bell();
+    move_to_gloo(op, no_room);
+    job.on_gloo(*fallback_);
+    return;
+  }
   if (bytes > 0) std::memcpy(own.data(), job.contribution.data_ptr(), static_cast<size_t>(bytes));
   own.header()->posted.store(op, std::memory_order_release);
   ring_own_bell();
@@ -404,13 +491,32 @@ void SharedMemoryCollectives::run(const Job& job) {
       continue;
     }
     Segment& s = *segments_[static_cast<size_t>(peer)];
-    wait_for(peer, [&] { return s.header()->posted.load(std::memory_order_acquire) >= op; },
-             "post its contribution", op);
+    try {
+      wait_for(peer, [&] { return s.header()->posted.load(std::memory_order_acquire) >= op; },
+               "post its contribution", op);
+    } catch (const PeerMovedToGloo& moved) {
+      move_to_gloo(op, c10::str("group rank ", moved.peer, " has no room for it in its shared memory"));
+      job.on_gloo(*fallback_);
+      return;
+    }
     data[static_cast<size_t>(peer)] = peer_data(peer, bytes);
   }
   job.combine(data);
   own.header()->finished.store(op, std::memory_order_release);
   ring_own_bell();
+}
+
+void SharedMemoryCollectives::move_to_gloo(uint32_t op, const std::string& reason) {
+  log::warn("shared-memory collective #", op, " of this group: ", reason,
+            "; this group's CPU collectives continue on Gloo from this one on (free space in /dev/shm, "
+            "`df -h /dev/shm`, to keep them on shared memory)");
+  auto fallback = make_fallback_();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fallback->setTimeout(timeout_);
+    fallback_ = std::move(fallback);
+  }
+  on_gloo_since_.store(op);
 }
 
 void SharedMemoryCollectives::ring_own_bell() {
@@ -441,6 +547,10 @@ void SharedMemoryCollectives::wait_for(int peer, const std::function<bool()>& re
     if (h->failed.load(std::memory_order_acquire) != 0) {
       fail("group rank ", peer, " failed its shared-memory collectives (see its error)");
     }
+    if (h->gloo_from.load(std::memory_order_acquire) != 0) {
+      if (ready()) return;  // what it did before moving (ordered before the flag) counts
+      throw PeerMovedToGloo{peer};
+    }
     if (segments_[static_cast<size_t>(peer)]->owner_exited()) {
       fail("group rank ", peer, " (pid ", segments_[static_cast<size_t>(peer)]->pid,
            ") exited before it could ", what, " (collective #", op, " on this group)");
@@ -456,24 +566,30 @@ void SharedMemoryCollectives::wait_for(int peer, const std::function<bool()>& re
   }
 }
 
-void SharedMemoryCollectives::ensure_own_capacity(int64_t bytes) {
+bool SharedMemoryCollectives::ensure_own_capacity(int64_t bytes, std::string& problem) {
   Segment& own = *segments_[static_cast<size_t>(rank_)];
   const int64_t capacity = own.header()->data_capacity.load(std::memory_order_relaxed);
-  if (bytes <= capacity) return;
+  if (bytes <= capacity) return true;
   // Grow to the next MiB-rounded size with headroom, so a few sizes do not regrow each time.
   constexpr int64_t kMiB = int64_t{1} << 20;
   const int64_t target = std::max(bytes, capacity + capacity / 2);
   const int64_t grown = (target + kMiB - 1) / kMiB * kMiB;
-  // Reserve the pages now: a tmpfs without room then fails here with a message, instead of a
-  // SIGBUS at the first write.
-  const int rc = ::posix_fallocate(own.fd, 0, kHeaderBytes + grown);
+  // Reserve the pages now: a tmpfs without room then says so here, instead of a SIGBUS at the
+  // first write.
+  const int64_t limit = fault_segment_limit();
+  const int rc = limit >= 0 && kHeaderBytes + grown > limit ? ENOSPC
+                                                            : ::posix_fallocate(own.fd, 0, kHeaderBytes + grown);
   if (rc != 0) {
-    fail("cannot grow this rank's shared-memory segment to ", grown / kMiB, " MiB: ",
-         std::strerror(rc), "; free space in /dev/shm (`df -h /dev/shm`) or set comm.shared_memory "
-         "= false");
+    problem = c10::str("cannot grow this rank's segment to ", grown / kMiB, " MiB for ", bytes, " bytes (",
+                       std::strerror(rc), limit >= 0 ? ", LOOM_FAULT_SHM_LIMIT" : "", ")");
+    return false;
   }
-  if (!own.map(kHeaderBytes + grown)) fail("cannot map ", grown / kMiB, " MiB of shared memory: ", errno_text());
+  if (!own.map(kHeaderBytes + grown)) {
+    problem = c10::str("cannot map ", grown / kMiB, " MiB of shared memory (", errno_text(), ")");
+    return false;
+  }
   own.header()->data_capacity.store(grown, std::memory_order_release);
+  return true;
 }
 
 const char* SharedMemoryCollectives::peer_data(int peer, int64_t bytes) {

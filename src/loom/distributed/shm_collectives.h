@@ -19,9 +19,20 @@
 // Segments are created under unique names, opened by every member through the group's store,
 // and unlinked as soon as all have opened them: a crash leaves nothing in /dev/shm (except one
 // during the set-up itself).
-// A rank that fails (timeout, a peer that gave up, no room to grow) marks its header failed; its
-// peers' waits end with an error instead of hanging, and every later operation on the group fails.
+// A rank that fails (timeout, a peer that gave up) marks its header failed; its peers' waits end
+// with an error instead of hanging, and every later operation on the group fails.
+//
+// No room to grow (a /dev/shm too small for a collective, which set-up cannot foresee: segments
+// grow to the largest collective met) is not a failure: the rank that cannot grow posts, instead
+// of its contribution, the number of the operation from which it moves to Gloo. No peer can finish
+// that operation without its contribution, so every member meets the flag at the same operation;
+// each then creates the group's fallback Gloo backend (a collective of the members, from the
+// worker thread) and runs that operation and every later one there, in issue order. The fallback
+// backend is the group's own (not the Gloo backend the caller's other collectives use), so its
+// order cannot interleave differently on different ranks. Reduce-scatters exchange chunks by
+// all-to-all and sum in rank order, as here, so the sums do not change.
 #pragma once
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -47,9 +58,13 @@ class SharedMemoryCollectives {
   // least 2), and a store private to the group. `timeout` bounds each wait for a peer. Null, on
   // every member alike, when any member could not create or open a segment (the reason is logged
   // once per rank): the group's CPU collectives then stay on Gloo.
+  // `make_fallback` makes the group's Gloo backend for the operations after a member ran out of
+  // room (called at most once, on the worker thread, by every member at the same operation).
+  using BackendFactory = std::function<c10::intrusive_ptr<c10d::Backend>()>;
   static std::unique_ptr<SharedMemoryCollectives> create(const c10::intrusive_ptr<c10d::Store>& store,
                                                          int rank, int size,
-                                                         std::chrono::milliseconds timeout);
+                                                         std::chrono::milliseconds timeout,
+                                                         BackendFactory make_fallback);
   ~SharedMemoryCollectives();
   SharedMemoryCollectives(const SharedMemoryCollectives&) = delete;
   SharedMemoryCollectives& operator=(const SharedMemoryCollectives&) = delete;
@@ -67,13 +82,16 @@ class SharedMemoryCollectives {
   // Bytes of this rank's segment now (header and data): shared memory outside the tensor
   // allocator, for logs and tests.
   int64_t segment_bytes() const;
+  // The operation (1-based, in issue order) from which the group runs on its fallback Gloo
+  // backend; 0 while it runs on shared memory.
+  uint32_t on_gloo_since() const { return on_gloo_since_.load(); }
 
  private:
   struct Segment;
   struct Job;
   class Work;
 
-  SharedMemoryCollectives(int rank, int size, std::chrono::milliseconds timeout);
+  SharedMemoryCollectives(int rank, int size, std::chrono::milliseconds timeout, BackendFactory make_fallback);
   WorkHandle enqueue(std::shared_ptr<Job> job);
   void worker_loop();
   void run(const Job& job);
@@ -82,7 +100,12 @@ class SharedMemoryCollectives {
   void wait_for(int peer, const std::function<bool()>& ready, const char* what, uint32_t op);
   void ring_own_bell();
   void mark_failed();
-  void ensure_own_capacity(int64_t bytes);
+  // Grows this rank's data region to hold `bytes`; false (with `problem` said) when the shared
+  // memory has no room.
+  bool ensure_own_capacity(int64_t bytes, std::string& problem);
+  // Moves the group to its fallback backend from operation `op` on and runs `job` there.
+  void run_on_gloo(const Job& job);
+  void move_to_gloo(uint32_t op, const std::string& reason);
   const char* peer_data(int peer, int64_t bytes);  // remaps a peer's grown segment when needed
 
   int rank_;
@@ -97,6 +120,9 @@ class SharedMemoryCollectives {
   std::string failed_;  // the first failure: later operations fail with it
   std::chrono::milliseconds timeout_;
   uint32_t next_op_ = 0;  // worker thread only
+  BackendFactory make_fallback_;
+  c10::intrusive_ptr<c10d::Backend> fallback_;  // worker thread only (its timeout: under mutex_)
+  std::atomic<uint32_t> on_gloo_since_{0};
   std::thread worker_;
 };
 

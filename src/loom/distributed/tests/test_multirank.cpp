@@ -69,6 +69,26 @@ TEST(MultiRank, SharedMemoryCollectivesMatchGloo) {
   expect_all_ranks_ok(run_worker(3, {"shared_memory"}), 3, {"shared_memory"});
 }
 
+// Issue 46 (9): a /dev/shm with no room for a collective's contribution (here: rank 1's segment
+// limited to 2 MiB, so its 4 MiB all-gather shard and later ones do not fit) moved to Gloo at that
+// collective on every rank, instead of ending the job; every result still equals Gloo's.
+TEST(MultiRank, SharedMemoryWithoutRoomMovesTheGroupToGlooMidRun) {
+  const RunResult r = run("env LOOM_FAULT_SHM_LIMIT=2097152@1 " + loom_launch(3) + " --exec -- " + bin_dir() +
+                          "/loom_distributed_worker shared_memory");
+  expect_all_ranks_ok(r, 3, {"shared_memory"});
+  EXPECT_EQ(count_occurrences(r.output, "continue on Gloo from this one on"), 3) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "cannot grow this rank's segment"), 1) << r.output;
+  // The same collective on every rank.
+  std::smatch m;
+  std::string first;
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::regex line("rank " + std::to_string(rank) + ": on Gloo from collective #([0-9]+)");
+    ASSERT_TRUE(std::regex_search(r.output, m, line)) << r.output;
+    if (rank == 0) first = m[1];
+    EXPECT_EQ(m[1], first) << r.output;
+  }
+}
+
 TEST(MultiRank, Mesh2x2SubGroupsAndFlattenedDims) {
   expect_all_ranks_ok(run_worker(4, {"mesh_2x2"}), 4, {"mesh_2x2"});
 }

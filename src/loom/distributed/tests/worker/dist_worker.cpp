@@ -16,6 +16,7 @@
 #include "loom/core/error.h"
 #include "loom/core/error_report.h"
 #include "loom/distributed/comm.h"
+#include "loom/distributed/shm_collectives.h"
 #include "loom/distributed/device_mesh.h"
 #include "loom/distributed/launch_env.h"
 #include "loom/distributed/parallel_dims.h"
@@ -503,6 +504,9 @@ void scenario_exposed_wait(const std::shared_ptr<Distributed>& dist) {
 // differ from Gloo's (differently ordered) fp32 sums by rounding only, bf16 averages by one bf16 ulp.
 void scenario_shared_memory(const std::shared_ptr<Distributed>& dist) {
   Comm& world = *dist->world();
+  // With LOOM_FAULT_SHM_LIMIT=<bytes>@<rank> one rank has no room past <bytes>: the group must
+  // move to Gloo at the same collective on every rank and give the same results (issue 46, 9).
+  const bool limited = std::getenv("LOOM_FAULT_SHM_LIMIT") != nullptr;
   LOOM_REQUIRE(world.uses_shared_memory() == shared_memory_requested(), "the world group ",
                world.uses_shared_memory() ? "uses" : "does not use", " shared memory");
   LOOM_REQUIRE(world.uses_shared_memory(), "this scenario compares shared memory with Gloo: run it "
@@ -551,6 +555,10 @@ void scenario_shared_memory(const std::shared_ptr<Distributed>& dist) {
   world.all_reduce(ints, ReduceOp::kMax);
   gloo.all_reduce(ints_ref, ReduceOp::kMax);
   expect_equal(ints, ints_ref, "all_reduce max of int64");
+  const uint32_t on_gloo_since = world.shared_memory()->on_gloo_since();
+  LOOM_REQUIRE((on_gloo_since != 0) == limited, "the group ", on_gloo_since != 0 ? "moved" : "did not move",
+               " to Gloo", limited ? " with LOOM_FAULT_SHM_LIMIT set" : "");
+  if (limited) std::printf("rank %d: on Gloo from collective #%u\n", world.rank(), on_gloo_since);
   // Every segment was unlinked once its peers had opened it: nothing of this process in /dev/shm.
   const std::string mine = c10::str("loom-", ::getpid(), "-");
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
