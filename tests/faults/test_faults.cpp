@@ -318,6 +318,19 @@ TEST(Faults, RestartWithoutCheckpointsSaysItStartsOver) {
             std::string::npos) << r.output;
 }
 
+// Issue 46 (11): the launcher's rank fork server died between attempts (LOOM_FAULT_KILL_FORK_SERVER
+// kills it before the restart). Before, the restart failed ("the rank fork server has gone");
+// now the ranks are exec'd, as when there is no server, and the run finishes.
+TEST(Faults, RestartAfterTheForkServerDiedExecsTheRanks) {
+  TempDir dir("forkserver");
+  RunResult r = run("env LOOM_FAULT_KILL=1:2 LOOM_FAULT_KILL_FORK_SERVER=1 " + launch(2, " --max-restarts 1") +
+                    train_args(dir, 3));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("loom launch: restart 1 of 1"), std::string::npos) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, ") has gone; this and every later rank is exec'd"), 1) << r.output;
+  EXPECT_EQ(loom::testing::logged_losses(dir.path()).size(), 3u) << r.output;
+}
+
 // A throwing rank with restarts and checkpoints: the restart resumes and the metrics say where.
 TEST(Faults, ThrowingRankRestartsFromTheCheckpointWithAResumeMarker) {
   TempDir dir("retry");

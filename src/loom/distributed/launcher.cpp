@@ -477,10 +477,18 @@ class WorkerGroup {
   pid_t spawn(const RankProcess& p) {
     // Everything the child needs is prepared before fork: after it, only async-signal-safe calls.
     std::vector<std::string> env_strings = environment(p);
-    if (plan_.fork_server != nullptr) {
-      const pid_t pid = plan_.fork_server->spawn(env_strings, plan_.argv);
-      setpgid(pid, pid);  // also from here, so signals sent right away reach the group
-      return pid;
+    if (plan_.fork_server != nullptr && !plan_.fork_server->gone()) {
+      try {
+        const pid_t pid = plan_.fork_server->spawn(env_strings, plan_.argv);
+        setpgid(pid, pid);  // also from here, so signals sent right away reach the group
+        return pid;
+      } catch (const Error& e) {
+        if (!plan_.fork_server->gone()) throw;
+        // A server that died (the OOM killer's choice, a stray signal) must not end a launch
+        // that can still exec its ranks, as it does when there never was a server.
+        log::warn("loom launch: the rank fork server (pid ", plan_.fork_server->pid(),
+                  ") has gone; this and every later rank is exec'd and loads loom anew");
+      }
     }
     std::vector<char*> envp;
     for (auto& s : env_strings) envp.push_back(s.data());
@@ -713,6 +721,8 @@ int launch(const LaunchOptions& options) {
     }
     std::fprintf(stderr, "%s\n", line.c_str());
     std::fflush(stderr);
+    // Test-only fault: the fork server dies between attempts.
+    if (fork_server && std::getenv("LOOM_FAULT_KILL_FORK_SERVER") != nullptr) ::kill(fork_server->pid(), SIGKILL);
   }
 }
 

@@ -202,6 +202,7 @@ pid_t RankForkServer::spawn(const std::vector<std::string>& environment, const s
   const bool ok = write_all(socket_, &size, sizeof(size)) && write_all(socket_, request.data(), request.size()) &&
                   read_all(socket_, &reply, sizeof(reply));
   prctl(PR_SET_CHILD_SUBREAPER, was_subreaper);
+  if (!ok) gone_ = true;
   LOOM_REQUIRE(ok, "loom launch: the rank fork server (pid ", pid_, ") has gone; use --start-method exec");
   LOOM_REQUIRE(reply > 0, "loom launch: the rank fork server cannot fork a rank: ",
                std::strerror(static_cast<int>(-reply)));

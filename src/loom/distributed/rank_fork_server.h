@@ -44,11 +44,16 @@ class RankForkServer {
   // kernel when the calling process dies. Returns its pid; throws loom::Error when the server
   // cannot start it.
   pid_t spawn(const std::vector<std::string>& environment, const std::vector<std::string>& argv);
+  // Whether a spawn found the server gone (killed, e.g. by the OOM killer): the caller then execs
+  // its ranks, as when there is no server.
+  bool gone() const { return gone_; }
+  pid_t pid() const { return pid_; }
 
  private:
   RankForkServer(pid_t pid, int socket) : pid_(pid), socket_(socket) {}
   pid_t pid_;
   int socket_;
+  bool gone_ = false;
 };
 
 }  // namespace loom::distributed
