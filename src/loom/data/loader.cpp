@@ -156,18 +156,53 @@ void remove_stale_temporaries(const fs::path& entry) {
   }
 }
 
-// The cached tokens of the entry, when a complete file written for this tokenizer is there.
-std::shared_ptr<const TokenFile> open_cached(const fs::path& entry, const Tokenizer& tokenizer) {
+// "<entry>.sum": the hash of the entry's bytes, written once the entry is complete. An entry whose
+// bytes no longer hash to it (a flipped bit, a truncated or overwritten file) is tokenized again.
+fs::path checksum_path(const fs::path& entry) { return entry.string() + ".sum"; }
+
+std::string entry_checksum(const fs::path& entry) {
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(hash_file(entry.string(), 7)));
+  return hex;
+}
+
+// Records the checksum of the complete entry (through a temporary and a rename, so a reader sees
+// the whole line or none).
+void write_checksum(const fs::path& entry) {
+  const fs::path sum = checksum_path(entry);
+  const std::string tmp = c10::str(sum.string(), ".tmp.", ::getpid());
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << entry_checksum(entry) << "\n";
+    LOOM_REQUIRE(out.good(), "cannot write '", tmp, "': ", errno_text());
+  }
+  fs::rename(tmp, sum);
+}
+
+// The cached tokens of the entry, when a complete, undamaged file written for this tokenizer is
+// there; null otherwise (the caller tokenizes again and rewrites it). `say` logs why a file that
+// is there cannot be used (once: the caller asks again under the entry's lock).
+std::shared_ptr<const TokenFile> open_cached(const fs::path& entry, const Tokenizer& tokenizer, bool say) {
   std::error_code ec;
   if (!fs::is_regular_file(entry, ec)) return nullptr;
   try {
+    std::string recorded;
+    std::ifstream(checksum_path(entry)) >> recorded;
+    if (recorded.empty()) {
+      if (say) log::info("data: token cache entry ", entry.string(), " has no checksum (an unfinished write or an older Loom); tokenizing again");
+      return nullptr;
+    }
+    if (recorded != entry_checksum(entry)) {
+      if (say) log::warn("data: token cache entry ", entry.string(), " is damaged (its bytes no longer match the checksum written with it); tokenizing its source again");
+      return nullptr;
+    }
     auto file = std::make_shared<const TokenFile>(entry.string());
     const TokenFileHeader& h = file->header();
     if (h.vocab_size == tokenizer.vocab_size() && h.bos_id == tokenizer.bos_id() && h.eos_id == tokenizer.eos_id()) {
       return file;
     }
   } catch (const std::exception& e) {
-    log::debug("data: token cache entry ", entry.string(), " is unusable (", e.what(), "); tokenizing again");
+    if (say) log::warn("data: token cache entry ", entry.string(), " is unusable (", e.what(), "); tokenizing again");
   }
   return nullptr;
 }
@@ -309,7 +344,7 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
       }
       const std::optional<fs::path> entry =
           options.token_cache_dir.empty() ? std::nullopt : token_cache_entry(path, format, *tokenizer, options);
-      if (auto cached = entry ? open_cached(*entry, *tokenizer) : nullptr) {
+      if (auto cached = entry ? open_cached(*entry, *tokenizer, false) : nullptr) {
         corpus->add_token_file(std::move(cached), model_vocab_size);
         continue;
       }
@@ -326,7 +361,8 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
           // job load the same files at the same time), then they map what it wrote.
           const EntryLock lock(*entry);
           remove_stale_temporaries(*entry);
-          if (auto written = open_cached(*entry, *tokenizer)) {
+          remove_stale_temporaries(checksum_path(*entry));
+          if (auto written = open_cached(*entry, *tokenizer, true)) {
             corpus->add_token_file(std::move(written), model_vocab_size);
             continue;
           }
@@ -339,7 +375,8 @@ std::shared_ptr<const TokenCorpus> TokenCorpus::load(const std::vector<std::stri
           for_each_text_document(path, options, [&](std::string_view text) { encoder.add(text); });
           encoder.finish();
           writer.close();
-          if (auto written = open_cached(*entry, *tokenizer)) {
+          write_checksum(*entry);
+          if (auto written = open_cached(*entry, *tokenizer, true)) {
             corpus->add_token_file(std::move(written), model_vocab_size);
             continue;
           }

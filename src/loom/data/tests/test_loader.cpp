@@ -22,6 +22,7 @@ using namespace loom::data;
 namespace {
 using loom::testing::temp_dir;
 using loom::testing::write;
+using loom::testing::file_bytes;
 
 using loom::testing::expect_error;
 
@@ -611,6 +612,24 @@ TEST(Sources, TokenCacheServesTheSameStreamAndFollowsTheContents) {
   EXPECT_EQ(whole_stream(*TokenCorpus::load({(dir / "race.jsonl").string()}, &tok, cached)), race_want);
   EXPECT_FALSE(fs::exists(stale));
   EXPECT_TRUE(fs::exists(race_entry));
+
+  // Issue 46 (11): a damaged entry (a byte changed in its tokens, one that still reads as a token
+  // file with in-range ids) or one without its checksum is tokenized again and rewritten, not
+  // reported or trained on.
+  const std::string original = file_bytes(race_entry);
+  {
+    std::fstream f(race_entry, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(original.size() - 6));  // inside the last document's tokens
+    const char c = original[original.size() - 6];
+    f.put(static_cast<char>(c ^ 1));
+  }
+  ASSERT_NE(file_bytes(race_entry), original);
+  EXPECT_EQ(whole_stream(*TokenCorpus::load({(dir / "race.jsonl").string()}, &tok, cached)), race_want);
+  EXPECT_EQ(file_bytes(race_entry), original);
+  fs::remove(race_entry.string() + ".sum");
+  EXPECT_EQ(whole_stream(*TokenCorpus::load({(dir / "race.jsonl").string()}, &tok, cached)), race_want);
+  EXPECT_TRUE(fs::exists(race_entry.string() + ".sum"));
+  EXPECT_EQ(file_bytes(race_entry), original);
 
   // A cache "folder" that is a file: the load works, uncached.
   write(dir / "not_a_folder", "x");
