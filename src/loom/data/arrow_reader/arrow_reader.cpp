@@ -48,11 +48,28 @@ struct Reader {
       for (const auto& field : schema.fields()) columns += (columns.empty() ? "" : ", ") + field->name();
       throw Failure{kLoomArrowMissingColumn, columns.empty() ? std::string("none") : columns};
     }
-    const arrow::Type::type id = schema.field(index)->type()->id();
-    if (id != arrow::Type::STRING && id != arrow::Type::LARGE_STRING && id != arrow::Type::STRING_VIEW) {
-      throw Failure{kLoomArrowNotText, schema.field(index)->type()->ToString()};
-    }
+    const std::shared_ptr<arrow::DataType>& type = schema.field(index)->type();
+    // A dictionary-encoded column (pandas' categoricals, pyarrow's dictionary_encode) is text when
+    // its values are.
+    const arrow::DataType& values =
+        type->id() == arrow::Type::DICTIONARY ? *static_cast<const arrow::DictionaryType&>(*type).value_type() : *type;
+    if (!is_text(values.id())) throw Failure{kLoomArrowNotText, type->ToString()};
     return index;
+  }
+
+  static bool is_text(arrow::Type::type id) {
+    return id == arrow::Type::STRING || id == arrow::Type::LARGE_STRING || id == arrow::Type::STRING_VIEW;
+  }
+
+  // Each non-null entry of a dictionary-encoded array, looked up in its dictionary.
+  template <typename ArrayType>
+  void emit_dictionary_strings(const arrow::DictionaryArray& array, const ArrayType& dictionary) const {
+    for (int64_t i = 0; i < array.length(); ++i) {
+      if (array.IsNull(i)) continue;
+      const std::string_view text = dictionary.GetView(array.GetValueIndex(i));
+      if (text.empty() && skip_empty) continue;
+      if (emit(context, text.data(), text.size()) != 0) throw Stopped{};
+    }
   }
 
   template <typename ArrayType>
@@ -70,6 +87,19 @@ struct Reader {
       case arrow::Type::STRING: return emit_strings(static_cast<const arrow::StringArray&>(array));
       case arrow::Type::LARGE_STRING: return emit_strings(static_cast<const arrow::LargeStringArray&>(array));
       case arrow::Type::STRING_VIEW: return emit_strings(static_cast<const arrow::StringViewArray&>(array));
+      case arrow::Type::DICTIONARY: {
+        const auto& encoded = static_cast<const arrow::DictionaryArray&>(array);
+        const arrow::Array& dictionary = *encoded.dictionary();
+        switch (dictionary.type_id()) {
+          case arrow::Type::STRING:
+            return emit_dictionary_strings(encoded, static_cast<const arrow::StringArray&>(dictionary));
+          case arrow::Type::LARGE_STRING:
+            return emit_dictionary_strings(encoded, static_cast<const arrow::LargeStringArray&>(dictionary));
+          case arrow::Type::STRING_VIEW:
+            return emit_dictionary_strings(encoded, static_cast<const arrow::StringViewArray&>(dictionary));
+          default: throw Failure{kLoomArrowNotText, array.type()->ToString()};
+        }
+      }
       default: throw Failure{kLoomArrowNotText, array.type()->ToString()};
     }
   }
