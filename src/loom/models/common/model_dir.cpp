@@ -73,9 +73,60 @@ bool is_fp8_scale(const checkpoint::SafetensorsCheckpoint& ckpt, const std::stri
          ckpt.contains(name.substr(0, name.size() - suffix.size()));
 }
 
+// MXFP4 (OCP microscaling, GPT-OSS's published expert weights): `<name>_blocks` [..., R, G, 16]
+// uint8 holds two 4-bit e2m1 values per byte (low nibble first) for G blocks of 32 values per row,
+// `<name>_scales` [..., R, G] uint8 one power of two per block (e8m0: 2^(s - 127)). The tensor
+// `<name>` they stand for is [..., G * 32, R]: transformers dequantises rows of R and transposes
+// the last two dims (its GPT-OSS experts keep [experts, in, out]).
+constexpr const char* kMxfp4Blocks = "_blocks";
+constexpr const char* kMxfp4Scales = "_scales";
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() > suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+std::string strip(const std::string& s, const std::string& suffix) { return s.substr(0, s.size() - suffix.size()); }
+
+// Whether `name` is an MXFP4 companion: the blocks or scales of a tensor stored as MXFP4.
+bool is_mxfp4_part(const checkpoint::SafetensorsCheckpoint& ckpt, const std::string& name, bool blocks) {
+  const std::string own = blocks ? kMxfp4Blocks : kMxfp4Scales;
+  const std::string other = blocks ? kMxfp4Scales : kMxfp4Blocks;
+  return ends_with(name, own) && ckpt.contains(strip(name, own) + other);
+}
+
+}  // namespace
+
+torch::Tensor dequantize_mxfp4(const torch::Tensor& blocks, const torch::Tensor& scales) {
+  LOOM_REQUIRE(blocks.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kUInt8 && blocks.dim() >= 3 &&
+                   blocks.size(-1) == 16 && scales.sizes() == blocks.sizes().slice(0, blocks.dim() - 1),
+               "MXFP4 blocks ", blocks.sizes(), " (", blocks.scalar_type(), ") and scales ", scales.sizes(), " (",
+               scales.scalar_type(), ") are not uint8 [..., R, G, 16] and [..., R, G]");
+  static const float kE2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  const torch::Tensor lut = torch::from_blob(const_cast<float*>(kE2m1), {16}, torch::kFloat32);
+  const torch::Tensor bytes = blocks.to(torch::kLong);
+  // [..., R, G, 16, 2]: each byte's low nibble, then its high one.
+  const torch::Tensor values = torch::stack({lut.index({bytes.bitwise_and(0x0F)}), lut.index({bytes.bitwise_right_shift(4)})}, -1);
+  const torch::Tensor exponents = scales.to(torch::kInt32) - 127;
+  // Exact: a 4-bit e2m1 value times a power of two is a float32 (and a bfloat16) as it is.
+  torch::Tensor out = torch::ldexp(values.flatten(-2), exponents.unsqueeze(-1));  // [..., R, G, 32]
+  out = out.flatten(-2);                                                            // [..., R, G * 32]
+  return out.transpose(-1, -2).contiguous();
+}
+
+namespace {
+
 // A checkpoint tensor as float: a float8 weight with a `<name>_scale_inv` companion (one float32
-// scale per 128 x 128 block, DeepSeek's layout) is dequantised, w = q * scale of its block.
+// scale per 128 x 128 block, DeepSeek's layout) is dequantised, w = q * scale of its block; a name
+// stored as MXFP4 blocks and scales (GPT-OSS) is dequantised from them.
 torch::Tensor read_hf_tensor(const checkpoint::SafetensorsCheckpoint& ckpt, const std::string& name) {
+  if (!ckpt.contains(name) && ckpt.contains(name + kMxfp4Blocks) && ckpt.contains(name + kMxfp4Scales)) {
+    try {
+      return dequantize_mxfp4(ckpt.tensor(name + kMxfp4Blocks), ckpt.tensor(name + kMxfp4Scales));
+    } catch (const Error& e) {
+      fail("'", name, kMxfp4Blocks, "' and '", name, kMxfp4Scales, "' in '", ckpt.source().string(),
+           "' are not MXFP4: ", e.what());
+    }
+  }
   torch::Tensor value = ckpt.tensor(name);
   const c10::ScalarType type = value.scalar_type();
   if (type != c10::kFloat8_e4m3fn && type != c10::kFloat8_e5m2) return value;
@@ -296,11 +347,23 @@ static LoadedModel load_hf_model_dir_unchecked(const fs::path& dir, const LoadOp
   std::set<std::string> filled;
   // Loom tensors gathered from pieces: the rows (or row slices) filled so far, by name.
   std::map<std::string, int64_t> piece_elements;
-  for (const std::string& hf_name : ckpt.names()) {
-    if (is_ignorable_hf_tensor(hf_name) || is_fp8_scale(ckpt, hf_name)) continue;
+  for (const std::string& stored_name : ckpt.names()) {
+    if (is_ignorable_hf_tensor(stored_name) || is_fp8_scale(ckpt, stored_name) ||
+        is_mxfp4_part(ckpt, stored_name, /*blocks=*/false)) {
+      continue;
+    }
+    // An MXFP4 pair stands for the tensor named without "_blocks", of the dequantised shape.
+    const bool mxfp4 = is_mxfp4_part(ckpt, stored_name, /*blocks=*/true);
+    const std::string hf_name = mxfp4 ? strip(stored_name, kMxfp4Blocks) : stored_name;
     if (hf.to_loom_pieces) {
-      const checkpoint::SafetensorsEntry& entry = ckpt.entry(hf_name);
-      const std::vector<HfFormat::Piece> pieces = hf.to_loom_pieces(hf_name, entry.shape);
+      std::vector<int64_t> shape = ckpt.entry(stored_name).shape;
+      if (mxfp4 && shape.size() >= 3) {
+        const int64_t rows = shape[shape.size() - 3], columns = shape[shape.size() - 2] * 32;
+        shape.resize(shape.size() - 3);
+        shape.push_back(columns);
+        shape.push_back(rows);
+      }
+      const std::vector<HfFormat::Piece> pieces = hf.to_loom_pieces(hf_name, shape);
       if (!pieces.empty()) {
         const torch::Tensor value = read_hf_tensor(ckpt, hf_name);
         for (const HfFormat::Piece& piece : pieces) {

@@ -101,4 +101,10 @@ void export_hf_model_dir(const ModelSpec& spec, Decoder& model, const std::files
 // checkpoint by path, or a Hugging Face directory of the same family read whole.
 InitialWeights read_initial_weights(const ModelSpec& spec, const std::filesystem::path& path);
 
+// MXFP4 (GPT-OSS's published expert weights, read by the Hugging Face loader for any tensor stored
+// as `<name>_blocks` + `<name>_scales`): blocks [..., R, G, 16] uint8, two e2m1 values per byte,
+// low nibble first; scales [..., R, G] uint8, 2^(s - 127) per block of 32. Returns float32
+// [..., G * 32, R] (transformers' layout for them), exactly: every value is representable.
+torch::Tensor dequantize_mxfp4(const torch::Tensor& blocks, const torch::Tensor& scales);
+
 }  // namespace loom::models
