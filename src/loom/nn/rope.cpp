@@ -36,6 +36,39 @@ torch::Tensor rope_inverse_frequencies(int64_t head_dim, double theta,
   return torch::where(is_medium, smoothed, scaled);
 }
 
+torch::Tensor yarn_inverse_frequencies(int64_t head_dim, double theta, const YarnScaling& s) {
+  LOOM_REQUIRE(head_dim > 0 && head_dim % 2 == 0, "RoPE needs an even head_dim, got ", head_dim);
+  LOOM_REQUIRE(theta > 1.0, "RoPE theta must be > 1, got ", theta);
+  LOOM_REQUIRE(s.factor >= 1.0 && s.original_max_position > 0 && s.beta_fast > s.beta_slow && s.beta_slow > 0,
+               "invalid YaRN RoPE scaling (factor ", s.factor, ", original_max_position ", s.original_max_position,
+               ", beta_fast ", s.beta_fast, ", beta_slow ", s.beta_slow,
+               "); need factor >= 1, original_max_position > 0 and beta_fast > beta_slow > 0");
+  torch::NoGradGuard no_grad;
+  const int64_t d = head_dim;
+  const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32);
+  const torch::Tensor pos_freqs = torch::pow(theta, torch::arange(0, d, 2, torch::kInt64).to(torch::kFloat32) / d);
+  const torch::Tensor extrapolation = 1.0 / pos_freqs;
+  const torch::Tensor interpolation = 1.0 / (s.factor * pos_freqs);
+  auto correction_dim = [&](double rotations) {
+    return (static_cast<double>(d) *
+            std::log(static_cast<double>(s.original_max_position) / (rotations * 2 * M_PI))) /
+           (2 * std::log(theta));
+  };
+  double low = correction_dim(s.beta_fast), high = correction_dim(s.beta_slow);
+  if (s.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(d - 1));
+  if (low == high) high += 0.001;  // transformers' guard against a zero-width ramp
+  const torch::Tensor ramp = torch::clamp((torch::arange(d / 2, fp32) - low) / (high - low), 0, 1);
+  const torch::Tensor extrapolation_factor = 1 - ramp;
+  return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor;
+}
+
+double yarn_mscale(double factor, double mscale) { return factor <= 1.0 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0; }
+
 torch::Tensor rope_cache(const torch::Tensor& inverse_frequencies, int64_t max_seq_len) {
   LOOM_REQUIRE(max_seq_len > 0, "RoPE cache needs max_seq_len > 0, got ", max_seq_len);
   torch::NoGradGuard no_grad;

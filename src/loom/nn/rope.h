@@ -32,6 +32,25 @@ struct RopeScaling {
 torch::Tensor rope_inverse_frequencies(int64_t head_dim, double theta,
                                        const std::optional<RopeScaling>& scaling);
 
+// YaRN (Peng et al. 2023) as transformers computes it (_compute_yarn_parameters): frequencies
+// whose wavelength exceeds the correction range are interpolated (divided by `factor`), those below
+// it kept, a linear ramp between; the range comes from beta_fast / beta_slow rotations over
+// original_max_position, floored/ceiled unless `truncate` is false (GPT-OSS), clipped to
+// [0, head_dim - 1]. DeepSeek-V3 and GPT-OSS use it.
+struct YarnScaling {
+  double factor = 1.0;
+  int64_t original_max_position = 4096;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  bool truncate = true;
+};
+// fp32 [head_dim / 2], in transformers' fp32 ops (bitwise-equal frequencies).
+torch::Tensor yarn_inverse_frequencies(int64_t head_dim, double theta, const YarnScaling& scaling);
+// YaRN's attention temperature 0.1 mscale ln(factor) + 1 (1 for factor <= 1): transformers'
+// get_mscale, DeepSeek's yarn_get_mscale. The cos/sin cache is multiplied by
+// yarn_mscale(factor, 1) (or DeepSeek's ratio of two) when no attention_factor is given.
+double yarn_mscale(double factor, double mscale = 1.0);
+
 // [2, max_seq_len, head_dim] fp32 cache (see above) for positions 0..max_seq_len-1.
 torch::Tensor rope_cache(const torch::Tensor& inverse_frequencies, int64_t max_seq_len);
 

@@ -10,12 +10,7 @@
 #include "loom/nn/rope.h"
 
 namespace loom::deepseek_v3 {
-namespace {
-
-// YaRN's attention temperature (DeepSeek's yarn_get_mscale).
-double yarn_mscale(double scale, double mscale) { return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
-
-}  // namespace
+using nn::yarn_mscale;
 
 ModelArgs::ModelArgs() {
   // 671B
@@ -39,23 +34,13 @@ double ModelArgs::softmax_scale() const {
 torch::Tensor ModelArgs::rope_cache_values() const {
   const int64_t d = qk_rope_head_dim;
   if (!yarn()) return nn::rope_cache(nn::rope_inverse_frequencies(d, rope_theta, std::nullopt), max_seq_len);
-  // YaRN (transformers' _compute_yarn_parameters, in the same float32 ops): frequencies below the
-  // correction range are interpolated by rope_factor, those above it kept, a linear ramp between.
-  const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32);
-  const torch::Tensor pos_freqs = torch::pow(rope_theta, torch::arange(0, d, 2, torch::kInt64).to(torch::kFloat32) / d);
-  const torch::Tensor extrapolation = 1.0 / pos_freqs;
-  const torch::Tensor interpolation = 1.0 / (rope_factor * pos_freqs);
-  auto correction_dim = [&](double rotations) {
-    return (static_cast<double>(d) * std::log(static_cast<double>(original_seq_len) / (rotations * 2 * std::numbers::pi))) /
-           (2 * std::log(rope_theta));
-  };
-  double low = std::max(std::floor(correction_dim(beta_fast)), 0.0);
-  double high = std::min(std::ceil(correction_dim(beta_slow)), static_cast<double>(d - 1));
-  if (low == high) high += 0.001;
-  const torch::Tensor ramp = torch::clamp((torch::arange(d / 2, fp32) - low) / (high - low), 0, 1);
-  const torch::Tensor extrapolation_factor = 1 - ramp;
-  const torch::Tensor inv_freq =
-      interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor;
+  // YaRN (transformers' _compute_yarn_parameters; DeepSeek's range is truncated).
+  nn::YarnScaling yarn;
+  yarn.factor = rope_factor;
+  yarn.original_max_position = original_seq_len;
+  yarn.beta_fast = beta_fast;
+  yarn.beta_slow = beta_slow;
+  const torch::Tensor inv_freq = nn::yarn_inverse_frequencies(d, rope_theta, yarn);
   return nn::rope_cache(inv_freq, max_seq_len) * rope_attention_factor();
 }
 
