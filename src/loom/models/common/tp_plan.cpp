@@ -51,6 +51,7 @@ const TPPlan& transformer_tp_plan() {
       {"layers.*.attention.wo", TPStyle::kRowwise},
       {"layers.*.attention.q_norm", TPStyle::kReplicatePartialGrad},
       {"layers.*.attention.k_norm", TPStyle::kReplicatePartialGrad},
+      {"layers.*.attention.sinks", TPStyle::kHeadwise},
       {"layers.*.ffn_norm", TPStyle::kSequenceParallel},
       {"layers.*.feed_forward", TPStyle::kPrepareInput, {"w1", "w3"}},
       {"layers.*.feed_forward.w1", TPStyle::kColwise},
@@ -102,6 +103,26 @@ void apply_tp(Decoder& model, tp::TensorParallel& tp, const TPPlan& plan, const 
       case TPStyle::kTokenwise:
         if (options.sequence_parallel) tp.replicate_partial_grad(*module, fqn);
         break;
+      case TPStyle::kHeadwise:
+        LOOM_REQUIRE(false, "the TP plan's headwise rule '", rule->pattern, "' names the module '", fqn,
+                     "'; it must name a parameter");
+    }
+  }
+  // The headwise rules name parameters: each matched one is sharded on its module.
+  TPPlan headwise;
+  for (const TPRule& rule : plan) {
+    if (rule.style == TPStyle::kHeadwise) headwise.push_back(rule);
+  }
+  if (!headwise.empty()) {
+    std::vector<std::string> names;
+    for (const auto& p : model.named_parameters()) {
+      if (match_tp_rule(headwise, p.name) != nullptr) names.push_back(p.name);
+    }
+    for (const std::string& name : names) {
+      const size_t dot = name.rfind('.');
+      const std::string path = dot == std::string::npos ? "" : name.substr(0, dot);
+      nn::Module& owner = path.empty() ? static_cast<nn::Module&>(model) : model.submodule(path);
+      tp.headwise(owner, path, dot == std::string::npos ? name : name.substr(dot + 1));
     }
   }
   if (!model.has_head() || !options.loss_parallel) return;
