@@ -36,7 +36,7 @@ def run_case(worker, window, layer, seq, failures):
     x = torch.randn(2, seq, 64, dtype=torch.float64, requires_grad=True)
     dout = torch.randn(2, seq, 64, dtype=torch.float64)
     pos = torch.arange(seq).unsqueeze(0)
-    kwargs = dict(config=cfg, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=pos)
+    kwargs = dict(config=cfg, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos)
     make_mask = create_sliding_window_causal_mask if cfg.layer_types[layer] == "sliding_attention" else create_causal_mask
     mask = make_mask(**kwargs)
     cos, sin = GptOssRotaryEmbedding(cfg)(x, pos)

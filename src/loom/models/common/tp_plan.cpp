@@ -185,8 +185,12 @@ std::map<distributed::CommOp, distributed::CommCounter> tp_comm_volume(const Dec
   const int64_t activation = tokens * args.dim * element_bytes;  // one [b, s, h] tensor, whole
   // Once per step, fp32: the gradients each rank holds only part of. The SP norms (2 per block +
   // the final norm) and the QK-norms (2 per block, which see this rank's heads with or without SP).
-  const int64_t partial_elements =
-      (options.sequence_parallel ? (2 * L + 1) * args.dim : 0) + (args.qk_norm ? 2 * L * args.head_dim() : 0);
+  // Under SP also the replicated biases of the rowwise wo (added once after the reduce-scatter, to
+  // this rank's tokens only).
+  int64_t rowwise_biases = 0;
+  for (int64_t l = 0; l < L; ++l) rowwise_biases += args.attention_options(l).bias ? args.dim : 0;
+  const int64_t partial_elements = (options.sequence_parallel ? (2 * L + 1) * args.dim + rowwise_biases : 0) +
+                                   (args.qk_norm ? 2 * L * args.head_dim() : 0);
   if (options.sequence_parallel) {
     // Per block: forward gathers the sequence before attention and the FFN and reduce-scatters
     // after wo and w2; backward does the opposite of each. The embedding reduce-scatters (backward:

@@ -183,12 +183,24 @@ void check_attention_features(const tensor::CommPtr& comm, bool sp) {
                  config, ": initial ", params[i].name, " is not the reference's shard");
   }
   const torch::Tensor ref_loss = reference.forward_loss(tokens, labels);
+  distributed::comm_stats().reset();
   const torch::Tensor loss = model.forward_loss(tokens, labels);
   ref_loss.backward();
   loss.backward();
   std::vector<torch::Tensor> partial;
   for (const auto& name : plan->partial_gradient_parameters()) partial.push_back(model.parameter_slot(name).tensor.grad());
   plan->sum_partial_gradients(partial);
+  // What went over the group equals the formula (the replicated wo biases' gradient sum included).
+  const distributed::CommSnapshot sent = distributed::comm_stats().snapshot();
+  const auto expected = models::tp_comm_volume(args, tokens.size(0), tokens.size(1), comm->size(), options);
+  for (auto op : {distributed::CommOp::kAllGather, distributed::CommOp::kReduceScatter, distributed::CommOp::kAllReduce}) {
+    const distributed::CommCounter got = sent.get(op, comm->name());
+    const auto it = expected.find(op);
+    const distributed::CommCounter want = it == expected.end() ? distributed::CommCounter{} : it->second;
+    LOOM_REQUIRE(got.calls == want.calls && got.payload_bytes == want.payload_bytes, config, ": ",
+                 distributed::to_string(op), " sent ", got.calls, " calls, ", got.payload_bytes,
+                 " payload bytes; the formula says ", want.calls, ", ", want.payload_bytes);
+  }
   const double loss_diff = std::abs(loss.item<double>() - ref_loss.item<double>()) / ref_loss.item<double>();
   LOOM_REQUIRE(loss_diff <= 1e-6, config, ": loss ", loss.item<double>(), " vs reference ", ref_loss.item<double>());
   double worst = 0, worst_sinks = 0;
