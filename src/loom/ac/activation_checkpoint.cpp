@@ -296,9 +296,10 @@ struct SavedCore : torch::CustomClassHolder {
 };
 
 struct AttentionReplay : torch::autograd::Function<AttentionReplay> {
+  // `sinks`: the layer's attention sinks (empty without), the core's fourth differentiable input.
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, c10::intrusive_ptr<SavedCore> core) {
-    (void)q, (void)k, (void)v;
+                               const torch::Tensor& v, const torch::Tensor& sinks, c10::intrusive_ptr<SavedCore> core) {
+    (void)q, (void)k, (void)v, (void)sinks;
     ctx->saved_data["core"] = c10::IValue::make_capsule(core);
     return core->entry.output.detach();
   }
@@ -311,7 +312,7 @@ struct AttentionReplay : torch::autograd::Function<AttentionReplay> {
     variable_list grads = torch::autograd::grad({e.output}, e.inputs, {grad_outputs[0]},
                                                 /*retain_graph=*/true, /*create_graph=*/false,
                                                 /*allow_unused=*/true);
-    return {grads[0], grads[1], grads[2], torch::Tensor()};
+    return {grads[0], grads[1], grads[2], grads.size() > 3 ? grads[3] : torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -340,22 +341,29 @@ void hook_attention(nn::SelfAttention& attention, const std::shared_ptr<OpCache>
   nn::SelfAttention* self = &attention;
   nn::SelfAttention::AttendFn core = attention.attend_fn();
   attention.set_attend([cache, self, core](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                           const nn::TokenLayout& layout) {
-    auto run = [&](const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c) {
-      return core ? core(a, b, c, layout) : self->sdpa_attend(a, b, c, layout);
+                                           const nn::TokenLayout& layout, const nn::AttendFeatures& features) {
+    auto run = [&](const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c,
+                   const nn::AttendFeatures& f) {
+      return core ? core(a, b, c, layout, f) : self->sdpa_attend(a, b, c, layout, f);
     };
     switch (cache->phase()) {
       case OpCache::Phase::kOff:
-        return run(q, k, v);
+        return run(q, k, v, features);
       case OpCache::Phase::kRecord: {
-        // The core with autograd on, on leaves cut from q, k, v: its graph (and only its) is kept
-        // for the replay's backward.
+        // The core with autograd on, on leaves cut from q, k, v (and the sinks, a parameter the
+        // core reads): its graph (and only its) is kept for the replay's backward.
         std::vector<torch::Tensor> leaves = {q.detach().requires_grad_(true), k.detach().requires_grad_(true),
                                              v.detach().requires_grad_(true)};
+        nn::AttendFeatures cut = features;
+        if (features.sinks.defined()) {
+          // A frozen one (LoRA) stays out of the leaves: it has no gradient to replay.
+          cut.sinks = features.sinks.detach().requires_grad_(features.sinks.requires_grad());
+          if (cut.sinks.requires_grad()) leaves.push_back(cut.sinks);
+        }
         torch::Tensor out;
         {
           torch::AutoGradMode grad_mode(true);
-          out = run(leaves[0], leaves[1], leaves[2]);
+          out = run(leaves[0], leaves[1], leaves[2], cut);
         }
         cache->record({self, out, std::move(leaves)});
         return out.detach();
@@ -363,10 +371,13 @@ void hook_attention(nn::SelfAttention& attention, const std::shared_ptr<OpCache>
       case OpCache::Phase::kReplay: {
         auto saved = c10::make_intrusive<SavedCore>();
         saved->entry = cache->take(*self);
-        return AttentionReplay::apply(q, k, v, saved);
+        // Without sinks an empty tensor stands in (an autograd input must be defined).
+        return AttentionReplay::apply(q, k, v,
+                                      features.sinks.defined() ? features.sinks : torch::empty({0}, q.options()),
+                                      saved);
       }
     }
-    return run(q, k, v);
+    return run(q, k, v, features);
   });
 }
 

@@ -46,8 +46,9 @@ void require_supported(const torch::Tensor& q) {
                      q.device(), "); set parallelism.context_parallel_degree = 1 on this device");
 }
 
-// Which (query, key) pairs of a block may attend, with document masking: [B, n, n] bool, or
-// undefined when the block has no documents to respect (plain causal / full).
+// Which (query, key) pairs of a block may attend, with document masking and/or a sliding window
+// cutting through it: [B or 1, n, n] bool, or undefined when the block has neither to respect
+// (plain causal / full).
 struct BlockMask {
   torch::Tensor allowed;   // [B, n, n]
   torch::Tensor additive;  // [B, 1, n, n]: 0 where allowed, -inf elsewhere (the kernel's form)
@@ -55,14 +56,30 @@ struct BlockMask {
   bool any = true;
 };
 
-BlockMask block_mask(const torch::Tensor& q_docs, const torch::Tensor& k_docs, bool causal,
-                     const torch::TensorOptions& options) {
+// The blocks between this rank's query chunks and the key chunks of rank `src`.
+struct Block {
+  int query_half;  // 0: the early chunk (rank), 1: the late one (2c-1-rank)
+  int key_half;    // of src's key/value tensors
+  bool causal;
+  // Some of its (query, key) pairs lie beyond the sliding window: masked by position.
+  bool windowed = false;
+  int64_t query_start = 0, key_start = 0;  // global positions of the chunks' first tokens
+};
+
+BlockMask block_mask(const torch::Tensor& q_docs, const torch::Tensor& k_docs, const Block& b, int64_t n,
+                     int64_t window, int64_t batch, const torch::TensorOptions& options) {
   BlockMask m;
-  if (!q_docs.defined()) return m;
-  m.allowed = q_docs.unsqueeze(2) == k_docs.unsqueeze(1);
-  if (causal) m.allowed = m.allowed.logical_and(torch::ones({q_docs.size(1), k_docs.size(1)}, torch::kBool).tril());
+  if (!q_docs.defined() && !b.windowed) return m;
+  // By global position: key <= query (all of an earlier chunk, the causal triangle of the same
+  // one), within the window when it cuts the block.
+  const torch::Tensor distance = torch::arange(b.query_start, b.query_start + n, torch::kInt64).unsqueeze(1) -
+                                 torch::arange(b.key_start, b.key_start + n, torch::kInt64).unsqueeze(0);
+  torch::Tensor allowed = distance >= 0;
+  if (b.windowed) allowed = allowed.logical_and(distance < window);
+  m.allowed = allowed.unsqueeze(0);
+  if (q_docs.defined()) m.allowed = m.allowed.logical_and(q_docs.unsqueeze(2) == k_docs.unsqueeze(1));
   m.any = m.allowed.any().item<bool>();
-  m.additive = torch::zeros(m.allowed.sizes(), options)
+  m.additive = torch::zeros({batch, n, n}, options)
                    .masked_fill(m.allowed.logical_not(), -std::numeric_limits<double>::infinity())
                    .unsqueeze(1);
   m.empty_rows = m.allowed.any(-1).logical_not().unsqueeze(1);
@@ -91,20 +108,19 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> attend_block_backward(
                                                                    mask.additive);
 }
 
-// The blocks between this rank's query chunks and the key chunks of rank `src`.
-struct Block {
-  int query_half;  // 0: the early chunk (rank), 1: the late one (2c-1-rank)
-  int key_half;    // of src's key/value tensors
-  bool causal;
-};
-
-std::vector<Block> blocks_with(int rank, int src, int degree) {
+// Per (query chunk x, key chunk m) of n tokens: m > x is never seen; with a sliding window of w
+// tokens, a block whose nearest pair is w or more apart ((x - m - 1) n + 1 >= w) is skipped, and
+// one whose farthest pair is ((x - m + 1) n - 1 >= w) is masked by position.
+std::vector<Block> blocks_with(int rank, int src, int degree, int64_t n, int64_t window) {
   const auto queries = chunk_ids(rank, degree), keys = chunk_ids(src, degree);
   std::vector<Block> blocks;
   for (int kh = 0; kh < 2; ++kh) {
     for (int qh = 0; qh < 2; ++qh) {
-      if (keys[kh] < queries[qh]) blocks.push_back({qh, kh, false});
-      if (keys[kh] == queries[qh]) blocks.push_back({qh, kh, true});
+      const int64_t x = queries[qh], m = keys[kh];
+      if (m > x) continue;
+      const int64_t nearest = m == x ? 0 : (x - m - 1) * n + 1, farthest = (x - m + 1) * n - 1;
+      if (window > 0 && nearest >= window) continue;
+      blocks.push_back({qh, kh, m == x, window > 0 && farthest >= window, x * n, m * n});
     }
   }
   return blocks;
@@ -180,26 +196,38 @@ void for_each_source(const torch::Tensor& kv, distributed::Comm& comm, RotateMet
 struct RingAttention : torch::autograd::Function<RingAttention> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const tensor::CommPtr& comm, int64_t method,
-                               const std::optional<torch::Tensor>& document_ids) {
+                               const std::optional<torch::Tensor>& document_ids, const torch::Tensor& sinks,
+                               int64_t window) {
     const torch::Tensor documents = document_ids.value_or(torch::Tensor());
     distributed::Comm& group = *comm;
     const int t = group.size(), r = group.rank();
     const torch::Tensor kv = torch::stack({k, v}).contiguous();
     const torch::Tensor all_docs = gather_documents(documents, group);
+    const int64_t n = q.size(2) / 2;
     Merged merged[2];
     for_each_source(kv, group, static_cast<RotateMethod>(method), [&](int src, const torch::Tensor& pair) {
-      for (const Block& b : blocks_with(r, src, t)) {
+      for (const Block& b : blocks_with(r, src, t, n, window)) {
         const BlockMask mask = block_mask(doc_half(documents, b.query_half),
-                                          all_docs.defined() ? doc_half(all_docs[src], b.key_half) : all_docs,
-                                          b.causal, q.options());
+                                          all_docs.defined() ? doc_half(all_docs[src], b.key_half) : all_docs, b, n,
+                                          window, q.size(0), q.options());
         if (!mask.any) continue;
         merged[b.query_half].add(attend_block(half(q, b.query_half), half(pair[0], b.key_half),
                                               half(pair[1], b.key_half), b.causal, mask));
       }
     });
-    const torch::Tensor out = torch::cat({merged[0].out, merged[1].out}, 2).to(q.scalar_type());
-    const torch::Tensor lse = torch::cat({merged[0].lse, merged[1].lse}, 2);
-    ctx->save_for_backward({q, k, v, out});
+    torch::Tensor out = torch::cat({merged[0].out, merged[1].out}, 2);
+    torch::Tensor lse = torch::cat({merged[0].lse, merged[1].lse}, 2);
+    if (sinks.numel() > 0) {
+      // The sinks join the merged softmax once: one more term exp(sink) in each row's denominator.
+      // The blocks' backward then runs on this output and log-sum-exp, which is exact (a sink is a
+      // key with value 0).
+      const torch::Tensor with_sink = torch::logaddexp(lse, sinks.to(torch::kFloat32).view({1, -1, 1}));
+      out = out * (lse - with_sink).exp().unsqueeze(-1);
+      lse = with_sink;
+    }
+    out = out.to(q.scalar_type());
+    ctx->save_for_backward({q, k, v, out, sinks});
+    ctx->saved_data["window"] = window;
     ctx->saved_data["lse"] = lse;
     ctx->saved_data["method"] = method;
     if (documents.defined()) {
@@ -212,7 +240,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3];
+    const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &sinks = saved[4];
+    const int64_t window = ctx->saved_data["window"].toInt();
+    const int64_t n = q.size(2) / 2;
     const torch::Tensor lse = ctx->saved_data["lse"].toTensor();
     const auto method = static_cast<RotateMethod>(ctx->saved_data["method"].toInt());
     const bool masked = ctx->saved_data.count("documents") > 0;
@@ -227,10 +257,10 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     // reduce-scatter (allgather) or one source's at a time travelling home (ring).
     auto contributions = [&](int src, const torch::Tensor& pair) {
       torch::Tensor dkv = torch::zeros(pair.sizes(), pair.options().dtype(torch::kFloat32));
-      for (const Block& b : blocks_with(r, src, t)) {
+      for (const Block& b : blocks_with(r, src, t, n, window)) {
         const BlockMask mask = block_mask(doc_half(documents, b.query_half),
-                                          all_docs.defined() ? doc_half(all_docs[src], b.key_half) : all_docs,
-                                          b.causal, q.options());
+                                          all_docs.defined() ? doc_half(all_docs[src], b.key_half) : all_docs, b, n,
+                                          window, q.size(0), q.options());
         if (!mask.any) continue;
         auto [dq_b, dk_b, dv_b] = attend_block_backward(
             half(dout, b.query_half), half(q, b.query_half), half(pair[0], b.key_half),
@@ -274,14 +304,24 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       home.wait();
       dkv_own = arriving;
     }
-    return {dq.to(q.scalar_type()), dkv_own[0].to(k.scalar_type()), dkv_own[1].to(v.scalar_type()), {}, {}, {}};
+    // The sinks' gradient from this rank's query rows (summed over the ranks like every replicated
+    // parameter's): d sink = -sum_rows P_sink (dout . out), P_sink = exp(sink - lse).
+    torch::Tensor dsinks;
+    if (sinks.numel() > 0) {
+      const torch::Tensor row = (dout.to(torch::kFloat32) * out.to(torch::kFloat32)).sum(-1);
+      const torch::Tensor p_sink = (sinks.to(torch::kFloat32).view({1, -1, 1}) - lse).exp();
+      dsinks = (-(p_sink * row)).sum({0, 2}).to(sinks.scalar_type());
+    }
+    return {dq.to(q.scalar_type()), dkv_own[0].to(k.scalar_type()), dkv_own[1].to(v.scalar_type()), {}, {}, {},
+            dsinks, {}};
   }
 };
 
 }  // namespace
 
 torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                             const tensor::CommPtr& comm, RotateMethod method, const torch::Tensor& document_ids) {
+                             const tensor::CommPtr& comm, RotateMethod method, const torch::Tensor& document_ids,
+                             const torch::Tensor& sinks, int64_t sliding_window) {
   LOOM_REQUIRE(comm != nullptr, "ring_attention needs a comm");
   require_supported(q);
   LOOM_REQUIRE(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
@@ -294,10 +334,15 @@ torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, con
                                             document_ids.size(1) == q.size(2)),
                "ring_attention: document ids must be [batch, local tokens] = [", q.size(0), ", ", q.size(2),
                "], got ", document_ids.sizes());
+  LOOM_REQUIRE(!sinks.defined() || (sinks.dim() == 1 && sinks.size(0) == q.size(1)),
+               "ring_attention: sinks must be [", q.size(1), "] (one per query head), got ", sinks.sizes());
+  LOOM_REQUIRE(sliding_window >= 0, "ring_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
   // Passed as a non-differentiable argument (an int64 tensor has no gradient).
   std::optional<torch::Tensor> documents;
   if (document_ids.defined()) documents = document_ids.to(torch::kInt64);
-  return RingAttention::apply(q, k, v, comm, static_cast<int64_t>(method), documents);
+  // Without sinks an empty tensor stands in (an autograd input must be defined).
+  return RingAttention::apply(q, k, v, comm, static_cast<int64_t>(method), documents,
+                              sinks.defined() ? sinks : torch::empty({0}, q.options()), sliding_window);
 }
 
 }  // namespace loom::cp

@@ -9,7 +9,8 @@
 //              (Megatron-LM's and Llama 3's choice: less latency, c x the key/value memory).
 //
 // Per (query chunk x, key chunk m): m < x attends fully, m == x causally, m > x not at all, so no
-// mask is built (without documents) and no masked block is computed. The blocks' partial results are merged exactly
+// mask is built (without documents or a sliding window) and no masked block is computed. A sliding
+// window skips the blocks it cannot reach and masks, by global position, those it cuts. The blocks' partial results are merged exactly
 // with their log-sum-exps (out = sum_k exp(lse_k - lse) out_k), in the same order for both
 // methods, so ring and allgather give identical outputs (their key/value gradients are summed in
 // a different order: around the ring, or by the reduce-scatter). Backward recomputes each block's
@@ -39,9 +40,18 @@ const options::EnumNames<RotateMethod>& option_names(RotateMethod);
 // attention, where a token attends only to earlier tokens of its own document. Each block then
 // carries the mask of its (query, key) document pairs; blocks with no allowed pair are skipped,
 // and query rows of a block with none get log-sum-exp -inf so they weigh nothing in the merge.
+//
+// `sinks` ([Hq], undefined = none; differentiable): GPT-OSS's attention sinks, one logit per query
+// head added once to each row's softmax denominator, after the blocks are merged (out *= exp(lse -
+// lse'), lse' = logaddexp(lse, sink)); the blocks' backward runs on that output and lse'. The
+// sinks' gradient is this rank's query rows' share. `sliding_window` > 0 (tokens; 0 = none): a
+// query at global position i sees keys i - window < j <= i; blocks wholly outside the window are
+// skipped (neither computed nor, with all-gather, read), blocks it cuts are masked by the tokens'
+// global positions (chunk_ids), with the documents' mask when both apply.
 torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const tensor::CommPtr& comm, RotateMethod method,
-                             const torch::Tensor& document_ids = torch::Tensor());
+                             const torch::Tensor& document_ids = torch::Tensor(),
+                             const torch::Tensor& sinks = torch::Tensor(), int64_t sliding_window = 0);
 
 // Head-tail sharding of a sequence dim: the 2c chunk indices rank `rank` of `degree` holds.
 std::vector<int64_t> chunk_ids(int rank, int degree);

@@ -101,13 +101,13 @@ ConversionReport convert_to_float8(nn::Module& model, const Float8Options& optio
                        "change the model's dims");
     LOOM_REQUIRE(!linear->forward_override(), "float8: linear '", fqn,
                  "' already has an around-hook; convert_to_float8 must run before any parallelism");
-    const bool bias = linear->has_bias();
     const auto groups = options.sharding_groups;
-    linear->set_forward_override([recipe, bias, groups](nn::Module& m, const torch::Tensor& x, const nn::ForwardFn&) {
+    linear->set_forward_override([recipe, groups](nn::Module& m, const torch::Tensor& x, const nn::ForwardFn&) {
       auto& l = static_cast<nn::Linear&>(m);
       torch::Tensor y = float8_linear(x, l.weight(), recipe, weight_sharding(l.parameter_slot("weight"), groups));
       // The bias is added in high precision, as torchao's Float8Linear does.
-      return bias ? y + l.parameter("bias") : y;
+      // (Not when a rowwise-parallel linear adds it once after its reduction: Linear::adds_bias.)
+      return l.adds_bias() ? y + l.parameter("bias") : y;
     });
     report.converted.push_back(fqn);
   }

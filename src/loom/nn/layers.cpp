@@ -15,7 +15,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, const torch::TensorOpt
 }
 
 torch::Tensor Linear::apply(const torch::Tensor& x) const {
-  return bias_ != nullptr ? at::linear(x, weight_->tensor, bias_->tensor)
+  return adds_bias() ? at::linear(x, weight_->tensor, bias_->tensor)
                           : at::linear(x, weight_->tensor);
 }
 

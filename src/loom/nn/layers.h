@@ -23,6 +23,11 @@ class Linear : public Module {
 
   const torch::Tensor& weight() const { return weight_->tensor; }  // [out, in]
   bool has_bias() const { return bias_ != nullptr; }
+  // Whether forward (and an override computing the same: float8) adds the bias. Tensor
+  // parallelism's rowwise style turns it off and adds the bias once after the ranks' partial sums
+  // are reduced (else it would be added once per rank).
+  bool adds_bias() const { return bias_ != nullptr && !bias_outside_; }
+  void set_bias_outside(bool outside) { bias_outside_ = outside; }
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
 
@@ -31,6 +36,7 @@ class Linear : public Module {
   int64_t out_features_;
   ParameterSlot* weight_;
   ParameterSlot* bias_ = nullptr;
+  bool bias_outside_ = false;
 };
 
 // Token ids (int64, any shape) -> rows of the [num_embeddings, dim] weight.

@@ -80,8 +80,18 @@ void TensorParallel::colwise(nn::Linear& linear, const std::string& fqn) {
 }
 
 void TensorParallel::rowwise(nn::Linear& linear, const std::string& fqn) {
-  LOOM_REQUIRE(!linear.has_bias(), "rowwise parallel linear ", fqn, " has a bias: not supported");
   shard_parameter(linear, fqn, "weight", 1);
+  // A bias stays replicated and is added once, after the reduction (each rank's linear computes its
+  // partial sum without it). Under SP each rank adds it to its own tokens only, so its gradient is
+  // a partial sum over the group.
+  if (linear.has_bias()) {
+    linear.set_bias_outside(true);
+    if (sequence_parallel_) partial_grads_.push_back((fqn.empty() ? "" : fqn + ".") + "bias");
+  }
+  nn::Linear* biased = linear.has_bias() ? &linear : nullptr;
+  auto add_bias = [biased](nn::Module&, torch::Tensor, torch::Tensor out) {
+    return out + biased->parameter("bias");
+  };
   // A LoRA adapter follows its base: A's input columns split like the weight's, B replicated; the
   // adapter's output is then a partial sum like the base's, reduced with it.
   if (nn::Module* adapter = linear.find_submodule(lora::kAdapterName)) {
@@ -94,9 +104,17 @@ void TensorParallel::rowwise(nn::Linear& linear, const std::string& fqn) {
     linear.set_forward_override([this](nn::Module& m, const torch::Tensor& x, const nn::ForwardFn&) {
       return matmul_reduce_scatter(x, static_cast<nn::Linear&>(m).weight(), kSequenceDim, comm_);
     });
+    if (biased) linear.add_forward_post_hook(add_bias);
     return;
   }
   reduce_partial_output(linear, fqn);
+  if (biased) linear.add_forward_post_hook(add_bias);  // after the reduction's post-hook
+}
+
+void TensorParallel::headwise(nn::Module& module, const std::string& fqn, const std::string& name) {
+  // The attention runs on this rank's heads for every token (SP gathers the sequence before it),
+  // so the shard's gradient is whole: nothing to sum.
+  shard_parameter(module, fqn, name, 0);
 }
 
 void TensorParallel::rowwise_embedding(nn::Embedding& embedding, const std::string& fqn) {

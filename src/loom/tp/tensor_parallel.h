@@ -16,6 +16,10 @@
 //   sequence_parallel(norm)   weight Replicate       runs on this rank's tokens; SP: the weight's
 //                                                    gradient is summed over the group after
 //                                                    backward (sum_partial_gradients)
+//   headwise(module, name)    that parameter         one value per query head (attention sinks),
+//                             Shard(0)               split like the colwise wq's output heads
+//   rowwise with a bias       bias Replicate         added once after the reduction (SP: its
+//                                                    gradient summed over the group)
 //   replicate_partial_grad    weights Replicate      runs on this rank's heads (a QK-norm inside a
 //     (module)                                       colwise attention): every parameter's gradient
 //                                                    is summed over the group, with or without SP
@@ -67,6 +71,9 @@ class TensorParallel {
   void prepare_input(nn::Module& module, const std::vector<nn::Linear*>& consumers = {});
   void sequence_parallel(nn::RMSNorm& norm, const std::string& fqn);
   void replicate_partial_grad(nn::Module& module, const std::string& fqn);
+  // Parameter `name` of `module` (path `fqn`), [heads, ...] per query head: Shard(0), this rank's
+  // heads (those its colwise wq computes).
+  void headwise(nn::Module& module, const std::string& fqn, const std::string& name);
   // The output head: colwise on a prepared input; without loss parallel the vocab-sharded logits
   // are gathered (the plain loss then sees whole logits).
   void colwise_output(nn::Linear& output, const std::string& fqn, bool loss_parallel);

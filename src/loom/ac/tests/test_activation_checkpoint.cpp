@@ -23,10 +23,11 @@ constexpr int64_t kDim = 64, kHeads = 4, kKvHeads = 2, kHidden = 160;
 
 class Block : public nn::Module {
  public:
-  Block() : nn::Module("Block") {
+  explicit Block(const nn::AttentionOptions& variant = {}) : nn::Module("Block") {
     const auto options = torch::TensorOptions().dtype(torch::kFloat32);
     norm1_ = register_module("attention_norm", std::make_shared<nn::RMSNorm>(kDim, 1e-5, options));
-    attention_ = register_module("attention", std::make_shared<nn::Attention>(kDim, kHeads, kKvHeads, options));
+    attention_ = register_module("attention",
+                                 std::make_shared<nn::Attention>(kDim, kHeads, kKvHeads, options, variant));
     norm2_ = register_module("ffn_norm", std::make_shared<nn::RMSNorm>(kDim, 1e-5, options));
     ffn_ = register_module("feed_forward", std::make_shared<nn::FeedForward>(kDim, kHidden, options));
   }
@@ -50,13 +51,16 @@ struct Stack {
   std::vector<std::shared_ptr<Block>> blocks;
   torch::Tensor rope;
 
-  explicit Stack(int n) {
+  // `variants`: block i's attention options (GPT-OSS's sinks, window, biases), default plain.
+  explicit Stack(int n, const std::vector<nn::AttentionOptions>& variants = {}) {
     torch::manual_seed(7);
     for (int i = 0; i < n; ++i) {
-      auto b = std::make_shared<Block>();
+      auto b = std::make_shared<Block>(variants.empty() ? nn::AttentionOptions{} : variants[i]);
       for (const auto& p : b->named_parameters()) {
         torch::NoGradGuard no_grad;
-        if (p.name.find("norm") != std::string::npos) {
+        if (p.name.find("sinks") != std::string::npos) {
+          p.slot->tensor.normal_(0, 1.0);
+        } else if (p.name.find("norm") != std::string::npos) {
           p.slot->tensor.uniform_(0.5, 1.5);
         } else {
           p.slot->tensor.normal_(0, 0.08);
@@ -93,8 +97,9 @@ struct Result {
 };
 
 // Forward, a loss that weights every output element differently, backward.
-Result run(const ACOptions& o, const nn::TokenLayout& layout = {}, int64_t batch = 2, int64_t seq = 24) {
-  Stack stack(3);
+Result run(const ACOptions& o, const nn::TokenLayout& layout = {}, int64_t batch = 2, int64_t seq = 24,
+           const std::vector<nn::AttentionOptions>& variants = {}) {
+  Stack stack(3, variants);
   stack.apply(o);
   torch::manual_seed(11);
   torch::Tensor x = torch::randn({batch, seq, kDim}).requires_grad_(true);
@@ -134,6 +139,29 @@ TEST(ActivationCheckpoint, BlockCausalAttentionToo) {
   layout.document_ids = torch::tensor({0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2}, torch::kInt64).repeat({2, 1});
   const Result want = run(ACOptions{}, layout, 2, 16);
   for (const auto& [name, o] : modes()) expect_bitwise(want, run(o, layout, 2, 16), name + " block-causal");
+}
+
+// GPT-OSS's attention: sinks (a parameter the per-op replay must give its gradient), sliding
+// windows shorter than the row and biased projections, with documents; every mode bitwise equal.
+TEST(ActivationCheckpoint, BlockCausalWithSinksAndSlidingWindowToo) {
+  torch::set_num_threads(1);
+  nn::AttentionOptions windowed, full, window_only;
+  windowed.sinks = true, windowed.sliding_window = 5, windowed.bias = true;
+  full.sinks = true, full.bias = true;
+  window_only.sliding_window = 3;
+  const std::vector<nn::AttentionOptions> variants = {windowed, full, window_only};
+  nn::TokenLayout layout;
+  layout.document_ids = torch::tensor({0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2}, torch::kInt64).repeat({2, 1});
+  for (bool documents : {false, true}) {
+    const nn::TokenLayout l = documents ? layout : nn::TokenLayout{};
+    const Result want = run(ACOptions{}, l, 2, 16, variants);
+    ASSERT_TRUE(want.grads.count("0.attention.sinks") && want.grads.count("1.attention.sinks") &&
+                want.grads.count("0.attention.wo.bias") && !want.grads.count("2.attention.sinks"));
+    EXPECT_GT(want.grads.at("0.attention.sinks").abs().min().item<double>(), 0);
+    for (const auto& [name, o] : modes()) {
+      expect_bitwise(want, run(o, l, 2, 16, variants), name + (documents ? " block-causal" : " causal") + " sinks+window");
+    }
+  }
 }
 
 // Mixed precision without FSDP is autocast around the forward only (the Trainer's scope ends

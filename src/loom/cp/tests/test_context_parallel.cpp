@@ -45,3 +45,15 @@ TEST(ContextParallel, OneRankIsPlainCausalAttention) {
 
 TEST(ContextParallel, RingAttentionMatchesWholeSequenceOnTwoRanks) { expect_workers(2); }
 TEST(ContextParallel, RingAttentionMatchesWholeSequenceOnFourRanks) { expect_workers(4); }
+// GPT-OSS's sinks and sliding window (below, at and above a chunk's length; with documents):
+// tests/worker/cp_worker.cpp's "features" scenario against an explicit float64 softmax.
+TEST(ContextParallel, RingAttentionWithSinksAndWindowOnTwoRanks) {
+  loom::testing::expect_workers("loom_cp_worker", "features", 2);
+}
+TEST(ContextParallel, RingAttentionWithSinksAndWindowOnFourRanks) {
+  loom::testing::expect_workers("loom_cp_worker", "features", 4);
+}
+// One rank: the sinks and window in ring attention's merge, against the same explicit softmax.
+TEST(ContextParallel, RingAttentionWithSinksAndWindowOnOneRank) {
+  loom::testing::expect_workers("loom_cp_worker", "features", 1);
+}

@@ -24,11 +24,16 @@ void DecoderArgs::validate() const {
   LOOM_REQUIRE_USAGE(norm_eps > 0, "norm_eps must be positive, got ", norm_eps);
 }
 
+nn::AttentionOptions DecoderArgs::attention_options(int64_t /*layer_id*/) const {
+  nn::AttentionOptions variant;
+  variant.head_dim = head_dim();
+  if (qk_norm) variant.qk_norm_eps = norm_eps;
+  return variant;
+}
+
 TransformerBlock::TransformerBlock(int64_t layer_id, const DecoderArgs& args, const torch::TensorOptions& options)
     : DecoderBlock("TransformerBlock", layer_id) {
-  nn::AttentionOptions variant;
-  variant.head_dim = args.head_dim();
-  if (args.qk_norm) variant.qk_norm_eps = args.norm_eps;
+  const nn::AttentionOptions variant = args.attention_options(layer_id);
   attention_norm_ = register_module("attention_norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps, options));
   attention_ = register_module(
       "attention", std::make_shared<nn::Attention>(args.dim, args.n_heads, args.n_kv_heads, options, variant));

@@ -56,6 +56,10 @@ struct DecoderArgs : ModelArgs {
   virtual int64_t qk_head_dim() const { return head_dim(); }
   virtual int64_t v_head_dim() const { return head_dim(); }
   virtual int64_t attention_kv_heads() const { return n_kv_heads; }
+  // The options of layer `layer_id`'s attention (TransformerBlock, MoETransformerBlock): head_dim
+  // and the QK-norm by default. A family overrides it to turn on GPT-OSS's features per layer
+  // (sinks, a sliding window on some layers, biased projections: nn::AttentionOptions).
+  virtual nn::AttentionOptions attention_options(int64_t layer_id) const;
   // The rotated width of a head (MLA rotates only its rope part) and the decoder's RoPE cache
   // [2, max_seq_len, rope_dim()] (nn/rope.h's layout). Default: head_dim() with
   // rope_scaling_or_none().

@@ -70,7 +70,8 @@ Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory
     auto cache = caches_[next++];
     const int64_t cap = capacity;
     static_cast<DecoderBlock&>(*layer).attention().set_attend(
-        [cache, cap](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const nn::TokenLayout&) {
+        [cache, cap](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const nn::TokenLayout&,
+                     const nn::AttendFeatures& features) {
           // q [1, T, H, D], k [1, T, KV, D], v [1, T, KV, Dv], already rotated at their positions.
           const int64_t t = q.size(1), heads = q.size(2), v_dim = v.size(3);
           const int64_t start = cache->length, end = start + t;
@@ -79,18 +80,23 @@ Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory
           cache->v.narrow(2, start, t).copy_(v.transpose(1, 2));
           cache->length = end;
           const torch::Tensor keys = cache->k.narrow(2, 0, end), values = cache->v.narrow(2, 0, end);
-          // New query i sits at position start + i and sees keys 0 .. start + i. A single query sees
-          // everything; a prompt from an empty cache is plain causal.
+          // New query i sits at position start + i and sees keys 0 .. start + i (a sliding window:
+          // only the last `window` of them). A single query without a window sees everything; a
+          // prompt from an empty cache without a window is plain causal.
           std::optional<torch::Tensor> mask;
           bool causal = false;
-          if (t > 1 && start == 0) {
-            causal = true;
-          } else if (t > 1) {
+          const int64_t window = features.sliding_window;
+          if (window > 0 || (t > 1 && start > 0)) {
             const auto opts = torch::TensorOptions().dtype(torch::kInt64).device(q.device());
-            mask = torch::arange(end, opts).unsqueeze(0) <= (torch::arange(t, opts) + start).unsqueeze(1);
+            mask = nn::attention_mask(torch::arange(start, end, opts), torch::arange(end, opts), window);
+          } else if (t > 1) {
+            causal = true;
           }
-          const torch::Tensor out = at::scaled_dot_product_attention(
-              q.transpose(1, 2), keys, values, mask, 0.0, causal, std::nullopt, heads != keys.size(1));
+          const torch::Tensor out =
+              features.sinks.defined()
+                  ? nn::sink_attention(q.transpose(1, 2), keys, values, mask, causal, features.sinks)
+                  : at::scaled_dot_product_attention(q.transpose(1, 2), keys, values, mask, 0.0, causal,
+                                                     std::nullopt, heads != keys.size(1));
           return out.transpose(1, 2).reshape({q.size(0), t, heads * v_dim});
         });
   }

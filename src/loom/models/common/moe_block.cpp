@@ -5,9 +5,7 @@ namespace loom::models {
 MoETransformerBlock::MoETransformerBlock(int64_t layer_id, const DecoderArgs& args, const moe::MoEOptions& moe_options,
                                          const torch::TensorOptions& options)
     : DecoderBlock("MoETransformerBlock", layer_id) {
-  nn::AttentionOptions variant;
-  variant.head_dim = args.head_dim();
-  if (args.qk_norm) variant.qk_norm_eps = args.norm_eps;
+  const nn::AttentionOptions variant = args.attention_options(layer_id);
   attention_norm_ = register_module("attention_norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps, options));
   attention_ = register_module(
       "attention", std::make_shared<nn::Attention>(args.dim, args.n_heads, args.n_kv_heads, options, variant));

@@ -165,14 +165,15 @@ void apply_cp(Decoder& model, tensor::CommPtr comm, cp::RotateMethod method) {
   for (const auto& [id, layer] : model.layers().named_children()) {
     static_cast<DecoderBlock&>(*layer).attention().set_attend(
         [comm, method](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                       const nn::TokenLayout& layout) {
+                       const nn::TokenLayout& layout, const nn::AttendFeatures& features) {
           // Ring attention moves keys and values as one tensor: narrower value heads (MLA's) travel
           // zero-padded to the key width, and the padding's (zero) outputs are dropped.
           const int64_t v_dim = v.size(3), k_dim = k.size(3);
           const torch::Tensor values = v_dim == k_dim ? v : at::constant_pad_nd(v, {0, k_dim - v_dim});
           // [B, T, H, D] -> ring attention's [B, H, T, D] and back to [B, T, H * Dv].
           torch::Tensor out = cp::ring_attention(q.transpose(1, 2), k.transpose(1, 2), values.transpose(1, 2), comm,
-                                                 method, layout.document_ids);
+                                                 method, layout.document_ids, features.sinks,
+                                                 features.sliding_window);
           if (v_dim != k_dim) out = out.narrow(-1, 0, v_dim);
           return out.transpose(1, 2).reshape({q.size(0), q.size(1), q.size(2) * v_dim});
         });

@@ -51,6 +51,7 @@ const TPPlan& transformer_tp_plan() {
       {"layers.*.attention.wo", TPStyle::kRowwise},
       {"layers.*.attention.q_norm", TPStyle::kReplicatePartialGrad},
       {"layers.*.attention.k_norm", TPStyle::kReplicatePartialGrad},
+      {"layers.*.attention.sinks", TPStyle::kHeadwise},
       {"layers.*.ffn_norm", TPStyle::kSequenceParallel},
       {"layers.*.feed_forward", TPStyle::kPrepareInput, {"w1", "w3"}},
       {"layers.*.feed_forward.w1", TPStyle::kColwise},
@@ -102,6 +103,26 @@ void apply_tp(Decoder& model, tp::TensorParallel& tp, const TPPlan& plan, const 
       case TPStyle::kTokenwise:
         if (options.sequence_parallel) tp.replicate_partial_grad(*module, fqn);
         break;
+      case TPStyle::kHeadwise:
+        LOOM_REQUIRE(false, "the TP plan's headwise rule '", rule->pattern, "' names the module '", fqn,
+                     "'; it must name a parameter");
+    }
+  }
+  // The headwise rules name parameters: each matched one is sharded on its module.
+  TPPlan headwise;
+  for (const TPRule& rule : plan) {
+    if (rule.style == TPStyle::kHeadwise) headwise.push_back(rule);
+  }
+  if (!headwise.empty()) {
+    std::vector<std::string> names;
+    for (const auto& p : model.named_parameters()) {
+      if (match_tp_rule(headwise, p.name) != nullptr) names.push_back(p.name);
+    }
+    for (const std::string& name : names) {
+      const size_t dot = name.rfind('.');
+      const std::string path = dot == std::string::npos ? "" : name.substr(0, dot);
+      nn::Module& owner = path.empty() ? static_cast<nn::Module&>(model) : model.submodule(path);
+      tp.headwise(owner, path, dot == std::string::npos ? name : name.substr(dot + 1));
     }
   }
   if (!model.has_head() || !options.loss_parallel) return;
@@ -164,8 +185,12 @@ std::map<distributed::CommOp, distributed::CommCounter> tp_comm_volume(const Dec
   const int64_t activation = tokens * args.dim * element_bytes;  // one [b, s, h] tensor, whole
   // Once per step, fp32: the gradients each rank holds only part of. The SP norms (2 per block +
   // the final norm) and the QK-norms (2 per block, which see this rank's heads with or without SP).
-  const int64_t partial_elements =
-      (options.sequence_parallel ? (2 * L + 1) * args.dim : 0) + (args.qk_norm ? 2 * L * args.head_dim() : 0);
+  // Under SP also the replicated biases of the rowwise wo (added once after the reduce-scatter, to
+  // this rank's tokens only).
+  int64_t rowwise_biases = 0;
+  for (int64_t l = 0; l < L; ++l) rowwise_biases += args.attention_options(l).bias ? args.dim : 0;
+  const int64_t partial_elements = (options.sequence_parallel ? (2 * L + 1) * args.dim + rowwise_biases : 0) +
+                                   (args.qk_norm ? 2 * L * args.head_dim() : 0);
   if (options.sequence_parallel) {
     // Per block: forward gathers the sequence before attention and the FFN and reduce-scatters
     // after wo and w2; backward does the opposite of each. The embedding reduce-scatters (backward:

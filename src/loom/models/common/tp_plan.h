@@ -27,6 +27,9 @@ enum class TPStyle {
   // whose gradients are summed over the group under sequence parallelism (each rank routes other
   // tokens), and need nothing without it (every rank computes the same).
   kTokenwise,
+  // A parameter (the pattern names it, not a module) holding one value per query head: Shard(0),
+  // this rank's heads (attention sinks, beside the colwise wq).
+  kHeadwise,
 };
 
 struct TPRule {
@@ -46,6 +49,9 @@ using TPPlan = std::vector<TPRule>;
 //                   wq, wk, wv, w1, w3: colwise   wo, w2: rowwise
 //                   q_norm, k_norm (QK-norm): replicated, each rank normalizing its own heads, so
 //                   their gradients are summed over the group
+//                   attention.sinks (GPT-OSS): headwise, Shard(0) like wq's heads; biases of
+//                   wq, wk, wv shard with their outputs, wo's stays replicated (added once after
+//                   the reduction)
 //   norm            sequence parallel
 //   output          colwise; with loss parallel the model's loss becomes
 //                   tp::vocab_parallel_cross_entropy, else the logits are gathered (a tied head is

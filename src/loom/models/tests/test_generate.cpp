@@ -2,6 +2,8 @@
 // the full model's at that position, and the sampler's filters do what they say.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include "loom/models/common/generate.h"
 #include "loom/models/llama3/model.h"
 
@@ -15,7 +17,73 @@ llama3::ModelArgs generate_test_args() {
   return a;
 }
 
+// A decoder of TransformerBlocks with GPT-OSS's attention (the family itself comes later): layer 0
+// a sliding window of 3 tokens, layer 1 full; both with sinks and biased projections.
+struct SinkArgs : llama3::ModelArgs {
+  nn::AttentionOptions attention_options(int64_t layer_id) const override {
+    nn::AttentionOptions o = llama3::ModelArgs::attention_options(layer_id);
+    o.sinks = true;
+    o.bias = true;
+    o.sliding_window = layer_id == 0 ? 3 : 0;
+    return o;
+  }
+};
+
+class SinkDecoder : public models::Decoder {
+ public:
+  explicit SinkDecoder(const SinkArgs& args)
+      : models::Decoder("SinkDecoder", std::make_shared<const SinkArgs>(args),
+                        [](int64_t id, const models::DecoderArgs& a, const torch::TensorOptions& o) {
+                          return std::make_shared<models::TransformerBlock>(id, a, o);
+                        },
+                        torch::kFloat32),
+        args_(args) {}
+  nn::ParameterInit parameter_init(const std::string& name) const override {
+    auto ends_with = [&](std::string_view suffix) {
+      return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
+    if (ends_with(".attention.sinks")) return nn::ParameterInit::normal(1.0);
+    if (ends_with(".bias")) return nn::ParameterInit::normal(0.1);
+    return llama3::parameter_init(args_, name);
+  }
+
+ private:
+  SinkArgs args_;
+};
+
 }  // namespace
+
+// The cache on sliding-window + sinks layers: prefill longer than the window, a chunk whose
+// window reaches into the cached prefix, then single tokens whose window drops the oldest keys;
+// every step's logits equal the uncached forward's (nn/tests: that forward against an explicit
+// softmax).
+TEST(Generate, SlidingWindowAndSinksCachedLogitsEqualTheFullForward) {
+  SinkArgs args;
+  static_cast<llama3::ModelArgs&>(args) = generate_test_args();
+  SinkDecoder model(args);
+  auto& attention = static_cast<models::TransformerBlock&>(model.layer("0")).attention();
+  ASSERT_TRUE(attention.has_sinks() && attention.has_bias());
+  ASSERT_EQ(attention.sliding_window(), 3);
+  ASSERT_EQ(static_cast<models::TransformerBlock&>(model.layer("1")).attention().sliding_window(), 0);
+  model.init_weights(3);
+  model.eval();
+  const std::vector<int64_t> tokens = {1, 9, 33, 4, 70, 12, 5, 60, 8, 2, 41, 17, 90};
+  torch::InferenceMode inference;
+  const torch::Tensor full = model.forward(torch::tensor(tokens, torch::kInt64).unsqueeze(0)).squeeze(0);
+  models::Generator generator(model, 16);
+  size_t done = 0;
+  double worst = 0;
+  for (size_t chunk : {5u, 3u, 1u, 1u, 1u, 2u}) {
+    const std::vector<int64_t> part(tokens.begin() + static_cast<long>(done), tokens.begin() + static_cast<long>(done + chunk));
+    const torch::Tensor logits = generator.forward(part);
+    done += chunk;
+    const torch::Tensor want = full[static_cast<int64_t>(done) - 1];
+    worst = std::max(worst, (logits - want).abs().max().item<double>());
+    EXPECT_TRUE(torch::allclose(logits, want, 1e-5, 1e-5)) << "after " << done << " tokens";
+  }
+  std::printf("sliding window + sinks generation: max |cached - full| logit difference %.2e\n", worst);
+  EXPECT_EQ(generator.cached(), static_cast<int64_t>(tokens.size()));
+}
 
 // Prefill of 5 tokens, a second chunk of 3 (a masked prefix), then single tokens: every step's
 // logits equal the uncached model's logits at that position.

@@ -51,3 +51,11 @@ TEST(TensorParallel, OneRankPlanIsThePlainModel) {
 
 TEST(TensorParallel, LlamaPlanMatchesTheSingleProcessModelOnTwoRanks) { expect_workers(2); }
 TEST(TensorParallel, LlamaPlanMatchesTheSingleProcessModelOnFourRanks) { expect_workers(4); }
+// GPT-OSS's attention (sinks Shard(0) by heads, biased projections, a sliding-window layer) under
+// the TransformerBlock plan against the single-process model: loss and every gradient shard.
+TEST(TensorParallel, LlamaPlanWithSinksBiasAndWindowOnTwoRanks) {
+  loom::testing::expect_workers("loom_tp_worker", "attention_features", 2);
+}
+TEST(TensorParallel, LlamaPlanWithSinksBiasAndWindowOnFourRanks) {
+  loom::testing::expect_workers("loom_tp_worker", "attention_features", 4);
+}
