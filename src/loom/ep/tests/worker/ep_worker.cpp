@@ -10,6 +10,9 @@
 //   starved    a selection bias sends every token to experts 0 and 1: the other experts get no
 //              token and the ranks holding only those receive no rows at all; one rank brings
 //              no tokens either
+//   gpt_oss    GPT-OSS's options (router gate bias, softmax after top-k, expert biases b1/b2/b3
+//              sharded with their experts, the clamped SwiGLU with both clamps engaged), and the
+//              same with an expert that gets no token
 #include <cstdio>
 #include <string>
 
@@ -39,20 +42,21 @@ moe::MoEOptions layer_options(int64_t n_experts, int64_t top_k, moe::ScoreFuncti
   return o;
 }
 
-std::shared_ptr<moe::MoE> build(int64_t dim, const moe::MoEOptions& o) {
+std::shared_ptr<moe::MoE> build(int64_t dim, const moe::MoEOptions& o, double std) {
   auto layer = std::make_shared<moe::MoE>(dim, o, torch::TensorOptions().dtype(torch::kFloat));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   torch::NoGradGuard no_grad;
-  for (const auto& p : layer->named_parameters()) p.slot->tensor.copy_(torch::randn(p.slot->tensor.sizes(), gen) * 0.3);
+  for (const auto& p : layer->named_parameters()) p.slot->tensor.copy_(torch::randn(p.slot->tensor.sizes(), gen) * std);
   return layer;
 }
 
+// `std`: the weights' scale; `x_scale`: the tokens'.
 void check_case(const tensor::CommPtr& comm, const std::string& name, const moe::MoEOptions& o, int64_t tokens,
-                const torch::Tensor& bias) {
+                const torch::Tensor& bias, double std = 0.3, double x_scale = 1.0) {
   const int n = comm->size(), r = comm->rank();
   constexpr int64_t kDim = 16;
-  auto reference = build(kDim, o);
-  auto parallel = build(kDim, o);
+  auto reference = build(kDim, o, std);
+  auto parallel = build(kDim, o, std);
   if (bias.defined()) {
     torch::NoGradGuard no_grad;
     reference->expert_bias().copy_(bias);
@@ -61,7 +65,7 @@ void check_case(const tensor::CommPtr& comm, const std::string& name, const moe:
   ep::ExpertParallel ep(comm);
   ep.apply(*parallel, "moe");
   auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + r);
-  const torch::Tensor x = torch::randn({tokens, kDim}, gen);
+  const torch::Tensor x = torch::randn({tokens, kDim}, gen) * x_scale;
   const torch::Tensor dout = torch::randn({tokens, kDim}, gen);
 
   torch::Tensor x_ref = x.clone().requires_grad_();
@@ -77,7 +81,8 @@ void check_case(const tensor::CommPtr& comm, const std::string& name, const moe:
 
   double worst_expert = 0;
   const int64_t local = o.router.n_experts / n;
-  for (const char* w : {"w1", "w2", "w3"}) {
+  // Every expert stack: the weights and, with GPT-OSS's options, the biases b1, b2, b3.
+  for (const std::string& w : reference->experts().stacked_parameter_names()) {
     torch::Tensor summed = reference->experts().parameter_slot(w).tensor.grad().clone();
     comm->all_reduce(summed);
     const torch::Tensor mine = summed.narrow(0, r * local, local);
@@ -85,8 +90,13 @@ void check_case(const tensor::CommPtr& comm, const std::string& name, const moe:
   }
   const double d_out = max_relative_diff(out, out_ref);
   const double d_x = max_relative_diff(x_ep.grad(), x_ref.grad());
-  const double d_router = max_relative_diff(parallel->router().gate().weight().grad(),
-                                            reference->router().gate().weight().grad());
+  double d_router = max_relative_diff(parallel->router().gate().weight().grad(),
+                                      reference->router().gate().weight().grad());
+  if (o.router.gate_bias) {
+    // The gate's bias stays replicated: every rank's gradient is its own tokens', as without EP.
+    d_router = std::max(d_router, max_relative_diff(parallel->router().gate().parameter("bias").grad(),
+                                                    reference->router().gate().parameter("bias").grad()));
+  }
   LOOM_REQUIRE(d_out <= 1e-5 && d_x <= 1e-5 && d_router <= 1e-5 && worst_expert <= 1e-5, name, " rank ", r,
                ": relative differences from the whole layer: out ", d_out, ", dx ", d_x, ", router ", d_router,
                ", experts ", worst_expert);
@@ -134,9 +144,34 @@ void scenario_starved(const tensor::CommPtr& comm) {
   check_case(comm, c10::str("ep=", n, " starved"), o, comm->rank() + 1 == n ? 0 : 7, bias);
 }
 
+void scenario_gpt_oss(const tensor::CommPtr& comm) {
+  const int n = comm->size();
+  moe::MoEOptions o;
+  o.router.n_experts = 4 * n;
+  o.router.top_k = 4;
+  o.router.score_function = moe::ScoreFunction::kSoftmaxAfterTopK;
+  o.router.gate_bias = true;
+  o.hidden_dim = 12;
+  o.experts.bias = true;
+  o.experts.activation = moe::ExpertActivation::kClampedSwiGLU;
+  // Weights and tokens large enough that the gate (above 7) and up (outside +-7) clamps engage on a
+  // real share of the values (the one-process tests count them; here the same scale).
+  for (int64_t tokens : {5, 24}) {
+    check_case(comm, c10::str("ep=", n, " gpt_oss tokens=", tokens), o, tokens + comm->rank(), torch::Tensor(), 0.6,
+               2.0);
+  }
+  // With the selection bias of loss-free balancing steering every token to experts 0-3 (rank 0's
+  // experts on 2 ranks): the other experts' biases get no token, the last rank brings none.
+  o.load_balance_coeff = 1e-3;
+  torch::Tensor bias = torch::zeros({4 * n});
+  bias.narrow(0, 0, 4).fill_(100.0);
+  check_case(comm, c10::str("ep=", n, " gpt_oss starved"), o, comm->rank() + 1 == n ? 0 : 7, bias, 0.6, 2.0);
+}
+
 }  // namespace ep_worker
 
 int main(int argc, char** argv) {
   return loom::testing::worker_main(argc, argv,
-                                    {{"dispatch", ep_worker::scenario_dispatch}, {"starved", ep_worker::scenario_starved}});
+                                    {{"dispatch", ep_worker::scenario_dispatch}, {"starved", ep_worker::scenario_starved},
+                                     {"gpt_oss", ep_worker::scenario_gpt_oss}});
 }
