@@ -76,8 +76,12 @@ def main():
                 if got[name].shape != w.shape:
                     failures.append(f"{path} {name}: shape {tuple(got[name].shape)} != {tuple(w.shape)}")
                     continue
-                err = ((got[name].double() - w.double()).abs().max() / w.double().abs().max()).item()
-                print(f"{path} {name}: max |loom - transformers| / max |transformers| = {err:.3g}")
+                scale = w.double().abs().max().item()
+                if not scale > 0:
+                    failures.append(f"{name}: transformers' value is all zeros, nothing compared")
+                    continue
+                err = ((got[name].double() - w.double()).abs().max() / scale).item()
+                print(f"{path} {name}: max |loom - transformers| / max |transformers| ({scale:.3g}) = {err:.3g}")
                 if not err <= TOLERANCE:
                     failures.append(f"{path} {name}: {err:.3g}")
     if failures:

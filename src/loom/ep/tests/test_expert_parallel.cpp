@@ -63,6 +63,10 @@ TEST(ExpertParallel, StarvedExpertsAndRanksOnFourRanks) { ep_tests::expect_worke
 TEST(ExpertParallel, GptOssOptionsMatchTheWholeLayerOnTwoRanks) { ep_tests::expect_workers("gpt_oss", 2); }
 TEST(ExpertParallel, GptOssOptionsMatchTheWholeLayerOnFourRanks) { ep_tests::expect_workers("gpt_oss", 4); }
 
+// Six SGD steps of GPT-OSS's layer on EP 2 against one process that sees every rank's tokens: the
+// loss and gradient norm of each step, and the parameters after them, within 1e-5 (relative).
+TEST(ExpertParallel, GptOssStepsMatchOneProcessOnTwoRanks) { ep_tests::expect_workers("gpt_oss_steps", 2); }
+
 TEST(ExpertParallel, ShardsGptOssExpertBiasesWithTheirExperts) {
   auto comm = loom::distributed::Comm::single("ep", 0);
   loom::moe::MoEOptions o = ep_tests::options(4);
