@@ -14,7 +14,8 @@ void ExpertParallel::apply(moe::MoE& moe, const std::string& fqn) {
   LOOM_REQUIRE_USAGE(n_experts % degree() == 0, "parallelism.expert_parallel_degree ", degree(),
                      " does not divide the ", n_experts, " routed experts of ", fqn,
                      "; pick a divisor of ", n_experts);
-  for (const char* name : {"w1", "w2", "w3"}) {
+  // The weights and, where the experts have them (GPT-OSS), the biases: each with its expert.
+  for (const std::string& name : experts.stacked_parameter_names()) {
     nn::ParameterSlot& slot = experts.parameter_slot(name);
     LOOM_REQUIRE(!slot.layout, fqn, ".experts.", name, " is already sharded (", slot.layout->describe(),
                  "); expert parallelism shards whole expert stacks");

@@ -1,5 +1,6 @@
 // Expert parallelism (TorchTitan's ExpertParallel, DeepSeek's EP), applied to an MoE layer from
-// outside: the routed experts' stacked weights are split along the expert dim over the "ep" group
+// outside: the routed experts' stacked weights (and biases, where the experts have them: GPT-OSS's
+// b1, b2, b3) are split along the expert dim over the "ep" group
 // (Shard(0): rank r of P keeps experts [r E/P, (r+1) E/P)), and the layer's permuted tokens travel
 // to the rank holding their expert and back:
 //
@@ -15,7 +16,7 @@
 // Backward runs the same exchanges in reverse (tensor::all_to_all_rows): each expert's weight
 // gradient is the sum over every token of the ep group routed to it; the experts' FSDP over efsdp
 // then divides by the data-parallel degree (models/common/parallelize.cpp). The router, its
-// selection bias and any shared experts stay replicated: every rank routes its own tokens over all
+// selection bias, its gate's bias (GPT-OSS) and any shared experts stay replicated: every rank routes its own tokens over all
 // E experts, so load balancing is unchanged.
 #pragma once
 #include <torch/torch.h>

@@ -11,7 +11,8 @@ MoE::MoE(int64_t dim, MoEOptions options, const torch::TensorOptions& tensor_opt
                      options_.load_balance_coeff);
   router_ = register_module("router", std::make_shared<Router>(dim, options_.router, tensor_options));
   experts_ = register_module("experts", std::make_shared<GroupedExperts>(options_.router.n_experts, dim,
-                                                                         options_.hidden_dim, tensor_options));
+                                                                         options_.hidden_dim, tensor_options,
+                                                                         options_.experts));
   if (options_.shared_hidden_dim > 0) {
     shared_experts_ = register_module("shared_experts",
                                       std::make_shared<nn::FeedForward>(dim, options_.shared_hidden_dim, tensor_options));

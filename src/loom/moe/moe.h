@@ -9,7 +9,13 @@
 //   combine    each output times its routing weight in float32, gathered back to (token, choice)
 //              order and summed over the choices in choice order: deterministic, no atomics
 //
-// Names: router.gate.weight, experts.{w1,w2,w3}, shared_experts.{w1,w2,w3}.weight (when present),
+// GPT-OSS's options (a family turns them on in the MoEOptions its args give): router.gate_bias
+// with router.score_function = kSoftmaxAfterTopK (router.h), and experts.bias with
+// experts.activation = kClampedSwiGLU (experts.h); the down projection's bias b2 is added per
+// (token, expert) row before the routing weight multiplies it, as transformers' GptOssExperts does.
+//
+// Names: router.gate.weight [, router.gate.bias], experts.{w1,w2,w3} [, experts.{b1,b2,b3}],
+// shared_experts.{w1,w2,w3}.weight (when present),
 // buffers expert_bias [E] (float32, saved) and tokens_per_expert [E] (float32, the counts since the
 // last balancing step; not saved).
 #pragma once
@@ -31,6 +37,7 @@ struct MoEOptions {
   RouterOptions router;
   int64_t hidden_dim = 0;         // each routed expert's hidden width (moe_intermediate_size)
   int64_t shared_hidden_dim = 0;  // the shared experts' width; 0 = none
+  ExpertsOptions experts;         // the routed experts' biases and activation (GPT-OSS's)
   // Auxiliary-loss-free balancing (DeepSeek-V3): > 0 keeps the selection bias and moves it by this
   // much per balancing step (balance_experts()); 0 = no bias.
   double load_balance_coeff = 0.0;

@@ -6,7 +6,8 @@ namespace loom::moe {
 
 const options::EnumNames<ScoreFunction>& option_names(ScoreFunction) {
   static const options::EnumNames<ScoreFunction> names = {{"softmax", ScoreFunction::kSoftmax},
-                                                          {"sigmoid", ScoreFunction::kSigmoid}};
+                                                          {"sigmoid", ScoreFunction::kSigmoid},
+                                                          {"softmax_topk", ScoreFunction::kSoftmaxAfterTopK}};
   return names;
 }
 
@@ -27,8 +28,10 @@ Routing route(const torch::Tensor& logits, const RouterOptions& o, const torch::
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) == o.n_experts, "route: logits must be [N, ", o.n_experts,
               "], got ", logits.sizes());
   const torch::Tensor logits32 = logits.to(torch::kFloat);
-  const torch::Tensor scores =
-      o.score_function == ScoreFunction::kSoftmax ? logits32.softmax(-1) : logits32.sigmoid();
+  const bool after_topk = o.score_function == ScoreFunction::kSoftmaxAfterTopK;
+  const torch::Tensor scores = o.score_function == ScoreFunction::kSoftmax   ? logits32.softmax(-1)
+                               : o.score_function == ScoreFunction::kSigmoid ? logits32.sigmoid()
+                                                                             : logits32;
   // Selection only: no gradient flows through which experts were chosen.
   torch::Tensor choice = scores.detach();
   if (bias.defined()) choice = choice + bias.to(torch::kFloat);
@@ -43,6 +46,8 @@ Routing route(const torch::Tensor& logits, const RouterOptions& o, const torch::
   Routing r;
   r.experts = std::get<1>(choice.topk(o.top_k, -1, /*largest=*/true, /*sorted=*/true));
   torch::Tensor weights = scores.gather(1, r.experts);
+  // GPT-OSS: the softmax over the k selected logits (their gradient reaches only those logits).
+  if (after_topk) weights = weights.softmax(-1);
   if (o.normalize) weights = weights / weights.sum(-1, /*keepdim=*/true);
   if (o.scale != 1.0) weights = weights * o.scale;
   r.weights = weights;
@@ -53,7 +58,7 @@ Routing route(const torch::Tensor& logits, const RouterOptions& o, const torch::
 Router::Router(int64_t dim, RouterOptions options, const torch::TensorOptions& tensor_options)
     : nn::Module("Router"), options_(options) {
   options_.validate();
-  gate_ = register_module("gate", std::make_shared<nn::Linear>(dim, options_.n_experts, tensor_options));
+  gate_ = register_module("gate", std::make_shared<nn::Linear>(dim, options_.n_experts, tensor_options, options_.gate_bias));
 }
 
 Routing Router::forward(const torch::Tensor& x, const torch::Tensor& bias) {

@@ -1,12 +1,19 @@
 // Token-choice top-k routing (TorchTitan's TokenChoiceTopKRouter, DeepSeek-V3's and Qwen3-MoE's
 // gates): every token picks `top_k` experts from scores over all of them.
 //
-//   scores  = softmax(logits) or sigmoid(logits), in float32
+//   logits  = x W^T (+ b when the gate has a bias: GPT-OSS), in float32
+//   scores  = softmax(logits) or sigmoid(logits); or, for GPT-OSS (kSoftmaxAfterTopK), the raw
+//             logits themselves
 //   choice  = scores + bias (the selection bias of auxiliary-loss-free balancing: it changes which
 //             experts are picked, never the weights); with groups, only the `topk_groups` groups
 //             of experts with the largest sums of their two best choice scores stay eligible
 //   experts = top_k(choice), weights = scores at those experts (unbiased), divided by their sum
-//             when `normalize` (Qwen3-MoE's norm_topk_prob, DeepSeek's route_norm), times `scale`
+//             when `normalize` (Qwen3-MoE's norm_topk_prob, DeepSeek's route_norm), times `scale`;
+//             kSoftmaxAfterTopK: weights = softmax over the k selected (unbiased) logits
+//             (transformers' GptOssTopKRouter: top-k first, then the softmax; the k weights
+//             already sum to 1, so `normalize` changes nothing). Without a selection bias this
+//             equals softmax-then-normalize (TorchTitan's GPT-OSS router) up to rounding; with
+//             one, the bias is added to the logits rather than to the probabilities.
 #pragma once
 #include <torch/torch.h>
 
@@ -18,7 +25,8 @@
 
 namespace loom::moe {
 
-enum class ScoreFunction { kSoftmax, kSigmoid };
+// kSoftmaxAfterTopK ("softmax_topk"): GPT-OSS's order, see above.
+enum class ScoreFunction { kSoftmax, kSigmoid, kSoftmaxAfterTopK };
 const options::EnumNames<ScoreFunction>& option_names(ScoreFunction);
 
 struct RouterOptions {
@@ -29,6 +37,7 @@ struct RouterOptions {
   double scale = 1.0;      // route_scale
   int64_t n_groups = 1;    // > 1: group-limited routing over n_experts / n_groups experts a group
   int64_t topk_groups = 1;
+  bool gate_bias = false;  // the gate Linear has a bias [E] ("gate.bias", GPT-OSS's router.bias)
 
   // A one-line loom::UsageError naming the first inconsistent field.
   void validate() const;
@@ -45,7 +54,8 @@ struct Routing {
 // (float32) or undefined: the selection bias.
 Routing route(const torch::Tensor& logits, const RouterOptions& options, const torch::Tensor& bias = {});
 
-// The router's gate: logits = x W^T with W [E, dim] ("gate.weight"), then route().
+// The router's gate: logits = x W^T (+ b) with W [E, dim] ("gate.weight") and, with gate_bias,
+// b [E] ("gate.bias"), then route().
 class Router : public nn::Module {
  public:
   Router(int64_t dim, RouterOptions options, const torch::TensorOptions& tensor_options);

@@ -1,7 +1,7 @@
 // Expert parallelism: the experts' sharding and volume formula (one process), and the EP MoE layer
 // against the whole layer on 2 and 4 ranks (tests/worker/ep_worker.cpp: outputs, input, router and
 // expert gradients within 1e-5; experts and whole ranks without tokens; the all-to-all bytes equal
-// to the formula).
+// to the formula; GPT-OSS's options: router and expert biases, the clamped SwiGLU).
 #include <gtest/gtest.h>
 
 #include "loom/core/error.h"
@@ -57,3 +57,28 @@ TEST(ExpertParallel, MatchesTheWholeLayerOnTwoRanks) { ep_tests::expect_workers(
 TEST(ExpertParallel, MatchesTheWholeLayerOnFourRanks) { ep_tests::expect_workers("dispatch", 4); }
 TEST(ExpertParallel, StarvedExpertsAndRanksOnTwoRanks) { ep_tests::expect_workers("starved", 2); }
 TEST(ExpertParallel, StarvedExpertsAndRanksOnFourRanks) { ep_tests::expect_workers("starved", 4); }
+
+// GPT-OSS's options: the expert biases travel with their experts' shards (each rank's b1, b2, b3
+// gradients the sum over every rank's tokens routed to them), the router's bias stays replicated.
+TEST(ExpertParallel, GptOssOptionsMatchTheWholeLayerOnTwoRanks) { ep_tests::expect_workers("gpt_oss", 2); }
+TEST(ExpertParallel, GptOssOptionsMatchTheWholeLayerOnFourRanks) { ep_tests::expect_workers("gpt_oss", 4); }
+
+// Six SGD steps of GPT-OSS's layer on EP 2 against one process that sees every rank's tokens: the
+// loss and gradient norm of each step, and the parameters after them, within 1e-5 (relative).
+TEST(ExpertParallel, GptOssStepsMatchOneProcessOnTwoRanks) { ep_tests::expect_workers("gpt_oss_steps", 2); }
+
+TEST(ExpertParallel, ShardsGptOssExpertBiasesWithTheirExperts) {
+  auto comm = loom::distributed::Comm::single("ep", 0);
+  loom::moe::MoEOptions o = ep_tests::options(4);
+  o.router.gate_bias = true;
+  o.experts.bias = true;
+  auto layer = std::make_shared<loom::moe::MoE>(8, o, torch::TensorOptions());
+  loom::ep::ExpertParallel ep(comm);
+  ep.apply(*layer, "layers.1.moe");
+  for (const char* b : {"b1", "b2", "b3"}) {
+    EXPECT_TRUE(ep.is_sharded(std::string("layers.1.moe.experts.") + b)) << b;
+  }
+  EXPECT_EQ(layer->experts().parameter_slot("b2").layout->describe(), "[4, 8] ep:Shard(0)");
+  EXPECT_FALSE(ep.is_sharded("layers.1.moe.router.gate.bias"));
+  EXPECT_FALSE(layer->router().gate().parameter_slot("bias").layout);
+}

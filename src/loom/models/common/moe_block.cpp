@@ -23,4 +23,14 @@ torch::Tensor MoETransformerBlock::forward(const torch::Tensor& x, const torch::
   });
 }
 
+std::optional<nn::ParameterInit> gpt_oss_moe_init(const std::string& rest, double std) {
+  if (rest == "moe.router.gate.bias") return nn::ParameterInit::zeros();
+  static const char* kTruncated[] = {"moe.router.gate.weight", "moe.experts.w1", "moe.experts.w2", "moe.experts.w3",
+                                     "moe.experts.b1",         "moe.experts.b2", "moe.experts.b3"};
+  for (const char* name : kTruncated) {
+    if (rest == name) return nn::ParameterInit::truncated_normal(std, -2.0, 2.0);
+  }
+  return std::nullopt;
+}
+
 }  // namespace loom::models

@@ -10,7 +10,15 @@
 //   starved    a selection bias sends every token to experts 0 and 1: the other experts get no
 //              token and the ranks holding only those receive no rows at all; one rank brings
 //              no tokens either
+//   gpt_oss    GPT-OSS's options (router gate bias, softmax after top-k, expert biases b1/b2/b3
+//              sharded with their experts, the clamped SwiGLU with both clamps engaged), and the
+//              same with an expert that gets no token
+//   gpt_oss_steps  GPT-OSS's options through 6 SGD steps against one process that sees every
+//              rank's tokens: per step the loss and the gradient norm (router replicated, experts
+//              and their biases sharded over ep), then every parameter after the last step
+#include <cmath>
 #include <cstdio>
+#include <map>
 #include <string>
 
 #include "loom/core/error.h"
@@ -39,20 +47,33 @@ moe::MoEOptions layer_options(int64_t n_experts, int64_t top_k, moe::ScoreFuncti
   return o;
 }
 
-std::shared_ptr<moe::MoE> build(int64_t dim, const moe::MoEOptions& o) {
+moe::MoEOptions gpt_oss_options(int64_t n_experts) {
+  moe::MoEOptions o;
+  o.router.n_experts = n_experts;
+  o.router.top_k = 4;
+  o.router.score_function = moe::ScoreFunction::kSoftmaxAfterTopK;
+  o.router.gate_bias = true;
+  o.hidden_dim = 12;
+  o.experts.bias = true;
+  o.experts.activation = moe::ExpertActivation::kClampedSwiGLU;
+  return o;
+}
+
+std::shared_ptr<moe::MoE> build(int64_t dim, const moe::MoEOptions& o, double std) {
   auto layer = std::make_shared<moe::MoE>(dim, o, torch::TensorOptions().dtype(torch::kFloat));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   torch::NoGradGuard no_grad;
-  for (const auto& p : layer->named_parameters()) p.slot->tensor.copy_(torch::randn(p.slot->tensor.sizes(), gen) * 0.3);
+  for (const auto& p : layer->named_parameters()) p.slot->tensor.copy_(torch::randn(p.slot->tensor.sizes(), gen) * std);
   return layer;
 }
 
+// `std`: the weights' scale; `x_scale`: the tokens'.
 void check_case(const tensor::CommPtr& comm, const std::string& name, const moe::MoEOptions& o, int64_t tokens,
-                const torch::Tensor& bias) {
+                const torch::Tensor& bias, double std = 0.3, double x_scale = 1.0) {
   const int n = comm->size(), r = comm->rank();
   constexpr int64_t kDim = 16;
-  auto reference = build(kDim, o);
-  auto parallel = build(kDim, o);
+  auto reference = build(kDim, o, std);
+  auto parallel = build(kDim, o, std);
   if (bias.defined()) {
     torch::NoGradGuard no_grad;
     reference->expert_bias().copy_(bias);
@@ -61,7 +82,7 @@ void check_case(const tensor::CommPtr& comm, const std::string& name, const moe:
   ep::ExpertParallel ep(comm);
   ep.apply(*parallel, "moe");
   auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + r);
-  const torch::Tensor x = torch::randn({tokens, kDim}, gen);
+  const torch::Tensor x = torch::randn({tokens, kDim}, gen) * x_scale;
   const torch::Tensor dout = torch::randn({tokens, kDim}, gen);
 
   torch::Tensor x_ref = x.clone().requires_grad_();
@@ -77,7 +98,8 @@ void check_case(const tensor::CommPtr& comm, const std::string& name, const moe:
 
   double worst_expert = 0;
   const int64_t local = o.router.n_experts / n;
-  for (const char* w : {"w1", "w2", "w3"}) {
+  // Every expert stack: the weights and, with GPT-OSS's options, the biases b1, b2, b3.
+  for (const std::string& w : reference->experts().stacked_parameter_names()) {
     torch::Tensor summed = reference->experts().parameter_slot(w).tensor.grad().clone();
     comm->all_reduce(summed);
     const torch::Tensor mine = summed.narrow(0, r * local, local);
@@ -85,8 +107,13 @@ void check_case(const tensor::CommPtr& comm, const std::string& name, const moe:
   }
   const double d_out = max_relative_diff(out, out_ref);
   const double d_x = max_relative_diff(x_ep.grad(), x_ref.grad());
-  const double d_router = max_relative_diff(parallel->router().gate().weight().grad(),
-                                            reference->router().gate().weight().grad());
+  double d_router = max_relative_diff(parallel->router().gate().weight().grad(),
+                                      reference->router().gate().weight().grad());
+  if (o.router.gate_bias) {
+    // The gate's bias stays replicated: every rank's gradient is its own tokens', as without EP.
+    d_router = std::max(d_router, max_relative_diff(parallel->router().gate().parameter("bias").grad(),
+                                                    reference->router().gate().parameter("bias").grad()));
+  }
   LOOM_REQUIRE(d_out <= 1e-5 && d_x <= 1e-5 && d_router <= 1e-5 && worst_expert <= 1e-5, name, " rank ", r,
                ": relative differences from the whole layer: out ", d_out, ", dx ", d_x, ", router ", d_router,
                ", experts ", worst_expert);
@@ -134,9 +161,112 @@ void scenario_starved(const tensor::CommPtr& comm) {
   check_case(comm, c10::str("ep=", n, " starved"), o, comm->rank() + 1 == n ? 0 : 7, bias);
 }
 
+void scenario_gpt_oss(const tensor::CommPtr& comm) {
+  const int n = comm->size();
+  moe::MoEOptions o = gpt_oss_options(4 * n);
+  // Weights and tokens large enough that the gate (above 7) and up (outside +-7) clamps engage on a
+  // real share of the values (the one-process tests count them; here the same scale).
+  for (int64_t tokens : {5, 24}) {
+    check_case(comm, c10::str("ep=", n, " gpt_oss tokens=", tokens), o, tokens + comm->rank(), torch::Tensor(), 0.6,
+               2.0);
+  }
+  // With the selection bias of loss-free balancing steering every token to experts 0-3 (rank 0's
+  // experts on 2 ranks): the other experts' biases get no token, the last rank brings none.
+  o.load_balance_coeff = 1e-3;
+  torch::Tensor bias = torch::zeros({4 * n});
+  bias.narrow(0, 0, 4).fill_(100.0);
+  check_case(comm, c10::str("ep=", n, " gpt_oss starved"), o, comm->rank() + 1 == n ? 0 : 7, bias, 0.6, 2.0);
+}
+
+// Training steps as a data-parallel run would take them: rank s holds tokens x_s (different counts
+// per rank) and targets; the loss is sum over all ranks' tokens of |y - target|^2 / N_total. The
+// reference (one process) runs the whole layer on every rank's tokens at once. The EP layer's
+// router gradients are each rank's share, summed over the ranks (as FSDP/DDP reduce the
+// replicated parameters); the experts' arrive complete from the dispatch's backward. The gradient
+// norm sums the router's squares once and the experts' squares over the ep ranks.
+void scenario_gpt_oss_steps(const tensor::CommPtr& comm) {
+  const int n = comm->size(), r = comm->rank();
+  constexpr int64_t kDim = 16;
+  constexpr int kSteps = 6;
+  constexpr double kLr = 2e-3;
+  const moe::MoEOptions o = gpt_oss_options(4 * n);
+  auto reference = build(kDim, o, 0.6);
+  auto parallel = build(kDim, o, 0.6);
+  ep::ExpertParallel ep(comm);
+  ep.apply(*parallel, "moe");
+  const int64_t local = o.router.n_experts / n;
+  double worst_loss = 0, worst_norm = 0, worst_param = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    std::vector<torch::Tensor> xs, targets;
+    int64_t total = 0;
+    for (int s = 0; s < n; ++s) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * step + s);
+      const int64_t tokens = 9 + 3 * s;
+      xs.push_back(torch::randn({tokens, kDim}, gen) * 2.0);
+      targets.push_back(torch::randn({tokens, kDim}, gen));
+      total += tokens;
+    }
+    // One process: every token.
+    for (auto& p : reference->named_parameters()) p.slot->tensor.mutable_grad() = torch::Tensor();
+    const torch::Tensor y_ref = reference->forward(torch::cat(xs));
+    const torch::Tensor loss_ref = (y_ref - torch::cat(targets)).pow(2).sum() / static_cast<double>(total);
+    loss_ref.backward();
+    double sq_ref = 0;
+    for (auto& p : reference->named_parameters()) sq_ref += p.slot->tensor.grad().pow(2).sum().item<double>();
+    // Expert parallel: this rank's tokens.
+    for (auto& p : parallel->named_parameters()) p.slot->tensor.mutable_grad() = torch::Tensor();
+    const torch::Tensor y = parallel->forward(xs[r]);
+    const torch::Tensor loss_local = (y - targets[r]).pow(2).sum() / static_cast<double>(total);
+    loss_local.backward();
+    torch::Tensor loss = loss_local.detach().clone();
+    comm->all_reduce(loss);
+    double sq_router = 0;
+    torch::Tensor sq_experts = torch::zeros({1}, torch::kDouble);
+    for (auto& p : parallel->named_parameters()) {
+      torch::Tensor& g = p.slot->tensor.mutable_grad();
+      if (p.slot->layout) {
+        sq_experts += g.to(torch::kDouble).pow(2).sum();
+      } else {
+        comm->all_reduce(g);
+        sq_router += g.to(torch::kDouble).pow(2).sum().item<double>();
+      }
+    }
+    comm->all_reduce(sq_experts);
+    const double norm = std::sqrt(sq_router + sq_experts.item<double>()), norm_ref = std::sqrt(sq_ref);
+    const double d_loss = std::abs(loss.item<double>() - loss_ref.item<double>()) / std::abs(loss_ref.item<double>());
+    const double d_norm = std::abs(norm - norm_ref) / norm_ref;
+    LOOM_REQUIRE(d_loss <= 1e-5 && d_norm <= 1e-5, "gpt_oss_steps rank ", r, " step ", step + 1, ": loss ",
+                 loss.item<double>(), " vs ", loss_ref.item<double>(), ", grad norm ", norm, " vs ", norm_ref);
+    worst_loss = std::max(worst_loss, d_loss);
+    if (r == 0) std::printf("  step %d: loss %.6f (one process %.6f), grad norm %.6f (%.6f)\n", step + 1,
+                            loss.item<double>(), loss_ref.item<double>(), norm, norm_ref);
+    worst_norm = std::max(worst_norm, d_norm);
+    torch::NoGradGuard no_grad;
+    for (auto* layer : {reference.get(), parallel.get()}) {
+      for (auto& p : layer->named_parameters()) p.slot->tensor.sub_(kLr * p.slot->tensor.grad());
+    }
+  }
+  // Every parameter after the steps: the router whole, the experts' rows this rank holds.
+  std::map<std::string, torch::Tensor> want;
+  for (auto& p : reference->named_parameters()) want[p.name] = p.slot->tensor;
+  for (auto& p : parallel->named_parameters()) {
+    const torch::Tensor w = p.slot->layout ? want.at(p.name).narrow(0, r * local, local) : want.at(p.name);
+    worst_param = std::max(worst_param, max_relative_diff(p.slot->tensor, w));
+  }
+  LOOM_REQUIRE(worst_param <= 1e-5, "gpt_oss_steps rank ", r, ": parameters after ", kSteps,
+               " steps differ from one process's by ", worst_param, " (relative)");
+  if (r == 0) {
+    std::printf("ep=%d gpt_oss %d steps: max relative difference from one process: loss %.2e, grad norm %.2e, "
+                "parameters %.2e\n",
+                n, kSteps, worst_loss, worst_norm, worst_param);
+  }
+}
+
 }  // namespace ep_worker
 
 int main(int argc, char** argv) {
   return loom::testing::worker_main(argc, argv,
-                                    {{"dispatch", ep_worker::scenario_dispatch}, {"starved", ep_worker::scenario_starved}});
+                                    {{"dispatch", ep_worker::scenario_dispatch}, {"starved", ep_worker::scenario_starved},
+                                     {"gpt_oss", ep_worker::scenario_gpt_oss},
+                                     {"gpt_oss_steps", ep_worker::scenario_gpt_oss_steps}});
 }
