@@ -31,6 +31,7 @@
 #include "loom/fsdp/sharded_optimizer.h"
 #include "loom/lora/lora.h"
 #include "loom/models/common/adapter_dir.h"
+#include "loom/models/common/model_dir.h"
 #include "loom/nn/fused.h"
 #include "loom/optim/adamw.h"
 #include "loom/optim/clip_grad.h"

@@ -77,7 +77,7 @@ const std::vector<Family>& families() {
 
 fs::path write_config(const fs::path& dir, const json& config) {
   fs::create_directories(dir);
-  testing::write(dir / "config.json", config.dump(2));
+  loom::testing::write(dir / "config.json", config.dump(2));
   return dir / "config.json";
 }
 
@@ -94,7 +94,7 @@ json shape_of(const models::ModelSpec& spec, const models::ModelArgs& args) {
 }
 
 TEST(HfFlavor, EveryFamilyBuildsTheShapeOfItsConfigJsonThroughItsOneReader) {
-  const fs::path dir = testing::temp_dir();
+  const fs::path dir = loom::testing::temp_dir();
   for (const Family& family : families()) {
     SCOPED_TRACE(family.name);
     const models::ModelSpec& spec = models::get_spec(family.name);
@@ -135,57 +135,57 @@ TEST(HfFlavor, EveryFamilyBuildsTheShapeOfItsConfigJsonThroughItsOneReader) {
 }
 
 TEST(HfFlavor, TheRunsSettingsMustAgreeWithTheFileInOneLine) {
-  const fs::path dir = testing::temp_dir();
+  const fs::path dir = loom::testing::temp_dir();
   const fs::path llama = write_config(dir / "llama", llama_config());
   const fs::path qwen = write_config(dir / "qwen3", qwen3_config());
   const models::ModelSpec& spec = models::get_spec("llama3");
   // The family is config.json's model_type; model.name must name it.
-  testing::expect_error<UsageError>([&] { spec.build_args(hf_request(qwen)); },
+  loom::testing::expect_error<UsageError>([&] { spec.build_args(hf_request(qwen)); },
                                     {qwen.string(), "describes a qwen3 model", "model.name is \"llama3\"",
                                      "set model.name = \"qwen3\""});
   auto request = hf_request(llama);
   request.vocab_size = 4096;
-  testing::expect_error<UsageError>([&] { spec.build_args(request); },
+  loom::testing::expect_error<UsageError>([&] { spec.build_args(request); },
                                     {"model.vocab_size 4096 differs from the vocab_size 2053", "model.vocab_size = 0"});
   request = hf_request(llama);
   request.vocab_size = 2053;  // equal: fine
   EXPECT_NO_THROW(spec.build_args(request));
   request = hf_request(llama);
   request.min_vocab_size = 3000;
-  testing::expect_error<UsageError>([&] { spec.build_args(request); },
+  loom::testing::expect_error<UsageError>([&] { spec.build_args(request); },
                                     {"tokenizer's vocabulary (3000 ids) does not fit the vocab_size 2053",
                                      "model.tokenizer_path"});
   request = hf_request(llama);
   request.n_layers = 5;
-  testing::expect_error<UsageError>([&] { spec.build_args(request); },
+  loom::testing::expect_error<UsageError>([&] { spec.build_args(request); },
                                     {"model.n_layers 5 differs from the num_hidden_layers 3", "model.n_layers = 0"});
   // No config.json given.
-  testing::expect_error<UsageError>([&] { spec.build_args({models::kHfFlavor, 0, 64, 0}); }, {"model.hf_config"});
+  loom::testing::expect_error<UsageError>([&] { spec.build_args({models::kHfFlavor, 0, 64, 0}); }, {"model.hf_config"});
 }
 
 TEST(HfFlavor, WhereTheConfigJsonComesFrom) {
-  const fs::path dir = testing::temp_dir();
+  const fs::path dir = loom::testing::temp_dir();
   const fs::path hf = write_config(dir / "hf", llama_config());
   EXPECT_EQ(models::resolve_hf_config(hf.string(), ""), hf);                 // the file
   EXPECT_EQ(models::resolve_hf_config((dir / "hf").string(), ""), hf);       // its directory
   EXPECT_EQ(models::resolve_hf_config("", (dir / "hf").string()), hf);       // initial_load_path's
   EXPECT_EQ(models::resolve_hf_config(hf.string(), "/elsewhere"), hf);      // hf_config wins
-  testing::expect_error<UsageError>([&] { models::resolve_hf_config("", ""); },
+  loom::testing::expect_error<UsageError>([&] { models::resolve_hf_config("", ""); },
                                     {"model.flavor = \"hf\"", "checkpoint.initial_load_path", "model.hf_config"});
-  testing::expect_error<UsageError>([&] { models::resolve_hf_config((dir / "missing.json").string(), ""); },
+  loom::testing::expect_error<UsageError>([&] { models::resolve_hf_config((dir / "missing.json").string(), ""); },
                                     {"model.hf_config", "missing.json", "does not exist"});
   fs::create_directories(dir / "empty");
-  testing::expect_error<UsageError>([&] { models::resolve_hf_config((dir / "empty").string(), ""); },
+  loom::testing::expect_error<UsageError>([&] { models::resolve_hf_config((dir / "empty").string(), ""); },
                                     {"model.hf_config", "is a directory without a config.json"});
   // A Loom checkpoint records its model but is no config.json.
   fs::create_directories(dir / "loom");
-  testing::write(dir / "loom" / "metadata.json", "{}");
-  testing::expect_error<UsageError>([&] { models::resolve_hf_config("", (dir / "loom").string()); },
+  loom::testing::write(dir / "loom" / "metadata.json", "{}");
+  loom::testing::expect_error<UsageError>([&] { models::resolve_hf_config("", (dir / "loom").string()); },
                                     {"is a Loom checkpoint", "model.hf_config"});
   // model.hf_config is the "hf" flavor's own setting.
   models::ModelConfig m;
   m.hf_config = hf.string();
-  testing::expect_error<UsageError>([&] { models::model_section().validate(&m); }, {"model.hf_config"});
+  loom::testing::expect_error<UsageError>([&] { models::model_section().validate(&m); }, {"model.hf_config"});
   m.flavor = models::kHfFlavor;
   EXPECT_NO_THROW(models::model_section().validate(&m));
   const models::ModelRequest r = models::model_request(m, "", /*vocab_size=*/2048, /*seq_len=*/32);
@@ -231,7 +231,7 @@ TEST(HfFlavor, AConfigTheFamilyCannotExpressIsOneLineNamingTheField) {
       {"deepseek_v3", [](json& c) { c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 2.0}}; },
        {"rope type 'linear'", "default or yarn"}},
   };
-  const fs::path dir = testing::temp_dir();
+  const fs::path dir = loom::testing::temp_dir();
   int i = 0;
   for (const Refusal& r : refusals) {
     SCOPED_TRACE(c10::str(r.family, " #", i));
@@ -243,7 +243,7 @@ TEST(HfFlavor, AConfigTheFamilyCannotExpressIsOneLineNamingTheField) {
     const fs::path path = write_config(dir / c10::str("case", i++), config);
     std::vector<std::string> parts = r.parts;
     parts.push_back(path.string());
-    testing::expect_error<UsageError>([&] { models::get_spec(r.family).build_args(hf_request(path)); }, parts);
+    loom::testing::expect_error<UsageError>([&] { models::get_spec(r.family).build_args(hf_request(path)); }, parts);
   }
 }
 

@@ -59,7 +59,7 @@ TEST(TrainerHfFlavor, TrainsAtTheFilesShapeRecordsItAndAResumeVerifiesIt) {
 
   RunResult a = run(train(straight, config, 4), 300);
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  EXPECT_NE(a.output.find("model: qwen3 hf (dim 40, 2 layers, 5 heads (1 kv), head_dim 12"), std::string::npos)
+  EXPECT_NE(a.output.find("model: qwen3 hf (dim 40, 2 layers, 5 heads (1 kv) x 12, ffn 72, vocab 2053"), std::string::npos)
       << a.output;
   // The checkpoint records the shape itself (what `loom convert` and a resume read), not "hf".
   std::ifstream in(straight.path() / "checkpoint" / "step-2" / "metadata.json");
