@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <fstream>
 #include <string>
 
@@ -33,8 +34,8 @@ nlohmann::json qwen3_config(int64_t ffn = 72) {
 
 void write_config(const fs::path& path, const nlohmann::json& config) { std::ofstream(path) << config.dump(2); }
 
-std::string train(const TempDir& dir, const fs::path& config, int steps, const std::string& name = "qwen3") {
-  return bin_dir() + "/loom train --config " + source_path("configs/llama3_debug.toml") +
+std::string train_args(const TempDir& dir, const fs::path& config, int steps, const std::string& name = "qwen3") {
+  return " train --config " + source_path("configs/llama3_debug.toml") +
          " --validation.enable=false --model.name=" + name + " --model.flavor=hf --model.hf_config=" +
          config.string() + " --model.tokenizer_path=" + source_path("data/default/tokenizer.json") +
          " --training.dataset_path=" + source_path("data/default/corpus.jsonl") + " --job.dump_folder=" + dir.str() +
@@ -42,6 +43,10 @@ std::string train(const TempDir& dir, const fs::path& config, int steps, const s
          std::to_string(steps) +
          " --metrics.log_freq=1 --metrics.peak_flops=1e11 --parallelism.data_parallel_shard_degree=1"
          " --checkpoint.enable=true --checkpoint.interval=2";
+}
+
+std::string train(const TempDir& dir, const fs::path& config, int steps, const std::string& name = "qwen3") {
+  return bin_dir() + "/loom" + train_args(dir, config, steps, name);
 }
 
 size_t error_lines(const std::string& output) {
@@ -82,6 +87,17 @@ TEST(TrainerHfFlavor, TrainsAtTheFilesShapeRecordsItAndAResumeVerifiesIt) {
   ASSERT_EQ(lb.size(), 2u);
   EXPECT_EQ(lb[0], la[2]);
   EXPECT_EQ(lb[1], la[3]);
+
+  // Two FSDP ranks, each reading config.json itself (and comparing what they built), one row each:
+  // the single process's losses on the same global batch.
+  TempDir fsdp("hf-fsdp");
+  RunResult f = run(bin_dir() + "/loom launch --nproc 2 --" + train_args(fsdp, config, 4) +
+                        " --training.local_batch_size=1 --parallelism.data_parallel_shard_degree=-1",
+                    300);
+  ASSERT_EQ(f.exit_code, 0) << f.output;
+  const auto lf = losses(fsdp);
+  ASSERT_EQ(lf.size(), 4u);
+  for (size_t i = 0; i < lf.size(); ++i) EXPECT_NEAR(lf[i], la[i], 1e-5 * std::abs(la[i])) << "step " << i + 1;
 
   // The same folder resumed with a config.json of another shape: one line naming the field.
   write_config(config, qwen3_config(/*ffn=*/80));
