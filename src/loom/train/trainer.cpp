@@ -452,8 +452,17 @@ std::string first_model_difference(const nlohmann::json& saved, const nlohmann::
 
 void Trainer::check_resumed_model(const fs::path& checkpoint, const nlohmann::json& state) const {
   if (!state.contains(models::kModelConfigKey)) return;  // saved before checkpoints recorded their model
-  const std::string difference =
-      first_model_difference(state.at(models::kModelConfigKey), model_spec_->model_config_json(*model_args_));
+  nlohmann::json saved = state.at(models::kModelConfigKey);
+  // Read back through this family's reader when it is this family's, so a key a later Loom added
+  // (with its default) is not taken for a difference.
+  if (saved.is_object() && saved.value("name", "") == model_spec_->name) {
+    try {
+      saved = model_spec_->model_config_json(*model_spec_->model_args_from_config_json(saved, checkpoint.string()));
+    } catch (const Error&) {
+      // Compared as recorded: the difference names the field.
+    }
+  }
+  const std::string difference = first_model_difference(saved, model_spec_->model_config_json(*model_args_));
   if (difference.empty()) return;
   const bool hf = config_.model.flavor == models::kHfFlavor;
   fail_usage("checkpoint ", checkpoint.string(), " holds a model of another shape than this run's (", difference, ")",

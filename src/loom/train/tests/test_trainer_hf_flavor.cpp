@@ -142,3 +142,25 @@ TEST(TrainerHfFlavor, SettingsThatCannotGoWithTheFileAreOneLineExit2) {
   EXPECT_EQ(error_lines(r.output), 1u) << r.output;
   EXPECT_NE(r.output.find("layer_types[1] 'sliding_attention' is not supported"), std::string::npos) << r.output;
 }
+
+// The resume check is the recorded shape's, whatever the flavor: a named flavor resumed with
+// another depth is one line naming the field too (not a tensor-shape error deep in the load).
+TEST(TrainerHfFlavor, ANamedFlavorResumedAtAnotherShapeIsOneLine) {
+  TempDir dir("named-resume");
+  const std::string args = bin_dir() + "/loom train --config " + source_path("configs/llama3_debug.toml") +
+                           " --validation.enable=false --model.flavor=tiny --model.tokenizer_path=" +
+                           source_path("data/default/tokenizer.json") + " --training.dataset_path=" +
+                           source_path("data/default/corpus.jsonl") + " --job.dump_folder=" + dir.str() +
+                           " --training.seq_len=32 --training.local_batch_size=2 --metrics.log_freq=1"
+                           " --parallelism.data_parallel_shard_degree=1 --checkpoint.enable=true"
+                           " --checkpoint.interval=2";
+  RunResult a = run(args + " --training.steps=2", 300);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  RunResult b = run(args + " --training.steps=4 --model.n_layers=3", 300);
+  EXPECT_EQ(b.exit_code, 2) << b.output;
+  EXPECT_EQ(error_lines(b.output), 1u) << b.output;
+  EXPECT_NE(b.output.find("(model_args.n_layers 4 in the checkpoint, 3 in this run); resume with the model.flavor, "
+                          "model.n_layers and model.vocab_size it was trained with"),
+            std::string::npos)
+      << b.output;
+}
