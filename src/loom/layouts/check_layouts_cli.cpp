@@ -318,7 +318,7 @@ int check_layouts(const CheckOptions& o, const std::vector<std::string>& given) 
   const models::ModelSpec& spec = models::get_spec(base.model.name);
   std::unique_ptr<models::ModelArgs> args;
   auto model_args = [&]() -> const models::ModelArgs& {
-    if (!args) args = spec.build_args({base.model.flavor, vocab_of(base), base.training.seq_len, base.model.n_layers});
+    if (!args) args = spec.build_args(models::model_request(base.model, base.checkpoint.initial_load_path, vocab_of(base), base.training.seq_len));
     return *args;
   };
   const MachineLimits machine = machine_limits(base);

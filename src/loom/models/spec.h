@@ -44,12 +44,22 @@ namespace loom::models {
 // `loom score` and `loom convert` can rebuild it from the checkpoint alone.
 inline constexpr const char* kModelConfigKey = "model";
 
+// model.flavor's spelling for "the shape a Hugging Face config.json gives" (ModelRequest::hf_config).
+inline constexpr const char* kHfFlavor = "hf";
+
 // What a run asks of a flavor (TorchTitan's update_from_config).
 struct ModelRequest {
   std::string flavor;
   int64_t vocab_size = 0;  // embedding rows: model.vocab_size, or the tokenizer's vocabulary
   int64_t seq_len = 0;     // training.seq_len: the positional tables must cover it
   int64_t n_layers = 0;    // model.n_layers: overrides the flavor's when > 0
+  // flavor == kHfFlavor: the config.json whose shape to build (models::resolve_hf_config), read by
+  // the family's HfFormat::read_config. Its model_type must be this family's; the shape is the
+  // file's own, so vocab_size and n_layers, when > 0, must equal its vocab_size and
+  // num_hidden_layers (else a one-line UsageError), and min_vocab_size (the tokenizer's
+  // vocabulary) must fit in its vocab_size.
+  std::filesystem::path hf_config;
+  int64_t min_vocab_size = 0;
 };
 
 struct TensorParallelOptions {

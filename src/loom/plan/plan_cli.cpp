@@ -120,7 +120,7 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
   train::JobConfig config = train::load_job_config(o.config, overrides);
   const int64_t vocab = vocab_of(config);
   const models::ModelSpec& spec = models::get_spec(config.model.name);
-  const auto args = spec.build_args({config.model.flavor, vocab, config.training.seq_len, config.model.n_layers});
+  const auto args = spec.build_args(models::model_request(config.model, config.checkpoint.initial_load_path, vocab, config.training.seq_len));
   const ModelShape shape = ModelShape::of(spec, *args);
 
   if (o.explain) {

@@ -107,7 +107,7 @@ SearchResult enumerate_layouts(const SearchRequest& request) {
   const train::JobConfig& base = request.base;
   const models::ModelSpec& spec = models::get_spec(base.model.name);
   const int64_t vocab = request.vocab_size > 0 ? request.vocab_size : base.model.vocab_size;
-  const auto args = spec.build_args({base.model.flavor, vocab, base.training.seq_len, base.model.n_layers});
+  const auto args = spec.build_args(models::model_request(base.model, base.checkpoint.initial_load_path, vocab, base.training.seq_len));
   const models::ParameterCounts counts = spec.count_parameters(*args);
   // Expert parallelism only for models that route tokens (not every parameter active per token).
   const bool routed = counts.active < counts.total;

@@ -16,6 +16,7 @@
 #include <limits>
 #include <optional>
 #include <map>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -30,6 +31,7 @@
 #include "loom/fsdp/sharded_optimizer.h"
 #include "loom/lora/lora.h"
 #include "loom/models/common/adapter_dir.h"
+#include "loom/models/common/model_dir.h"
 #include "loom/nn/fused.h"
 #include "loom/optim/adamw.h"
 #include "loom/optim/clip_grad.h"
@@ -84,6 +86,7 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   check_training_inputs(config_.training);
   if (config_.validation.enable) data::resolve_inputs({config_.validation.dataset_path}, "validation.dataset_path");
   init_distributed(env);
+  check_same_model_on_every_rank();
   // From here on every allocation of this thread is watched, so the step's peak can be split into
   // the parts it is made of (train/memory_accounting.h). Torch's profiler needs the same slot.
   if (config_.metrics.memory_breakdown && !config_.profiling.enable_profiling) {
@@ -144,9 +147,11 @@ void Trainer::check_layout(const distributed::LaunchEnv& env) {
                                        [this]() -> const models::ModelArgs& {
                                          tokenizer_ = std::make_unique<data::Tokenizer>(
                                              data::Tokenizer::from_file(config_.model.tokenizer_path));
-                                         model_args_ = model_spec_->build_args({config_.model.flavor, model_vocab_size(),
-                                                                                config_.training.seq_len,
-                                                                                config_.model.n_layers});
+                                         // model.flavor = "hf" reads config.json here, on every
+                                         // rank, before any process group.
+                                         model_args_ = model_spec_->build_args(models::model_request(
+                                             config_.model, config_.checkpoint.initial_load_path,
+                                             model_vocab_size(), config_.training.seq_len));
                                          return *model_args_;
                                        })
                        .dims;
@@ -353,6 +358,7 @@ void Trainer::init_checkpointing() {
     load_options.skip_model_only = true;  // a model-only last save cannot resume training
     // The base and adapter settings it was trained with, before any tensor is read.
     load_options.check_state = [this](const fs::path& dir, const nlohmann::json& state) {
+      check_resumed_model(dir, state);
       check_resumed_base(dir, state);
     };
     const checkpoint::ShardedStateDict state = state_dict();
@@ -413,6 +419,71 @@ void Trainer::check_resumed_base(const fs::path& checkpoint, const nlohmann::jso
     const std::string mismatch = lora::resume_mismatch(trained, lora::LoRAOptions::from(config_.lora));
     LOOM_REQUIRE_USAGE(mismatch.empty(), "checkpoint ", checkpoint.string(), " trained its adapters with ", mismatch,
                        "; resume with the settings it was trained with, or start a new run in another job.dump_folder");
+  }
+}
+
+namespace {
+// The first field where two recorded models differ ("model_args.n_heads 4 in the checkpoint, 6 in
+// this run"); empty when they do not. The RoPE table's length (max_seq_len) is no parameter's
+// shape and follows training.seq_len, so it is not compared.
+std::string first_model_difference(const nlohmann::json& saved, const nlohmann::json& current,
+                                   const std::string& path = "", const char* saved_is = "in the checkpoint",
+                                   const char* current_is = "in this run") {
+  if (saved.is_object() && current.is_object()) {
+    std::set<std::string> keys;
+    for (const auto& [key, value] : saved.items()) keys.insert(key);
+    for (const auto& [key, value] : current.items()) keys.insert(key);
+    for (const std::string& key : keys) {
+      if (path == "model_args" && key == "max_seq_len") continue;
+      const std::string where = path.empty() ? key : path + "." + key;
+      if (!saved.contains(key) || !current.contains(key)) {
+        return c10::str(where, " ", saved.contains(key) ? saved.at(key).dump() : "(none)", " ", saved_is, ", ",
+                        current.contains(key) ? current.at(key).dump() : "(none)", " ", current_is);
+      }
+      std::string difference = first_model_difference(saved.at(key), current.at(key), where, saved_is, current_is);
+      if (!difference.empty()) return difference;
+    }
+    return "";
+  }
+  if (saved == current) return "";
+  return c10::str(path, " ", saved.dump(), " ", saved_is, ", ", current.dump(), " ", current_is);
+}
+}  // namespace
+
+void Trainer::check_resumed_model(const fs::path& checkpoint, const nlohmann::json& state) const {
+  if (!state.contains(models::kModelConfigKey)) return;  // saved before checkpoints recorded their model
+  nlohmann::json saved = state.at(models::kModelConfigKey);
+  // Read back through this family's reader when it is this family's, so a key a later Loom added
+  // (with its default) is not taken for a difference.
+  if (saved.is_object() && saved.value("name", "") == model_spec_->name) {
+    try {
+      saved = model_spec_->model_config_json(*model_spec_->model_args_from_config_json(saved, checkpoint.string()));
+    } catch (const Error&) {
+      // Compared as recorded: the difference names the field.
+    }
+  }
+  const std::string difference = first_model_difference(saved, model_spec_->model_config_json(*model_args_));
+  if (difference.empty()) return;
+  const bool hf = config_.model.flavor == models::kHfFlavor;
+  fail_usage("checkpoint ", checkpoint.string(), " holds a model of another shape than this run's (", difference, ")",
+             hf ? c10::str("; model.flavor = \"hf\" read this run's shape from '",
+                           models::resolve_hf_config(config_.model.hf_config, config_.checkpoint.initial_load_path)
+                               .string(),
+                           "': resume with the config.json the checkpoint was trained with")
+                : std::string("; resume with the model.flavor, model.n_layers and model.vocab_size it was trained "
+                              "with"),
+             ", or start a new run in another job.dump_folder");
+}
+
+void Trainer::check_same_model_on_every_rank() const {
+  if (config_.model.flavor != models::kHfFlavor || dist_->world_size() <= 1) return;
+  const std::string mine = model_spec_->model_config_json(*model_args_).dump();
+  const std::vector<std::string> all = checkpoint::comm_group(dist_->world())->all_gather(mine);
+  for (size_t rank = 1; rank < all.size(); ++rank) {
+    LOOM_REQUIRE_USAGE(all[rank] == all[0], "model.flavor = \"hf\": rank ", rank, " read another shape than rank 0 (",
+                       first_model_difference(nlohmann::json::parse(all[0]), nlohmann::json::parse(all[rank]), "",
+                                              "on rank 0", c10::str("on rank ", rank).c_str()),
+                       "); every node must see the same config.json");
   }
 }
 

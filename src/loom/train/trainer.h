@@ -125,6 +125,12 @@ class Trainer {
   // A checkpoint to resume (its folder and saved state) must record this run's base and, for
   // LoRA adapters, the adapter settings they were trained with (lora::resume_mismatch).
   void check_resumed_base(const std::filesystem::path& checkpoint, const nlohmann::json& state) const;
+  // A checkpoint to resume must hold a model of this run's shape: the model entry it records
+  // (models::kModelConfigKey, every shape field, not a flavor's name) against this run's, so a
+  // model.flavor = "hf" run resumed with another config.json is one line naming the field.
+  void check_resumed_model(const std::filesystem::path& checkpoint, const nlohmann::json& state) const;
+  // model.flavor = "hf": every rank read config.json itself; they must have built the same shape.
+  void check_same_model_on_every_rank() const;
   // The loaded batch as this rank's model takes it (documents, context-parallel chunks), on the
   // device.
   parallel::ModelBatch model_batch(const data::Batch& batch) const;

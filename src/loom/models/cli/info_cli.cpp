@@ -39,9 +39,14 @@ void run_info(const InfoOptions& o) {
   const ModelSpec* spec_ptr = nullptr;
   std::unique_ptr<ModelArgs> args;
   std::string described = "flavor " + o.flavor;
+  LOOM_REQUIRE_USAGE(o.flavor != kHfFlavor || !o.checkpoint.empty(), "--flavor ", kHfFlavor,
+                     " is the shape of a Hugging Face config.json: pass the file or its model directory with "
+                     "--checkpoint instead of --flavor");
   if (!o.checkpoint.empty()) {
-    // The directory's own model (HF config.json or the Loom checkpoint's record); no weights read.
-    ModelDirArgs recorded = read_model_dir_args(o.checkpoint);
+    // The directory's own model (HF config.json or the Loom checkpoint's record), or a config.json
+    // by itself (the shape model.flavor = "hf" trains); no weights read.
+    ModelDirArgs recorded = std::filesystem::is_regular_file(o.checkpoint) ? read_hf_config(o.checkpoint)
+                                                                           : read_model_dir_args(o.checkpoint);
     spec_ptr = recorded.spec;
     args = std::move(recorded.args);
     described = o.checkpoint;
@@ -107,8 +112,9 @@ void register_info_command(CLI::App& app) {
   cmd->add_option("--model", options->model, "Registered model")->check(CLI::IsMember(models))->capture_default_str();
   cmd->add_option("--flavor", options->flavor, "Flavor of the model (" + flavors + ")")->capture_default_str();
   cmd->add_option("--checkpoint", options->checkpoint,
-                  "Describe the model of this directory (Hugging Face or Loom format) instead of a flavor")
-      ->check(CLI::ExistingDirectory)
+                  "Describe the model of this directory (Hugging Face or Loom format), or of a Hugging Face "
+                  "config.json (what model.flavor = \"hf\" trains), instead of a flavor")
+      ->check(CLI::ExistingPath)
       ->excludes(cmd->get_option("--flavor"))
       ->excludes(cmd->get_option("--model"));
   cmd->add_option("--seq-len", options->seq_len,

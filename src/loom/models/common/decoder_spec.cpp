@@ -17,6 +17,37 @@ const DecoderArgs& decoder_args_of(const ModelArgs& args, const std::string& fam
   return *decoder;
 }
 
+namespace {
+// model.flavor = "hf": the shape of request.hf_config, read by the family's Hugging Face reader (the
+// one `loom score` and `convert` use), which must be this family's.
+std::unique_ptr<DecoderArgs> hf_flavor_args(const DecoderFamily& f, const ModelRequest& request) {
+  LOOM_REQUIRE_USAGE(f.hf.has_value(), "model.flavor = \"", kHfFlavor, "\": ", f.name,
+                     " has no Hugging Face format to read a shape from; pick one of its flavors");
+  LOOM_REQUIRE_USAGE(!request.hf_config.empty(), "model.flavor = \"", kHfFlavor,
+                     "\" needs a config.json: set model.hf_config, or checkpoint.initial_load_path to a Hugging Face "
+                     "model directory");
+  const std::string source = request.hf_config.string();
+  ModelDirArgs read = read_hf_config(request.hf_config);
+  LOOM_REQUIRE_USAGE(read.spec->name == f.name, "'", source, "' describes a ", read.spec->name,
+                     " model (its model_type) but model.name is \"", f.name, "\"; set model.name = \"",
+                     read.spec->name, "\" to train it");
+  auto* decoder = dynamic_cast<DecoderArgs*>(read.args.get());
+  LOOM_REQUIRE(decoder != nullptr, f.name, "'s Hugging Face reader made no decoder args");
+  std::unique_ptr<DecoderArgs> args(decoder);
+  read.args.release();
+  LOOM_REQUIRE_USAGE(request.vocab_size <= 0 || request.vocab_size == args->vocab_size, "model.vocab_size ",
+                     request.vocab_size, " differs from the vocab_size ", args->vocab_size, " of '", source,
+                     "', which model.flavor = \"", kHfFlavor, "\" trains; set model.vocab_size = 0");
+  LOOM_REQUIRE_USAGE(request.min_vocab_size <= args->vocab_size, "the tokenizer's vocabulary (",
+                     request.min_vocab_size, " ids) does not fit the vocab_size ", args->vocab_size, " of '", source,
+                     "'; set model.tokenizer_path to the tokenizer of that model");
+  LOOM_REQUIRE_USAGE(request.n_layers <= 0 || request.n_layers == args->n_layers, "model.n_layers ",
+                     request.n_layers, " differs from the num_hidden_layers ", args->n_layers, " of '", source,
+                     "', which model.flavor = \"", kHfFlavor, "\" trains; set model.n_layers = 0");
+  return args;
+}
+}  // namespace
+
 ModelSpec decoder_spec(DecoderFamily family) {
   auto f = std::make_shared<const DecoderFamily>(std::move(family));
   ModelSpec spec;
@@ -24,6 +55,12 @@ ModelSpec decoder_spec(DecoderFamily family) {
   spec.flavors = f->flavors;
   spec.hf = f->hf;
   spec.build_args = [f](const ModelRequest& request) -> std::unique_ptr<ModelArgs> {
+    if (request.flavor == kHfFlavor) {
+      std::unique_ptr<DecoderArgs> args = hf_flavor_args(*f, request);
+      args->max_seq_len = std::max(args->max_seq_len, request.seq_len);
+      args->validate();
+      return args;
+    }
     std::unique_ptr<DecoderArgs> args = f->flavor(request.flavor, request.vocab_size);
     if (request.n_layers > 0) args->n_layers = request.n_layers;
     // The RoPE cache covers at least the training sequence.

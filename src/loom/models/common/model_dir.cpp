@@ -186,8 +186,7 @@ void set_max_seq_len(ModelArgs& args, std::optional<int64_t> max_seq_len) {
   decoder->max_seq_len = *max_seq_len;
 }
 
-ModelDirArgs read_hf_args(const fs::path& dir) {
-  const fs::path config_path = dir / "config.json";
+ModelDirArgs read_hf_config_file(const fs::path& config_path) {
   const nlohmann::json config = read_json(config_path);
   LOOM_REQUIRE(config.is_object(), config_path.string(), " is not a JSON object");
   // transformers itself needs model_type to pick a config class; reading a config without one as
@@ -203,6 +202,7 @@ ModelDirArgs read_hf_args(const fs::path& dir) {
   out.hf_tied = c.tie_word_embeddings;
   return out;
 }
+ModelDirArgs read_hf_args(const fs::path& dir) { return read_hf_config_file(dir / "config.json"); }
 // Loaded weights must be finite: a NaN or inf in a file (a save of a diverged run, a corrupt
 // conversion) would otherwise surface as NaN scores with exit 0, or as a "divergence" that blames
 // the learning rate. Names the first tensor (module order) and how many of its values are bad.
@@ -574,6 +574,36 @@ LoadedModel load_loom_checkpoint(const fs::path& path, const LoadOptions& option
 
 InitialWeights read_initial_weights(const ModelSpec& spec, const fs::path& path) {
   return as_input_error([&] { return read_initial_weights_unchecked(spec, path); });
+}
+
+ModelDirArgs read_hf_config(const fs::path& config_json) {
+  return as_input_error([&] { return read_hf_config_file(config_json); });
+}
+
+fs::path resolve_hf_config(const std::string& hf_config, const std::string& initial_load_path) {
+  return as_input_error([&] {
+    if (!hf_config.empty()) {
+      const fs::path path(hf_config);
+      const fs::path file = fs::is_directory(path) ? path / "config.json" : path;
+      LOOM_REQUIRE_USAGE(fs::is_regular_file(file), "model.hf_config '", hf_config, "' ",
+                         fs::is_directory(path) ? "is a directory without a config.json"
+                         : fs::exists(path)     ? "is not a regular file"
+                                                : "does not exist",
+                         "; give a Hugging Face config.json or the model directory holding it");
+      return file;
+    }
+    LOOM_REQUIRE_USAGE(!initial_load_path.empty(), "model.flavor = \"", kHfFlavor,
+                       "\" takes the model's shape from a Hugging Face config.json, and there is none: set "
+                       "checkpoint.initial_load_path to a Hugging Face model directory, or model.hf_config to its "
+                       "config.json");
+    const fs::path dir(initial_load_path);
+    LOOM_REQUIRE_USAGE(detect_model_dir_format(dir) == ModelDirFormat::kHuggingFace, "model.flavor = \"",
+                       kHfFlavor, "\" takes the model's shape from a Hugging Face config.json, but "
+                       "checkpoint.initial_load_path '", initial_load_path,
+                       "' is a Loom checkpoint; set model.hf_config to the config.json of the shape to train, or "
+                       "model.flavor to the one the checkpoint was trained with");
+    return dir / "config.json";
+  });
 }
 
 }  // namespace loom::models

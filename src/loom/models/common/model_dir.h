@@ -46,6 +46,15 @@ struct ModelDirArgs {
   const DecoderArgs& decoder() const;  // a one-line loom::Error for a family that is not a decoder
 };
 ModelDirArgs read_model_dir_args(const std::filesystem::path& dir);
+// A Hugging Face config.json by itself (no weights): its model_type's family and the args that
+// family's one reader (HfFormat::read_config, also behind read_model_dir_args, `loom score`,
+// `convert`, `generate`) makes of it. What the family cannot express is a one-line UsageError
+// naming the file, the field, its value and what Loom supports.
+ModelDirArgs read_hf_config(const std::filesystem::path& config_json);
+// The config.json that model.flavor = "hf" reads: model.hf_config (the file, or a directory
+// holding it) when set, else checkpoint.initial_load_path's when that is a Hugging Face model
+// directory. Anything else is a one-line UsageError saying which to set.
+std::filesystem::path resolve_hf_config(const std::string& hf_config, const std::string& initial_load_path);
 // The args recorded in checkpoint `dir` (resolved); a one-line error when it has none.
 ModelDirArgs read_checkpoint_model_args(const std::filesystem::path& dir);
 

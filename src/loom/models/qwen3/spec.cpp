@@ -34,6 +34,15 @@ models::HfFormat::Config hf_config_to_model_args(const nlohmann::json& c, const 
     LOOM_REQUIRE(!get_or<bool>(c, "attention_bias", false), source, ": attention_bias is not supported");
     LOOM_REQUIRE(!get_or<bool>(c, "use_sliding_window", false), source,
                  ": use_sliding_window is not supported (Loom's attention is full causal)");
+    // transformers 4.56+ also lists each layer's attention; a sliding one is not full causal.
+    if (c.contains("layer_types") && c.at("layer_types").is_array()) {
+      const nlohmann::json& types = c.at("layer_types");
+      for (size_t i = 0; i < types.size(); ++i) {
+        const std::string type = types[i].is_string() ? types[i].get<std::string>() : types[i].dump();
+        LOOM_REQUIRE(type == "full_attention", source, ": layer_types[", i, "] '", type,
+                     "' is not supported; Loom's Qwen3 attention is \"full_attention\" on every layer");
+      }
+    }
     a.dim = c.at("hidden_size").get<int64_t>();
     a.n_layers = c.at("num_hidden_layers").get<int64_t>();
     a.n_heads = c.at("num_attention_heads").get<int64_t>();

@@ -70,6 +70,17 @@ models::HfFormat::Config hf_config_to_model_args(const nlohmann::json& c, const 
     a.norm_topk_prob = get_or<bool>(c, "norm_topk_prob", false);
     a.mlp_only_layers = get_or<std::vector<int64_t>>(c, "mlp_only_layers", {});
     a.decoder_sparse_step = get_or<int64_t>(c, "decoder_sparse_step", 1);
+    // Qwen3MoeForCausalLM routes without a selection bias: the model config.json describes has
+    // none, so Loom's auxiliary-loss-free balancing (which trains one) is off, and a model trained
+    // at this shape (model.flavor = "hf") exports back to transformers exactly.
+    a.load_balance_coeff = 0;
+    // Qwen2-MoE's shared expert (and DeepSeek's) is no part of Qwen3-MoE: its weights would have
+    // nowhere to go, and the routed experts alone compute something else.
+    for (const char* key : {"shared_expert_intermediate_size", "n_shared_experts"}) {
+      const int64_t shared = get_or<int64_t>(c, key, 0);
+      LOOM_REQUIRE(shared == 0, source, ": ", key, " ", shared,
+                   " is not supported; Loom's qwen3_moe has routed experts only (0 shared experts)");
+    }
   } catch (const nlohmann::json::exception& e) {
     fail(source, ": not a usable Qwen3-MoE config (", e.what(), ")");
   }
