@@ -5,6 +5,7 @@
 
 #include "loom/core/error.h"
 #include "loom/models/deepseek_v3/spec.h"
+#include "loom/models/gpt_oss/spec.h"
 #include "loom/models/llama3/spec.h"
 #include "loom/models/qwen3/spec.h"
 #include "loom/models/qwen3_moe/spec.h"
@@ -15,7 +16,7 @@ namespace {
 
 const std::vector<ModelSpec>& registered_specs() {
   static const std::vector<ModelSpec> specs = {llama3::model_spec(), qwen3::model_spec(), qwen3_moe::model_spec(),
-                                                deepseek_v3::model_spec()};
+                                                deepseek_v3::model_spec(), gpt_oss::model_spec()};
   return specs;
 }
 

@@ -152,10 +152,19 @@ struct HfFormat {
     int64_t hf_length = 0;
   };
   std::function<std::vector<Piece>(const std::string& hf_name, c10::IntArrayRef hf_shape)> to_loom_pieces;
-  // Export of such a Loom tensor: its HF tensors (empty: a Loom-only tensor HF has no place for).
-  // Unset, or nullopt for a name: to_hf_name.
-  std::function<std::optional<std::vector<std::pair<std::string, torch::Tensor>>>(const std::string& loom_name,
+  // Families whose HF tensors are transforms of Loom tensors rather than copies (GPT-OSS's fused
+  // gate_up_proj with interleaved gate and up columns, its transposed down_proj): the Loom tensors
+  // an HF tensor gives, by name (nullopt: not such a tensor; pieces or to_loom_name then apply).
+  std::function<std::optional<std::vector<std::pair<std::string, torch::Tensor>>>(const std::string& hf_name,
                                                                                   const torch::Tensor& value)>
+      to_loom_tensors;
+  // Export of a Loom tensor that is not one HF tensor: its HF tensors (empty: a Loom-only tensor HF
+  // has no place for, or one another Loom tensor's HF tensor includes). `loom_tensor` reads any
+  // Loom tensor of the model by name, for an HF tensor made of several (GPT-OSS's gate_up_proj of
+  // w1 and w3). Unset, or nullopt for a name: to_hf_name.
+  using LoomTensorLookup = std::function<torch::Tensor(const std::string& loom_name)>;
+  std::function<std::optional<std::vector<std::pair<std::string, torch::Tensor>>>(
+      const std::string& loom_name, const torch::Tensor& value, const LoomTensorLookup& loom_tensor)>
       to_hf_tensors;
 };
 

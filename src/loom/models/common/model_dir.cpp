@@ -355,6 +355,22 @@ static LoadedModel load_hf_model_dir_unchecked(const fs::path& dir, const LoadOp
     // An MXFP4 pair stands for the tensor named without "_blocks", of the dequantised shape.
     const bool mxfp4 = is_mxfp4_part(ckpt, stored_name, /*blocks=*/true);
     const std::string hf_name = mxfp4 ? strip(stored_name, kMxfp4Blocks) : stored_name;
+    if (hf.to_loom_tensors) {
+      if (auto converted = hf.to_loom_tensors(hf_name, read_hf_tensor(ckpt, hf_name))) {
+        for (auto& [loom_name, value] : *converted) {
+          LOOM_REQUIRE(model->find_submodule(loom_name.substr(0, loom_name.rfind('.'))) != nullptr, "tensor '",
+                       hf_name, "' in '", ckpt.source().string(), "' does not fit config.json");
+          nn::ParameterSlot& slot = model->parameter_slot(loom_name);
+          LOOM_REQUIRE(value.sizes() == slot.tensor.sizes(), "tensor '", hf_name, "' in '", ckpt.source().string(),
+                       "' gives shape ", value.sizes(), " for ", loom_name, ", which has ", slot.tensor.sizes(),
+                       "; config.json does not match the weights: correct the size it gives");
+          torch::NoGradGuard no_grad;
+          slot.tensor.copy_(value);
+          filled.insert(loom_name);
+        }
+        continue;
+      }
+    }
     if (hf.to_loom_pieces) {
       std::vector<int64_t> shape = ckpt.entry(stored_name).shape;
       if (mxfp4 && shape.size() >= 3) {
@@ -511,9 +527,16 @@ void export_hf_model_dir(const ModelSpec& spec, Decoder& model, const fs::path& 
   const c10::ScalarType out_dtype = dtype.value_or(model.tok_embeddings().weight().scalar_type());
   const std::string dtype_name = hf_dtype_name(out_dtype);
   checkpoint::NamedTensors tensors;
-  for (auto& [name, tensor] : model.state_dict()) {
+  const auto state = model.state_dict();
+  const HfFormat::LoomTensorLookup lookup = [&state](const std::string& loom_name) {
+    for (const auto& [name, tensor] : state) {
+      if (name == loom_name) return tensor;
+    }
+    fail("export: no Loom tensor '", loom_name, "' in the model");
+  };
+  for (auto& [name, tensor] : state) {
     if (spec.hf->to_hf_tensors) {
-      if (auto pieces = spec.hf->to_hf_tensors(name, tensor)) {
+      if (auto pieces = spec.hf->to_hf_tensors(name, tensor, lookup)) {
         for (auto& [hf_name, value] : *pieces) tensors.emplace_back(hf_name, value.to(out_dtype).contiguous());
         continue;
       }

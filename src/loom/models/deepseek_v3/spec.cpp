@@ -255,7 +255,9 @@ models::ModelSpec model_spec() {
   hf.to_loom_name = to_loom_name;
   hf.to_hf_name = to_hf_name;
   hf.to_loom_pieces = models::hf_expert_pieces;
-  hf.to_hf_tensors = models::experts_to_hf_tensors;
+  hf.to_hf_tensors = [](const std::string& name, const torch::Tensor& value, const models::HfFormat::LoomTensorLookup&) {
+    return models::experts_to_hf_tensors(name, value);
+  };
   family.hf = std::move(hf);
   return models::decoder_spec(std::move(family));
 }

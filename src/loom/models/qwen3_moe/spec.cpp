@@ -137,7 +137,9 @@ models::ModelSpec model_spec() {
   hf.to_loom_name = [](const std::string& name) { return models::hf_to_loom_decoder_name(name, /*qk_norm=*/true); };
   hf.to_hf_name = [](const std::string& name) { return models::loom_to_hf_decoder_name(name, /*qk_norm=*/true); };
   hf.to_loom_pieces = to_loom_pieces;
-  hf.to_hf_tensors = to_hf_tensors;
+  hf.to_hf_tensors = [](const std::string& name, const torch::Tensor& value, const models::HfFormat::LoomTensorLookup&) {
+    return to_hf_tensors(name, value);
+  };
   family.hf = std::move(hf);
   return models::decoder_spec(std::move(family));
 }
