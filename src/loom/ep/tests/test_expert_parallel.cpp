@@ -67,6 +67,13 @@ TEST(ExpertParallel, GptOssOptionsMatchTheWholeLayerOnFourRanks) { ep_tests::exp
 // loss and gradient norm of each step, and the parameters after them, within 1e-5 (relative).
 TEST(ExpertParallel, GptOssStepsMatchOneProcessOnTwoRanks) { ep_tests::expect_workers("gpt_oss_steps", 2); }
 
+// EP 2 x FSDP 2 of the experts (4 ranks): one forward and backward of GPT-OSS's layer against one
+// process on every rank's tokens: loss, gradient norm, and every rank's gradient shard of each
+// expert stack (biases included) and of the router, within 1e-5 (relative).
+TEST(ExpertParallel, GptOssWithFsdpOfTheExpertsMatchesOneProcessOnFourRanks) {
+  ep_tests::expect_workers("gpt_oss_efsdp", 4);
+}
+
 TEST(ExpertParallel, ShardsGptOssExpertBiasesWithTheirExperts) {
   auto comm = loom::distributed::Comm::single("ep", 0);
   loom::moe::MoEOptions o = ep_tests::options(4);

@@ -16,6 +16,11 @@
 //   gpt_oss_steps  GPT-OSS's options through 6 SGD steps against one process that sees every
 //              rank's tokens: per step the loss and the gradient norm (router replicated, experts
 //              and their biases sharded over ep), then every parameter after the last step
+//   gpt_oss_efsdp  (4 ranks, its own main: it makes the groups) EP 2 x FSDP 2 of the experts:
+//              ep {0,1} {2,3}, the experts' FSDP over {0,2} {1,3} (whole experts per rank, as the
+//              composition plans them), against one process on every rank's tokens: the loss,
+//              the gradient norm, and each rank's gradient shard of every expert stack (biases
+//              included) and of the replicated router
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -23,6 +28,7 @@
 
 #include "loom/core/error.h"
 #include "loom/ep/expert_parallel.h"
+#include "loom/fsdp/fully_shard.h"
 #include "loom/testing/worker.h"
 
 namespace ep_worker {
@@ -262,9 +268,119 @@ void scenario_gpt_oss_steps(const tensor::CommPtr& comm) {
   }
 }
 
+// EP 2 x FSDP 2 (see the header). Rank r: ep group {r - r % 2, r - r % 2 + 1} (ep rank r % 2),
+// efsdp group {r % 2, r % 2 + 2}.
+void scenario_gpt_oss_efsdp(distributed::Distributed& d) {
+  const auto& world = d.world();
+  const int r = world->rank();
+  LOOM_REQUIRE(world->size() == 4, "gpt_oss_efsdp runs on 4 ranks, got ", world->size());
+  const auto ep_comm = d.new_group({r - r % 2, r - r % 2 + 1}, "ep");
+  const auto efsdp_comm = d.new_group({r % 2, r % 2 + 2}, "efsdp");
+  constexpr int64_t kDim = 16;
+  const moe::MoEOptions o = gpt_oss_options(8);
+  auto reference = build(kDim, o, 0.6);
+  auto parallel = build(kDim, o, 0.6);
+  ep::ExpertParallel ep(ep_comm);
+  ep.apply(*parallel, "moe");
+  fsdp::FSDPPolicy policy;
+  policy.granularity = tensor::Granularity::row();  // whole experts per rank
+  policy.gradient_divide_factor = 1.0;              // the loss is already a mean over every token
+  fsdp::FSDPMesh mesh;
+  mesh.shard = efsdp_comm;
+  auto root = fsdp::fully_shard(parallel->experts(), mesh, policy, "moe.experts");
+
+  std::vector<torch::Tensor> xs, targets;
+  int64_t total = 0;
+  for (int s = 0; s < 4; ++s) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + s);
+    const int64_t tokens = 7 + 4 * s;
+    xs.push_back(torch::randn({tokens, kDim}, gen) * 2.0);
+    targets.push_back(torch::randn({tokens, kDim}, gen));
+    total += tokens;
+  }
+  const torch::Tensor loss_ref =
+      (reference->forward(torch::cat(xs)) - torch::cat(targets)).pow(2).sum() / static_cast<double>(total);
+  loss_ref.backward();
+  double sq_ref = 0;
+  for (auto& p : reference->named_parameters()) sq_ref += p.slot->tensor.grad().to(torch::kDouble).pow(2).sum().item<double>();
+
+  const torch::Tensor loss_local = (parallel->forward(xs[r]) - targets[r]).pow(2).sum() / static_cast<double>(total);
+  loss_local.backward();
+  root->finalize_backward();
+  torch::Tensor loss = loss_local.detach().clone();
+  world->all_reduce(loss);
+  // The router: replicated, each rank's gradient its tokens' share.
+  double sq = 0, worst_grad = 0;
+  for (auto& p : parallel->router().named_parameters()) {
+    torch::Tensor g = p.slot->tensor.grad().clone();
+    world->all_reduce(g);
+    sq += g.to(torch::kDouble).pow(2).sum().item<double>();
+    worst_grad = std::max(worst_grad, max_relative_diff(g, reference->router().parameter_slot(p.name).tensor.grad()));
+  }
+  // The experts: this rank's shard of its ep rank's experts, against the same elements of the
+  // reference's gradient (the sum over all four ranks' tokens).
+  torch::Tensor sq_experts = torch::zeros({1}, torch::kDouble);
+  const int64_t local = 8 / 2;
+  torch::Tensor checked = torch::zeros({1}, torch::kLong);
+  int64_t stacks = 0, local_elements = 0;
+  for (fsdp::FSDPParamGroup* g : root->param_groups()) {
+    for (const auto& p : g->params()) {
+      const auto range = g->params_buffer().global_range(p.index);
+      const torch::Tensor want = reference->experts()
+                                     .parameter_slot(p.name)
+                                     .tensor.grad()
+                                     .narrow(0, (r % 2) * local, local)
+                                     .reshape(-1)
+                                     .narrow(0, range.begin, range.size());
+      const torch::Tensor got = p.sharded_grad.reshape(-1);
+      LOOM_REQUIRE(got.numel() == want.numel(), p.name, ": shard of ", got.numel(), " elements, expected ", want.numel());
+      if (want.numel() > 0) worst_grad = std::max(worst_grad, max_relative_diff(got, want));
+      sq_experts += got.to(torch::kDouble).pow(2).sum();
+      checked += got.numel();
+      ++stacks;
+      local_elements += reference->experts().parameter_slot(p.name).tensor.numel() / 2;
+    }
+  }
+  // The efsdp pair's shards together cover every element of the six stacks of their ep rank.
+  efsdp_comm->all_reduce(checked);
+  LOOM_REQUIRE(stacks == 6 && checked.item<int64_t>() == local_elements, "gpt_oss_efsdp rank ", r, ": ", stacks,
+               " expert stacks, their shards over efsdp hold ", checked.item<int64_t>(), " elements, expected ",
+               local_elements);
+  world->all_reduce(sq_experts);
+  const double norm = std::sqrt(sq + sq_experts.item<double>()), norm_ref = std::sqrt(sq_ref);
+  const double d_loss = std::abs(loss.item<double>() - loss_ref.item<double>()) / std::abs(loss_ref.item<double>());
+  const double d_norm = std::abs(norm - norm_ref) / norm_ref;
+  LOOM_REQUIRE(d_loss <= 1e-5 && d_norm <= 1e-5 && worst_grad <= 1e-5, "gpt_oss_efsdp rank ", r,
+               ": relative differences from one process: loss ", d_loss, ", grad norm ", d_norm, ", gradients ",
+               worst_grad);
+  if (r == 0) {
+    std::printf("ep=2 x efsdp=2 gpt_oss: loss %.6f (one process %.6f), grad norm %.6f (%.6f); max relative "
+                "difference loss %.2e, grad norm %.2e, gradients %.2e\n",
+                loss.item<double>(), loss_ref.item<double>(), norm, norm_ref, d_loss, d_norm, worst_grad);
+  }
+}
+
 }  // namespace ep_worker
 
 int main(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]) == "gpt_oss_efsdp") {
+    // Its own rendezvous (worker_main hands scenarios the world only; this one makes groups).
+    int rank = -1;
+    try {
+      const auto env = loom::distributed::detect_launch_env();
+      rank = env.rank;
+      torch::set_num_threads(1);
+      auto d = loom::distributed::init_distributed(env, std::chrono::seconds(60));
+      ep_worker::scenario_gpt_oss_efsdp(*d);
+      std::printf("rank %d/%d gpt_oss_efsdp: ok\n", env.rank, env.world_size);
+      std::fflush(stdout);
+      d->shutdown();
+      return 0;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "rank %d: error: %s\n", rank, e.what());
+    }
+    return 1;
+  }
   return loom::testing::worker_main(argc, argv,
                                     {{"dispatch", ep_worker::scenario_dispatch}, {"starved", ep_worker::scenario_starved},
                                      {"gpt_oss", ep_worker::scenario_gpt_oss},
