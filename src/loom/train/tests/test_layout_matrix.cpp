@@ -172,7 +172,7 @@ Cell make_cell(std::vector<const Dim*> chosen, const Feature& feature, const std
   cell.model_flags += feature.flags;
   // Shapes that are no float8 GEMM stay in high precision: the tiny MoE routers (64 -> 8 experts)
   // and DeepSeek-V3's tiny MLA down-projection wkv_a (64 -> kv_lora 32 + rope 8).
-  if (feature.name == "float8" && (family == "deepseek_v3" || family == "qwen3_moe")) {
+  if (feature.name == "float8" && (family == "deepseek_v3" || family == "qwen3_moe" || family == "gpt_oss")) {
     cell.model_flags += " --float8.filter_fqns=output,router,wkv_a";
   }
   cell.tolerance = feature.tolerance;
@@ -226,7 +226,8 @@ const Matrix& matrix() {
     int dense = 0, moe = 0;
     for (const auto& combo : combos) {
       const bool has_ep = std::any_of(combo.begin(), combo.end(), [](const Dim* x) { return x->group == "ep"; });
-      const std::string family = has_ep ? (moe++ % 2 == 0 ? "qwen3_moe" : "deepseek_v3")
+      static const char* kMoeFamilies[] = {"qwen3_moe", "deepseek_v3", "gpt_oss"};
+      const std::string family = has_ep ? kMoeFamilies[moe++ % 3]
                                         : (dense++ % 2 == 0 ? "llama3" : "qwen3");
       // Each feature this combination accepts, with the (dim, feature) pairs it would newly cover.
       const Cell* best = nullptr;
