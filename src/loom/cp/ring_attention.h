@@ -46,8 +46,9 @@ const options::EnumNames<RotateMethod>& option_names(RotateMethod);
 // lse'), lse' = logaddexp(lse, sink)); the blocks' backward runs on that output and lse'. The
 // sinks' gradient is this rank's query rows' share. `sliding_window` > 0 (tokens; 0 = none): a
 // query at global position i sees keys i - window < j <= i; blocks wholly outside the window are
-// skipped (neither computed nor, with all-gather, read), blocks it cuts are masked by the tokens'
-// global positions (chunk_ids), with the documents' mask when both apply.
+// skipped (not computed, forward or backward; the keys and values still travel whole), blocks it
+// cuts are masked by the tokens' global positions (chunk_ids), with the documents' mask when both
+// apply.
 torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const tensor::CommPtr& comm, RotateMethod method,
                              const torch::Tensor& document_ids = torch::Tensor(),

@@ -5,7 +5,9 @@
 // and values to its layer's cache and lets the new queries attend to everything cached so far.
 // The model runs its ordinary embed -> run_layers -> head path with the new tokens' positions
 // (nn::TokenLayout::positions, which RoPE reads), so the prompt is one forward over all of its
-// tokens (prefill) and each further token one forward of length 1 (decode).
+// tokens (prefill) and each further token one forward of length 1 (decode). A layer's attention
+// features (nn::AttendFeatures: GPT-OSS's sinks and sliding window) apply to the cached keys by
+// position; the cache keeps every position, also on sliding-window layers.
 #pragma once
 #include <torch/torch.h>
 

@@ -49,6 +49,34 @@ TEST(TensorParallel, OneRankPlanIsThePlainModel) {
   EXPECT_NEAR(a_loss.item<double>(), b_loss.item<double>(), 1e-6 * a_loss.item<double>());
 }
 
+// A headwise rule names a parameter (attention sinks) and gives it Shard(0) on tp; one naming a
+// module is a mistake in the plan, said in one line.
+TEST(TensorParallel, HeadwiseRuleShardsANamedParameterAlongHeads) {
+  loom::llama3::ModelArgs a = loom::llama3::flavor("debugmodel");
+  a.n_layers = 1;
+  loom::llama3::Transformer model(a);
+  auto& attention = static_cast<loom::models::TransformerBlock&>(model.layer("0")).attention();
+  // Llama has no sinks (the shared plan's sinks rule matches nothing there): this plan's headwise rule
+  // names a parameter it has whose rows are per head, wq.weight [n_heads * head_dim, dim].
+  const loom::models::TPPlan plan = {{"layers.*.attention.wq.weight", loom::models::TPStyle::kHeadwise}};
+  loom::tp::TensorParallel tp(loom::distributed::Comm::single("tp", 0), false);
+  loom::models::apply_tp(model, tp, plan, {false, true, false});
+  ASSERT_TRUE(tp.is_sharded("layers.0.attention.wq.weight"));
+  const auto layout = tp.layout_of("layers.0.attention.wq.weight", attention.wq().weight().sizes().vec());
+  ASSERT_EQ(layout.placements.size(), 1u);
+  EXPECT_TRUE(std::holds_alternative<loom::tensor::Shard>(layout.placements[0].placement));
+  EXPECT_EQ(std::get<loom::tensor::Shard>(layout.placements[0].placement).dim, 0);
+  EXPECT_FALSE(tp.is_sharded("layers.0.attention.wk.weight"));
+  loom::llama3::Transformer other(a);
+  loom::tp::TensorParallel tp2(loom::distributed::Comm::single("tp", 0), false);
+  loom::testing::expect_error<loom::Error>(
+      [&] {
+        loom::models::apply_tp(other, tp2, {{"layers.*.attention.wq", loom::models::TPStyle::kHeadwise}},
+                               {false, true, false});
+      },
+      {"the TP plan's headwise rule 'layers.*.attention.wq' names the module 'layers.0.attention.wq'; it must name a parameter"});
+}
+
 TEST(TensorParallel, LlamaPlanMatchesTheSingleProcessModelOnTwoRanks) { expect_workers(2); }
 TEST(TensorParallel, LlamaPlanMatchesTheSingleProcessModelOnFourRanks) { expect_workers(4); }
 // GPT-OSS's attention (sinks Shard(0) by heads, biased projections, a sliding-window layer) under
