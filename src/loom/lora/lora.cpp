@@ -113,7 +113,13 @@ std::string LoRAReport::describe() const {
                   human(frozen_parameters), " frozen");
 }
 
-LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfModuleName& hf_name) {
+namespace {
+
+// The linears of `model` lora.target_modules names, by path. With `whole`, `model` is the whole
+// model: a target name no linear has, or none matched at all, is a loom::UsageError listing its
+// linears; a pipeline stage (not whole) may lack some or all of them.
+std::vector<std::pair<std::string, nn::Linear*>> find_targets(nn::Module& model, const LoRAOptions& options,
+                                                              const HfModuleName& hf_name, bool whole) {
   LOOM_REQUIRE_USAGE(options.rank > 0, "lora.rank must be > 0 to apply adapters, got ", options.rank);
   const bool all_linear =
       std::find(options.target_modules.begin(), options.target_modules.end(), "all-linear") != options.target_modules.end();
@@ -131,7 +137,7 @@ LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfMod
       matched_names.insert(name);
     }
   }
-  if (!all_linear) {
+  if (whole && !all_linear) {
     for (const std::string& w : wanted) {
       if (matched_names.count(w)) continue;
       std::string list;
@@ -140,7 +146,7 @@ LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfMod
                  " (or all-linear)");
     }
   }
-  LOOM_REQUIRE_USAGE(!targets.empty(), "lora.target_modules matches no linear of this model");
+  LOOM_REQUIRE_USAGE(!whole || !targets.empty(), "lora.target_modules matches no linear of this model");
   // B A has rank at most min(in, out): a larger r only adds parameters (a rank of 100,000 on a
   // 256-wide model would allocate a billion of them), so it is refused before any adapter exists.
   for (const auto& [path, linear] : targets) {
@@ -150,6 +156,17 @@ LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfMod
                        std::min(in, out), "; set lora.rank <= ", std::min(in, out),
                        " or leave that linear out of lora.target_modules");
   }
+  return targets;
+}
+
+}  // namespace
+
+void check_lora_targets(nn::Module& model, const LoRAOptions& options, const HfModuleName& hf_name) {
+  find_targets(model, options, hf_name, /*whole=*/true);
+}
+
+LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfModuleName& hf_name, bool whole_model) {
+  const auto targets = find_targets(model, options, hf_name, whole_model);
   LoRAReport report;
   const double scaling = options.scaling();
   const double dropout = options.dropout;

@@ -86,9 +86,16 @@ struct LoRAReport {
 };
 
 // Adds the adapters and their hooks to every targeted linear of `model` and freezes every other
-// parameter. The output head ("output") is never adapted. A target list that matches no linear is
-// a loom::UsageError listing the HF (or Loom) names of the model's linears.
-LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfModuleName& hf_name);
+// parameter. The output head ("output") is never adapted. A target name no linear has (or a list
+// that matches none) is a loom::UsageError listing the HF (or Loom) names of the model's linears,
+// as is a rank above a target's min(in, out). `whole_model` false: `model` is one pipeline stage,
+// which may lack some targets (a later stage without the dense layers' down_proj) or all of them;
+// check_lora_targets has checked the whole model.
+LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfModuleName& hf_name,
+                      bool whole_model = true);
+// apply_lora's checks of the target list against the whole model, without adapting anything (a
+// pipeline run checks the whole meta model before building its stages).
+void check_lora_targets(nn::Module& model, const LoRAOptions& options, const HfModuleName& hf_name);
 
 // Removes every adapter of `model` (children "lora" and their hooks; the previous hooks are put
 // back): the model computes the base again, so another adapter can be applied to the same

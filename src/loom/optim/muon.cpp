@@ -25,6 +25,10 @@ bool is_muon_parameter(std::string_view name, c10::IntArrayRef full_shape) {
     if (end == std::string_view::npos) end = name.size();
     const std::string_view component = name.substr(begin, end - begin);
     if (component == "tok_embeddings" || component == "output") return false;
+    // A routed-experts stack is a list of per-expert tensors, not one matrix: its 3-D weights fail
+    // the shape test above, and its 2-D stacked biases ([experts, width], GPT-OSS's b1/b2/b3) are
+    // vectors side by side, which expert parallelism splits by row.
+    if (component == "experts") return false;
     begin = end + 1;
   }
   return true;

@@ -15,8 +15,10 @@
 //
 // Which parameters are Muon's is one rule, is_muon_parameter: 2-D matrices except the token
 // embedding and the output head (their rows are per-token lookups, not a linear map of the
-// residual stream; Moonlight and Keller Jordan leave them to AdamW). Everything else (embedding,
-// head, norm scales, biases) is updated by optim::AdamW with the same options and weight decay.
+// residual stream; Moonlight and Keller Jordan leave them to AdamW) and anything in a routed
+// experts stack ("experts": 3-D weights, and 2-D stacks of per-expert bias vectors). Everything
+// else (embedding, head, norm scales, biases, experts) is updated by optim::AdamW with the same
+// options and weight decay.
 //
 // Every step is plain ATen (matmuls, element-wise ops), so it runs wherever the parameters live.
 #pragma once

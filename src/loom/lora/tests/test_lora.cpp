@@ -98,6 +98,23 @@ TEST(LoRA, AllLinearSkipsTheHeadAndUnknownTargetsListTheModelsLinears) {
       {"lora.target_modules names 'gate_proj', which is no linear of this model; its linears: o_proj, q_proj"});
 }
 
+// A pipeline stage holds some layers only: a target it lacks (a dense layer's down_proj on a stage
+// of MoE layers) is no error there; check_lora_targets checks the list on the whole model instead.
+// Before, the later stage of a qwen3_moe LoRA run under PP refused 'down_proj' after rendezvous.
+TEST(LoRA, AStageMayLackATargetTheWholeModelHas) {
+  Tiny stage;
+  LoRAOptions o;
+  o.rank = 2, o.target_modules = {"q_proj", "gate_proj"};
+  EXPECT_EQ(loom::lora::apply_lora(stage, o, hf_name, /*whole_model=*/false).adapted, (std::vector<std::string>{"wq"}));
+  Tiny none;
+  o.target_modules = {"gate_proj"};
+  EXPECT_TRUE(loom::lora::apply_lora(none, o, hf_name, /*whole_model=*/false).adapted.empty());
+  Tiny whole;
+  loom::testing::expect_error<loom::UsageError>([&] { loom::lora::check_lora_targets(whole, o, hf_name); },
+                                                {"lora.target_modules names 'gate_proj'"});
+  EXPECT_EQ(whole.wq->find_submodule("lora"), nullptr);  // checking adapts nothing
+}
+
 // Issue 46 (10): a rank above min(in, out) of a targeted linear is refused before any adapter is
 // built (wq is 8 -> 6: rank 6 is its most); nothing was adapted.
 TEST(LoRA, RankAboveWhatATargetCanUseIsRefusedBeforeAnyAdapter) {

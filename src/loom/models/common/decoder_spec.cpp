@@ -104,6 +104,12 @@ ModelSpec decoder_spec(DecoderFamily family) {
     // whole meta model is not needed).
     if (dims.pp_enabled()) {
       const DecoderArgs& a = decoder_args_of(args, f->name);
+      // A stage holds some layers only: LoRA's targets are checked on the whole (meta) model, the
+      // same on every rank, and each stage adapts what it has of them.
+      if (plan.lora) {
+        lora::check_lora_targets(*model, *plan.lora, plan.lora_names);
+        plan.lora_whole_model = false;
+      }
       const auto build_stage = [&f, &a] { return f->build(a, torch::TensorOptions().device(torch::kMeta)); };
       return pipeline_decoder(build_stage, dims, mesh, options.pipeline, f->tp_plan, plan);
     }

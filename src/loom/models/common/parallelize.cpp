@@ -202,7 +202,7 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
   //     base frozen; the adapters' initialization joins the model's (A kaiming-uniform, B zero).
   if (options.lora) {
     for (const auto& model : models) {
-      const auto report = lora::apply_lora(*model, *options.lora, options.lora_names);
+      const auto report = lora::apply_lora(*model, *options.lora, options.lora_names, options.lora_whole_model);
       model->add_initializer(lora::adapter_init);
       log::info("lora: ", report.describe(), " (rank ", options.lora->rank, ", scaling ", options.lora->scaling(), ")");
     }

@@ -44,6 +44,8 @@ struct PlanOptions {
   // nullopt = off. `lora_names` maps a linear's path to its HF module path (the targets' names).
   std::optional<lora::LoRAOptions> lora;
   lora::HfModuleName lora_names;
+  // False for pipeline stages: the whole model's targets were checked before the split.
+  bool lora_whole_model = true;
   TensorParallelOptions tp;               // when the mesh has "tp"
   cp::RotateMethod cp_rotate_method = cp::RotateMethod::kAllGather;  // when the mesh has "cp"
   ac::ACOptions ac;                       // activation checkpointing of the blocks (apply_ac)

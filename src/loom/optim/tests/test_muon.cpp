@@ -103,6 +103,13 @@ TEST(Muon, SplitRuleTakesHiddenMatricesOnly) {
   EXPECT_FALSE(is_muon_parameter("layers.0.attention.wq.bias", {256}));
   EXPECT_FALSE(is_muon_parameter("conv.weight", {4, 3, 3, 3}));
   EXPECT_TRUE(is_muon_parameter("outputs.weight", {4, 4}));  // only the component "output"
+  // A routed-experts stack: 3-D weights, and GPT-OSS's stacked biases [experts, width], which
+  // expert parallelism splits by expert (orthogonalising the stack would mix experts, and differ
+  // by layout). The router's gate is a matrix.
+  EXPECT_FALSE(is_muon_parameter("layers.0.moe.experts.w1", {8, 64, 256}));
+  EXPECT_FALSE(is_muon_parameter("layers.0.moe.experts.b1", {8, 64}));
+  EXPECT_FALSE(is_muon_parameter("layers.0.moe.experts.b2", {8, 256}));
+  EXPECT_TRUE(is_muon_parameter("layers.0.moe.router.gate.weight", {8, 256}));
 }
 
 TEST(Muon, LearningRateScale) {

@@ -175,6 +175,10 @@ Cell make_cell(std::vector<const Dim*> chosen, const Feature& feature, const std
   if (feature.name == "float8" && (family == "deepseek_v3" || family == "qwen3_moe" || family == "gpt_oss")) {
     cell.model_flags += " --float8.filter_fqns=output,router,wkv_a";
   }
+  // DeepSeek-V3's attention is MLA: its query and key/value up-projections stand for q_proj/v_proj.
+  if (feature.name == "lora" && family == "deepseek_v3") {
+    cell.model_flags += " --lora.target_modules=q_b_proj,kv_b_proj,o_proj,down_proj";
+  }
   cell.tolerance = feature.tolerance;
   if (feature.name == "float8") {
     // One process accumulating micro-batches of the rows one rank's forward sees at once.
