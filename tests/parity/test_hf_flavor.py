@@ -1,6 +1,6 @@
 """model.flavor = "hf": a Hugging Face checkpoint of every supported family trains at its own shape.
 
-For each family (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3) a small random transformers model in a shape
+For each family (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3, GPT-OSS) a small random transformers model in a shape
 no built-in Loom flavor has (odd widths, other head counts and head_dim, another vocabulary larger
 than the tokenizer's, another expert count and top-k) is saved with save_pretrained. Then:
   * `loom train` with model.flavor = "hf" and checkpoint.initial_load_path at that directory (no
@@ -27,8 +27,8 @@ import tempfile
 
 import torch
 from tokenizers import Tokenizer
-from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GptOssConfig, GptOssForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.utils import logging as hf_logging
 
 from loom_parity import hf_logits, loom, loom_score
@@ -72,11 +72,23 @@ def deepseek_v3():
         v_head_dim=10, rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
-FAMILIES = {"llama3": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3}
+def gpt_oss():
+    # Full attention on layer 0, a window of 5 (shorter than the rows) on layers 1 and 2.
+    return GptOssForCausalLM, GptOssConfig(
+        hidden_size=48, intermediate_size=32, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=8, vocab_size=2083, max_position_embeddings=128, rms_norm_eps=1e-5, sliding_window=5,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"], num_local_experts=6,
+        num_experts_per_tok=3, tie_word_embeddings=False, attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
+
+
+FAMILIES = {"llama3": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3, "gpt_oss": gpt_oss}
 SHAPE_KEYS = ["hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "vocab_size", "num_experts", "num_experts_per_tok", "n_routed_experts",
               "n_shared_experts", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-              "tie_word_embeddings", "mlp_only_layers", "first_k_dense_replace"]
+              "tie_word_embeddings", "mlp_only_layers", "first_k_dense_replace", "num_local_experts", "sliding_window",
+              "layer_types"]
 
 
 def random_model(cls, config, seed):
@@ -86,7 +98,7 @@ def random_model(cls, config, seed):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith("mlp.gate.weight") or name.endswith("mlp.router.weight"):
                 p.copy_(torch.randn_like(p))  # routing far from ties
             else:
                 p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.15))
