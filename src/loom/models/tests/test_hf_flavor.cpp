@@ -63,6 +63,19 @@ json deepseek_v3_config() {
           {"tie_word_embeddings", false}};
 }
 
+json gpt_oss_config() {
+  return {{"model_type", "gpt_oss"},   {"hidden_size", 48},          {"intermediate_size", 32},
+          {"num_hidden_layers", 3},    {"num_attention_heads", 6},   {"num_key_value_heads", 2},
+          {"head_dim", 8},             {"vocab_size", 2083},         {"rms_norm_eps", 1e-5},
+          {"max_position_embeddings", 128}, {"hidden_act", "silu"},  {"tie_word_embeddings", false},
+          {"num_local_experts", 6},    {"num_experts_per_tok", 3},   {"sliding_window", 5},
+          {"attention_bias", true},
+          {"layer_types", {"full_attention", "sliding_attention", "sliding_attention"}},
+          {"rope_parameters",
+           {{"rope_type", "yarn"}, {"rope_theta", 150000.0}, {"factor", 8.0}, {"beta_fast", 32.0},
+            {"beta_slow", 1.0}, {"truncate", false}, {"original_max_position_embeddings", 16}}}};
+}
+
 struct Family {
   std::string name;
   std::function<json()> config;
@@ -71,7 +84,8 @@ const std::vector<Family>& families() {
   static const std::vector<Family> f = {{"llama3", llama_config},
                                         {"qwen3", qwen3_config},
                                         {"qwen3_moe", qwen3_moe_config},
-                                        {"deepseek_v3", deepseek_v3_config}};
+                                        {"deepseek_v3", deepseek_v3_config},
+                                        {"gpt_oss", gpt_oss_config}};
   return f;
 }
 
@@ -230,6 +244,16 @@ TEST(HfFlavor, AConfigTheFamilyCannotExpressIsOneLineNamingTheField) {
       {"deepseek_v3", [](json& c) { c["scoring_func"] = "tanh"; }, {"scoring_func 'tanh'", "\"sigmoid\""}},
       {"deepseek_v3", [](json& c) { c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 2.0}}; },
        {"rope type 'linear'", "default or yarn"}},
+      {"gpt_oss", [](json& c) { c["hidden_act"] = "gelu"; }, {"hidden_act 'gelu'", "silu"}},
+      {"gpt_oss", [](json& c) { c["layer_types"] = {"full_attention", "chunked_attention", "full_attention"}; },
+       {"layer_types[1] 'chunked_attention'", "\"sliding_attention\" or \"full_attention\""}},
+      {"gpt_oss", [](json& c) { c["layer_types"] = {"full_attention"}; },
+       {"layer_types lists 1 layers but num_hidden_layers is 3"}},
+      {"gpt_oss", [](json& c) { c["sliding_window"] = nullptr; }, {"sliding_window is null"}},
+      {"gpt_oss", [](json& c) { c["rope_parameters"]["rope_type"] = "longrope"; },
+       {"rope type 'longrope'", "\"yarn\" and \"default\""}},
+      {"gpt_oss", [](json& c) { c["quantization_config"] = {{"quant_method", "bitsandbytes"}}; },
+       {"quantization_config.quant_method 'bitsandbytes'", "\"mxfp4\""}},
   };
   const fs::path dir = loom::testing::temp_dir();
   int i = 0;
