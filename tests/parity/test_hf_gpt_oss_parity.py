@@ -19,6 +19,7 @@ Environment: LOOM_BIN (the loom executable). Exits non-zero on any mismatch.
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 
@@ -38,13 +39,15 @@ EXPERTS, TOP_K, FFN, HIDDEN, LAYERS = 4, 2, 64, 64, 3
 
 
 def make_config():
-    return GptOssConfig(
+    config = GptOssConfig(
         hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=8,
         num_key_value_heads=2, head_dim=16, vocab_size=257, max_position_embeddings=256, rms_norm_eps=1e-5,
         sliding_window=6, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, tie_word_embeddings=False, attention_bias=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+    config._attn_implementation = "eager"  # transformers' reference attention: the sinks as a softmax column
+    return config
 
 
 def random_model(config, seed):
@@ -156,6 +159,23 @@ def main():
         mxfp4_checkpoint(model, hf_dir, mxfp4_dir, seed=5)
         check_score("gpt_oss mxfp4", mxfp4_dir, tokens, hf_logits(model, tokens),
                     os.path.join(tmp, "mxfp4.safetensors"), failures, LOGIT_TOLERANCE, NLL_TOLERANCE)
+
+        # MXFP4 scales of the wrong shape: exit 2 and one line naming the tensors.
+        bad_dir = os.path.join(tmp, "mxfp4_bad")
+        os.makedirs(bad_dir)
+        state = load_file(os.path.join(mxfp4_dir, "model.safetensors"))
+        key = "model.layers.0.mlp.experts.down_proj_scales"
+        state[key] = state[key][:, :, :1].contiguous().repeat(1, 1, 3)
+        save_file(state, os.path.join(bad_dir, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(mxfp4_dir, "config.json")) as f, open(os.path.join(bad_dir, "config.json"), "w") as g:
+            g.write(f.read())
+        proc = subprocess.run([os.environ["LOOM_BIN"], "score", "--checkpoint", bad_dir, "--tokens", "1,2,3"],
+                              capture_output=True, text=True)
+        lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("[rank")]
+        print(f"misshaped MXFP4 scales: exit {proc.returncode}: {lines[-1] if lines else proc.stderr.strip()!r}")
+        if proc.returncode != 2 or len(lines) != 1 or "down_proj_scales" not in lines[0]:
+            failures.append(f"misshaped MXFP4 scales: expected exit 2 and one line naming down_proj_scales, got "
+                            f"{proc.returncode}: {proc.stderr.strip()[-1000:]}")
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         sys.exit(1)

@@ -83,9 +83,12 @@ void run_info(const InfoOptions& o) {
               human(static_cast<double>(counts.non_embedding)).c_str(),
               static_cast<long>(counts.non_embedding));
   if (counts.active != counts.total) {
-    std::printf("active per token: %s (%ld) of %s (the experts a token is routed to)\n",
+    // Model cards (gpt-oss's, Qwen3-MoE's) leave the token embedding, a lookup, out of "active".
+    std::printf("active per token: %s (%ld) of %s (the experts a token is routed to); %s without the token "
+                "embedding (the model cards' count)\n",
                 human(static_cast<double>(counts.active)).c_str(), static_cast<long>(counts.active),
-                human(static_cast<double>(counts.total)).c_str());
+                human(static_cast<double>(counts.total)).c_str(),
+                human(static_cast<double>(counts.active - counts.embedding)).c_str());
   }
   std::printf("training FLOPs/token at seq_len %ld: %.4e (6N + 6 L H (d_qk + d_v) T, N = active non-embedding)\n",
               static_cast<long>(seq_len), flops);

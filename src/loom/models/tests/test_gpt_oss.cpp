@@ -87,14 +87,39 @@ TEST(GptOss, InitialisationFollowsTorchTitan) {
   EXPECT_GT(model.parameter("layers.2.moe.experts.b2").grad().abs().sum().item<double>(), 0.0);
 }
 
+// A window at least as long as the sequence is full causal attention (allowed, not refused).
+TEST(GptOss, AWindowLongerThanTheSequenceIsFullAttention) {
+  loom::gpt_oss::ModelArgs windowed = loom::gpt_oss::flavor("tiny");
+  windowed.sliding_window = 4096;
+  windowed.default_sliding_layers = false;
+  windowed.sliding_layers_list = {0, 1};
+  loom::gpt_oss::ModelArgs full = windowed;
+  full.sliding_layers_list.clear();
+  loom::gpt_oss::GptOss a(windowed), b(full);
+  a.init_weights(5);
+  b.init_weights(5);
+  EXPECT_EQ(a.layer("0").attention().sliding_window(), 4096);
+  EXPECT_EQ(b.layer("0").attention().sliding_window(), 0);
+  const torch::Tensor tokens = torch::randint(0, 2048, {2, 48}, torch::kInt64);
+  EXPECT_NEAR(a.forward_loss(tokens, tokens).item<double>(), b.forward_loss(tokens, tokens).item<double>(), 1e-6);
+  // A window shorter than the sequence changes what the later tokens see.
+  loom::gpt_oss::ModelArgs short_window = windowed;
+  short_window.sliding_window = 4;
+  loom::gpt_oss::GptOss c(short_window);
+  c.init_weights(5);
+  EXPECT_GT(std::abs(c.forward_loss(tokens, tokens).item<double>() - b.forward_loss(tokens, tokens).item<double>()), 1e-6);
+}
+
 // The tiny GPT-OSS (4 experts, top 2, a window of 8 tokens on even layers) in parallel layouts
-// against the single process (8 rows of 64 tokens a step): FSDP 2, TP 2 with sequence parallelism
-// (sinks sharded by head, biases with their projections), EP 2 (experts and their biases on their
-// ranks), PP 2 (1F1B) and CP 2 (the window crosses the chunks). Loss and gradient norm per step.
+// against the single process over 20 steps (8 rows of 64 tokens a step): FSDP 2, TP 2 with
+// sequence parallelism (sinks sharded by head, biases with their projections), EP 2 (experts and
+// their biases on their ranks), EP 2 x FSDP 2 of the experts (efsdp) on 4 ranks, PP 2 (1F1B) and
+// CP 2 (the window crosses the chunks, sinks under the merged softmax). Loss and gradient norm
+// per step, clipping engaged.
 class GptOssLayout : public ::testing::TestWithParam<Layout> {};
 
 TEST_P(GptOssLayout, TrainsLikeTheSingleProcess) {
-  loom::testing::expect_layout_matches_single_process(GetParam(), "--model.name=gpt_oss", 12, {1e-5});
+  loom::testing::expect_layout_matches_single_process(GetParam(), "--model.name=gpt_oss", 20, {1e-5});
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -102,6 +127,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Layout{"gptoss_fsdp2", 2, 4, ""},
                       Layout{"gptoss_tp2", 2, 8, "--parallelism.tensor_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"},
                       Layout{"gptoss_ep2", 2, 4, "--parallelism.expert_parallel_degree=2"},
+                      Layout{"gptoss_ep2_efsdp2", 4, 2, "--parallelism.expert_parallel_degree=2"},
                       Layout{"gptoss_pp2_1f1b", 2, 8, "--parallelism.pipeline_parallel_degree=2 --parallelism.data_parallel_shard_degree=1"
                                                       " --parallelism.pipeline_parallel_schedule=1F1B"
                                                       " --parallelism.pipeline_parallel_microbatch_size=2"},
