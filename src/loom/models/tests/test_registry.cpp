@@ -16,7 +16,7 @@ using namespace loom;
 const auto kOnMeta = torch::TensorOptions().dtype(torch::kFloat32).device(torch::kMeta);
 
 TEST(ModelRegistry, LooksUpRegisteredModelsByName) {
-  EXPECT_EQ(models::spec_names(), (std::vector<std::string_view>{"llama3", "qwen3", "qwen3_moe", "deepseek_v3"}));
+  EXPECT_EQ(models::spec_names(), (std::vector<std::string_view>{"llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"}));
   const models::ModelSpec& spec = models::get_spec("llama3");
   EXPECT_EQ(spec.name, "llama3");
   EXPECT_EQ(spec.flavors, llama3::flavor_names());
