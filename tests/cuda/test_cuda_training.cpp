@@ -66,14 +66,16 @@ TEST(Cuda, DebugModelOnTheGpuMatchesTheCpu) {
               worst, lb.front(), lb.back());
 }
 
-// The MoE families on the GPU (the Qwen3-MoE and DeepSeek-V3 debug models: router, experts,
-// the balancing rule; MLA for DeepSeek-V3): 20 fp32 steps follow the CPU run (1e-4 relative at
+// The MoE families on the GPU (the Qwen3-MoE, DeepSeek-V3 and GPT-OSS debug models: router,
+// experts, the balancing rule; MLA for DeepSeek-V3; sinks, sliding windows, biased router and
+// experts and the clamped SwiGLU for GPT-OSS): 20 fp32 steps follow the CPU run (1e-4 relative at
 // step 1; 5e-3 after, looser than the dense model's 1e-3 because a near-tie in the top-k
 // selection may route a token differently once the weights have drifted by the kernels'
 // rounding), and bf16 autocast trains to within 2 % of the fp32 GPU run's final loss.
 TEST(Cuda, MoEModelsOnTheGpuMatchTheCpu) {
   LOOM_REQUIRE_CUDA_DEVICE();
-  for (const std::string config : {"configs/qwen3_moe_debug.toml", "configs/deepseek_v3_debug.toml"}) {
+  for (const std::string config :
+       {"configs/qwen3_moe_debug.toml", "configs/deepseek_v3_debug.toml", "configs/gpt_oss_debug.toml"}) {
     TempDir cpu("cpu"), gpu("gpu"), bf16("bf16");
     const std::string lr = " --optimizer.lr=1e-3";
     RunResult a = run(loom_bin() + train_args(cpu, "cpu", 20, config) + lr, 600);
