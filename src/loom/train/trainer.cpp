@@ -476,14 +476,15 @@ void Trainer::check_resumed_model(const fs::path& checkpoint, const nlohmann::js
 }
 
 void Trainer::check_same_model_on_every_rank() const {
-  if (config_.model.flavor != models::kHfFlavor || dist_->world_size() <= 1) return;
+  // Each rank built its model args itself (model.flavor = "hf" reads config.json on every node):
+  // one small all-gather at start says so before any rank builds a model of another shape.
   const std::string mine = model_spec_->model_config_json(*model_args_).dump();
   const std::vector<std::string> all = checkpoint::comm_group(dist_->world())->all_gather(mine);
   for (size_t rank = 1; rank < all.size(); ++rank) {
-    LOOM_REQUIRE_USAGE(all[rank] == all[0], "model.flavor = \"hf\": rank ", rank, " read another shape than rank 0 (",
+    LOOM_REQUIRE_USAGE(all[rank] == all[0], "rank ", rank, " built another model shape than rank 0 (",
                        first_model_difference(nlohmann::json::parse(all[0]), nlohmann::json::parse(all[rank]), "",
                                               "on rank 0", c10::str("on rank ", rank).c_str()),
-                       "); every node must see the same config.json");
+                       "); every node must see the same config (with model.flavor = \"hf\", the same config.json)");
   }
 }
 

@@ -129,7 +129,8 @@ class Trainer {
   // (models::kModelConfigKey, every shape field, not a flavor's name) against this run's, so a
   // model.flavor = "hf" run resumed with another config.json is one line naming the field.
   void check_resumed_model(const std::filesystem::path& checkpoint, const nlohmann::json& state) const;
-  // model.flavor = "hf": every rank read config.json itself; they must have built the same shape.
+  // Every rank built its model args itself (model.flavor = "hf" reads config.json on each node):
+  // they must be the same shape.
   void check_same_model_on_every_rank() const;
   // The loaded batch as this rank's model takes it (documents, context-parallel chunks), on the
   // device.
