@@ -36,9 +36,14 @@ int64_t kv_cache_bytes(const DecoderArgs& args, int64_t capacity, c10::ScalarTyp
   return per_token * capacity;
 }
 
+// A layer's keys and values. A full-attention layer keeps every position ([1, KV, capacity, D]);
+// a sliding-window layer of window w keeps only the last w - 1 (the most any later query sees
+// besides its own): its cache does not grow with the generation (GPT-OSS's 128-token windows).
 struct Generator::LayerCache {
-  torch::Tensor k, v;  // [1, KV, capacity, D]
-  int64_t length = 0;
+  torch::Tensor k, v;
+  int64_t window = 0;  // > 0: the layer's sliding window
+  int64_t length = 0;  // positions seen
+  int64_t kept = 0;    // positions held: [length - kept, length)
 };
 
 Generator::Generator(Decoder& model, int64_t capacity)
@@ -56,10 +61,12 @@ Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory
   const int64_t layers = static_cast<int64_t>(model.layers().named_children().size());
   memory::with_allocation_context(
       [&] {
-        for (int64_t i = 0; i < layers; ++i) {
+        for (const auto& [id, layer] : model.layers().named_children()) {
           auto cache = std::make_shared<LayerCache>();
-          cache->k = torch::empty({1, args.attention_kv_heads(), capacity, args.qk_head_dim()}, options);
-          cache->v = torch::empty({1, args.attention_kv_heads(), capacity, args.v_head_dim()}, options);
+          cache->window = static_cast<DecoderBlock&>(*layer).attention().sliding_window();
+          const int64_t slots = cache->window > 0 ? std::max<int64_t>(1, std::min(capacity, cache->window - 1)) : capacity;
+          cache->k = torch::empty({1, args.attention_kv_heads(), slots, args.qk_head_dim()}, options);
+          cache->v = torch::empty({1, args.attention_kv_heads(), slots, args.v_head_dim()}, options);
           caches_.push_back(std::move(cache));
         }
       },
@@ -76,21 +83,36 @@ Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory
           const int64_t t = q.size(1), heads = q.size(2), v_dim = v.size(3);
           const int64_t start = cache->length, end = start + t;
           LOOM_REQUIRE(end <= cap, "key/value cache full: ", end, " > ", cap);
-          cache->k.narrow(2, start, t).copy_(k.transpose(1, 2));
-          cache->v.narrow(2, start, t).copy_(v.transpose(1, 2));
-          cache->length = end;
-          const torch::Tensor keys = cache->k.narrow(2, 0, end), values = cache->v.narrow(2, 0, end);
-          // New query i sits at position start + i and sees keys 0 .. start + i (a sliding window:
-          // only the last `window` of them). A single query without a window sees everything; a
-          // prompt from an empty cache without a window is plain causal.
+          const auto opts = torch::TensorOptions().dtype(torch::kInt64).device(q.device());
+          const int64_t window = features.sliding_window;
           std::optional<torch::Tensor> mask;
           bool causal = false;
-          const int64_t window = features.sliding_window;
-          if (window > 0 || (t > 1 && start > 0)) {
-            const auto opts = torch::TensorOptions().dtype(torch::kInt64).device(q.device());
-            mask = nn::attention_mask(torch::arange(start, end, opts), torch::arange(end, opts), window);
-          } else if (t > 1) {
-            causal = true;
+          torch::Tensor keys, values;
+          if (cache->window > 0) {
+            // The held positions [start - kept, start) and the new ones, masked by the window; then
+            // only the last window - 1 of them are kept.
+            const int64_t past = cache->kept;
+            keys = torch::cat({cache->k.narrow(2, 0, past), k.transpose(1, 2)}, 2);
+            values = torch::cat({cache->v.narrow(2, 0, past), v.transpose(1, 2)}, 2);
+            mask = nn::attention_mask(torch::arange(start, end, opts), torch::arange(start - past, end, opts), window);
+            const int64_t keep = std::min(cache->k.size(2), std::min(cache->window - 1, past + t));
+            cache->k.narrow(2, 0, keep).copy_(keys.narrow(2, past + t - keep, keep));
+            cache->v.narrow(2, 0, keep).copy_(values.narrow(2, past + t - keep, keep));
+            cache->kept = keep;
+            cache->length = end;
+          } else {
+            cache->k.narrow(2, start, t).copy_(k.transpose(1, 2));
+            cache->v.narrow(2, start, t).copy_(v.transpose(1, 2));
+            cache->length = end;
+            cache->kept = end;
+            keys = cache->k.narrow(2, 0, end), values = cache->v.narrow(2, 0, end);
+            // New query i sits at position start + i and sees keys 0 .. start + i. A single query
+            // sees everything; a prompt from an empty cache is plain causal.
+            if (t > 1 && start > 0) {
+              mask = nn::attention_mask(torch::arange(start, end, opts), torch::arange(end, opts), window);
+            } else if (t > 1) {
+              causal = true;
+            }
           }
           const torch::Tensor out =
               features.sinks.defined()
@@ -109,6 +131,11 @@ Generator::~Generator() {
 }
 
 int64_t Generator::cached() const { return caches_.empty() ? 0 : caches_.front()->length; }
+
+int64_t Generator::held_positions(int64_t layer) const {
+  LOOM_REQUIRE(layer >= 0 && layer < static_cast<int64_t>(caches_.size()), "no layer ", layer, " in the cache");
+  return caches_[static_cast<size_t>(layer)]->kept;
+}
 
 torch::Tensor Generator::forward(const std::vector<int64_t>& tokens) {
   LOOM_REQUIRE(!tokens.empty(), "Generator::forward needs tokens");

@@ -67,6 +67,9 @@ class Generator {
   torch::Tensor forward(const std::vector<int64_t>& tokens);
 
   int64_t cached() const;
+  // The positions layer `layer`'s cache holds: every one seen, or on a sliding-window layer of
+  // window w at most the last w - 1 (what any later query can still see besides its own).
+  int64_t held_positions(int64_t layer) const;
 
  private:
   struct LayerCache;

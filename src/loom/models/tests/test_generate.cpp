@@ -84,6 +84,9 @@ TEST(Generate, SlidingWindowAndSinksCachedLogitsEqualTheFullForward) {
   }
   std::printf("sliding window + sinks generation: max |cached - full| logit difference %.2e\n", worst);
   EXPECT_EQ(generator.cached(), static_cast<int64_t>(tokens.size()));
+  // The windowed layer holds the last window - 1 = 2 positions, not all 13; the full one all.
+  EXPECT_EQ(generator.held_positions(0), 2);
+  EXPECT_EQ(generator.held_positions(1), static_cast<int64_t>(tokens.size()));
 }
 
 // The context-parallel core models::apply_cp installs hands every layer's features to ring
