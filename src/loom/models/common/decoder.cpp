@@ -245,10 +245,15 @@ ParameterCounts count_transformer_parameters(const DecoderArgs& a) {
 }
 
 double flops_per_token(const DecoderArgs& args, int64_t non_embedding_params, int64_t seq_len) {
-  // Attention's score and value matmuls: 6 L H (d_qk + d_v) T (12 L H d T when the widths agree).
+  // Attention's score and value matmuls: 6 H (d_qk + d_v) T per layer (12 L H d T in all when the
+  // widths agree), T the keys a query may see: the sequence, or a sliding window's span.
+  double keys = 0;
+  for (int64_t layer = 0; layer < args.n_layers; ++layer) {
+    const int64_t window = args.attention_options(layer).sliding_window;
+    keys += static_cast<double>(window > 0 ? std::min(window, seq_len) : seq_len);
+  }
   return 6.0 * static_cast<double>(non_embedding_params) +
-         6.0 * static_cast<double>(args.n_layers) * static_cast<double>(args.n_heads) *
-             static_cast<double>(args.qk_head_dim() + args.v_head_dim()) * static_cast<double>(seq_len);
+         6.0 * static_cast<double>(args.n_heads) * static_cast<double>(args.qk_head_dim() + args.v_head_dim()) * keys;
 }
 
 void fail_unknown_flavor(const std::string& family, const std::string& name, const std::vector<std::string>& valid) {

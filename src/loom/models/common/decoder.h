@@ -211,7 +211,8 @@ ParameterCounts count_transformer_parameters(const DecoderArgs& args);
 
 // TorchTitan's training FLOPs per token: 6 N + 12 L H d_head T, N = non-embedding parameters,
 // T = sequence length. The attention term counts the QK^T and AV matmuls of forward and backward
-// (2 + 4 matmuls, 2 FLOPs per multiply-add) and, by convention, ignores causal sparsity.
+// (2 + 4 matmuls, 2 FLOPs per multiply-add) and, by convention, ignores causal sparsity; a layer
+// with a sliding window (attention_options) counts min(window, T) keys instead of T.
 double flops_per_token(const DecoderArgs& args, int64_t non_embedding_params, int64_t seq_len);
 
 // The one-line loom::UsageError for a flavor `family` does not have, listing `valid`.

@@ -41,6 +41,9 @@ TEST(GptOss, EveryLayerHasSinksBiasesAndAnMoEAndEvenLayersSlide) {
   EXPECT_EQ(loom::models::count_parameters(model).total, counted.total);
   const int64_t expert = 3 * 64 * 32 + 2 * 32 + 64;
   EXPECT_EQ(counted.active, counted.total - 2 * (4 - 2) * expert);
+  // FLOPs: a windowed layer's queries see min(window, T) keys (layer 0: 8 of 1024), not T.
+  const double attention = 6.0 * 4 * (16 + 16);
+  EXPECT_DOUBLE_EQ(loom::models::flops_per_token(args, 1000, 1024), 6.0 * 1000 + attention * (8 + 1024));
   // An explicit layer_types list replaces the even-layer default.
   loom::gpt_oss::ModelArgs odd = args;
   odd.default_sliding_layers = false;
