@@ -55,34 +55,6 @@ nlohmann::json cluster_json(const Cluster& c) {
           {"shm_bw", c.shm_bw}, {"shm_call_s", c.shm_call_s}, {"cores", c.cores}};
 }
 
-// The memory-for-speed settings tried on each layout when ranking by time: activation
-// checkpointing none / per-op selective / full, and, where FSDP shards within one pipeline stage,
-// resharding after forward as configured or never.
-// With float8 GEMMs on the cluster's devices (and linears whose dims allow them), Float8 on and
-// off too: it changes the speed, not the persistent memory (weights stay in high precision).
-std::vector<Layout> memory_variants(const Layout& layout, const Cluster& cluster, const ModelShape& shape,
-                                    const train::JobConfig& config) {
-  std::vector<Layout> out;
-  const bool fsdp = layout.dp_shard * layout.cp > 1 && layout.pp == 1;
-  std::vector<const char*> float8 = {""};
-  // Float8 does not compose with async TP (train/compatibility.cpp): only where that is off.
-  const bool async_tp = config.parallelism.enable_async_tensor_parallel && layout.tp > 1;
-  if (cluster.float8_gemm_speedup > 1 && float8_fits(shape, layout) && !async_tp) float8 = {"off", "on"};
-  for (const char* ac : {"none", "selective", "full"}) {
-    for (const char* reshard : {"", "never"}) {
-      if (*reshard != '\0' && !fsdp) continue;
-      for (const char* f8 : float8) {
-        Layout v = layout;
-        v.ac_mode = ac;
-        v.reshard_after_forward = reshard;
-        v.float8 = f8;
-        out.push_back(std::move(v));
-      }
-    }
-  }
-  return out;
-}
-
 double as_gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
 
 nlohmann::json estimate_json(const MemoryEstimate& m) {
@@ -199,35 +171,20 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
   std::vector<Row> rows;
   std::optional<Row> smallest;  // the least memory of every variant, for "nothing fits"
   for (const Layout& layout : found.layouts) {
-    // Ranked by time, each layout runs with the fastest of its memory settings that fits.
-    const std::vector<Layout> variants =
-        timed && !o.fixed_memory_settings ? memory_variants(layout, cluster, shape, config) : std::vector<Layout>{layout};
-    // The variants' times first (cheap), then their memory from the fastest down, stopping at the
-    // first that fits: the chosen variant is the same as evaluating them all, at a fraction of the
-    // memory model's calls (a 405B on 1,024 devices has 5,562 layouts x 12 variants).
-    std::vector<std::pair<TimeEstimate, const Layout*>> by_speed;
-    train::JobConfig c = config;  // one scratch copy per layout; each variant resets what it sets
-    auto configure = [&](const Layout& v) {
-      c.activation_checkpoint = config.activation_checkpoint;
-      c.parallelism.fsdp_reshard_after_forward = config.parallelism.fsdp_reshard_after_forward;
-      c.float8.enable = config.float8.enable;
-      v.apply_to(c);
-    };
-    for (const Layout& v : variants) {
-      configure(v);
-      by_speed.emplace_back(timed ? estimate_time(spec, *args, shape, c, v, cluster) : TimeEstimate{}, &v);
+    // Ranked by time, each layout runs with the fastest of its memory settings that fits
+    // (fastest_fitting); by memory, as the config sets it.
+    if (timed) {
+      const Priced priced = fastest_fitting(spec, *args, shape, config, layout, cluster, capacity, o.fixed_memory_settings);
+      if (!smallest || priced.memory.peak < smallest->memory.peak) smallest = Row{priced.layout, priced.memory, priced.time};
+      if (priced.fits) rows.push_back(Row{priced.layout, priced.memory, priced.time});
+      continue;
     }
-    std::stable_sort(by_speed.begin(), by_speed.end(), [](const auto& a, const auto& b) {
-      return a.first.tokens_per_device_s > b.first.tokens_per_device_s;
-    });
-    for (const auto& [time, v] : by_speed) {
-      configure(*v);
-      const MemoryEstimate m = estimate_memory(shape, *args, c, *v);
-      if (!smallest || m.peak < smallest->memory.peak) smallest = Row{*v, m, time};
-      if (capacity > 0 && as_gib(m.peak) > capacity) continue;
-      rows.push_back(Row{*v, m, time});
-      break;
-    }
+    train::JobConfig c = config;
+    layout.apply_to(c);
+    const MemoryEstimate m = estimate_memory(shape, *args, c, layout);
+    if (!smallest || m.peak < smallest->memory.peak) smallest = Row{layout, m, TimeEstimate{}};
+    if (capacity > 0 && as_gib(m.peak) > capacity) continue;
+    rows.push_back(Row{layout, m, TimeEstimate{}});
   }
   // Nothing to print is no result: say why, and what would fit.
   LOOM_REQUIRE_USAGE(!found.layouts.empty(), "no layout of ", config.model.name, " ", config.model.flavor, " on ",
