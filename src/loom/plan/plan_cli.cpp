@@ -14,6 +14,7 @@
 #include "loom/core/timer.h"
 #include "loom/data/tokenizer.h"
 #include "loom/plan/memory_model.h"
+#include "loom/plan/published.h"
 #include "loom/plan/search.h"
 #include "loom/plan/time_model.h"
 #include "loom/train/config.h"
@@ -33,6 +34,8 @@ struct PlanOptions {
   std::string cluster;  // "h100" / "h200": rank by predicted tokens/s; empty: by peak memory
   bool fixed_memory_settings = false;  // keep the config's AC and resharding (else chosen per layout)
   Cluster::Overrides cluster_overrides;  // explicit constants over the preset's or the measured ones
+  std::string fsdp_accumulate;  // --fsdp-accumulate: "on" / "off" for --explain's layout (Layout::fsdp_accumulate)
+  bool ep_node_dedup = false;   // --ep-node-dedup: price EP's dispatch as DeepEP's (Cluster::ep_node_dedup)
 };
 
 // The cluster named by --cluster (measured for "cpu"), with the constants given explicitly.
@@ -44,7 +47,9 @@ Cluster cluster_of(const PlanOptions& o) {
   // --devices-per-node shapes the search (TP inside a node) and the links the time model prices
   // (NVLink inside a node, InfiniBand across); a CPU host is one node whatever it says.
   over.devices_per_node = o.cluster == "cpu" ? -1 : o.devices_per_node;
-  return c.with(over);
+  c = c.with(over);
+  c.ep_node_dedup = o.ep_node_dedup;
+  return c;
 }
 
 nlohmann::json cluster_json(const Cluster& c) {
@@ -76,6 +81,60 @@ int64_t vocab_of(const train::JobConfig& config) {
     return data::Tokenizer::from_file(config.model.tokenizer_path).vocab_size();
   }
   return 0;
+}
+
+// --explain with --cluster: the layout with the fastest of its memory settings that fits, its rank
+// among every layout training accepts for the same model, devices and batch (each at its own
+// fastest fitting settings), and the nearest published row.
+template <typename PrintStep>
+void explain_ranking(const PlanOptions& o, const train::JobConfig& config, const models::ModelSpec& spec,
+                     const models::ModelArgs& args, const ModelShape& shape, const Layout& layout, const Cluster& cluster,
+                     int64_t vocab, const PrintStep& print_step) {
+  const double capacity = o.memory_gib > 0 ? o.memory_gib : cluster.memory_gib;
+  // The config's precision holds for every layout compared: Float8 as the config sets it.
+  const char* float8 = config.float8.enable ? "on" : "off";
+  Layout given = layout;
+  given.float8 = float8;
+  const Priced mine = fastest_fitting(spec, args, shape, config, given, cluster, capacity, o.fixed_memory_settings);
+  if (!o.fixed_memory_settings) {
+    std::printf("with the fastest memory settings that fit%s: %s\n",
+                capacity > 0 ? c10::str(" ", capacity, " GiB").c_str() : "", mine.layout.describe().c_str());
+    print_step(mine.fits ? "  predicted step" : "  predicted step (does not fit)", mine.time);
+  }
+  if (config.training.global_batch_size > 0) {
+    SearchRequest request;
+    request.base = config;
+    request.world_size = o.world_size;
+    request.devices_per_node = o.devices_per_node;
+    request.vocab_size = vocab;
+    const SearchResult found = enumerate_layouts(request);
+    int64_t fitting = 0, faster = 0;
+    std::optional<Priced> best;
+    for (Layout candidate : found.layouts) {
+      candidate.float8 = float8;
+      const Priced p = fastest_fitting(spec, args, shape, config, candidate, cluster, capacity, o.fixed_memory_settings);
+      if (!p.fits) continue;
+      ++fitting;
+      if (p.time.tokens_per_device_s > mine.time.tokens_per_device_s * (1 + 1e-9)) ++faster;
+      if (!best || p.time.tokens_per_device_s > best->time.tokens_per_device_s) best = p;
+    }
+    if (fitting > 0) {
+      std::printf("rank among the %lld layouts that fit (of %zu training accepts): %lld (top %.1f %%); the fastest: "
+                  "%.0f tokens/s per device, %s\n",
+                  static_cast<long long>(fitting), found.layouts.size(), static_cast<long long>(faster + 1),
+                  100.0 * static_cast<double>(faster + 1) / static_cast<double>(fitting), best->time.tokens_per_device_s,
+                  best->layout.describe().c_str());
+    }
+  }
+  if (const PublishedRow* row = nearest_published(config.model.name, config.model.flavor, o.world_size,
+                                                  config.training.seq_len, config.training.global_batch_size)) {
+    std::printf("nearest published row: %s %s on %d GPUs, seq %lld, global batch %lld, %s: %.0f tokens/s per GPU "
+                "(%s); this layout predicted %.0f (%+.1f %%)\n",
+                row->model.c_str(), row->flavor.c_str(), row->gpus, static_cast<long long>(row->seq_len),
+                static_cast<long long>(row->global_batch), row->layout.c_str(), row->tokens_per_gpu_s, row->source.c_str(),
+                mine.time.tokens_per_device_s,
+                100 * (mine.time.tokens_per_device_s - row->tokens_per_gpu_s) / row->tokens_per_gpu_s);
+  }
 }
 
 void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
@@ -110,6 +169,8 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
     layout.microbatch_size = config.parallelism.pipeline_parallel_microbatch_size;
     layout.local_batch_size = config.training.local_batch_size;
     layout.grad_accum_steps = checked.grad_accum_steps;
+    layout.fsdp_accumulate = o.fsdp_accumulate;
+    const train::JobConfig requested = config;  // before the layout's settings
     layout.apply_to(config);
     const MemoryEstimate m = estimate_memory(shape, *args, config, layout);
     TimeEstimate time;
@@ -143,11 +204,14 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
     std::printf("predicted memory per device (pipeline rank %d, the highest): %s\n", m.pipeline_rank,
                 m.describe().c_str());
     if (!o.cluster.empty()) {
-      std::printf("predicted step on %s: %.3f s = compute %.3f + bubble %.3f + pipeline exchanges %.3f + TP %.3f + "
-                  "FSDP %.3f + replicas %.3f + CP %.3f + EP %.3f; %.0f tokens/s per device, MFU %.1f %%; bound by %s\n",
-                  o.cluster.c_str(), time.step_s, time.compute_s, time.bubble_s, time.pp_s, time.tp_s, time.fsdp_exposed_s,
-                  time.dp_exposed_s, time.cp_exposed_s, time.ep_s, time.tokens_per_device_s, 100 * time.mfu,
-                  time.binding.c_str());
+      const auto print_step = [&](const char* what, const TimeEstimate& t) {
+        std::printf("%s on %s: %.3f s = compute %.3f + bubble %.3f + pipeline exchanges %.3f + TP %.3f + "
+                    "FSDP %.3f + replicas %.3f + CP %.3f + EP %.3f; %.0f tokens/s per device, MFU %.1f %%; bound by %s\n",
+                    what, o.cluster.c_str(), t.step_s, t.compute_s, t.bubble_s, t.pp_s, t.tp_s, t.fsdp_exposed_s,
+                    t.dp_exposed_s, t.cp_exposed_s, t.ep_s, t.tokens_per_device_s, 100 * t.mfu, t.binding.c_str());
+      };
+      print_step("predicted step", time);
+      explain_ranking(o, requested, spec, *args, shape, layout, cluster, vocab, print_step);
     }
     return;
   }
@@ -316,6 +380,14 @@ void register_plan_command(CLI::App& app) {
                   "With --cluster cpu: bytes/s of the shared-memory collectives between a host's ranks")->check(positive);
   cmd->add_option("--shm-call-s", co.shm_call_s,
                   "With --cluster cpu: seconds a blocking shared-memory collective costs beyond its bytes")->check(non_negative);
+  cmd->add_option("--fsdp-accumulate", o->fsdp_accumulate,
+                  "With --explain: price FSDP keeping the gathered parameters and unsharded gradients across the "
+                  "step's micro-batches, one gather and one reduce per step (on), or per micro-batch (off); unset: "
+                  "the planner tries both")
+      ->check(CLI::IsMember({"on", "off"}));
+  cmd->add_flag("--ep-node-dedup", o->ep_node_dedup,
+                "With --cluster: price expert parallelism's dispatch as DeepEP's (a token crosses to each remote "
+                "node once) instead of Loom's all-to-all (a row per token and expert)");
   cmd->add_flag("--json", o->json, "Print JSON");
   cmd->allow_extras();
   cmd->footer("Config keys can be overridden: --section.key=value (see docs/config.md).");
