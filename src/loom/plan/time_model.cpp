@@ -337,7 +337,8 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
   // The mesh's innermost dims are tp, then cp and dp_shard: an FSDP group crossing nodes has
   // devices_per_node / tp ranks in each; efsdp ranks are ep apart.
   const double fsdp_ranks = static_cast<double>(layout.dp_shard) * layout.cp;
-  const double efsdp_ranks = std::max(1.0, fsdp_ranks * layout.tp / layout.ep);
+  // (Without EP the experts, if any, shard over dp_shard x cp like the rest.)
+  const double efsdp_ranks = layout.ep > 1 ? std::max(1.0, fsdp_ranks * layout.tp / layout.ep) : fsdp_ranks;
   const double dense_elems = (shape.elems_plain + shape.elems_tp / layout.tp) / layout.pp;
   const double expert_elems =
       (shape.elems_expert / layout.ep + shape.elems_tp_expert / (static_cast<double>(layout.tp) * layout.ep)) / layout.pp;
@@ -444,7 +445,7 @@ std::vector<Layout> memory_variants(const Layout& layout, const Cluster& cluster
                                     const train::JobConfig& config) {
   std::vector<Layout> out;
   const bool fsdp = layout.dp_shard * layout.cp > 1 && layout.pp == 1;
-  const bool sharded = layout.dp_shard * layout.cp > 1 || layout.dp_shard * layout.cp * layout.tp > layout.ep;
+  const bool sharded = layout.dp_shard * layout.cp > 1 || (layout.ep > 1 && layout.dp_shard * layout.cp * layout.tp > layout.ep);
   std::vector<const char*> float8 = {""};
   // Float8 does not compose with async TP (train/compatibility.cpp): only where that is off.
   const bool async_tp = config.parallelism.enable_async_tensor_parallel && layout.tp > 1;
