@@ -84,7 +84,8 @@ ModelShape ModelShape::of(const models::ModelSpec& spec, const models::ModelArgs
     const size_t dot = path.find('.', 7);
     Group& g = group_of(path.substr(0, dot), std::stoll(path.substr(7, dot - 7)));
     const moe::MoEOptions& o = moe_module->options();
-    g.moe = {o.router.n_experts, o.router.top_k, o.hidden_dim, o.shared_hidden_dim};
+    g.moe = {o.router.n_experts, o.router.top_k, o.hidden_dim, o.shared_hidden_dim, std::max<int64_t>(1, o.router.n_groups),
+             std::max<int64_t>(1, o.router.topk_groups)};
   }
   // Embedding first, blocks in layer order, head last.
   std::stable_sort(shape.groups.begin(), shape.groups.end(), [](const Group& x, const Group& y) {
@@ -109,6 +110,7 @@ ModelShape ModelShape::of(const models::ModelSpec& spec, const models::ModelArgs
       if (g.layer >= 0 && !x.expert && x.numel > shape.dim) shape.linear_elems += n;
     }
     if (g.moe.experts > 0) {
+      if (shape.moe_layers == 0) shape.moe_groups = g.moe.groups, shape.moe_topk_groups = g.moe.topk_groups;
       ++shape.moe_layers;
       shape.moe_top_k_sum += g.moe.top_k;
     }
@@ -219,10 +221,11 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
       last_stage_rank = cached->last_stage_rank;
       stages_per_rank = cached->stages_per_rank;
     } else {
-    const pipeline::Schedule schedule = pipeline::build_schedule(
-        {po.schedule, static_cast<int>(pp), static_cast<int>(po.microbatches), 0});
-    const std::vector<int64_t> bounds = models::stage_layer_bounds(
-        a, {static_cast<int>(pp), schedule.stages_per_rank, po.layers_per_stage, po.split_points});
+    // The split and schedule training makes (stages per rank from layers_per_stage or the split
+    // points when set, else the schedule's default).
+    const models::PipelinePlan plan = models::plan_pipeline(a, static_cast<int>(pp), po);
+    const pipeline::Schedule& schedule = plan.schedule;
+    const std::vector<int64_t>& bounds = plan.layer_bounds;
     const int stages = schedule.num_ranks * schedule.stages_per_rank;
     stages_per_rank = schedule.stages_per_rank;
     for (int st = 0; st < stages; ++st) {
@@ -279,7 +282,12 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
     const auto it = moe_of.find(layer);
     if (it == moe_of.end()) return (op_level ? 2 : 3) * c * ffn / tp;
     const auto& m = it->second;
-    const int64_t routed = m.top_k * (2 * c * dim + (op_level ? 2 : 3) * c * m.hidden + (op_level ? 0 : 8 * dim));
+    // Without the op-level policy, what Loom's MoE::forward leaves to autograd per routed row: the
+    // permuted input (the grouped GEMMs' input), gate, up and the SwiGLU output, and the fp32
+    // expert output the routing-weight product keeps (4 dim); the index_selects keep only their
+    // indices and the casts nothing. The op-level policy keeps the GEMMs' outputs and the input.
+    const int64_t routed = op_level ? m.top_k * (2 * c * dim + 2 * c * m.hidden)
+                                    : m.top_k * (c * dim + 3 * c * m.hidden + 4 * dim + 4);
     return (routed + (op_level ? 2 : 3) * c * m.shared_hidden + 8 * m.experts) / s;
   };
   const int64_t attention_saved = r * dim / s + 4 + c * dim + c * (2 * dim + 2 * kv) / tp + 4 * heads / tp +
@@ -362,6 +370,11 @@ MemoryEstimate estimate_memory(const ModelShape& shape, const models::ModelArgs&
       const std::string& reshard = p.fsdp_reshard_after_forward;
       if (reshard == "never" || (pp > 1 && reshard == "default")) {
         m.buffers_in_flight = gathered_total * param_gather_bytes + largest_group * reduce_bytes;
+      }
+      // Accumulating unsharded across the step's micro-batches (Layout::fsdp_accumulate): every
+      // group stays gathered and holds its unsharded gradient (reduce dtype) until the last.
+      if (layout.fsdp_accumulate == "on" && layout.grad_accum_steps > 1) {
+        m.buffers_in_flight = gathered_total * (param_gather_bytes + reduce_bytes);
       }
     }
     // Activations: the peak of what the forward left alive and the backward's gradients. Under

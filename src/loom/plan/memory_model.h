@@ -15,9 +15,9 @@
 // output head keeps its input, the normed hidden and the fused loss's gradients.
 // A Mixture-of-Experts block replaces the FFN's 3 c*ffn/tp (per token) with its routed part, per
 // token routed to k of E experts of hidden width h, with shared experts of width hs:
-//   k rows of the permuted input and of the experts' output, c*dim each; their gate, up and SwiGLU
-//   output, 3 c*h; the fp32 product of each output with its routing weight and the products
-//   gathered back in (token, choice) order for the sum, 8*dim;
+//   k rows of the permuted input (the grouped GEMMs' input), c*dim each; their gate, up and SwiGLU
+//   output, 3 c*h; the fp32 expert output that the product with its routing weight keeps, 4*dim,
+//   and the weight, 4 (MoE::forward: the index_selects keep their indices, the casts nothing);
 //   the shared experts' 3 c*hs; the router's fp32 logits and scores, 8*E.
 // Under expert parallelism a rank computes, on average, the same number of rows (its experts get
 // k rows per token from every rank of the group), so the count does not change with ep.
@@ -46,7 +46,7 @@ struct ModelShape {
     std::vector<Tensor> tensors;
     // A Mixture-of-Experts block's routed part (experts == 0: a dense block).
     struct Moe {
-      int64_t experts = 0, top_k = 0, hidden = 0, shared_hidden = 0;
+      int64_t experts = 0, top_k = 0, hidden = 0, shared_hidden = 0, groups = 1, topk_groups = 1;
     } moe;
     // Groups with the same tensors (numel, TP split, expert) share an id (ModelShape::of): the
     // memory model shards each distinct group once per layout, not each of a 405B's 126 blocks.
@@ -58,6 +58,9 @@ struct ModelShape {
   // converts); MoE layers and their top-k summed.
   double elems_plain = 0, elems_tp = 0, elems_expert = 0, elems_tp_expert = 0, linear_elems = 0;
   int64_t moe_layers = 0, moe_top_k_sum = 0;
+  // The routers' group-limited routing (the first MoE layer's; DeepSeek-V3: a token's experts come
+  // from 4 of 8 groups): groups and groups a token may use (1 and 1: not limited).
+  int64_t moe_groups = 1, moe_topk_groups = 1;
   std::vector<Group> groups;  // embedding, layers in order, head
   int64_t dim = 0, n_layers = 0, n_heads = 0, kv_dim = 0, ffn = 0, vocab = 0;
 

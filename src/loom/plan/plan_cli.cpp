@@ -14,6 +14,7 @@
 #include "loom/core/timer.h"
 #include "loom/data/tokenizer.h"
 #include "loom/plan/memory_model.h"
+#include "loom/plan/published.h"
 #include "loom/plan/search.h"
 #include "loom/plan/time_model.h"
 #include "loom/train/config.h"
@@ -33,6 +34,8 @@ struct PlanOptions {
   std::string cluster;  // "h100" / "h200": rank by predicted tokens/s; empty: by peak memory
   bool fixed_memory_settings = false;  // keep the config's AC and resharding (else chosen per layout)
   Cluster::Overrides cluster_overrides;  // explicit constants over the preset's or the measured ones
+  std::string fsdp_accumulate;  // --fsdp-accumulate: "on" / "off" for --explain's layout (Layout::fsdp_accumulate)
+  bool ep_node_dedup = false;   // --ep-node-dedup: price EP's dispatch as DeepEP's (Cluster::ep_node_dedup)
 };
 
 // The cluster named by --cluster (measured for "cpu"), with the constants given explicitly.
@@ -44,7 +47,9 @@ Cluster cluster_of(const PlanOptions& o) {
   // --devices-per-node shapes the search (TP inside a node) and the links the time model prices
   // (NVLink inside a node, InfiniBand across); a CPU host is one node whatever it says.
   over.devices_per_node = o.cluster == "cpu" ? -1 : o.devices_per_node;
-  return c.with(over);
+  c = c.with(over);
+  c.ep_node_dedup = o.ep_node_dedup;
+  return c;
 }
 
 nlohmann::json cluster_json(const Cluster& c) {
@@ -53,34 +58,6 @@ nlohmann::json cluster_json(const Cluster& c) {
           {"intra_latency", c.intra_latency}, {"inter_latency", c.inter_latency},
           {"blocking_call_s", c.blocking_call_s}, {"shared_host_efficiency", c.shared_host_efficiency},
           {"shm_bw", c.shm_bw}, {"shm_call_s", c.shm_call_s}, {"cores", c.cores}};
-}
-
-// The memory-for-speed settings tried on each layout when ranking by time: activation
-// checkpointing none / per-op selective / full, and, where FSDP shards within one pipeline stage,
-// resharding after forward as configured or never.
-// With float8 GEMMs on the cluster's devices (and linears whose dims allow them), Float8 on and
-// off too: it changes the speed, not the persistent memory (weights stay in high precision).
-std::vector<Layout> memory_variants(const Layout& layout, const Cluster& cluster, const ModelShape& shape,
-                                    const train::JobConfig& config) {
-  std::vector<Layout> out;
-  const bool fsdp = layout.dp_shard * layout.cp > 1 && layout.pp == 1;
-  std::vector<const char*> float8 = {""};
-  // Float8 does not compose with async TP (train/compatibility.cpp): only where that is off.
-  const bool async_tp = config.parallelism.enable_async_tensor_parallel && layout.tp > 1;
-  if (cluster.float8_gemm_speedup > 1 && float8_fits(shape, layout) && !async_tp) float8 = {"off", "on"};
-  for (const char* ac : {"none", "selective", "full"}) {
-    for (const char* reshard : {"", "never"}) {
-      if (*reshard != '\0' && !fsdp) continue;
-      for (const char* f8 : float8) {
-        Layout v = layout;
-        v.ac_mode = ac;
-        v.reshard_after_forward = reshard;
-        v.float8 = f8;
-        out.push_back(std::move(v));
-      }
-    }
-  }
-  return out;
 }
 
 double as_gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
@@ -104,6 +81,60 @@ int64_t vocab_of(const train::JobConfig& config) {
     return data::Tokenizer::from_file(config.model.tokenizer_path).vocab_size();
   }
   return 0;
+}
+
+// --explain with --cluster: the layout with the fastest of its memory settings that fits, its rank
+// among every layout training accepts for the same model, devices and batch (each at its own
+// fastest fitting settings), and the nearest published row.
+template <typename PrintStep>
+void explain_ranking(const PlanOptions& o, const train::JobConfig& config, const models::ModelSpec& spec,
+                     const models::ModelArgs& args, const ModelShape& shape, const Layout& layout, const Cluster& cluster,
+                     int64_t vocab, const PrintStep& print_step) {
+  const double capacity = o.memory_gib > 0 ? o.memory_gib : cluster.memory_gib;
+  // The config's precision holds for every layout compared: Float8 as the config sets it.
+  const char* float8 = config.float8.enable ? "on" : "off";
+  Layout given = layout;
+  given.float8 = float8;
+  const Priced mine = fastest_fitting(spec, args, shape, config, given, cluster, capacity, o.fixed_memory_settings);
+  if (!o.fixed_memory_settings) {
+    std::printf("with the fastest memory settings that fit%s: %s\n",
+                capacity > 0 ? c10::str(" ", capacity, " GiB").c_str() : "", mine.layout.describe().c_str());
+    print_step(mine.fits ? "  predicted step" : "  predicted step (does not fit)", mine.time);
+  }
+  if (config.training.global_batch_size > 0) {
+    SearchRequest request;
+    request.base = config;
+    request.world_size = o.world_size;
+    request.devices_per_node = o.devices_per_node;
+    request.vocab_size = vocab;
+    const SearchResult found = enumerate_layouts(request);
+    int64_t fitting = 0, faster = 0;
+    std::optional<Priced> best;
+    for (Layout candidate : found.layouts) {
+      candidate.float8 = float8;
+      const Priced p = fastest_fitting(spec, args, shape, config, candidate, cluster, capacity, o.fixed_memory_settings);
+      if (!p.fits) continue;
+      ++fitting;
+      if (p.time.tokens_per_device_s > mine.time.tokens_per_device_s * (1 + 1e-9)) ++faster;
+      if (!best || p.time.tokens_per_device_s > best->time.tokens_per_device_s) best = p;
+    }
+    if (fitting > 0) {
+      std::printf("rank among the %lld layouts that fit (of %zu training accepts): %lld (top %.1f %%); the fastest: "
+                  "%.0f tokens/s per device, %s\n",
+                  static_cast<long long>(fitting), found.layouts.size(), static_cast<long long>(faster + 1),
+                  100.0 * static_cast<double>(faster + 1) / static_cast<double>(fitting), best->time.tokens_per_device_s,
+                  best->layout.describe().c_str());
+    }
+  }
+  if (const PublishedRow* row = nearest_published(config.model.name, config.model.flavor, o.world_size,
+                                                  config.training.seq_len, config.training.global_batch_size)) {
+    std::printf("nearest published row: %s %s on %d GPUs, seq %lld, global batch %lld, %s: %.0f tokens/s per GPU "
+                "(%s); this layout predicted %.0f (%+.1f %%)\n",
+                row->model.c_str(), row->flavor.c_str(), row->gpus, static_cast<long long>(row->seq_len),
+                static_cast<long long>(row->global_batch), row->layout.c_str(), row->tokens_per_gpu_s, row->source.c_str(),
+                mine.time.tokens_per_device_s,
+                100 * (mine.time.tokens_per_device_s - row->tokens_per_gpu_s) / row->tokens_per_gpu_s);
+  }
 }
 
 void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
@@ -138,6 +169,8 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
     layout.microbatch_size = config.parallelism.pipeline_parallel_microbatch_size;
     layout.local_batch_size = config.training.local_batch_size;
     layout.grad_accum_steps = checked.grad_accum_steps;
+    layout.fsdp_accumulate = o.fsdp_accumulate;
+    const train::JobConfig requested = config;  // before the layout's settings
     layout.apply_to(config);
     const MemoryEstimate m = estimate_memory(shape, *args, config, layout);
     TimeEstimate time;
@@ -171,11 +204,14 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
     std::printf("predicted memory per device (pipeline rank %d, the highest): %s\n", m.pipeline_rank,
                 m.describe().c_str());
     if (!o.cluster.empty()) {
-      std::printf("predicted step on %s: %.3f s = compute %.3f + bubble %.3f + pipeline exchanges %.3f + TP %.3f + "
-                  "FSDP %.3f + replicas %.3f + CP %.3f + EP %.3f; %.0f tokens/s per device, MFU %.1f %%; bound by %s\n",
-                  o.cluster.c_str(), time.step_s, time.compute_s, time.bubble_s, time.pp_s, time.tp_s, time.fsdp_exposed_s,
-                  time.dp_exposed_s, time.cp_exposed_s, time.ep_s, time.tokens_per_device_s, 100 * time.mfu,
-                  time.binding.c_str());
+      const auto print_step = [&](const char* what, const TimeEstimate& t) {
+        std::printf("%s on %s: %.3f s = compute %.3f + bubble %.3f + pipeline exchanges %.3f + TP %.3f + "
+                    "FSDP %.3f + replicas %.3f + CP %.3f + EP %.3f; %.0f tokens/s per device, MFU %.1f %%; bound by %s\n",
+                    what, o.cluster.c_str(), t.step_s, t.compute_s, t.bubble_s, t.pp_s, t.tp_s, t.fsdp_exposed_s,
+                    t.dp_exposed_s, t.cp_exposed_s, t.ep_s, t.tokens_per_device_s, 100 * t.mfu, t.binding.c_str());
+      };
+      print_step("predicted step", time);
+      explain_ranking(o, requested, spec, *args, shape, layout, cluster, vocab, print_step);
     }
     return;
   }
@@ -199,35 +235,20 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
   std::vector<Row> rows;
   std::optional<Row> smallest;  // the least memory of every variant, for "nothing fits"
   for (const Layout& layout : found.layouts) {
-    // Ranked by time, each layout runs with the fastest of its memory settings that fits.
-    const std::vector<Layout> variants =
-        timed && !o.fixed_memory_settings ? memory_variants(layout, cluster, shape, config) : std::vector<Layout>{layout};
-    // The variants' times first (cheap), then their memory from the fastest down, stopping at the
-    // first that fits: the chosen variant is the same as evaluating them all, at a fraction of the
-    // memory model's calls (a 405B on 1,024 devices has 5,562 layouts x 12 variants).
-    std::vector<std::pair<TimeEstimate, const Layout*>> by_speed;
-    train::JobConfig c = config;  // one scratch copy per layout; each variant resets what it sets
-    auto configure = [&](const Layout& v) {
-      c.activation_checkpoint = config.activation_checkpoint;
-      c.parallelism.fsdp_reshard_after_forward = config.parallelism.fsdp_reshard_after_forward;
-      c.float8.enable = config.float8.enable;
-      v.apply_to(c);
-    };
-    for (const Layout& v : variants) {
-      configure(v);
-      by_speed.emplace_back(timed ? estimate_time(spec, *args, shape, c, v, cluster) : TimeEstimate{}, &v);
+    // Ranked by time, each layout runs with the fastest of its memory settings that fits
+    // (fastest_fitting); by memory, as the config sets it.
+    if (timed) {
+      const Priced priced = fastest_fitting(spec, *args, shape, config, layout, cluster, capacity, o.fixed_memory_settings);
+      if (!smallest || priced.memory.peak < smallest->memory.peak) smallest = Row{priced.layout, priced.memory, priced.time};
+      if (priced.fits) rows.push_back(Row{priced.layout, priced.memory, priced.time});
+      continue;
     }
-    std::stable_sort(by_speed.begin(), by_speed.end(), [](const auto& a, const auto& b) {
-      return a.first.tokens_per_device_s > b.first.tokens_per_device_s;
-    });
-    for (const auto& [time, v] : by_speed) {
-      configure(*v);
-      const MemoryEstimate m = estimate_memory(shape, *args, c, *v);
-      if (!smallest || m.peak < smallest->memory.peak) smallest = Row{*v, m, time};
-      if (capacity > 0 && as_gib(m.peak) > capacity) continue;
-      rows.push_back(Row{*v, m, time});
-      break;
-    }
+    train::JobConfig c = config;
+    layout.apply_to(c);
+    const MemoryEstimate m = estimate_memory(shape, *args, c, layout);
+    if (!smallest || m.peak < smallest->memory.peak) smallest = Row{layout, m, TimeEstimate{}};
+    if (capacity > 0 && as_gib(m.peak) > capacity) continue;
+    rows.push_back(Row{layout, m, TimeEstimate{}});
   }
   // Nothing to print is no result: say why, and what would fit.
   LOOM_REQUIRE_USAGE(!found.layouts.empty(), "no layout of ", config.model.name, " ", config.model.flavor, " on ",
@@ -359,6 +380,14 @@ void register_plan_command(CLI::App& app) {
                   "With --cluster cpu: bytes/s of the shared-memory collectives between a host's ranks")->check(positive);
   cmd->add_option("--shm-call-s", co.shm_call_s,
                   "With --cluster cpu: seconds a blocking shared-memory collective costs beyond its bytes")->check(non_negative);
+  cmd->add_option("--fsdp-accumulate", o->fsdp_accumulate,
+                  "With --explain: price FSDP keeping the gathered parameters and unsharded gradients across the "
+                  "step's micro-batches, one gather and one reduce per step (on), or per micro-batch (off); unset: "
+                  "the planner tries both")
+      ->check(CLI::IsMember({"on", "off"}));
+  cmd->add_flag("--ep-node-dedup", o->ep_node_dedup,
+                "With --cluster: price expert parallelism's dispatch as DeepEP's (a token crosses to each remote "
+                "node once) instead of Loom's all-to-all (a row per token and expert)");
   cmd->add_flag("--json", o->json, "Print JSON");
   cmd->allow_extras();
   cmd->footer("Config keys can be overridden: --section.key=value (see docs/config.md).");

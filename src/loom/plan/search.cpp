@@ -92,6 +92,7 @@ std::string Layout::describe() const {
   if (ac_mode == "full") out += ", full AC";
   if (!reshard_after_forward.empty()) out += ", reshard after forward: " + reshard_after_forward;
   if (float8 == "on") out += ", Float8";
+  if (fsdp_accumulate == "on" && grad_accum_steps > 1) out += ", FSDP accumulates unsharded";
   return out;
 }
 

@@ -54,6 +54,14 @@ struct Layout {
   // Float8 training of the blocks' linears ("on" / "off"; empty: the config's), chosen where the
   // cluster's devices have float8 GEMMs (Cluster::float8_gemm_speedup).
   std::string float8;
+  // FSDP across the micro-batches of one step (issue 50): "on" keeps the gathered parameters and
+  // the unsharded gradients from the first micro-batch to the last and reduces once after it (one
+  // all-gather and one reduce-scatter per step, as FSDP2 users get with
+  // set_requires_gradient_sync(False) and no resharding until the step's end), at the memory of
+  // every group of the rank unsharded; "off" or empty: gathered and reduced per micro-batch (Loom's
+  // behaviour before issue 50's item 1). A planner input: no `loom train` key selects it yet, so
+  // overrides() leaves it out.
+  std::string fsdp_accumulate;
 
   // The `loom train` flags that select this layout on top of the request's config.
   std::vector<std::string> overrides() const;

@@ -1,6 +1,7 @@
 #include "loom/plan/time_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -14,6 +15,8 @@
 #include <ATen/Parallel.h>
 
 #include "loom/ac/activation_checkpoint.h"
+#include "loom/models/common/decoder.h"
+#include "loom/models/common/pipeline.h"
 #include "loom/core/error.h"
 #include "loom/distributed/launch_env.h"
 #include "loom/distributed/process_group.h"
@@ -264,16 +267,18 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
       double receives = 0;
     };
     static std::mutex bubble_mutex;
-    static std::map<std::tuple<std::string, int, int64_t>, Simulated> simulated;
-    const auto key = std::make_tuple(po.schedule, layout.pp, po.microbatches);
+    static std::map<std::tuple<std::string, int, int64_t, int64_t, int64_t>, Simulated> simulated;
+    const auto key = std::make_tuple(po.schedule, layout.pp, po.microbatches, po.layers_per_stage, shape.n_layers);
     std::optional<Simulated> sim;
     {
       std::lock_guard<std::mutex> lock(bubble_mutex);
       if (const auto it = simulated.find(key); it != simulated.end()) sim = it->second;
     }
     if (!sim) {
-      const pipeline::Schedule schedule = pipeline::build_schedule(
-          {po.schedule, layout.pp, static_cast<int>(po.microbatches), 0});
+      // The schedule training runs (models::plan_pipeline): its stages per rank follow from
+      // pipeline_parallel_layers_per_stage when set (NeMo's VP), else the schedule's default.
+      const pipeline::Schedule schedule =
+          models::plan_pipeline(dynamic_cast<const models::DecoderArgs&>(args), layout.pp, po).schedule;
       sim = Simulated{pipeline::simulate(schedule).bubble_fraction, 0.0};
       for (int r = 0; r < schedule.num_ranks; ++r) {
         double receives = 0;
@@ -296,10 +301,16 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
   const bool shm = cluster.shm_bw > 0 && config.comm.shared_memory;
   // A ring collective over n ranks moving `bytes` (the whole buffer's size) per device; `exchange`:
   // point-to-point sends (CP's ring), which stay on Gloo with the shared-memory transport too.
-  const auto ring = [&](double n, double bytes, bool inside_node, bool exchange = false) {
+  // A group that crosses nodes with g of its ranks in each node runs over g NICs at once: NCCL
+  // builds one ring per NIC (rail), each crossing every node boundary once with 1/g of the data,
+  // and NVLink joins the g ranks inside a node; the group's bandwidth per rank is then g NICs'
+  // (DGX H100: 8 x 400 Gb/s per node), at most NVLink's. A group with one rank per node (FSDP
+  // under TP 8, HSDP's replicas) has its own rank's NIC only.
+  const auto ring = [&](double n, double bytes, bool inside_node, bool exchange = false, double per_node = 1) {
     if (n <= 1) return 0.0;
     if (shm && inside_node && !exchange) return (n - 1) / n * bytes / cluster.shm_bw;
-    const double bw = inside_node ? cluster.intra_node_bw : cluster.inter_node_bw;
+    const double bw = inside_node ? cluster.intra_node_bw
+                                  : std::min(cluster.intra_node_bw, std::max(1.0, per_node) * cluster.inter_node_bw);
     const double lat = inside_node ? cluster.intra_latency : cluster.inter_latency;
     return (n - 1) / n * bytes / bw + (n - 1) * lat;
   };
@@ -318,19 +329,41 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
   }
 
   // FSDP over dp_shard x cp: the rank's groups gathered (forward, and again for the backward when
-  // resharded after forward: not under PP, which holds stages gathered) and reduced, per micro-step.
+  // resharded after forward: not under PP, which holds stages gathered) and reduced, per
+  // micro-step -- or, with Layout::fsdp_accumulate "on", once per step: the groups stay gathered
+  // and their gradients unsharded from the first micro-batch to the last, which reduces them.
+  // The dense parameters shard over dp_shard x cp; a routed expert's over efsdp = dp_shard x cp x
+  // tp / ep (the ranks EP leaves: none under EP 8 of FSDP 8, so its experts move no FSDP bytes).
+  // The mesh's innermost dims are tp, then cp and dp_shard: an FSDP group crossing nodes has
+  // devices_per_node / tp ranks in each; efsdp ranks are ep apart.
   const double fsdp_ranks = static_cast<double>(layout.dp_shard) * layout.cp;
-  double param_elems = shape.elems_plain + shape.elems_tp / layout.tp + shape.elems_expert / layout.ep +
-                       shape.elems_tp_expert / (static_cast<double>(layout.tp) * layout.ep);
+  // (Without EP the experts, if any, shard over dp_shard x cp like the rest.)
+  const double efsdp_ranks = layout.ep > 1 ? std::max(1.0, fsdp_ranks * layout.tp / layout.ep) : fsdp_ranks;
+  const double dense_elems = (shape.elems_plain + shape.elems_tp / layout.tp) / layout.pp;
+  const double expert_elems =
+      (shape.elems_expert / layout.ep + shape.elems_tp_expert / (static_cast<double>(layout.tp) * layout.ep)) / layout.pp;
+  const double param_elems = dense_elems + expert_elems;  // a pipeline rank holds about 1/pp of the groups
   const int64_t groups = static_cast<int64_t>(shape.groups.size());
-  param_elems /= layout.pp;  // a pipeline rank holds about 1/pp of the groups
   const double groups_here = std::max(1.0, static_cast<double>(groups) / layout.pp);
-  const bool fsdp_inside_node = fsdp_ranks * layout.tp <= cluster.devices_per_node;
-  if (fsdp_ranks > 1) {
-    const double gathers = layout.pp > 1 || p.fsdp_reshard_after_forward == "never" ? 1.0 : 2.0;
-    const double comm = micro_steps * (gathers * ring(fsdp_ranks, param_elems * c, fsdp_inside_node) +
-                                       ring(fsdp_ranks, param_elems * reduce_bytes, fsdp_inside_node));
-    e.fsdp_exposed_s = std::max(0.0, comm - e.compute_s) + 2.0 * comm / (groups_here * (gathers + 1.0));
+  const double node = cluster.devices_per_node;
+  const bool fsdp_inside_node = fsdp_ranks * layout.tp <= node;
+  const double fsdp_per_node = std::min(fsdp_ranks, std::max(1.0, node / layout.tp));
+  const double efsdp_per_node = std::min(efsdp_ranks, std::max(1.0, node / layout.ep));
+  const bool accumulate = layout.fsdp_accumulate == "on" && micro_steps > 1;
+  if (fsdp_ranks > 1 || efsdp_ranks > 1) {
+    const double gathers =
+        accumulate || layout.pp > 1 || p.fsdp_reshard_after_forward == "never" ? 1.0 : 2.0;
+    const double passes = accumulate ? 1.0 : micro_steps;
+    // One all-gather and one reduce-scatter of every group of the rank.
+    const double gather = ring(fsdp_ranks, dense_elems * c, fsdp_inside_node, false, fsdp_per_node) +
+                          ring(efsdp_ranks, expert_elems * c, fsdp_inside_node, false, efsdp_per_node);
+    const double reduce = ring(fsdp_ranks, dense_elems * reduce_bytes, fsdp_inside_node, false, fsdp_per_node) +
+                          ring(efsdp_ranks, expert_elems * reduce_bytes, fsdp_inside_node, false, efsdp_per_node);
+    const double comm = passes * (gathers * gather + reduce);
+    // Prefetch (the next group's gather issued before this one computes) and the reduce-scatters
+    // issued as each group's backward ends put everything behind the compute but the first
+    // group's gather and the last group's reduce of each pass; beyond the compute it is exposed.
+    e.fsdp_exposed_s = std::max(0.0, comm - e.compute_s) + passes * (gather + reduce) / groups_here;
   }
   // Replicas (HSDP's dp_replicate, or DDP): the gradients' all-reduce, 2 (r-1)/r of the shard, across
   // nodes when the replicas are; behind the backward but for the last bucket.
@@ -368,8 +401,32 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
     double moe_layers = static_cast<double>(shape.moe_layers);
     rows_dim /= layout.pp;  // a pipeline rank holds about 1/pp of the layers
     moe_layers /= layout.pp;
-    const double remote = (layout.ep - 1.0) / layout.ep;
-    e.ep_s = calls_per_layer * (remote * tokens * rows_dim * c / bw +
+    // Loom's dispatch and combine are blocking all-to-alls between the router and the experts
+    // (ep/expert_parallel.cpp): nothing computes while they run, so all of it is on the critical
+    // path. An EP group wider than a node sends the rows for its node's ranks over NVLink and the
+    // rest over its own NIC at the same time: the slower of the two.
+    const double rows_bytes = tokens * rows_dim * c;
+    double transfer = (layout.ep - 1.0) / layout.ep * rows_bytes / bw;
+    if (!inside) {
+      const double in_node = std::min<double>(layout.ep, cluster.devices_per_node);
+      double remote = (layout.ep - in_node) / layout.ep * rows_bytes;  // rows bound for other nodes
+      if (cluster.ep_node_dedup && shape.moe_layers > 0) {
+        // Once per remote node a token's experts are on: of the nodes its routing may reach
+        // (all of them, or topk_groups / groups of them when the groups split the nodes), the
+        // expected number its k experts land on (uniformly), less its own.
+        const double nodes = layout.ep / in_node;
+        const double k = static_cast<double>(shape.moe_top_k_sum) / static_cast<double>(shape.moe_layers);
+        double reachable = nodes;
+        if (shape.moe_groups > 1 && static_cast<double>(shape.moe_groups) >= nodes) {
+          reachable = std::max(1.0, nodes * static_cast<double>(shape.moe_topk_groups) / static_cast<double>(shape.moe_groups));
+        }
+        const double touched = reachable * (1.0 - std::pow(1.0 - 1.0 / reachable, k));
+        remote = std::min(remote, touched * (nodes - 1.0) / nodes / k * rows_bytes);
+      }
+      transfer = std::max((in_node - 1.0) / layout.ep * rows_bytes / cluster.intra_node_bw,
+                          remote / cluster.inter_node_bw);
+    }
+    e.ep_s = calls_per_layer * (transfer +
                                 moe_layers * micro_steps * microbatches * ((layout.ep - 1.0) * lat + cluster.blocking_call_s));
   }
 
@@ -382,6 +439,70 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
       {e.ep_s, "EP all-to-all"}};
   e.binding = std::max_element(terms.begin(), terms.end())->second;
   return e;
+}
+
+std::vector<Layout> memory_variants(const Layout& layout, const Cluster& cluster, const ModelShape& shape,
+                                    const train::JobConfig& config) {
+  std::vector<Layout> out;
+  const bool fsdp = layout.dp_shard * layout.cp > 1 && layout.pp == 1;
+  const bool sharded = layout.dp_shard * layout.cp > 1 || (layout.ep > 1 && layout.dp_shard * layout.cp * layout.tp > layout.ep);
+  std::vector<const char*> float8 = {""};
+  // Float8 does not compose with async TP (train/compatibility.cpp): only where that is off.
+  const bool async_tp = config.parallelism.enable_async_tensor_parallel && layout.tp > 1;
+  if (cluster.float8_gemm_speedup > 1 && float8_fits(shape, layout) && !async_tp) float8 = {"off", "on"};
+  std::vector<const char*> accumulate = {""};
+  if (sharded && layout.grad_accum_steps > 1) accumulate = {"off", "on"};
+  // What the layout sets already (a bf16 run's "off", a pinned accumulation) is kept.
+  if (!layout.float8.empty()) float8 = {layout.float8.c_str()};
+  if (!layout.fsdp_accumulate.empty()) accumulate = {layout.fsdp_accumulate.c_str()};
+  for (const char* ac : {"none", "selective", "full"}) {
+    for (const char* reshard : {"", "never"}) {
+      if (*reshard != '\0' && !fsdp) continue;
+      for (const char* acc : accumulate) {
+        for (const char* f8 : float8) {
+          Layout v = layout;
+          v.ac_mode = ac;
+          v.reshard_after_forward = reshard;
+          v.float8 = f8;
+          v.fsdp_accumulate = acc;
+          out.push_back(std::move(v));
+        }
+      }
+    }
+  }
+  return out;
+}
+
+Priced fastest_fitting(const models::ModelSpec& spec, const models::ModelArgs& args, const ModelShape& shape,
+                       const train::JobConfig& config, const Layout& layout, const Cluster& cluster,
+                       double capacity_gib, bool fixed) {
+  const std::vector<Layout> variants = fixed ? std::vector<Layout>{layout} : memory_variants(layout, cluster, shape, config);
+  train::JobConfig c = config;  // one scratch copy; each variant resets what it sets
+  auto configure = [&](const Layout& v) {
+    c.activation_checkpoint = config.activation_checkpoint;
+    c.parallelism.fsdp_reshard_after_forward = config.parallelism.fsdp_reshard_after_forward;
+    c.float8.enable = config.float8.enable;
+    v.apply_to(c);
+  };
+  // The times first (cheap), then the memory from the fastest down, stopping at the first that
+  // fits: the same choice as evaluating them all, at a fraction of the memory model's calls.
+  std::vector<std::pair<TimeEstimate, const Layout*>> by_speed;
+  for (const Layout& v : variants) {
+    configure(v);
+    by_speed.emplace_back(estimate_time(spec, args, shape, c, v, cluster), &v);
+  }
+  std::stable_sort(by_speed.begin(), by_speed.end(), [](const auto& a, const auto& b) {
+    return a.first.tokens_per_device_s > b.first.tokens_per_device_s;
+  });
+  std::optional<Priced> smallest;
+  for (const auto& [time, v] : by_speed) {
+    configure(*v);
+    const MemoryEstimate m = estimate_memory(shape, args, c, *v);
+    const bool fits = capacity_gib <= 0 || static_cast<double>(m.peak) / (1024.0 * 1024.0 * 1024.0) <= capacity_gib;
+    if (fits) return Priced{*v, time, m, true};
+    if (!smallest || m.peak < smallest->memory.peak) smallest = Priced{*v, time, m, false};
+  }
+  return *smallest;
 }
 
 }  // namespace loom::plan

@@ -68,6 +68,14 @@ struct Cluster {
   // (accelerators, or comm.shared_memory = false: Gloo's terms apply).
   double shm_bw = 0;
   double shm_call_s = 0;
+  // How expert parallelism's dispatch and combine cross nodes. false: Loom's all-to-all
+  // (ep/expert_parallel.cpp), one row per (token, chosen expert) to the expert's rank, every
+  // remote node's rows over the sender's NIC. true: DeepEP's (the published NeMo AutoModel and
+  // Megatron MoE runs): a token crosses to each node holding any of its experts once, over RDMA
+  // to the same-rail GPU, and NVLink fans it out there -- with group-limited routing (DeepSeek-V3:
+  // 4 of 8 groups) to at most that many nodes. Both are priced on the critical path: neither
+  // Loom's schedule nor the published configurations overlap them with compute.
+  bool ep_node_dedup = false;
   // "h100" (SXM, 80 GB, NVLink 4, 400 Gb/s InfiniBand per GPU) or "h200" (141 GB); a UsageError
   // lists the known ones. Efficiency: fitted on TorchTitan's published Llama 3.1 8B row
   // (docs/planner.md).
@@ -121,5 +129,27 @@ bool float8_fits(const ModelShape& shape, const Layout& layout);
 
 TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArgs& args, const ModelShape& shape,
                            const train::JobConfig& config, const Layout& layout, const Cluster& cluster);
+
+// The memory-for-speed settings tried on a layout when ranking by time: activation checkpointing
+// none / per-op selective / full; where FSDP shards within one pipeline stage, resharding after
+// forward as configured or never; where FSDP runs several micro-batches a step, accumulating
+// unsharded (Layout::fsdp_accumulate) off or on; with float8 GEMMs on the cluster's devices (and
+// linears whose dims allow them), Float8 off or on.
+std::vector<Layout> memory_variants(const Layout& layout, const Cluster& cluster, const ModelShape& shape,
+                                    const train::JobConfig& config);
+
+// One layout priced: its time and memory under the settings chosen, and whether it fits.
+struct Priced {
+  Layout layout;
+  TimeEstimate time;
+  MemoryEstimate memory;
+  bool fits = false;
+};
+// The fastest of the layout's memory variants (only the layout as given with `fixed`) whose peak
+// fits `capacity_gib` (0: any); when none fits, the one with the least memory, fits false.
+// `config`: the run's settings; each variant is applied to a copy.
+Priced fastest_fitting(const models::ModelSpec& spec, const models::ModelArgs& args, const ModelShape& shape,
+                       const train::JobConfig& config, const Layout& layout, const Cluster& cluster,
+                       double capacity_gib, bool fixed = false);
 
 }  // namespace loom::plan

@@ -1,5 +1,7 @@
 // The `loom` dispatcher, through the binary: what a mistyped or missing command answers.
 #include <gtest/gtest.h>
+
+#include <cmath>
 #include <unistd.h>
 #include <filesystem>
 #include <fstream>
@@ -177,6 +179,45 @@ TEST(LoomCli, PlanChoosesActivationCheckpointingWhereMemoryIsShort) {
   EXPECT_EQ(kept.output.find("Float8"), std::string::npos) << kept.output;
   std::filesystem::remove(config);
   std::printf("80 GiB: %s\n20 GiB: %s\n", first_row(roomy.output).c_str(), row.c_str());
+}
+
+// Issue 50, item 4: for a given layout (NeMo AutoModel's published Llama 3 70B row: 64 H100s, CP 2
+// x FSDP 32, GBS 128, MBS 1, seq 8192, bf16; docs.nvidia.com/nemo/automodel/latest/performance/
+// performance-summary.md) `loom plan --explain --cluster` prints the step broken down, the layout at
+// its fastest settings that fit, its rank among the layouts training accepts, and the nearest
+// published row with the prediction's error against it.
+TEST(LoomCli, PlanExplainsAGivenLayoutAgainstItsRankAndThePublishedRow) {
+  const std::string config = ::testing::TempDir() + "plan_70b_" + std::to_string(::getpid()) + ".toml";
+  std::ofstream(config) << "[model]\nname = \"llama3\"\nflavor = \"70B\"\nvocab_size = 128256\n[training]\n"
+                           "seq_len = 8192\nglobal_batch_size = 128\nlocal_batch_size = 1\n"
+                           "mixed_precision_param = \"bfloat16\"\n[validation]\nenable = false\n[parallelism]\n"
+                           "data_parallel_shard_degree = 32\ncontext_parallel_degree = 2\n";
+  const auto r = run(loom_bin() + " plan --config " + config + " --world-size 64 --cluster h100 --explain "
+                     "--efficiency 0.522", 120);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("dp_shard 32 x cp 2, local batch 1 x 4 accumulated"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("predicted step on h100: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(" + FSDP "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("with the fastest memory settings that fit 80 GiB: dp_shard 32 x cp 2"), std::string::npos)
+      << r.output;
+  const size_t rank = r.output.find("rank among the ");
+  ASSERT_NE(rank, std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(top ", rank), std::string::npos) << r.output;
+  const size_t nearest = r.output.find("nearest published row: llama3 70B on 64 GPUs, seq 8192, global batch 128");
+  ASSERT_NE(nearest, std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("867 tokens/s per GPU", nearest), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("performance-summary", nearest), std::string::npos) << r.output;
+  // The error printed is the prediction's against the row: within 25 % (PlanPublished.* checks the
+  // number itself).
+  const size_t pct = r.output.find(" %)", nearest);
+  ASSERT_NE(pct, std::string::npos) << r.output;
+  const size_t open = r.output.rfind('(', pct);
+  const double error = std::stod(r.output.substr(open + 1, pct - open - 1));
+  EXPECT_LE(std::abs(error), 25.0) << r.output;
+  const auto bad = run(loom_bin() + " plan --config " + config + " --world-size 64 --cluster h100 --explain "
+                       "--fsdp-accumulate maybe", 60);
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  std::filesystem::remove(config);
 }
 
 TEST(LoomCli, EnumKeysDifferingInCaseNameTheExactSpelling) {

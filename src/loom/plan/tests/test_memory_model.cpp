@@ -127,7 +127,9 @@ TEST(PlanMemory, TorchTitansLlama405BLayoutFitsAnH100) {
 
 TEST(PlanMemory, MixtureOfExpertsBlocksCountTheirRoutedRows) {
   // The debug Qwen3-MoE: the shape reads every MoE block's routing from its MoE module, and a block's activations follow the routed formula of memory_model.h: doubling the
-  // experts each token visits adds k more rows of 2 c dim + 3 c h + 8 dim per token and MoE layer.
+  // experts each token visits adds k more rows of c dim + 3 c h + 4 dim + 4 per token and MoE layer
+  // (MoE::forward's saved tensors: the permuted input, gate / up / SwiGLU output, the fp32 expert
+  // output and the routing weight the weighting product keeps).
   auto setup = [](int64_t top_k) {
     ModelSetup s;
     s.config = loom::train::parse_config_toml(
@@ -159,7 +161,7 @@ TEST(PlanMemory, MixtureOfExpertsBlocksCountTheirRoutedRows) {
   const auto two = estimate(k2, {});
   const auto four = estimate(k4, {});
   const int64_t tokens = 8 * 256, c = 4;
-  EXPECT_EQ(four.activations - two.activations, moe_layers * tokens * 2 * (2 * c * dim + 3 * c * hidden + 8 * dim));
+  EXPECT_EQ(four.activations - two.activations, moe_layers * tokens * 2 * (c * dim + 3 * c * hidden + 4 * dim + 4));
   EXPECT_EQ(four.parameters, two.parameters);
   // Expert parallelism splits the experts' weights, not the rows a rank computes.
   loom::plan::Layout ep;
