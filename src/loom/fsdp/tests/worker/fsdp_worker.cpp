@@ -1,10 +1,14 @@
 // Per-rank scenarios of the FSDP multi-rank tests, started by `loom launch --exec`:
 //   loom_fsdp_worker fsdp   FSDP over all ranks: ZeRO-3 and ZeRO-2, each with the granularities
 //                           element, row and 32-row block, gradient accumulation over 2
-//                           micro-batches with and without resync (+ bf16 mixed precision on
-//                           2 ranks)
+//                           micro-batches with and without resync, ZeRO-3 accumulating with
+//                           the parameters held gathered through parallel::FsdpSync (the
+//                           Trainer's seam, parallelism.fsdp_accumulate_unsharded: one all-gather
+//                           per group per step, at least the whole model's gathered parameters
+//                           held between micro-batches) (+ bf16 mixed precision on 2 ranks)
 //   loom_fsdp_worker hpz    reshard_after_forward = 2 (hpZ) over all ranks
-//   loom_fsdp_worker hsdp   HSDP 2 x (world / 2), then the bad-policy errors
+//   loom_fsdp_worker hsdp   HSDP 2 x (world / 2) (ZeRO-3, ZeRO-2, ZeRO-3 held), then the
+//                           bad-policy errors
 // Each configuration trains a tiny Llama for 30 steps (AdamW, clipping) and checks on every rank:
 //   - the per-step loss (mean over the data-parallel ranks) equals the single-process reference
 //     (the unwrapped model on the union of all ranks' batches, optim::AdamW) within 1e-5 relative;
