@@ -97,6 +97,7 @@ struct ParallelizeOptions {
   // 0 = one group per block, -1 (models::kAutoBucketMb) = automatic.
   double fsdp_bucket_mb = 0;
   int64_t fsdp_prefetch_depth = 1;  // parallelism.fsdp_prefetch_depth (FSDPPolicy::prefetch_depth)
+  bool fsdp_accumulate_unsharded = false;  // parallelism.fsdp_accumulate_unsharded (FsdpSync)
   fsdp::MixedPrecisionPolicy fsdp_mixed_precision;  // FSDP's param and reduce dtypes
   // What the optimizer needs FSDP's planner never to cut (FSDPPolicy::parameter_granularity):
   // AdamW8bit's quantization blocks (fsdp::adamw8bit_granularity), Muon's whole matrices

@@ -141,6 +141,21 @@ const options::Section& parallelism_section() {
            "that takes longer than one group's compute still arrives in time. `1` = the next group "
            "(FSDP2's); `0` = none (each group gathers when it is reached). Up to depth + 1 groups are "
            "held gathered at once."},
+          {LOOM_OPTION(S, fsdp_accumulate_unsharded),
+           "Gradient accumulation under FSDP and HSDP (`training.global_batch_size` above "
+           "`local_batch_size` x the data-parallel degree), as FSDP2's `set_reshard_after_forward(False)` "
+           "with `set_reshard_after_backward` and `set_requires_gradient_sync` on the last micro-batch "
+           "only: the parameters gathered by the step's first forward stay gathered through every "
+           "micro-batch and are freed by the last backward, so each FSDP group is all-gathered once per "
+           "step instead of once per forward and once per backward of every micro-batch. The gradients "
+           "accumulate unsharded and are reduce-scattered (and all-reduced over HSDP replicas) once, "
+           "after the last micro-batch, with or without this option. Cost: the whole model's gathered "
+           "parameters (in `training.mixed_precision_param`) are held for the whole step, on top of the "
+           "unsharded gradients accumulation already holds -- FSDP's parameter memory becomes DDP's "
+           "for the step. Off by default for that reason: a layout that fits today could run out of "
+           "memory. No effect without accumulation (one micro-batch keeps `fsdp_reshard_after_forward`) "
+           "nor under pipeline parallelism, whose schedule already holds each stage gathered from its "
+           "UNSHARD to its RESHARD action (`fsdp_reshard_after_forward`). See docs/fsdp.md."},
           {LOOM_OPTION(S, tensor_parallel_degree),
            "Tensor-parallel ranks (Megatron-LM's scheme, TorchTitan's plan: attention heads, FFN hidden "
            "units and the vocabulary split over `t` neighbouring ranks; see docs/tensor_parallel.md). It "

@@ -39,6 +39,9 @@ struct ParallelismConfig {
   std::string fsdp_reshard_after_forward = "default";  // "default" | "always" | "never" | int
   double fsdp_bucket_mb = 0;         // 0 = one FSDP group per block, -1 = automatic, > 0 = MB per bucket
   int64_t fsdp_prefetch_depth = 1;   // FSDP groups whose all-gathers run ahead, >= 0
+  // Gradient accumulation: hold the gathered parameters across the step's micro-batches (one
+  // all-gather per group per step instead of two per micro-batch); see FsdpSync.
+  bool fsdp_accumulate_unsharded = false;
   int64_t tensor_parallel_degree = 1;
   bool disable_sequence_parallel = false;  // TP: keep the residual stream whole between blocks
   bool disable_loss_parallel = false;      // TP: gather the logits for the loss

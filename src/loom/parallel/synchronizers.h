@@ -61,18 +61,47 @@ class ContextParallelSync : public Synchronizer {
 // all-reduced over replicas) by the last one's backward. Inside pipeline stages the schedule drives
 // it instead (each stage its own FSDP root; UNSHARD / REDUCE_GRAD / RESHARD actions, see
 // models/common/pipeline.cpp), and the hooks never reduce.
+//
+// With `accumulate_unsharded` (parallelism.fsdp_accumulate_unsharded) a step of several
+// micro-batches also keeps the parameters gathered: every micro-batch runs without reshard after
+// forward, and all but the last without reshard after backward (FSDP2's set_reshard_after_forward /
+// set_reshard_after_backward), so each group is all-gathered by the step's first forward only and
+// freed by its last backward. finish() puts the policy's resharding back (validation forwards, and
+// a step of one micro-batch, reshard as the policy says).
 class FsdpSync : public Synchronizer {
  public:
-  explicit FsdpSync(fsdp::FSDPRoots fsdp) : fsdp_(std::move(fsdp)) {}
+  explicit FsdpSync(fsdp::FSDPRoots fsdp, bool accumulate_unsharded = false)
+      : fsdp_(std::move(fsdp)), accumulate_unsharded_(accumulate_unsharded) {}
   std::string describe() const override;
   // Called by LossStep only (a pipeline's micro-batches are the schedule's).
   void begin_micro_batch(bool last) override {
-    for (const auto& root : fsdp_.roots()) root->set_requires_gradient_sync(last);
+    // Held from the first of several micro-batches through the last: a step of one micro-batch
+    // (last from the start) keeps the policy's resharding.
+    const bool hold = accumulate_unsharded_ && (!last || holding_);
+    for (const auto& root : fsdp_.roots()) {
+      root->set_requires_gradient_sync(last);
+      if (hold) {
+        root->set_reshard_after_forward(false);
+        root->set_reshard_after_backward(last);
+      }
+    }
+    holding_ = hold;
   }
-  void finish(ParameterStorage& /*storage*/) override { fsdp_.finalize_backward(); }
+  void finish(ParameterStorage& /*storage*/) override {
+    fsdp_.finalize_backward();
+    if (!holding_) return;
+    for (const auto& root : fsdp_.roots()) {
+      root->set_reshard_after_forward(true);
+      root->set_reshard_after_backward(true);
+      root->reshard();  // normally a no-op: the last backward freed every group
+    }
+    holding_ = false;
+  }
 
  private:
   fsdp::FSDPRoots fsdp_;
+  bool accumulate_unsharded_ = false;
+  bool holding_ = false;  // this step's micro-batches hold the parameters gathered
 };
 
 // DDP: its buckets all-reduce in the last micro-batch's backward; the gradients are views of the

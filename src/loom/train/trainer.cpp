@@ -265,6 +265,7 @@ void Trainer::parallelize() {
   options.fsdp_reshard_after_forward = config_.parallelism.fsdp_reshard_after_forward;
   options.fsdp_bucket_mb = config_.parallelism.fsdp_bucket_mb;
   options.fsdp_prefetch_depth = config_.parallelism.fsdp_prefetch_depth;
+  options.fsdp_accumulate_unsharded = config_.parallelism.fsdp_accumulate_unsharded;
   // What the optimizer needs FSDP's planner never to cut (its registry entry says).
   const parallel::OptimizerSpec& optimizer = parallel::optimizer_spec(config_.optimizer.name);
   if (optimizer.fsdp_granularity) options.fsdp_parameter_granularity = optimizer.fsdp_granularity(config_.optimizer.request());

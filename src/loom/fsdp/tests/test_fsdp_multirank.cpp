@@ -23,11 +23,13 @@ void expect_scenario(int nproc, const std::string& scenario) {
 }
 }  // namespace
 
-// ZeRO-3 and ZeRO-2 x {element, row, 32-row} x accumulation with/without resync, + bf16 params.
+// ZeRO-3 and ZeRO-2 x {element, row, 32-row} x accumulation with/without resync, + bf16 params,
+// + ZeRO-3 accumulating with the parameters held gathered (FsdpSync, fsdp_accumulate_unsharded).
 TEST(FSDPMultiRank, TwoRanks) { expect_scenario(2, "fsdp"); }
 // Same on four ranks (more padding, more split tensors).
 TEST(FSDPMultiRank, FourRanks) { expect_scenario(4, "fsdp"); }
 // reshard_after_forward = 2 on four ranks: backward all-gathers over 2-rank sub-groups.
 TEST(FSDPMultiRank, FourRanksHpZ2) { expect_scenario(4, "hpz"); }
-// HSDP 2 x 2 (ZeRO-3 x granularities, ZeRO-2) and the bad-policy errors.
+// HSDP 2 x 2 (ZeRO-3 x granularities, ZeRO-2, ZeRO-3 held across micro-batches) and the bad-policy
+// errors.
 TEST(FSDPMultiRank, Hsdp2x2AndBadPolicies) { expect_scenario(4, "hsdp"); }

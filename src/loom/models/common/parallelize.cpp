@@ -29,6 +29,7 @@ PlanOptions PlanOptions::from(const ParallelizeOptions& options) {
   plan.fsdp.reshard_after_forward = reshard.blocks;
   plan.fsdp_reshard_last_block = reshard.last_block;
   plan.fsdp_bucket_bytes = resolve_fsdp_bucket_mb(options.fsdp_bucket_mb);
+  plan.fsdp_accumulate_unsharded = options.fsdp_accumulate_unsharded;
   LOOM_REQUIRE_USAGE(options.fsdp_prefetch_depth >= 0, "parallelism.fsdp_prefetch_depth must be >= 0, got ",
                      options.fsdp_prefetch_depth, "; fix: 1 prefetches the next FSDP group, 2 the next two, 0 none");
   plan.fsdp.prefetch_depth = static_cast<int>(std::min<int64_t>(options.fsdp_prefetch_depth, 1 << 20));
@@ -316,7 +317,8 @@ parallel::ParallelParts compose(const std::vector<std::shared_ptr<Decoder>>& mod
     std::vector<tensor::CommPtr> shard_comms{fsdp_mesh.shard};
     if (experts_mesh) shard_comms.push_back(experts_mesh->shard);
     parts.storage = std::make_unique<parallel::FsdpParameters>(fsdp::FSDPRoots(roots), std::move(shard_comms));
-    parts.synchronizers.push_back(std::make_shared<parallel::FsdpSync>(fsdp::FSDPRoots(roots)));
+    parts.synchronizers.push_back(
+        std::make_shared<parallel::FsdpSync>(fsdp::FSDPRoots(roots), options.fsdp_accumulate_unsharded));
   } else {
     for (const auto& model : models) {
       model->to_empty(options.device);

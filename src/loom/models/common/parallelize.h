@@ -52,6 +52,7 @@ struct PlanOptions {
   fsdp::FSDPPolicy fsdp;                  // when FSDP is on (dp_shard or cp > 1; HSDP with dp_replicate)
   bool fsdp_reshard_last_block = false;   // see FSDPReshardSetting
   int64_t fsdp_bucket_bytes = 0;          // FSDPGrouping::bucket_bytes (parallelism.fsdp_bucket_mb)
+  bool fsdp_accumulate_unsharded = false; // FsdpSync: hold the gathered parameters across micro-batches
   // Autocast around the forward (mixed precision without FSDP); nullopt = full precision.
   std::optional<c10::ScalarType> autocast_dtype;
   uint64_t seed = 0;                      // initialization (the single-process values, any layout)

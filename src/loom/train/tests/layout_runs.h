@@ -256,10 +256,12 @@ inline std::filesystem::path single_process_reference(const std::string& flags, 
 // `check_parameters`, when given (with tol.params >= 0), also sees the layout's gathered parameters.
 // `reference_flags` go to the reference only (e.g. Float8's: one process accumulating micro-batches
 // of the layout's rows, whose scales are per micro-batch).
+// `check_run`, when given, sees the layout's run folder (its metrics.jsonl) before it is removed.
 inline void expect_layout_matches_single_process(
     const Layout& l, const std::string& model_flags, int steps, Tolerance tol,
     const std::function<void(const std::map<std::string, torch::Tensor>&)>& check_parameters = nullptr,
-    const std::string& reference_flags = "") {
+    const std::string& reference_flags = "",
+    const std::function<void(const std::filesystem::path&)>& check_run = nullptr) {
   const bool gather = tol.params >= 0;
   const auto reference = single_process_reference(model_flags + reference_flags, steps, gather);
   ASSERT_FALSE(reference.empty());
@@ -296,6 +298,7 @@ inline void expect_layout_matches_single_process(
   } else {
     EXPECT_LE(worst_norm, norm_tol) << l.name << ": the gradient norm differs from the single process's";
   }
+  if (check_run) check_run(dir.path());
   double worst_param = 0;
   if (gather) {
     const auto parameters = gathered_parameters(dir, steps);

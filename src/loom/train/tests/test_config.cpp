@@ -49,6 +49,7 @@ TEST(Config, DefaultsMirrorTorchTitanAndValidate) {
   EXPECT_EQ(c.training.global_batch_size, -1);
   EXPECT_EQ(c.parallelism.data_parallel_shard_degree, -1);
   EXPECT_EQ(c.parallelism.fsdp_reshard_after_forward, "default");
+  EXPECT_FALSE(c.parallelism.fsdp_accumulate_unsharded);  // off: it holds the whole model gathered
   EXPECT_EQ(c.metrics.peak_flops, 0.0);
   EXPECT_FALSE(c.checkpoint.enable);
   EXPECT_NO_THROW(validate(c));
@@ -127,13 +128,14 @@ TEST(Config, FileValuesOfEveryType) {
   const JobConfig c = parse(
       "[training]\nsteps = 7\nmax_norm = 2\ndeterministic = true\ndataset_format = \"text\"\n"
       "[lr_scheduler]\ndecay_ratio = 0.25\n"
-      "[parallelism]\nfsdp_reshard_after_forward = 4\n");
+      "[parallelism]\nfsdp_reshard_after_forward = 4\nfsdp_accumulate_unsharded = true\n");
   EXPECT_EQ(c.training.steps, 7);
   EXPECT_DOUBLE_EQ(c.training.max_norm, 2.0);
   EXPECT_TRUE(c.training.deterministic);
   EXPECT_EQ(c.training.dataset_format, loom::data::DatasetFormat::kText);
   EXPECT_EQ(c.lr_scheduler.decay_ratio, 0.25);
   EXPECT_EQ(c.parallelism.fsdp_reshard_after_forward, "4");
+  EXPECT_TRUE(c.parallelism.fsdp_accumulate_unsharded);
   EXPECT_FALSE(parse("[lr_scheduler]\ndecay_ratio = -1\n").lr_scheduler.decay_ratio.has_value());
 }
 

@@ -1,10 +1,14 @@
 // Per-rank scenarios of the FSDP multi-rank tests, started by `loom launch --exec`:
 //   loom_fsdp_worker fsdp   FSDP over all ranks: ZeRO-3 and ZeRO-2, each with the granularities
 //                           element, row and 32-row block, gradient accumulation over 2
-//                           micro-batches with and without resync (+ bf16 mixed precision on
-//                           2 ranks)
+//                           micro-batches with and without resync, ZeRO-3 accumulating with
+//                           the parameters held gathered through parallel::FsdpSync (the
+//                           Trainer's seam, parallelism.fsdp_accumulate_unsharded: one all-gather
+//                           per group per step, at least the whole model's gathered parameters
+//                           held between micro-batches) (+ bf16 mixed precision on 2 ranks)
 //   loom_fsdp_worker hpz    reshard_after_forward = 2 (hpZ) over all ranks
-//   loom_fsdp_worker hsdp   HSDP 2 x (world / 2), then the bad-policy errors
+//   loom_fsdp_worker hsdp   HSDP 2 x (world / 2) (ZeRO-3, ZeRO-2, ZeRO-3 held), then the
+//                           bad-policy errors
 // Each configuration trains a tiny Llama for 30 steps (AdamW, clipping) and checks on every rank:
 //   - the per-step loss (mean over the data-parallel ranks) equals the single-process reference
 //     (the unwrapped model on the union of all ranks' batches, optim::AdamW) within 1e-5 relative;
@@ -33,6 +37,8 @@
 #include "loom/models/llama3/spec.h"
 #include "loom/optim/adamw.h"
 #include "loom/optim/clip_grad.h"
+#include "loom/parallel/parameter_storage.h"
+#include "loom/parallel/synchronizers.h"
 
 namespace {
 using namespace loom;
@@ -112,6 +118,10 @@ struct Config {
   fsdp::ReshardAfterForward reshard = fsdp::ReshardAfterForward::always();
   tensor::Granularity granularity = tensor::Granularity::element();
   bool resync = true;  // reduce-scatter every micro-batch (else only the last)
+  // parallelism.fsdp_accumulate_unsharded: the micro-batches are driven through the Trainer's seam
+  // (parallel::FsdpSync), which keeps every group gathered from the step's first forward to its
+  // last backward (needs resync = false).
+  bool hold = false;
   c10::ScalarType param_dtype = torch::kFloat32;
   int steps = 30;
   double loss_rtol = 1e-5;
@@ -154,8 +164,9 @@ Counters expected_counters(fsdp::FSDPModule& root, const Config& cfg, ByteCount&
     const bool is_root = g == root.param_group();
     const bool zero3 = cfg.reshard == fsdp::ReshardAfterForward::always() && !is_root;
     const bool hpz = N > 1 && !is_root;
-    const int ag_shard = k * (zero3 ? 2 : 1);  // forward, plus backward when resharded fully
-    const int ag_hpz = hpz ? k : 0;            // hpZ: backward all-gather over N ranks
+    // Forward, plus backward when resharded fully; held: the step's first forward only.
+    const int ag_shard = cfg.hold ? 1 : k * (zero3 ? 2 : 1);
+    const int ag_hpz = hpz && !cfg.hold ? k : 0;  // hpZ: backward all-gather over N ranks
     const int rs = cfg.resync ? k : 1;
     add(CommOp::kAllGather, mesh.shard->name(), W, psi * bp, ag_shard);
     if (hpz) add(CommOp::kAllGather, mesh.post_forward->name(), N, psi * bp, ag_hpz);
@@ -213,17 +224,42 @@ double run_config(Layout& L, const Config& cfg, const Reference& ref) {
   if (groups != (cfg.bucket_bytes > 0 ? 3 : 2 + tiny_args().n_layers)) {
     mismatch(c10::str(cfg.label, ": ", groups, " FSDP groups"));
   }
-  const bool regather = !(cfg.reshard == fsdp::ReshardAfterForward::never());
+  const bool regather = !(cfg.reshard == fsdp::ReshardAfterForward::never()) && !cfg.hold;
+  if (cfg.hold && cfg.resync) mismatch(cfg.label + ": holding the parameters needs resync off");
+  // What ParallelizedModel calls around the micro-batches (FsdpSync: begin_micro_batch, finish).
+  parallel::FsdpParameters storage(fsdp::FSDPRoots(root), {root->mesh().shard});
+  parallel::FsdpSync sync(fsdp::FSDPRoots(root), /*accumulate_unsharded=*/true);
+  // Whole model's unsharded parameter buffers, and the most held after a non-last backward.
+  int64_t whole_unsharded = 0;
+  for (fsdp::FSDPParamGroup* g : root->param_groups()) {
+    whole_unsharded += g->plan().buffer_elems() * static_cast<int64_t>(c10::elementSize(cfg.param_dtype));
+  }
+  int64_t held_between = 0;
   for (int step = 0; step < cfg.steps; ++step) {
     distributed::comm_stats().reset();
     root->reset_prefetch_counts();
     optimizer.zero_grad();
     double local = 0;
     for (int micro = 0; micro < kMicroBatches; ++micro) {
-      root->set_requires_gradient_sync(cfg.resync || micro + 1 == kMicroBatches);
+      const bool last = micro + 1 == kMicroBatches;
+      if (cfg.hold) {
+        sync.begin_micro_batch(last);
+      } else {
+        root->set_requires_gradient_sync(cfg.resync || last);
+      }
       torch::Tensor loss = loss_of(*model, batch_of(dp_rank, step, micro));
       local += loss.item<double>() / kMicroBatches;
       (loss / kMicroBatches).backward();
+      if (!last) held_between = std::max(held_between, root->unsharded_bytes_allocated());
+    }
+    if (cfg.hold) {
+      sync.finish(storage);
+      // Held between micro-batches: every group's gathered parameters (and the unsharded
+      // gradients accumulating, which unsharded_bytes_allocated counts too); none without hold.
+      if (held_between < whole_unsharded) {
+        mismatch(c10::str(cfg.label, ": ", held_between, " unsharded bytes held between micro-batches, less than the ",
+                          whole_unsharded, " of the whole model's parameters"));
+      }
     }
     root->clip_grad_norm_(kMaxNorm);
     optimizer.step();
@@ -236,7 +272,10 @@ double run_config(Layout& L, const Config& cfg, const Reference& ref) {
     // prefetch it; with bf16 parameters the root's is on the float32 cast, whose backward comes first.
     const auto prefetches = root->prefetch_counts();
     const int64_t head_gathers_itself = cfg.param_dtype == torch::kFloat32 ? 1 : 0;
-    const int64_t want_forward = (groups - 1) * (step == 0 ? kMicroBatches - 1 : kMicroBatches);
+    // Held: every micro-batch after the first finds its groups gathered, so only the first
+    // forward of a step whose order is recorded prefetches.
+    const int64_t want_forward = cfg.hold ? (step == 0 ? 0 : groups - 1)
+                                          : (groups - 1) * (step == 0 ? kMicroBatches - 1 : kMicroBatches);
     const int64_t want_backward = regather ? (groups - 1 - head_gathers_itself) * kMicroBatches : 0;
     if (prefetches.forward != want_forward || prefetches.backward != want_backward) {
       mismatch(c10::str(where, ": prefetched ", prefetches.forward, " forward / ",
@@ -304,10 +343,10 @@ double run_config(Layout& L, const Config& cfg, const Reference& ref) {
   }
   if (rank == 0) {
     std::printf("%-34s %d steps ok (%.1f ms/step): loss rel diff max %.2e, param diff max %.2e, "
-                "wire/step %.0f B (= ANCHORS), Psi %lld (padding %.2f%%, %lld split tensors), "
-                "shard %lld elems/rank\n",
+                "wire/step %.0f B (= ANCHORS), unsharded bytes held between micro-batches %lld, "
+                "Psi %lld (padding %.2f%%, %lld split tensors), shard %lld elems/rank\n",
                 cfg.label.c_str(), cfg.steps, ms_per_step, worst_loss, worst_param,
-                per_step_wire.value(),
+                per_step_wire.value(), static_cast<long long>(held_between),
                 static_cast<long long>(psi), 100.0 * static_cast<double>(psi - numel) / psi,
                 static_cast<long long>(split), static_cast<long long>(shard));
     std::fflush(stdout);
@@ -395,6 +434,12 @@ int run(const std::string& scenario) {
       configs.push_back(c);
     }
     // Both blocks in one bucket (one group of several modules), the next two groups prefetched.
+    // Accumulation holding the gathered parameters (FsdpSync, fsdp_accumulate_unsharded).
+    Config hold;
+    hold.label = "zero3 " + w + " element held";
+    hold.resync = false;
+    hold.hold = true;
+    configs.push_back(hold);
     Config bucket;
     bucket.label = "zero3 " + w + " element bucketed depth-2";
     bucket.bucket_bytes = int64_t{1} << 40;
@@ -415,6 +460,11 @@ int run(const std::string& scenario) {
     z2.reshard = fsdp::ReshardAfterForward::never();
     z2.resync = false;
     configs.push_back(z2);
+    Config hold;
+    hold.label = rxs + " zero3 element held";
+    hold.resync = false;
+    hold.hold = true;
+    configs.push_back(hold);
   } else {
     std::fprintf(stderr, "unknown scenario '%s' (fsdp | hpz | hsdp)\n", scenario.c_str());
     return 2;
