@@ -219,7 +219,11 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
   const auto& p = config.parallelism;
   const double world = static_cast<double>(layout.dp_replicate) * layout.dp_shard * layout.cp * layout.tp * layout.pp;
   const double dp = static_cast<double>(layout.dp_replicate) * layout.dp_shard;
-  const double global_tokens = static_cast<double>(t.global_batch_size) * static_cast<double>(t.seq_len);
+  // training.global_batch_size = -1 means local_batch_size x the data-parallel degree (no
+  // accumulation), as the trainer reads it; priced as a count of rows, never as -1.
+  const double global_rows = t.global_batch_size > 0 ? static_cast<double>(t.global_batch_size)
+                                                     : static_cast<double>(t.local_batch_size) * dp;
+  const double global_tokens = global_rows * static_cast<double>(t.seq_len);
   const double c = t.mixed_precision_param == Precision::kBFloat16 ? 2 : 4;
   const double reduce_bytes = t.mixed_precision_reduce == Precision::kBFloat16 ? 2 : 4;
   const double flops_per_token = spec.flops_per_token(args, t.seq_len);

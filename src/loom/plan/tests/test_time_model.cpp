@@ -311,3 +311,31 @@ TEST(PlanTime, ExplicitClusterConstantsOverrideThePreset) {
 }
 
 }  // namespace plan_time_test
+
+// training.global_batch_size = -1 (local x data-parallel degree, the debug configs' setting) is
+// priced as that many rows: `loom plan --explain --cluster` on such a config printed a negative
+// compute time and tokens/s before.
+TEST(PlanTime, AGlobalBatchOfMinusOneIsLocalTimesDataParallel) {
+  auto config_with = [](int64_t global) {
+    return loom::train::parse_config_toml(
+        c10::str("[model]\nname = \"llama3\"\nflavor = \"debugmodel\"\nvocab_size = 2048\n",
+                 "[training]\nseq_len = 256\nlocal_batch_size = 4\nglobal_batch_size = ", global,
+                 "\n[validation]\nenable = false\n"),
+        "test");
+  };
+  const auto& spec = loom::models::get_spec("llama3");
+  const auto args = spec.build_args({"debugmodel", 2048, 256, 0});
+  const auto shape = loom::plan::ModelShape::of(spec, *args);
+  loom::plan::Layout layout;
+  layout.dp_shard = 2, layout.local_batch_size = 4, layout.grad_accum_steps = 1;
+  const loom::plan::Cluster h100 = loom::plan::Cluster::preset("h100");
+  loom::train::JobConfig minus_one = config_with(-1), explicit_rows = config_with(8);
+  layout.apply_to(minus_one);
+  layout.apply_to(explicit_rows);
+  const auto a = loom::plan::estimate_time(spec, *args, shape, minus_one, layout, h100);
+  const auto b = loom::plan::estimate_time(spec, *args, shape, explicit_rows, layout, h100);
+  EXPECT_GT(a.compute_s, 0.0);
+  EXPECT_GT(a.tokens_per_device_s, 0.0);
+  EXPECT_DOUBLE_EQ(a.step_s, b.step_s);
+  EXPECT_DOUBLE_EQ(a.tokens_per_device_s, b.tokens_per_device_s);
+}
