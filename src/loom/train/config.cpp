@@ -51,6 +51,7 @@ const std::vector<SectionBinding>& section_bindings() {
       LOOM_CONFIG_SECTION(checkpoint, checkpoint::checkpoint_section),
       LOOM_CONFIG_SECTION(validation, validation_section),
       LOOM_CONFIG_SECTION(comm, distributed::comm_section),
+      LOOM_CONFIG_SECTION(fault_tolerance, elastic::fault_tolerance_section),
       LOOM_CONFIG_SECTION(profiling, profiling::profiling_section),
   };
   return sections;

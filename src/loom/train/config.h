@@ -27,6 +27,7 @@
 #include "loom/models/config.h"
 #include "loom/optim/lr_scheduler.h"
 #include "loom/parallel/config.h"
+#include "loom/elastic/config.h"
 #include "loom/profiling/config.h"
 #include "loom/train/sections.h"
 
@@ -50,6 +51,7 @@ struct JobConfig {
   checkpoint::CheckpointConfig checkpoint;
   ValidationSection validation;
   distributed::CommConfig comm;
+  elastic::FaultToleranceConfig fault_tolerance;
   profiling::ProfilingConfig profiling;
 
   // The resolved configuration as TOML, every key in schema order; parsing it gives back an equal
