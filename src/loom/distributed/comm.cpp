@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <ctime>
 #include <fstream>
 #include <numeric>
@@ -65,6 +66,32 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
     case ReduceOp::kMax: return c10d::ReduceOp::MAX;
   }
   return c10d::ReduceOp::SUM;
+}
+
+struct InterruptState {
+  std::atomic<bool> interruptible{false};
+  std::atomic<bool> interrupted{false};
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::string reason;
+  // Wakers of waits that cannot be woken through a future (Gloo's send/recv: their abort()).
+  std::map<uint64_t, std::function<void()>> wakers;
+  uint64_t next_waker = 0;
+};
+
+InterruptState& interrupt_state() {
+  static InterruptState state;
+  return state;
+}
+
+[[noreturn]] void throw_interrupted(const std::string& what) {
+  auto& s = interrupt_state();
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    reason = s.reason;
+  }
+  throw CollectivesInterrupted(c10::str(what, " abandoned: ", reason));
 }
 
 // Wraps the backend's work so that completion (observed through wait() or isCompleted()) runs the
@@ -128,7 +155,59 @@ class CommWork : public c10d::Work {
   // A backend failure (a peer that died closes its connections; Gloo raises once its timeout
   // passes) becomes one loom::Error naming the collective, so the rank's last words say which
   // collective on which group broke, not just the transport's complaint.
+  // With collectives interruptible: returns once the backend's work completed, or throws
+  // CollectivesInterrupted (leaving the work unsettled and its record to abandon_pending()).
+  void wait_interruptibly() {
+    auto& s = interrupt_state();
+    if (!inner_ || !s.interruptible.load()) return;
+    if (s.interrupted.load()) throw_interrupted(describe(record_));
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    try {
+      future = inner_->getFuture();
+    } catch (const std::exception&) {
+    }
+    if (future) {
+      auto done = std::make_shared<std::atomic<bool>>(false);
+      future->addCallback([done](c10::ivalue::Future&) {
+        auto& st = interrupt_state();
+        {
+          std::lock_guard<std::mutex> lock(st.mutex);
+          done->store(true);
+        }
+        st.cv.notify_all();
+      });
+      std::unique_lock<std::mutex> lock(s.mutex);
+      s.cv.wait(lock, [&] { return done->load() || s.interrupted.load(); });
+      if (!done->load()) {
+        lock.unlock();
+        throw_interrupted(describe(record_));
+      }
+      return;
+    }
+    // No future (Gloo's send/recv): an interrupt aborts the backend's wait, which then throws.
+    uint64_t id;
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      id = s.next_waker++;
+      WorkHandle inner = inner_;
+      s.wakers[id] = [inner] { inner->abort(); };
+    }
+    std::exception_ptr error;
+    try {
+      if (!s.interrupted.load()) inner_->wait(kNoTimeout);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.wakers.erase(id);
+    }
+    if (s.interrupted.load()) throw_interrupted(describe(record_));
+    if (error) std::rethrow_exception(error);
+  }
+
   void settle_from_inner(std::chrono::milliseconds timeout) {
+    wait_interruptibly();
     std::exception_ptr error;
     try {
       if (inner_) inner_->wait(timeout);
@@ -438,6 +517,15 @@ void FlightRecorder::set_capacity(size_t capacity) {
 size_t FlightRecorder::capacity() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return capacity_;
+}
+
+void FlightRecorder::abandon_pending() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (FlightRecord& r : ring_) {
+    if (r.state != FlightRecord::State::kPending) continue;
+    r.state = FlightRecord::State::kFailed;
+    r.duration = std::chrono::steady_clock::now() - r.started_steady;
+  }
 }
 
 void FlightRecorder::clear() {
@@ -929,5 +1017,34 @@ RingStep ring_step(Comm& comm, const at::Tensor& to_send, const at::Tensor& to_r
   }
   return step;
 }
+
+void set_collectives_interruptible(bool on) { interrupt_state().interruptible.store(on); }
+
+void interrupt_collectives(const std::string& reason) {
+  auto& s = interrupt_state();
+  std::vector<std::function<void()>> wakers;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (!s.interrupted.load()) s.reason = reason;
+    s.interrupted.store(true);
+    for (auto& [id, waker] : s.wakers) wakers.push_back(waker);
+  }
+  s.cv.notify_all();
+  for (auto& waker : wakers) {
+    try {
+      waker();
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+void clear_collectives_interrupt() {
+  auto& s = interrupt_state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.interrupted.store(false);
+  s.reason.clear();
+}
+
+bool collectives_interrupted() { return interrupt_state().interrupted.load(); }
 
 }  // namespace loom::distributed

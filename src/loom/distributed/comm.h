@@ -32,6 +32,8 @@
 #include <utility>
 #include <vector>
 
+#include "loom/core/error.h"
+
 namespace loom::distributed {
 
 enum class ReduceOp { kSum, kAvg, kMax };
@@ -154,6 +156,9 @@ class FlightRecorder {
   void set_capacity(size_t capacity);
   size_t capacity() const;
   void clear();
+  // Marks every pending record failed: the collectives of a membership that elastic training
+  // abandoned (their peers are gone), which no watchdog must later take for stalls.
+  void abandon_pending();
 
   // The ring as JSON, oldest first, for <dump_folder>/flight_recorder/rank<r>.json:
   //   {"rank": 0, "reason": "...", "dumped_at_us": ..., "records": [{"seq": 12, "group_seq": 3,
@@ -180,6 +185,21 @@ class FlightRecorder {
   std::deque<FlightRecord> ring_;
 };
 FlightRecorder& flight_recorder();
+
+// Ending the waits of a membership that is gone (elastic training, src/loom/elastic/): when a rank
+// dies, its peers may be blocked in a collective with it, or with a survivor that already left
+// that collective to re-form. While collectives are interruptible, interrupt_collectives() ends
+// every wait on a Comm collective, present and future, with CollectivesInterrupted (the backend's
+// work is abandoned, never reused: its group is dropped with the membership) until
+// clear_collectives_interrupt(). Off by default; waits then block exactly as before.
+class CollectivesInterrupted : public Error {
+ public:
+  using Error::Error;
+};
+void set_collectives_interruptible(bool on);
+void interrupt_collectives(const std::string& reason);
+void clear_collectives_interrupt();
+bool collectives_interrupted();
 
 // ---------------------------------------------------------------------------------------------
 // Comm

@@ -249,6 +249,25 @@ void Distributed::shutdown() {
   backends_.clear();
 }
 
+void Distributed::abandon() {
+  if (peer_abort_) peer_abort_->stop();
+  watchdog_.reset();
+  flight_recorder().abandon_pending();
+  // Never destroyed: see the header.
+  static auto* graveyard = new std::vector<std::pair<c10::intrusive_ptr<c10d::Backend>,
+                                                     std::shared_ptr<gloo::transport::Device>>>();
+  std::map<std::vector<int>, GroupBackends> backends;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    backends.swap(backends_);
+  }
+  for (auto& [ranks, b] : backends) {
+    graveyard->emplace_back(b.host, gloo_device_);
+    if (b.device) graveyard->emplace_back(b.device, nullptr);
+    b.shared_memory.reset();  // its waits end within one nap (50 ms) and its worker joins
+  }
+}
+
 std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
                                               std::chrono::milliseconds timeout,
                                               c10::Device device, bool shared_memory) {
@@ -295,6 +314,24 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
   } catch (const c10::Error& e) {
     fail("creating the world process group failed on rank ", env.rank, " of ", env.world_size,
          ": ", e.what_without_backtrace());
+  }
+}
+
+std::shared_ptr<Distributed> init_distributed_over(const LaunchEnv& env, const CommConfig& comm,
+                                                   c10::Device device,
+                                                   c10::intrusive_ptr<c10d::Store> store, int threads) {
+  (void)backend_kind_for(device);
+  log::set_rank(env.rank);
+  at::set_num_threads(threads);
+  const std::chrono::milliseconds timeout = std::chrono::seconds(comm.timeout_seconds);
+  if (env.world_size == 1) return std::make_shared<Distributed>(env, timeout, device, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+  dump_flight_recorder_on_sigterm();
+  try {
+    return std::make_shared<Distributed>(env, timeout, device, std::move(store), comm.shared_memory);
+  } catch (const c10::Error& e) {
+    fail("creating the world process group failed on rank ", env.rank, " of ", env.world_size, ": ",
+         e.what_without_backtrace());
   }
 }
 

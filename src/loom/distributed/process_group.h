@@ -96,6 +96,14 @@ class Distributed {
   // the peers may never arrive (report the error instead, see core/error_report.h).
   void shutdown();
 
+  // Leaves this world without a barrier (elastic training re-forms on a new membership; some
+  // peers are gone): stops the watchdog and the peer-failure monitor, marks the collectives still
+  // in flight abandoned (flight_recorder().abandon_pending()), ends the shared-memory groups, and
+  // keeps the Gloo backends alive for the rest of the process: a backend thread may stay blocked
+  // on a dead peer until the backend's timeout, and destroying the backend would join it. Call
+  // it after collectives were interrupted (comm.h), before dropping the world.
+  void abandon();
+
  private:
   // A group's backends: Gloo for CPU tensors; NCCL for device() tensors on a CUDA rank.
   struct GroupBackends {
@@ -137,6 +145,14 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
 // reaches the process groups without the trainer naming it.
 std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env, const CommConfig& comm,
                                               c10::Device device);
+
+// A world over `store` (a membership's own prefix in a store that outlives its ranks: elastic
+// training, src/loom/elastic/), without the peer-failure monitor (a lost rank is survived, not
+// echoed). `threads`: the intra-op threads to use (kept from the job's first layout, so a smaller
+// membership computes as the larger one did).
+std::shared_ptr<Distributed> init_distributed_over(const LaunchEnv& env, const CommConfig& comm,
+                                                   c10::Device device,
+                                                   c10::intrusive_ptr<c10d::Store> store, int threads);
 
 // Intra-op threads for one rank: LOOM_NUM_THREADS, else OMP_NUM_THREADS, else the CPUs this
 // process may run on divided by the ranks on this node (at least 1), so ranks do not oversubscribe.

@@ -308,6 +308,11 @@ void MetricsLogger::log(const StepMetrics& metrics, const std::string& progress)
   write_line(json);
 }
 
+void MetricsLogger::log_event(const nlohmann::json& event) {
+  if (options_.rank != 0 || file_ == nullptr) return;
+  write_line(event.dump());
+}
+
 void MetricsLogger::log_scalars(int64_t step, const std::map<std::string, double>& scalars,
                                 const std::string& console) {
   if (options_.rank != 0) return;

@@ -2,6 +2,7 @@
 // <dump_folder>/metrics.jsonl for every logged step, plus the throughput arithmetic behind them
 // (tokens/s per rank, model FLOPs utilization against a measured fp32 GEMM peak).
 #pragma once
+#include <nlohmann/json.hpp>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -109,6 +110,9 @@ class MetricsLogger {
   // {"step":N,<scalars>} appended to metrics.jsonl and the scalars written to TensorBoard (rank 0
   // only). `loom plot` merges rows of the same step.
   void log_scalars(int64_t step, const std::map<std::string, double>& scalars, const std::string& console);
+  // An event line ({"event": ...}, e.g. elastic training's "rows" ledger and "membership"),
+  // appended as it is (rank 0 only; readers that plot steps skip lines with "event").
+  void log_event(const nlohmann::json& event);
 
   // "step:   10  loss:  7.2345  grad_norm:  1.0123  lr: 8.00e-04  tps: 12,345  mfu: 12.34%
   //  memory:  1.23GiB" followed by any extra keys; with `progress`, that instead of "step: N".

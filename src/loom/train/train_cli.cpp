@@ -10,6 +10,7 @@
 #include "loom/core/error.h"
 #include "loom/core/error_report.h"
 #include "loom/train/config.h"
+#include "loom/train/elastic_run.h"
 #include "loom/train/plot.h"
 #include "loom/train/trainer.h"
 
@@ -44,6 +45,10 @@ void check_misspelt_options(const CLI::App& cmd, const std::vector<std::string>&
 void run_training(train::JobConfig config) {
   std::unique_ptr<train::Trainer> trainer;
   try {
+    if (config.fault_tolerance.enable) {
+      train::run_elastic_training(config);  // one member of an elastic job (train/elastic_run.h)
+      return;
+    }
     trainer = std::make_unique<train::Trainer>(std::move(config));
     trainer->train();
   } catch (...) {

@@ -74,12 +74,13 @@ void restore_rng_state(const nlohmann::json& rank_json, const std::string& key, 
 
 }  // namespace
 
-Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
+Trainer::Trainer(JobConfig config, TrainerHooks hooks)
+    : config_(std::move(config)), hooks_(std::move(hooks)) {
   validate(config_);
   // 1. The model's spec, and the layout checked before any process group exists (a bad
   //    combination is then the same one line on every rank, not a rendezvous): degrees against the
   //    world size, the model against the tensor-parallel degree. Then the world, device and mesh.
-  const distributed::LaunchEnv env = distributed::detect_launch_env();
+  const distributed::LaunchEnv env = hooks_.world ? hooks_.world->env() : distributed::detect_launch_env();
   check_layout(env);
   // The data inputs are resolved before rendezvous (stat only: nothing is opened or read), so a
   // missing path, a FIFO or a device is one line with exit 2 on every rank, not a job that waits.
@@ -132,12 +133,48 @@ Trainer::Trainer(JobConfig config) : config_(std::move(config)) {
   metrics_options.attempt = dist_->env().restart_count;
   metrics_options.enable_tensorboard = config_.metrics.enable_tensorboard;
   metrics_ = std::make_unique<MetricsLogger>(metrics_options);
+  for (const nlohmann::json& event : hooks_.metrics_events) metrics_->log_event(event);
   init_validation();   // 10. held-out data
   init_profiling();  // 11. traces and memory records, when asked for
 }
 
 Trainer::~Trainer() {
-  if (dist_ && std::uncaught_exceptions() == 0) dist_->shutdown();
+  if (dist_ && std::uncaught_exceptions() == 0 && !abandoned_) dist_->shutdown();
+}
+
+void Trainer::abandon() {
+  abandoned_ = true;
+  if (dist_) dist_->abandon();
+}
+
+void Trainer::mark_applied() {
+  applied_step_ = step_;
+  applied_loader_state_ = loader_->state_dict();
+  updating_ = false;
+}
+
+void Trainer::apply_restored_json(const nlohmann::json& json, const std::optional<nlohmann::json>& rank_json) {
+  step_ = json.at("step").get<int64_t>();
+  loader_->load_state_dict(json.at("data_loader"));
+  lr_scheduler_->load_state_dict(lr_scheduler_state_);
+  if (rank_json && rank_json->contains("rng")) {
+    // The CPU stream always; the device's own when this run and the saved one both have it.
+    restore_rng_state(*rank_json, "rng", at::detail::getDefaultCPUGenerator());
+    if (!device_.is_cpu()) {
+      restore_rng_state(*rank_json, "rng_" + device_.str(), at::globalContext().defaultGenerator(device_));
+    }
+  }
+  mark_applied();
+}
+
+bool Trainer::restore_from_hooks() {
+  if (!hooks_.restore_state) return false;
+  checkpoint::ShardedStateDict state = state_dict();
+  if (!hooks_.restore_state(state)) return false;
+  std::optional<nlohmann::json> rank_json;
+  if (!state.rank_json().empty()) rank_json = state.rank_json();
+  apply_restored_json(state.json(), rank_json);
+  return true;
 }
 
 void Trainer::check_layout(const distributed::LaunchEnv& env) {
@@ -162,7 +199,7 @@ void Trainer::init_distributed(const distributed::LaunchEnv& env) {
   // batch is moved there.
   device_ = select_device(config_.training.device, env.local_rank);
   set_current_device(device_);  // before NCCL creates its communicators on it
-  dist_ = distributed::init_distributed(env, config_.comm, device_);
+  dist_ = hooks_.world ? hooks_.world : distributed::init_distributed(env, config_.comm, device_);
   const auto& pd = *parallel_dims_;
   mesh_ = std::make_unique<distributed::DeviceMesh>(pd.build_mesh(dist_));
   // Where this rank's last collectives go when the job stops on a stalled or broken collective
@@ -355,6 +392,8 @@ void Trainer::init_checkpointing() {
     // A frozen base (LoRA's) is no part of the training checkpoints, which hold the adapters: it
     // is loaded first, resuming or not, and must be the base the checkpoint records.
     if (base_reference_.is_object() && !c.initial_load_path.empty()) load_initial_weights(c.initial_load_path);
+    // Elastic training's in-memory state (train/elastic_run.h) rather than the newest checkpoint.
+    if (restore_from_hooks()) return;
     checkpoint::LoadOptions load_options;
     load_options.skip_model_only = true;  // a model-only last save cannot resume training
     // The base and adapter settings it was trained with, before any tensor is read.
@@ -373,16 +412,7 @@ void Trainer::init_checkpointing() {
                          " is at step ", step_, ", which is not before training.steps = ",
                          config_.training.steps, ": nothing left to train; raise training.steps "
                          "to continue, or set job.dump_folder to a new folder for a new run");
-      loader_->load_state_dict(loaded->json.at("data_loader"));
-      lr_scheduler_->load_state_dict(lr_scheduler_state_);
-      if (loaded->rank_json) {
-        // The CPU stream always; the device's own when this run and the saved one both have it.
-        restore_rng_state(*loaded->rank_json, "rng", at::detail::getDefaultCPUGenerator());
-        if (!device_.is_cpu()) {
-          restore_rng_state(*loaded->rank_json, "rng_" + device_.str(),
-                            at::globalContext().defaultGenerator(device_));
-        }
-      }
+      apply_restored_json(loaded->json, loaded->rank_json);
       log::info("resumed from ", loaded->path.string(), " at step ", step_);
       return;
     }
@@ -390,6 +420,9 @@ void Trainer::init_checkpointing() {
   if (!c.initial_load_path.empty() && !(checkpointer_ && base_reference_.is_object())) {
     load_initial_weights(c.initial_load_path);
   }
+  if (!checkpointer_) restore_from_hooks();
+  applied_loader_state_ = loader_->state_dict();
+  applied_step_ = step_;
 }
 
 nlohmann::json Trainer::frozen_base_reference() {
@@ -519,7 +552,7 @@ checkpoint::ShardedStateDict Trainer::state_dict() {
   parallel_model_->add_to_state_dict(sd, *optimizer_, /*frozen=*/config_.checkpoint.initial_load_path.empty());
   lr_scheduler_state_ = lr_scheduler_->state_dict();
   for (const auto& [name, t] : lr_scheduler_state_) sd.add_full("lr_scheduler." + name, "lr_scheduler", t);
-  sd.json()["step"] = step_;
+  sd.json()["step"] = applied_step_;
   // The model config makes the checkpoint self-describing: `loom score` and `loom convert` read it.
   sd.json()[models::kModelConfigKey] = model_spec_->model_config_json(*model_args_);
   // Adapters on a frozen base: their settings and the base they adapt (which is not copied).
@@ -527,7 +560,7 @@ checkpoint::ShardedStateDict Trainer::state_dict() {
     sd.json()[lora::kCheckpointKey] = lora::to_json(lora::LoRAOptions::from(config_.lora));
     sd.json()[models::kBaseKey] = base_reference_;
   }
-  sd.json()["data_loader"] = loader_->state_dict();
+  sd.json()["data_loader"] = applied_loader_state_.is_null() ? loader_->state_dict() : applied_loader_state_;
   sd.rank_json()["rng"] = rng_state_bytes(at::detail::getDefaultCPUGenerator());
   if (!device_.is_cpu()) {
     sd.rank_json()["rng_" + device_.str()] =
@@ -586,6 +619,9 @@ std::optional<FaultSpec> fault_spec(const char* variable) {
 
 bool fault_due(const char* variable, int rank, int64_t step) {
   const auto f = fault_spec(variable);
+  // In an elastic job ranks change with the membership: a fault names the member (never reused),
+  // so it strikes once.
+  if (const char* member = std::getenv("LOOM_ELASTIC_MEMBER")) rank = std::atoi(member);
   return f && f->rank == rank && f->step == step;
 }
 
@@ -656,6 +692,11 @@ StepResult Trainer::train_step() {
   // or one micro-batch after another) and synchronises the gradients.
   std::vector<parallel::ModelBatch> batches;
   for (int64_t micro = 0; micro < grad_accum_steps_; ++micro) batches.push_back(model_batch(loader_->next()));
+  // Test-only fault: this rank dies inside the step, its rows taken and its update not made.
+  if (fault_due("LOOM_FAULT_KILL_MID_STEP", dist_->rank(), step_)) {
+    log::warn("LOOM_FAULT_KILL_MID_STEP: rank ", dist_->rank(), " kills itself inside step ", step_);
+    std::raise(SIGKILL);
+  }
   parallel::LossHook hook;
   if (fault_due("LOOM_FAULT_NAN", dist_->rank(), step_)) {
     hook = [](int64_t index, const torch::Tensor& loss) {
@@ -681,8 +722,10 @@ StepResult Trainer::train_step() {
     if (checkpointer_) checkpointer_->wait_staged();
     {
       RECORD_USER_SCOPE("loom::optimizer_step");
+      updating_ = true;
       optimizer_->step_with_guard(step_guard);
       lr_scheduler_->step();
+      mark_applied();
     }
     pending_values_.push_back(
         torch::stack({loss, norm.detach().reshape({}).to(loss.device(), torch::kFloat64),
@@ -710,6 +753,7 @@ StepResult Trainer::train_step() {
   if (!std::isfinite(result.loss) || !std::isfinite(grad_norm)) {
     handle_nonfinite_step(result);  // throws unless the step may be skipped
     result.skipped = true;
+    mark_applied();
     result.seconds = timer.seconds();
     return result;
   }
@@ -719,8 +763,10 @@ StepResult Trainer::train_step() {
   if (checkpointer_) checkpointer_->wait_staged();
   {
     RECORD_USER_SCOPE("loom::optimizer_step");
+    updating_ = true;
     optimizer_->step();
     lr_scheduler_->step();
+    mark_applied();
   }
   result.seconds = timer.seconds();
   return result;
@@ -890,7 +936,13 @@ std::vector<StepResult> Trainer::train() {
     {
       // torch.profiler's per-step range: trace viewers and HTA cut a trace into steps by it.
       RECORD_USER_SCOPE(c10::str("ProfilerStep#", step_ + 1));
+      const int64_t rows_before = applied_loader_state_.at("rows_consumed").get<int64_t>();
       r = train_step();
+      if (hooks_.after_update) hooks_.after_update(*this);
+      if (hooks_.row_ledger) {
+        metrics_->log_event({{"event", "rows"}, {"step", step_},
+                             {"rows", {rows_before, applied_loader_state_.at("rows_consumed").get<int64_t>()}}});
+      }
       // Before the checkpoint call, whose staging copies are not the step's memory.
       if (memory_accounts_ && !r.skipped) {
         const MemoryBreakdown b = memory_accounts_->end_step(persistent_memory());
@@ -961,6 +1013,7 @@ std::vector<StepResult> Trainer::train() {
     if (validator_) validator_->maybe_validate(step_, t.steps, *metrics_);
     if (profiler_) profiler_->step(step_);  // writes the trace of a window that ended here
     maybe_inject_fault(/*after_step=*/true);
+    if (hooks_.at_step_boundary) hooks_.at_step_boundary(*this);
   }
   if (profiler_) profiler_->finish(step_);
   if (memory_profiler_) memory_profiler_->finish(step_);

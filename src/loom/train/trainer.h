@@ -24,6 +24,7 @@
 //  11. profiling, when [profiling] asks for it: Kineto traces on TorchTitan's schedule, and memory
 //      snapshots (CUDA) or an RSS timeline (CPU); see profiling/profiler.h
 #pragma once
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -64,9 +65,32 @@ struct StepResult {
   bool pending = false;
 };
 
+class Trainer;
+
+// How a Trainer runs inside something that outlives it (elastic training: train/elastic_run.h).
+// Every member is optional; the defaults make a plain `loom train` rank.
+struct TrainerHooks {
+  // The world, already formed (one membership's ranks); null: detect_launch_env() and rendezvous.
+  std::shared_ptr<distributed::Distributed> world;
+  // Fills the training state (views into the live parameters, optimizer and LR schedule, plus its
+  // JSON: step, data loader) in place of resuming from checkpoint.folder; collective. Returns
+  // whether it did.
+  std::function<bool(checkpoint::ShardedStateDict&)> restore_state;
+  // Right after each step's update, before its checkpoint call and metrics.
+  std::function<void(Trainer&)> after_update;
+  // At the end of each step (after its checkpoint call, metrics and validation); may throw to
+  // end training at this boundary.
+  std::function<void(Trainer&)> at_step_boundary;
+  // Lines for metrics.jsonl when it opens (elastic: the membership event).
+  std::vector<nlohmann::json> metrics_events;
+  // A {"event": "rows", "step": N, "rows": [first, end)} line per step: the global rows each step
+  // trained on (the data loader's cursor before and after), the ledger elastic runs are checked by.
+  bool row_ledger = false;
+};
+
 class Trainer {
  public:
-  explicit Trainer(JobConfig config);
+  explicit Trainer(JobConfig config, TrainerHooks hooks = {});
   // A normal end waits for every rank at a barrier; unwinding from an error does not (the peers
   // may never arrive: the error report tells them to stop instead, see distributed/peer_abort.h).
   ~Trainer();
@@ -95,6 +119,16 @@ class Trainer {
   const JobConfig& config() const { return config_; }
   const c10::Device& device() const { return device_; }
   int64_t step() const { return step_; }
+  // The last step whose update is complete (== step() between steps); the training state is at it.
+  int64_t applied_step() const { return applied_step_; }
+  // True while an optimizer update is under way: a state taken now would be torn.
+  bool updating() const { return updating_; }
+  // Everything a checkpoint holds (views into the live state), at applied_step().
+  checkpoint::ShardedStateDict training_state() { return state_dict(); }
+  const distributed::DeviceMesh& mesh() const { return *mesh_; }
+  // Leaves the world without the closing barrier (elastic training: some peers are gone); see
+  // distributed::Distributed::abandon.
+  void abandon();
 
  private:
   // The tokenizer (for the vocabulary), then train::check_layout: degrees against the world size,
@@ -201,6 +235,17 @@ class Trainer {
   bool block_causal_ = false;
   // Per pending step: [global loss, gradient norm, found_inf] (float64, on the device).
   std::vector<torch::Tensor> pending_values_;
+  TrainerHooks hooks_;
+  int64_t applied_step_ = 0;
+  nlohmann::json applied_loader_state_;  // the data loader's state at applied_step_
+  bool updating_ = false;
+  bool abandoned_ = false;
+  // Step, data loader, LR schedule and RNG from a restored or loaded state's JSON.
+  void apply_restored_json(const nlohmann::json& json, const std::optional<nlohmann::json>& rank_json);
+  // TrainerHooks::restore_state, when set: true when it restored the state.
+  bool restore_from_hooks();
+  // The update is complete: the state is at step_.
+  void mark_applied();
 };
 
 }  // namespace loom::train

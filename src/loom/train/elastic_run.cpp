@@ -1,0 +1,234 @@
+#include "loom/train/elastic_run.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <thread>
+
+#include "loom/core/device.h"
+#include "loom/core/error.h"
+#include "loom/core/logging.h"
+#include "loom/core/timer.h"
+#include "loom/distributed/comm.h"
+#include "loom/distributed/elastic_protocol.h"
+#include "loom/distributed/launch_env.h"
+#include "loom/distributed/parallel_dims.h"
+#include "loom/distributed/process_group.h"
+#include "loom/elastic/generation.h"
+#include "loom/elastic/membership.h"
+#include "loom/elastic/state_pieces.h"
+#include "loom/train/trainer.h"
+
+namespace loom::train {
+
+namespace {
+
+// Thrown at a step boundary when replacements wait to join: every trainer of the membership
+// stops after the same step.
+struct MembershipYields {};
+
+elastic::BaseLayout base_layout(const JobConfig& config, const distributed::LaunchEnv& env) {
+  const auto& p = config.parallelism;
+  distributed::ParallelDegrees degrees;
+  degrees.dp_replicate = static_cast<int>(p.data_parallel_replicate_degree);
+  degrees.dp_shard = static_cast<int>(p.data_parallel_shard_degree);
+  degrees.cp = static_cast<int>(p.context_parallel_degree);
+  degrees.tp = static_cast<int>(p.tensor_parallel_degree);
+  degrees.pp = static_cast<int>(p.pipeline_parallel_degree);
+  degrees.ep = static_cast<int>(p.expert_parallel_degree);
+  const distributed::ParallelDims dims(degrees, env.world_size, 0);
+  LOOM_REQUIRE_USAGE(dims.ep() == 1, "fault_tolerance.enable does not combine with expert parallel "
+                     "(parallelism.expert_parallel_degree = ", dims.ep(), "): a smaller data-parallel "
+                     "degree would not divide the experts; set fault_tolerance.enable = false");
+  elastic::BaseLayout base;
+  base.dp_replicate = dims.dp_replicate();
+  base.dp_shard = dims.dp_shard();
+  base.cp = dims.cp();
+  base.tp = dims.tp();
+  base.pp = dims.pp();
+  base.local_batch_size = config.training.local_batch_size;
+  base.global_batch_size = config.training.global_batch_size > 0
+                               ? config.training.global_batch_size
+                               : config.training.local_batch_size * dims.dp_degree();
+  return base;
+}
+
+std::string join_ids(const std::vector<int64_t>& ids) {
+  std::string out;
+  for (int64_t id : ids) out += (out.empty() ? "" : ",") + std::to_string(id);
+  return out;
+}
+
+}  // namespace
+
+void run_elastic_training(const JobConfig& config) {
+  const distributed::LaunchEnv env = distributed::detect_launch_env();
+  const char* member_env = std::getenv(distributed::kElasticMemberEnv);
+  LOOM_REQUIRE_USAGE(env.agent_store && member_env != nullptr,
+                     "fault_tolerance.enable = true needs `loom launch` (its store outlives every rank "
+                     "and it keeps the membership); start the job with `loom launch`, or set "
+                     "fault_tolerance.enable = false");
+  const int64_t member = std::atoll(member_env);
+  const bool joiner = std::getenv(distributed::kElasticJoinerEnv) != nullptr;
+  const elastic::BaseLayout base = base_layout(config, env);
+  const auto& ft = config.fault_tolerance;
+  log::set_rank(static_cast<int>(member));
+
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(env.master_port);
+  options.isServer = false;
+  options.timeout = std::chrono::seconds(config.comm.timeout_seconds);
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::PrefixStore>(c10::str("/worker/attempt_", env.restart_count),
+                                                   c10::make_intrusive<c10d::TCPStore>(env.master_addr, options));
+  } catch (const c10::Error& e) {
+    fail("fault tolerance: member ", member, " cannot reach the launcher's store at ", env.master_addr, ":",
+         env.master_port, ": ", e.what_without_backtrace());
+  }
+  elastic::MembershipClient membership(store, member);
+  distributed::set_collectives_interruptible(true);
+  const int threads = distributed::intra_op_threads(env);
+  const c10::Device device = select_device(config.training.device, env.local_rank);
+
+  elastic::GenerationLayout previous;
+  elastic::PieceSet own;      // this member's pieces when its last membership ended
+  elastic::PieceSet replica;  // its neighbour's, refreshed every step (FSDP shards without a replica)
+  int64_t seen = -1;
+  if (joiner) membership.set_ready();
+  for (;;) {
+    const elastic::Generation gen =
+        membership.wait_newer(seen, std::chrono::seconds(ft.join_timeout_seconds));
+    if (gen.number < 0) {
+      log::info("fault tolerance: training finished; member ", member, " leaves");
+      return;
+    }
+    seen = gen.number;
+    const elastic::GenerationLayout layout = plan_generation(base, previous, gen.members);
+    const int64_t replicas = layout.trainers.empty() ? 0 : layout.replicas();
+    if (replicas < ft.min_replicas) {
+      log::warn("fault tolerance: generation ", gen.number, " (members ", join_ids(gen.members), ") has ",
+                replicas, " whole replica(s), fewer than fault_tolerance.min_replicas = ", ft.min_replicas,
+                "; waiting for replacements");
+      continue;
+    }
+    previous = layout;
+    const auto at = std::find(layout.trainers.begin(), layout.trainers.end(), member);
+    if (at == layout.trainers.end()) {
+      log::info("fault tolerance: member ", member, " waits in generation ", gen.number,
+                " (the rest of its model-parallel group is gone); ", layout.describe());
+      continue;
+    }
+    const int rank = static_cast<int>(at - layout.trainers.begin());
+    const int64_t g = gen.number;
+    distributed::LaunchEnv genv = env;
+    genv.rank = rank;
+    genv.world_size = static_cast<int>(layout.trainers.size());
+    genv.local_world_size = genv.world_size;
+    genv.node_rank = 0;
+    if (rank == 0 && g > 0) {
+      log::info("fault tolerance: generation ", g, ": ", gen.reason, "; members ", join_ids(gen.members),
+                "; ", layout.describe());
+    }
+    JobConfig gconfig = config;
+    gconfig.parallelism.data_parallel_replicate_degree = layout.dp_replicate;
+    gconfig.parallelism.data_parallel_shard_degree = layout.dp_shard;
+    gconfig.training.local_batch_size = layout.local_batch_size;
+    gconfig.training.global_batch_size = base.global_batch_size;
+
+    distributed::clear_collectives_interrupt();
+    membership.watch(g);
+    const Timer formed;
+    std::shared_ptr<distributed::Distributed> dist;
+    std::unique_ptr<Trainer> trainer;
+    const bool replicate = layout.dp_replicate == 1 && layout.dp_shard > 1;
+    std::unique_ptr<elastic::ShardReplicator> replicator;
+    auto refresh_replica = [&](Trainer& t) {
+      if (!replicate) return;
+      if (!replicator) {
+        auto ring = t.mesh().comm("dp_shard");
+        std::vector<int64_t> ranks(ring->world_ranks().begin(), ring->world_ranks().end());
+        replicator = std::make_unique<elastic::ShardReplicator>(ring, g, ranks);
+      }
+      replicator->replicate(t.training_state(), t.applied_step(), replica);
+    };
+    try {
+      dist = distributed::init_distributed_over(
+          genv, config.comm, device,
+          c10::make_intrusive<c10d::PrefixStore>(c10::str("loom/elastic/world/", g), store), threads);
+      TrainerHooks hooks;
+      hooks.world = dist;
+      hooks.row_ledger = true;
+      hooks.metrics_events.push_back({{"event", "membership"},
+                                      {"generation", g},
+                                      {"members", gen.members},
+                                      {"trainers", layout.trainers},
+                                      {"lost", gen.lost},
+                                      {"joined", gen.joined},
+                                      {"reason", gen.number == 0 ? std::string("start") : gen.reason},
+                                      {"dp_replicate", layout.dp_replicate},
+                                      {"dp_shard", layout.dp_shard},
+                                      {"local_batch_size", layout.local_batch_size}});
+      if (g > 0) {
+        hooks.restore_state = [&](checkpoint::ShardedStateDict& state) {
+          const int64_t step = elastic::restore_state(dist->world(), {&own, &replica}, state);
+          if (rank == 0) log::info("fault tolerance: state of step ", step, " re-sharded over ", genv.world_size,
+                                   " rank(s) from the members' memory");
+          return true;
+        };
+      }
+      hooks.after_update = refresh_replica;
+      hooks.at_step_boundary = [&](Trainer&) {
+        torch::Tensor flag = torch::zeros({1}, torch::kInt64);
+        if (rank == 0 && membership.join_requested(g)) flag.fill_(1);
+        if (dist->world_size() > 1) dist->world()->all_reduce(flag, distributed::ReduceOp::kMax);
+        if (flag.item<int64_t>() != 0) throw MembershipYields{};
+      };
+      trainer = std::make_unique<Trainer>(gconfig, hooks);
+      refresh_replica(*trainer);  // the copies of this layout's shards before its first step
+      if (rank == 0 && g > 0) {
+        log::info("fault tolerance: generation ", g, " formed and restored in ", formed.seconds(), " s");
+      }
+      trainer->train();
+      if (rank == 0) membership.set_done(trainer->step());
+      membership.stop_watch();
+      trainer.reset();  // the closing barrier
+      distributed::set_collectives_interruptible(false);
+      return;
+    } catch (const MembershipYields&) {
+      own = elastic::take_pieces(trainer->training_state(), g, rank, trainer->applied_step());
+      if (rank == 0) membership.yield(g, trainer->applied_step());
+      log::info("fault tolerance: generation ", g, " stops after step ", trainer->applied_step(),
+                " to take in replacements");
+    } catch (const elastic::StateLost& e) {
+      throw Error(c10::str("fault tolerance: ", e.what(), "; every rank restarts from the newest checkpoint"),
+                  distributed::kExitElasticRestart);
+    } catch (const std::exception& e) {
+      // A lost peer: the launcher writes the next membership (its watch interrupted us, or a
+      // collective with the dead rank failed first: give the launcher a moment).
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (membership.newest() <= g && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      if (membership.newest() <= g) throw;  // not a membership change: a real error
+      if (trainer && !trainer->updating()) {
+        own = elastic::take_pieces(trainer->training_state(), g, rank, trainer->applied_step());
+      } else if (trainer) {
+        own = elastic::PieceSet{};  // torn by an update cut short
+      }
+      log::warn("fault tolerance: generation ", g, " ends (", e.what(), ")");
+    }
+    membership.stop_watch();
+    if (trainer) {
+      trainer->abandon();
+    } else if (dist) {
+      dist->abandon();
+    }
+    trainer.reset();
+  }
+}
+
+}  // namespace loom::train
