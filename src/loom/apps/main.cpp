@@ -13,6 +13,7 @@
 #include "loom/models/cli/cli.h"
 #include "loom/pipeline/pipeline_cli.h"
 #include "loom/plan/plan_cli.h"
+#include "loom/train/row_ledger.h"
 #include "loom/train/train_cli.h"
 #include "loom/apps/restart_policy.h"
 #include "loom/core/error.h"
@@ -62,6 +63,7 @@ int run_loom(int argc, char** argv) {
   loom::distributed::register_launch_command(app, std::vector<std::string>(argv, argv + argc), run_loom);
   loom::train::register_train_command(app);
   loom::train::register_plot_command(app);
+  loom::train::register_ledger_command(app);
   loom::models::register_score_command(app);
   loom::models::register_generate_command(app);
   loom::data::register_tokenizer_command(app);

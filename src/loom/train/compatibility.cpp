@@ -114,6 +114,25 @@ const std::vector<Incompatibility>& incompatibilities() {
                          "\" needs FSDP (parallelism.data_parallel_shard_degree > 1): without it gradients are "
                          "float32 master-weight gradients; set it to \"float32\"");
        }},
+      // A smaller data-parallel degree would not divide the experts over the same ranks.
+      {"fault_tolerance.enable", "parallelism.expert_parallel_degree > 1",
+       [](const JobConfig& c, Dims) { return c.fault_tolerance.enable && c.parallelism.expert_parallel_degree > 1; },
+       false,
+       [](const JobConfig& c) {
+         return c10::str("fault_tolerance.enable = true does not compose with parallelism.expert_parallel_degree = ",
+                         c.parallelism.expert_parallel_degree, " (a smaller membership would not divide the experts); "
+                         "set fault_tolerance.enable = false and rely on --max-restarts");
+       }},
+      // The optimizer update must be local to each rank: one cut short by a lost peer (distributed
+      // Muon's gathers run inside it) would leave a torn state that no copy can repair.
+      {"fault_tolerance.enable", "optimizer.name = \"muon\"",
+       [](const JobConfig& c, Dims) { return c.fault_tolerance.enable && c.optimizer.name == "muon"; },
+       false,
+       [](const JobConfig&) {
+         return std::string("fault_tolerance.enable = true does not compose with optimizer.name = \"muon\" (its "
+                            "sharded update gathers across ranks, and one cut short by a lost rank cannot be "
+                            "repaired); use adamw or adamw8bit, or set fault_tolerance.enable = false");
+       }},
   };
   return table;
 }

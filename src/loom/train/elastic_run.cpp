@@ -8,6 +8,8 @@
 #include <memory>
 #include <thread>
 
+#include <unistd.h>
+
 #include "loom/core/device.h"
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
@@ -124,6 +126,8 @@ void run_elastic_training(const JobConfig& config) {
     }
     const int rank = static_cast<int>(at - layout.trainers.begin());
     const int64_t g = gen.number;
+    log::info("fault tolerance: member ", member, " (pid ", ::getpid(), ") is rank ", rank, " of ",
+              layout.trainers.size(), " in generation ", g);
     distributed::LaunchEnv genv = env;
     genv.rank = rank;
     genv.world_size = static_cast<int>(layout.trainers.size());

@@ -603,26 +603,35 @@ struct FaultSpec {
   int64_t step = -1;
 };
 
-std::optional<FaultSpec> fault_spec(const char* variable) {
+// "<rank>:<step>" or a comma-separated list of them.
+std::vector<FaultSpec> fault_specs(const char* variable) {
   const char* spec = std::getenv(variable);
-  if (spec == nullptr) return std::nullopt;
+  if (spec == nullptr) return {};
   const char* attempt = std::getenv("LOOM_RESTART_COUNT");
-  if (attempt != nullptr && std::string(attempt) != "0") return std::nullopt;
-  FaultSpec f;
-  long long step = -1;
-  char extra = 0;
-  LOOM_REQUIRE_USAGE(std::sscanf(spec, "%d:%lld%c", &f.rank, &step, &extra) == 2, variable,
-                     " must be <rank>:<step>, got '", spec, "'");
-  f.step = step;
-  return f;
+  if (attempt != nullptr && std::string(attempt) != "0") return {};
+  std::vector<FaultSpec> out;
+  std::stringstream list(spec);
+  std::string item;
+  while (std::getline(list, item, ',')) {
+    FaultSpec f;
+    long long step = -1;
+    char extra = 0;
+    LOOM_REQUIRE_USAGE(std::sscanf(item.c_str(), "%d:%lld%c", &f.rank, &step, &extra) == 2, variable,
+                       " must be <rank>:<step>[,<rank>:<step>...], got '", spec, "'");
+    f.step = step;
+    out.push_back(f);
+  }
+  return out;
 }
 
 bool fault_due(const char* variable, int rank, int64_t step) {
-  const auto f = fault_spec(variable);
   // In an elastic job ranks change with the membership: a fault names the member (never reused),
   // so it strikes once.
   if (const char* member = std::getenv("LOOM_ELASTIC_MEMBER")) rank = std::atoi(member);
-  return f && f->rank == rank && f->step == step;
+  for (const FaultSpec& f : fault_specs(variable)) {
+    if (f.rank == rank && f.step == step) return true;
+  }
+  return false;
 }
 
 }  // namespace
