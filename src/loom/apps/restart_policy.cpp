@@ -10,8 +10,8 @@ namespace loom::apps {
 
 namespace {
 
-// Where a `loom train` command line checkpoints, read the way `loom train` reads it (--config, then
-// the --section.key overrides). Nothing for other commands, or when the configuration does not
+// Where a `loom train` command line checkpoints and whether it is elastic, read the way `loom
+// train` reads it (--config, then the --section.key overrides). Nothing for other commands, or when the configuration does not
 // load: the ranks then report that error themselves.
 std::optional<distributed::RanksCheckpointing> train_checkpointing(
     const std::vector<std::string>& command) {
@@ -27,7 +27,8 @@ std::optional<distributed::RanksCheckpointing> train_checkpointing(
     const train::JobConfig config = train::load_job_config(config_path, parser.remaining());
     return distributed::RanksCheckpointing{
         config.checkpoint.enable,
-        std::filesystem::path(config.job.dump_folder) / config.checkpoint.folder};
+        std::filesystem::path(config.job.dump_folder) / config.checkpoint.folder,
+        config.fault_tolerance.enable};
   } catch (const std::exception&) {
     return std::nullopt;
   }

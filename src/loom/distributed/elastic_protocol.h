@@ -22,12 +22,16 @@
 //      generation). The ranks of g read that key at every step boundary; when it names their
 //      generation they finish the step, stop together, and rank 0 of g sets kYieldKeyPrefix + g =
 //      "<step>". On that key the launcher writes generation g+1 = the members of g followed by the
-//      ready replacements ("joined": [ids]) and sets kGenerationKey.
+//      ready replacements ("joined": [ids]) and sets kGenerationKey. (Should every ready
+//      replacement have died meanwhile, g+1 still follows the yield, with the members of g and
+//      "joined": [], so that the members who stopped re-form.) kJoinRequestKey keeps naming an
+//      old generation after a join; ranks only act on it when it names theirs.
 //   4. A member that dies while a generation is being formed is dropped the same way (a newer
 //      generation supersedes one being formed: members re-read kGenerationKey while they wait).
 //   5. Rank 0 of the generation that finishes training sets kDoneKey = "<step>" before exiting 0;
 //      members that are not training (spares) exit 0 on it. The launch succeeds when every member
-//      alive has exited 0.
+//      alive has exited 0. A member lost after kDoneKey is set is only logged: no new generation,
+//      no replacement.
 //   6. A member that exits kExitElasticRestart says the job cannot continue in place (state lost
 //      with no copy left, a model-parallel group lost without a data-parallel replica): every
 //      member exits so, each having said why in one line; the launcher then stops them all and

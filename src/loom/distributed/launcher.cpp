@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -18,9 +19,12 @@
 #include <optional>
 #include <set>
 
+#include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "loom/core/error.h"
+#include "loom/distributed/elastic_protocol.h"
 #include "loom/distributed/watchdog.h"
 
 extern char** environ;
@@ -108,6 +112,15 @@ struct RankProcess {
   int wait_status = 0;
   std::string error_line;  // what the rank reported in its LOOM_ERROR_FILE, if anything
   int reported_code = 0;   // the exit code it reported there (0: no report)
+  // Elastic mode: the member id (LOOM_ELASTIC_MEMBER), whether it was started as a replacement
+  // (LOOM_ELASTIC_JOINER), whether it is in a generation yet (the first ranks are; a replacement
+  // once it joined), whether it said it is ready to join, and whether its end was already
+  // handled (a lost member: it names no failure of the attempt).
+  int member = -1;
+  bool joiner = false;
+  bool admitted = true;
+  bool ready = false;
+  bool lost = false;
 };
 
 // Whether a running rank is stopped (SIGSTOP, SIGTSTP, a debugger): state T or t in
@@ -140,6 +153,7 @@ struct GroupOutcome {
   // the ranks: either way the launch ends without a restart.
   int launcher_signal = 0;
   int stopped = 0;  // ranks still running that had to be stopped
+  int replacements = 0;  // elastic mode: replacements started (each one a restart)
   // kRankFailed: the rank that failed first (see WorkerGroup::find_root_cause), and how it failed.
   // Empty when none stands out (then the ranks in `failed` are named in rank order).
   std::optional<RankProcess> root_cause;
@@ -274,10 +288,12 @@ int attempt_exit_code(const GroupOutcome& o) {
 // the launcher even when it unwinds through an exception.
 class WorkerGroup {
  public:
+  // `elastic_store`: elastic mode's store (the launcher's, under the attempt's prefix), else null.
   WorkerGroup(const ResolvedLaunch& plan, int restart_count, int master_port,
-              std::filesystem::path error_dir)
+              std::filesystem::path error_dir,
+              c10::intrusive_ptr<c10d::Store> elastic_store = {})
       : plan_(plan), restart_count_(restart_count), master_port_(master_port),
-        error_dir_(std::move(error_dir)) {}
+        error_dir_(std::move(error_dir)), store_(std::move(elastic_store)) {}
   ~WorkerGroup() {
     for (auto& p : procs_) {
       if (p.running) {
@@ -292,10 +308,21 @@ class WorkerGroup {
 
   void start() {
     const auto& o = plan_.options;
+    if (store_) {
+      // Generation 0, before any rank can look for it: members 0..W-1, the first ranks.
+      nlohmann::json members = nlohmann::json::array();
+      for (int local = 0; local < o.nproc_per_node; ++local) {
+        members.push_back(o.node_rank * o.nproc_per_node + local);
+        members_.push_back(o.node_rank * o.nproc_per_node + local);
+      }
+      write_generation(0, nlohmann::json{{"members", members}, {"reason", "start"}});
+      next_member_ = o.nnodes * o.nproc_per_node;
+    }
     for (int local = 0; local < o.nproc_per_node; ++local) {
       RankProcess p;
       p.local_rank = local;
       p.rank = o.node_rank * o.nproc_per_node + local;
+      p.member = p.rank;
       std::error_code ec;
       std::filesystem::remove(error_file(p), ec);  // a previous attempt's report
       p.pid = spawn(p);
@@ -331,7 +358,272 @@ class WorkerGroup {
     }
   }
 
+  // Elastic mode's monitor (launcher.h; the protocol is elastic_protocol.h). `restarts_done`: the
+  // restarts of the launch so far, replacements included; the outcome counts the replacements
+  // this attempt started.
+  GroupOutcome monitor_elastic(SignalScope& signals, int restarts_done) {
+    const int max_restarts = plan_.options.max_restarts;
+    int replacements = 0;
+    // Since when no member of the generation runs while replacements that never joined still do.
+    std::optional<std::chrono::steady_clock::time_point> orphans_since;
+    while (true) {
+      std::vector<size_t> exited = reap_elastic();
+      // Exit 2, 3 or kExitElasticRestart ends the attempt as without elastic mode; so does a loss
+      // that leaves no member running (below).
+      bool ends_attempt = false;
+      for (size_t i : exited) {
+        const RankProcess& p = procs_[i];
+        if (!WIFEXITED(p.wait_status)) continue;
+        const int code = WEXITSTATUS(p.wait_status);
+        ends_attempt = ends_attempt || code == kExitUsage || code == kExitDiverged ||
+                       code == kExitElasticRestart;
+      }
+      if (ends_attempt) {
+        std::vector<RankProcess> failed;
+        for (size_t i : exited) {
+          if (!exited_ok(procs_[i])) failed.push_back(procs_[i]);
+        }
+        return end_attempt(std::move(failed), signals, replacements);
+      }
+      for (size_t i : exited) {
+        if (exited_ok(procs_[i])) continue;  // a member done, or a spare told training is done
+        read_error_report(procs_[i]);
+        const RankProcess lost = procs_[i];  // a copy: a replacement may grow procs_
+        const std::string exit_words =
+            describe_exit(lost.wait_status, lost.reported_code != 0) +
+            (lost.error_line.empty() ? "" : ": " + lost.error_line);
+        const std::string who = c10::str("member ", lost.member, " (local rank ", lost.local_rank,
+                                         ", pid ", lost.pid, ")");
+        const bool done = store_->check({kDoneKey});
+        if (!lost.admitted) {
+          // A replacement that never joined: dropped, and replaced while restarts are left.
+          procs_[i].lost = true;
+          std::string line = c10::str("loom launch: replacement ", who, " ", exit_words,
+                                      " before it joined");
+          if (done) {
+            line += "; training is done: not replaced";
+          } else if (restarts_done + replacements < max_restarts) {
+            ++replacements;
+            const int id = spawn_replacement(lost);
+            line += c10::str("; starting member ", id, " as its replacement (restart ",
+                             restarts_done + replacements, " of ", max_restarts, ")");
+          } else {
+            line += c10::str("; not replaced: no restarts are left (--max-restarts ",
+                             max_restarts, ")");
+          }
+          say(line);
+          continue;
+        }
+        std::vector<int> alive;
+        for (int id : members_) {
+          if (const RankProcess* m = find_member(id); m != nullptr && m->running) {
+            alive.push_back(id);
+          }
+        }
+        if (done) {
+          procs_[i].lost = true;
+          say(c10::str("loom launch: ", who, " ", exit_words, " after training was done (",
+                       kDoneKey, "); not replaced"));
+          continue;
+        }
+        if (alive.empty()) {
+          // No member left to carry on (or to let a replacement join): as without elastic mode.
+          return end_attempt({lost}, signals, replacements);
+        }
+        procs_[i].lost = true;
+        const int generation = generation_ + 1;
+        write_generation(generation,
+                         nlohmann::json{{"members", alive},
+                                        {"lost", nlohmann::json::array({lost.member})},
+                                        {"reason", c10::str("member ", lost.member, " (pid ",
+                                                            lost.pid, ") ", exit_words)}});
+        generation_ = generation;
+        members_ = alive;
+        std::string line = c10::str("loom launch: ", who, " ", exit_words, "; ", alive.size(),
+                                    " member(s) continue in generation ", generation);
+        if (restarts_done + replacements < max_restarts) {
+          ++replacements;
+          const int id = spawn_replacement(lost);
+          line += c10::str("; starting member ", id, " as its replacement (restart ",
+                           restarts_done + replacements, " of ", max_restarts, ")");
+        } else {
+          line += c10::str("; not replaced: no restarts are left (--max-restarts ", max_restarts,
+                           ")");
+        }
+        say(line);
+        // A join asked of the generation before: the newer one is asked instead.
+        if (join_requested_) request_join();
+      }
+      if (running_count() == 0) {
+        GroupOutcome out;
+        out.replacements = replacements;
+        return out;
+      }
+      poll_joins();
+      // Replacements that never joined, while no member is left to admit them (each exits 0 once
+      // training is done): given the grace period, then stopped.
+      bool member_running = false, orphans = false;
+      for (const auto& p : procs_) {
+        if (!p.running) continue;
+        member_running = member_running || p.admitted;
+        orphans = orphans || !p.admitted;
+      }
+      if (member_running || !orphans) {
+        orphans_since.reset();
+      } else if (!orphans_since) {
+        orphans_since = std::chrono::steady_clock::now();
+      } else if (std::chrono::steady_clock::now() - *orphans_since > plan_.options.stop_grace) {
+        for (auto& p : procs_) {
+          if (!p.running) continue;
+          say(c10::str("loom launch: stopping replacement member ", p.member, " (local rank ",
+                       p.local_rank, ", pid ", p.pid, "): no member is left to admit it"));
+          kill_rank(p, SIGKILL);
+          waitpid(p.pid, &p.wait_status, 0);
+          p.running = false;
+          p.lost = true;
+        }
+        continue;
+      }
+      const auto received = signals.wait(kElasticPollMs);
+      if (!received.empty()) {
+        GroupOutcome out;
+        out.kind = GroupOutcome::Kind::kInterrupted;
+        out.launcher_signal = received.front();
+        out.stopped = stop_all(received.front(), signals, nullptr);
+        out.replacements = replacements;
+        return out;
+      }
+    }
+  }
+
  private:
+  static constexpr int kElasticPollMs = 20;
+
+  static bool exited_ok(const RankProcess& p) {
+    return WIFEXITED(p.wait_status) && WEXITSTATUS(p.wait_status) == 0;
+  }
+
+  static void say(const std::string& line) {
+    std::fprintf(stderr, "%s\n", line.c_str());
+    std::fflush(stderr);
+  }
+
+  // The attempt ends as without elastic mode: `failed` named, the other ranks stopped.
+  GroupOutcome end_attempt(std::vector<RankProcess> failed, SignalScope& signals,
+                           int replacements) {
+    GroupOutcome out;
+    out.kind = GroupOutcome::Kind::kRankFailed;
+    out.failed = std::move(failed);
+    out.stopped = stop_all(SIGTERM, signals, &out.launcher_signal);
+    find_root_cause(out, {});
+    out.replacements = replacements;
+    return out;
+  }
+
+  RankProcess* find_member(int id) {
+    for (auto& p : procs_) {
+      if (p.member == id) return &p;
+    }
+    return nullptr;
+  }
+
+  void write_generation(int generation, const nlohmann::json& membership) {
+    store_->set(c10::str(kGenerationKeyPrefix, generation), membership.dump());
+    store_->set(kGenerationKey, std::to_string(generation));
+  }
+
+  // Asks the current generation to yield to the ready replacements.
+  void request_join() {
+    store_->set(kJoinRequestKey, std::to_string(generation_));
+    join_requested_ = generation_;
+  }
+
+  // A replacement for `lost`: the next member id, its RANK and LOCAL_RANK, the same attempt.
+  int spawn_replacement(const RankProcess& lost) {
+    RankProcess p;
+    p.rank = lost.rank;
+    p.local_rank = lost.local_rank;
+    p.member = next_member_++;
+    p.joiner = true;
+    p.admitted = false;
+    std::error_code ec;
+    std::filesystem::remove(error_file(p), ec);
+    p.pid = spawn(p);
+    p.running = true;
+    procs_.push_back(p);
+    return p.member;
+  }
+
+  // Replacements that said they are ready; the join request once some are; the next generation
+  // once the current one yielded.
+  void poll_joins() {
+    bool any_ready = false;
+    for (auto& p : procs_) {
+      if (!p.running || p.admitted) continue;
+      if (!p.ready) p.ready = store_->check({c10::str(kReadyKeyPrefix, p.member)});
+      any_ready = any_ready || p.ready;
+    }
+    if (!join_requested_) {
+      if (any_ready) request_join();
+      return;
+    }
+    if (!store_->check({c10::str(kYieldKeyPrefix, *join_requested_)})) return;
+    std::vector<int> members;
+    for (int id : members_) {
+      if (const RankProcess* m = find_member(id); m != nullptr && m->running) members.push_back(id);
+    }
+    std::vector<RankProcess*> joining;
+    for (auto& p : procs_) {
+      if (p.running && !p.admitted && p.ready) joining.push_back(&p);
+    }
+    std::sort(joining.begin(), joining.end(),
+              [](const RankProcess* a, const RankProcess* b) { return a->member < b->member; });
+    std::vector<int> joined;
+    std::string names;
+    for (size_t k = 0; k < joining.size(); ++k) {
+      joined.push_back(joining[k]->member);
+      members.push_back(joining[k]->member);
+      names += (k == 0 ? "" : k + 1 == joining.size() ? " and " : ", ") +
+               std::to_string(joining[k]->member);
+    }
+    const int generation = generation_ + 1;
+    const std::string reason =
+        joined.empty() ? "no member joined: the ready replacement(s) were lost"
+                       : c10::str(joined.size() > 1 ? "members " : "member ", names, " joined");
+    write_generation(generation, nlohmann::json{{"members", members},
+                                                {"joined", joined},
+                                                {"reason", reason}});
+    generation_ = generation;
+    members_ = members;
+    join_requested_.reset();
+    std::string who;
+    for (size_t k = 0; k < joining.size(); ++k) {
+      joining[k]->admitted = true;
+      who += c10::str(k == 0 ? "" : k + 1 == joining.size() ? " and " : ", ", "member ",
+                      joining[k]->member, " (local rank ", joining[k]->local_rank, ", pid ",
+                      joining[k]->pid, ")");
+    }
+    say(joined.empty() ? c10::str("loom launch: ", reason, "; ", members.size(),
+                                  " member(s) in generation ", generation)
+                       : c10::str("loom launch: ", who, " joined: ", members.size(),
+                                  " member(s) in generation ", generation));
+  }
+
+  // Collects exited processes (any exit) and returns their indices in procs_.
+  std::vector<size_t> reap_elastic() {
+    std::vector<size_t> exited;
+    for (size_t i = 0; i < procs_.size(); ++i) {
+      RankProcess& p = procs_[i];
+      if (!p.running) continue;
+      int status = 0;
+      if (waitpid(p.pid, &status, WNOHANG) != p.pid) continue;
+      p.running = false;
+      p.wait_status = status;
+      exited.push_back(i);
+    }
+    return exited;
+  }
+
   int running_count() const {
     int n = 0;
     for (const auto& p : procs_) n += p.running ? 1 : 0;
@@ -339,6 +631,8 @@ class WorkerGroup {
   }
 
   std::filesystem::path error_file(const RankProcess& p) const {
+    // Elastic mode: a replacement has its lost member's rank, not its report.
+    if (store_) return error_dir_ / c10::str("member-", p.member, ".error");
     return error_dir_ / c10::str("rank-", p.rank, ".error");
   }
 
@@ -364,6 +658,7 @@ class WorkerGroup {
   void find_root_cause(GroupOutcome& out, const std::vector<RankProcess>& stopped_ranks) {
     std::optional<RankProcess> reported;
     for (auto& p : procs_) {
+      if (p.lost) continue;  // elastic mode: a loss the attempt survived
       read_error_report(p);
       if (!reported && p.reported_code != 0 && p.reported_code != kExitPeerFailed) reported = p;
     }
@@ -464,6 +759,14 @@ class WorkerGroup {
     };
     std::set<std::string> ours;
     for (const auto& [k, v] : vars) ours.insert(k);
+    std::vector<std::pair<std::string, std::string>> elastic_vars;
+    if (store_) {
+      // Never inherited: only a replacement is a joiner.
+      ours.insert(kElasticMemberEnv);
+      ours.insert(kElasticJoinerEnv);
+      elastic_vars.emplace_back(kElasticMemberEnv, std::to_string(p.member));
+      if (p.joiner) elastic_vars.emplace_back(kElasticJoinerEnv, "1");
+    }
     std::vector<std::string> env;
     for (char** e = environ; *e != nullptr; ++e) {
       const std::string entry(*e);
@@ -471,6 +774,7 @@ class WorkerGroup {
       if (!ours.count(key)) env.push_back(entry);
     }
     for (const auto& [k, v] : vars) env.push_back(k + "=" + v);
+    for (const auto& [k, v] : elastic_vars) env.push_back(k + "=" + v);
     return env;
   }
 
@@ -552,6 +856,13 @@ class WorkerGroup {
   int master_port_;
   std::filesystem::path error_dir_;
   std::vector<RankProcess> procs_;
+  // Elastic mode: the store under the attempt's prefix (null otherwise), the current generation
+  // and its members, the next unused member id, and the generation a pending join request names.
+  c10::intrusive_ptr<c10d::Store> store_;
+  int generation_ = 0;
+  std::vector<int> members_;
+  int next_member_ = 0;
+  std::optional<int> join_requested_;
 };
 
 // A private folder for the ranks' error reports (LOOM_ERROR_FILE), removed with the launch.
@@ -595,6 +906,9 @@ ResolvedLaunch resolve(const LaunchOptions& o) {
   LOOM_REQUIRE_USAGE(o.max_restarts >= 0, "--max-restarts ", o.max_restarts, " must be >= 0");
   // Restarting one node's ranks alone would race the other nodes' launchers to the rendezvous
   // (stale store keys, diverging attempt counts); that needs a rendezvous among the launchers.
+  LOOM_REQUIRE_USAGE(!o.elastic || o.nnodes == 1, "--elastic needs --nnodes 1: the elastic "
+                     "launcher supervises the memberships of one node's ranks (multi-node elastic "
+                     "training needs a rendezvous among the launchers)");
   LOOM_REQUIRE_USAGE(o.max_restarts == 0 || o.nnodes == 1, "--max-restarts ", o.max_restarts,
                      " needs --nnodes 1: restarting a multi-node job needs every node's launcher "
                      "to restart together; let the scheduler requeue the job instead (e.g. Slurm "
@@ -673,14 +987,24 @@ int launch(const LaunchOptions& options) {
   }
   const int store_port = store ? static_cast<int>(store->getPort()) : master_port;
   // One iteration per attempt: start every local rank, monitor until they all finish or one fails.
-  // A failed attempt has been fully stopped and reaped before the next one starts.
+  // A failed attempt has been fully stopped and reaped before the next one starts. `restart` counts
+  // the restarts done so far, the attempt's own (its TORCHELASTIC_RESTART_COUNT) and, in elastic
+  // mode, the replacements it started; `attempt_restart` is the attempt's own.
   for (int restart = 0;; ++restart) {
+    const int attempt_restart = restart;
     GroupOutcome outcome;
     {
-      WorkerGroup group(plan, restart, store_port, errors.path());
+      // Elastic mode: the protocol's keys live under the attempt's prefix, as the ranks' own.
+      c10::intrusive_ptr<c10d::Store> elastic_store;
+      if (plan.options.elastic) {
+        elastic_store = c10::make_intrusive<c10d::PrefixStore>(
+            c10::str("/worker/attempt_", attempt_restart), store);
+      }
+      WorkerGroup group(plan, attempt_restart, store_port, errors.path(), elastic_store);
       group.start();
-      outcome = group.monitor(signals);
+      outcome = elastic_store ? group.monitor_elastic(signals, restart) : group.monitor(signals);
     }
+    restart += outcome.replacements;
     switch (outcome.kind) {
       case GroupOutcome::Kind::kSucceeded:
         return 0;
@@ -706,15 +1030,15 @@ int launch(const LaunchOptions& options) {
       throw Error(c10::str(failure, "; not restarted: ", why, " does not go away with a restart"),
                   launch_code);
     }
-    if (restart == max_restarts) {
+    if (restart >= max_restarts) {
       if (max_restarts == 0) throw Error(failure, launch_code);
-      throw Error(c10::str(failure, "; attempt ", restart + 1, " of ", attempts,
+      throw Error(c10::str(failure, "; attempt ", attempt_restart + 1, " of ", attempts,
                            " failed and no restarts are left (--max-restarts ", max_restarts, ")"),
                   launch_code);
     }
     std::string line = c10::str("loom launch: restart ", restart + 1, " of ", max_restarts,
                                 " (attempt ", restart + 2, " of ", attempts, ") after attempt ",
-                                restart + 1, " failed: ", failure);
+                                attempt_restart + 1, " failed: ", failure);
     if (plan.options.restart_note) {
       const std::string note = plan.options.restart_note(restart, max_restarts);
       if (!note.empty()) line += "; " + note;

@@ -19,6 +19,32 @@
 //
 // Each rank runs in its own process group (so stopping it also stops anything it spawned) and is
 // killed by the kernel if the launcher itself dies (PR_SET_PDEATHSIG).
+//
+// Elastic mode (LaunchOptions::elastic: `--elastic`, or a `train` command whose configuration has
+// fault_tolerance.enable; single node only): the launcher is the only writer of memberships and
+// keeps the survivors running (elastic_protocol.h is the contract; its keys live in the launcher's
+// store under the attempt's prefix "/worker/attempt_<restart_count>"). Each rank process is a
+// *member* with an id that is never reused (LOOM_ELASTIC_MEMBER; the first ranks' ids are their
+// RANK). Before the ranks start it writes generation 0 = members 0..W-1. A member that dies (a
+// signal, or an exit code other than 0, 2, 3 and kExitElasticRestart) is dropped: the launcher
+// writes the next generation without it and, while restarts are left, starts a replacement
+// (LOOM_ELASTIC_JOINER=1, a new member id, the lost member's RANK/LOCAL_RANK, the same attempt), each
+// replacement counting as one restart. One line to stderr says so:
+//   loom launch: member 2 (local rank 2, pid 4242) was killed by signal 9 (SIGKILL); 3 member(s)
+//   continue in generation 1; starting member 4 as its replacement (restart 1 of 3)
+// Once a replacement says it is ready, the launcher asks the current generation to yield
+// (kJoinRequestKey) and on its yield writes the next generation with the replacement appended
+// ("loom launch: member 4 (local rank 2, pid 4343) joined: 4 member(s) in generation 2"). A
+// replacement that dies before it joined is dropped (and replaced while restarts are left); a death
+// while a join is pending is handled first and the join request moves to the newer generation.
+// Members exiting 0 are fine (spares exit 0 once training is done); the launch succeeds when every
+// member still alive has exited 0. A member exiting kExitElasticRestart, 2 or 3 ends the attempt as
+// without elastic mode (stop every rank; restart the whole group with a fresh generation 0 under a
+// new attempt prefix while restarts are left, never after 2 or 3 reported by the rank), and so does
+// a loss that leaves no member running (unless training was already done, kDoneKey). Because
+// replacements count as restarts, the restart count of a whole-group restart (its
+// TORCHELASTIC_RESTART_COUNT, its attempt prefix, "restart N of R (attempt N+1 of R+1)") counts
+// the replacements started before it.
 #pragma once
 #include <chrono>
 #include <filesystem>
@@ -56,6 +82,8 @@ struct LaunchOptions {
   // Optional: called before each restart with the restarts done so far and the allowed maximum;
   // its text is appended to the restart line (e.g. which checkpoint the ranks will resume from).
   std::function<std::string(int restarts_done, int max_restarts)> restart_note;
+  // Elastic mode (see above): survivors keep running when a member is lost; single node only.
+  bool elastic = false;
 };
 
 // Validates the options (one-line loom::UsageError), runs the job, and returns 0 when every rank
@@ -63,7 +91,8 @@ struct LaunchOptions {
 // last attempt (a rank killed by a signal before its peers, a rank stopped while its peers waited,
 // else the lowest rank that reported an error of its own) and the others, with that rank's exit
 // code where core/error.h classifies it (2 and 3 never restarted, 124 the watchdog), else 1; or
-// 128+signal when the launcher was interrupted.
+// 128+signal when the launcher was interrupted. Elastic mode returns 0 when every member still
+// alive exited 0, whatever members were lost on the way.
 int launch(const LaunchOptions& options);
 
 // `loom launch --checkpoint-folder DIR` notes on each restart what the ranks will resume from. The
@@ -76,11 +105,13 @@ const ResumeDescriber& resume_describer();  // empty when none was installed
 
 // Where the ranks' own command checkpoints, so that `--checkpoint-folder` can be checked against
 // what the ranks will actually do (a restart line naming another folder would say "start from
-// scratch" while they resume). The `loom` executable installs a resolver that reads a `train`
+// scratch" while they resume), and whether it is elastic (fault_tolerance.enable turns on
+// LaunchOptions::elastic). The `loom` executable installs a resolver that reads a `train`
 // command's configuration; it returns nothing for commands it cannot tell about.
 struct RanksCheckpointing {
   bool enabled = false;          // checkpoint.enable
   std::filesystem::path folder;  // job.dump_folder / checkpoint.folder
+  bool fault_tolerance = false;  // fault_tolerance.enable: `loom launch` runs in elastic mode
 };
 using CheckpointResolver =
     std::function<std::optional<RanksCheckpointing>(const std::vector<std::string>& command)>;

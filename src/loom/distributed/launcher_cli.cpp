@@ -65,7 +65,7 @@ void register_launch_command(CLI::App& app, std::vector<std::string> typed, Rank
       "launch",
       "Start N local ranks with a torchrun-compatible environment and supervise them: "
       "loom launch --nproc N [--nnodes M --node-rank K --master-addr A --master-port P] "
-      "[--max-restarts R [--checkpoint-folder DIR]] [--exec] -- <args>");
+      "[--max-restarts R [--checkpoint-folder DIR]] [--elastic] [--exec] -- <args>");
   cmd->add_option("--nproc,--nproc-per-node,--nproc_per_node", options->nproc_per_node,
                   "Ranks to start on this node")
       ->required();
@@ -94,6 +94,10 @@ void register_launch_command(CLI::App& app, std::vector<std::string> typed, Rank
                   "Restart all ranks up to R times after a rank fails or a collective times out; "
                   "ranks see the attempt in LOOM_RESTART_COUNT (single node)")
       ->capture_default_str();
+  cmd->add_flag("--elastic", options->elastic,
+                "Elastic training: when a rank is lost the others keep running in a new membership "
+                "and, while --max-restarts allows, a replacement joins them (single node; on by "
+                "itself for a `train` command whose config sets fault_tolerance.enable)");
   auto checkpoint_folder = std::make_shared<std::string>();
   CLI::Option* folder_opt = cmd->add_option(
       "--checkpoint-folder,--checkpoint_folder", *checkpoint_folder,
@@ -134,6 +138,16 @@ void register_launch_command(CLI::App& app, std::vector<std::string> typed, Rank
                          "available: ", known, " (or --exec to run another program)");
     }
     if (port_opt->count() > 0) options->master_port = *master_port;
+    // A `train` command whose configuration asks for fault tolerance runs elastic.
+    if (const auto& resolve = checkpoint_resolver(); resolve && !options->exec && !options->elastic) {
+      if (const std::optional<RanksCheckpointing> ranks = resolve(options->command);
+          ranks && ranks->fault_tolerance) {
+        LOOM_REQUIRE_USAGE(options->nnodes == 1, "the ranks' fault_tolerance.enable = true needs "
+                           "--nnodes 1 for now (the elastic launcher supervises one node's ranks); "
+                           "set --fault_tolerance.enable=false for the ranks of a multi-node job");
+        options->elastic = true;
+      }
+    }
     options->stop_grace = std::chrono::milliseconds(static_cast<int64_t>(*grace_seconds * 1000));
     if (folder_opt->count() > 0) {
       LOOM_REQUIRE_USAGE(!checkpoint_folder->empty(), "--checkpoint-folder is empty; pass the "

@@ -13,9 +13,14 @@
 
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
 #include "loom/core/error.h"
 #include "loom/core/error_report.h"
 #include "loom/distributed/comm.h"
+#include "loom/distributed/elastic_protocol.h"
 #include "loom/distributed/shm_collectives.h"
 #include "loom/distributed/device_mesh.h"
 #include "loom/distributed/launch_env.h"
@@ -567,6 +572,267 @@ void scenario_shared_memory(const std::shared_ptr<Distributed>& dist) {
   }
 }
 
+// ----------------------------------------------------------------------------------------------
+// Elastic scenarios (`loom launch --elastic`): the ranks form no process group; each member talks
+// to the launcher's store the way an elastic rank does (elastic_protocol.h) and appends what it
+// saw to <LOOM_TEST_ELASTIC_DIR>/member-<id>.log ("start pid=P ...", "gen G members=[...]",
+// "done pid=P").
+
+struct ElasticMember {
+  int id = -1;
+  bool joiner = false;
+  int world_size = 0;
+  int attempt = 0;
+  int max_restarts = 0;
+  c10::intrusive_ptr<c10d::Store> store;
+  std::filesystem::path log;
+};
+
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  LOOM_REQUIRE(v != nullptr, name, " is not set; run this scenario under loom launch --elastic");
+  return std::atoi(v);
+}
+
+void note(const ElasticMember& m, const std::string& line) {
+  FILE* f = std::fopen(m.log.c_str(), "a");
+  LOOM_REQUIRE(f != nullptr, "cannot open ", m.log.string());
+  std::fprintf(f, "%s\n", line.c_str());
+  std::fclose(f);
+}
+
+ElasticMember connect_member() {
+  ElasticMember m;
+  const LaunchEnv env = detect_launch_env();
+  m.id = env_int(kElasticMemberEnv);
+  const char* joiner = std::getenv(kElasticJoinerEnv);
+  m.joiner = joiner != nullptr && std::string(joiner) == "1";
+  m.world_size = env.world_size;
+  m.attempt = env.restart_count;
+  m.max_restarts = env.max_restarts;
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(env.master_port);
+  options.isServer = false;
+  options.waitWorkers = false;
+  options.timeout = std::chrono::seconds(30);
+  auto tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+  m.store = c10::make_intrusive<c10d::PrefixStore>(c10::str("/worker/attempt_", m.attempt), tcp);
+  const char* dir = std::getenv("LOOM_TEST_ELASTIC_DIR");
+  LOOM_REQUIRE(dir != nullptr, "LOOM_TEST_ELASTIC_DIR is not set");
+  m.log = std::filesystem::path(dir) / c10::str("member-", m.id, ".log");
+  note(m, c10::str("start pid=", getpid(), " member=", m.id, " rank=", env.rank, " joiner=",
+                   m.joiner ? 1 : 0, " attempt=", m.attempt));
+  return m;
+}
+
+std::string get_text(const ElasticMember& m, const std::string& key) {
+  const std::vector<uint8_t> v = m.store->get(key);
+  return std::string(v.begin(), v.end());
+}
+
+// Waits (up to 30 s) for `key` to exist; returns its value.
+std::string wait_key(const ElasticMember& m, const std::string& key) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!m.store->check({key})) {
+    LOOM_REQUIRE(std::chrono::steady_clock::now() < deadline, "member ", m.id,
+                 ": timed out waiting for ", key);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return get_text(m, key);
+}
+
+// Waits for kGenerationKey to reach at least `generation`; returns the newest generation's
+// membership (`exact`: that of `generation` itself), noted in the log.
+nlohmann::json wait_generation(const ElasticMember& m, int generation, bool exact = false) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  int current = -1;
+  while (true) {
+    if (m.store->check({kGenerationKey})) current = std::stoi(get_text(m, kGenerationKey));
+    if (current >= generation) break;
+    LOOM_REQUIRE(std::chrono::steady_clock::now() < deadline, "member ", m.id,
+                 ": timed out waiting for generation ", generation, " (at ", current, ")");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (exact) current = generation;
+  nlohmann::json g = nlohmann::json::parse(get_text(m, c10::str(kGenerationKeyPrefix, current)));
+  g["generation"] = current;
+  note(m, c10::str("gen ", current, " members=", g["members"].dump(), " reason=", g["reason"].dump()));
+  return g;
+}
+
+bool has_member(const nlohmann::json& g, int id) {
+  for (const auto& x : g["members"]) {
+    if (x.get<int>() == id) return true;
+  }
+  return false;
+}
+
+void finish(const ElasticMember& m, const nlohmann::json& newest) {
+  if (newest["members"][0].get<int>() == m.id) {
+    m.store->set(kDoneKey, std::string("7"));
+  } else {
+    wait_key(m, kDoneKey);
+  }
+  note(m, c10::str("done pid=", getpid()));
+}
+
+// Members 0..W-1 see generation 0; member 1 then SIGKILLs itself. The others wait for generation
+// 1 without it. With --max-restarts > 0 the launcher starts a replacement (the first one SIGKILLs
+// itself before it is ready when LOOM_TEST_ELASTIC_KILL_JOINER=1); once one is ready, rank 0 of
+// generation 1 answers the join request by yielding, and everyone waits for generation 2 = the
+// members of 1 followed by the replacement. Rank 0 of the newest generation then sets kDoneKey and
+// all exit 0.
+void scenario_elastic_membership() {
+  const ElasticMember m = connect_member();
+  const bool expect_join = m.max_restarts > 0;
+  if (m.joiner) {
+    const char* kill = std::getenv("LOOM_TEST_ELASTIC_KILL_JOINER");
+    if (kill != nullptr && std::string(kill) == "1" && m.id == m.world_size) {
+      std::printf("member %d: replacement killing itself before it is ready\n", m.id);
+      std::fflush(stdout);
+      raise(SIGKILL);
+    }
+    m.store->set(c10::str(kReadyKeyPrefix, m.id), std::string("1"));
+    const nlohmann::json g = wait_generation(m, 2);
+    LOOM_REQUIRE(has_member(g, m.id), "member ", m.id, ": generation 2 lacks it: ", g.dump());
+    LOOM_REQUIRE(g.value("joined", nlohmann::json()) == nlohmann::json::array({m.id}), "member ",
+                 m.id, ": generation 2 is ", g.dump());
+    finish(m, g);
+    std::printf("member %d: elastic_membership ok (joined)\n", m.id);
+    return;
+  }
+  const nlohmann::json g0 = wait_generation(m, 0, /*exact=*/true);
+  LOOM_REQUIRE(g0["generation"] == 0 && g0["reason"] == "start" && g0["members"].size() ==
+                   static_cast<size_t>(m.world_size),
+               "member ", m.id, ": generation 0 is ", g0.dump());
+  if (m.id == 1) {
+    std::printf("member 1: killing itself after generation 0\n");
+    std::fflush(stdout);
+    raise(SIGKILL);
+  }
+  const nlohmann::json g1 = wait_generation(m, 1);
+  LOOM_REQUIRE(g1["generation"] == 1 && !has_member(g1, 1) &&
+                   g1["members"].size() == static_cast<size_t>(m.world_size - 1) &&
+                   g1.value("lost", nlohmann::json()) == nlohmann::json::array({1}),
+               "member ", m.id, ": generation 1 is ", g1.dump());
+  nlohmann::json newest = g1;
+  if (expect_join) {
+    if (g1["members"][0].get<int>() == m.id) {
+      const std::string request = wait_key(m, kJoinRequestKey);
+      LOOM_REQUIRE(request == "1", "member ", m.id, ": join request names generation ", request);
+      note(m, "yield 1");
+      m.store->set(c10::str(kYieldKeyPrefix, 1), std::string("7"));
+    }
+    newest = wait_generation(m, 2);
+    nlohmann::json expected = g1["members"];
+    for (const auto& j : newest.value("joined", nlohmann::json::array())) expected.push_back(j);
+    LOOM_REQUIRE(newest["generation"] == 2 && newest.contains("joined") &&
+                     newest["joined"].size() == 1 && newest["joined"][0].get<int>() >= m.world_size &&
+                     newest["members"] == expected,
+                 "member ", m.id, ": generation 2 is ", newest.dump());
+  }
+  finish(m, newest);
+  std::printf("member %d: elastic_membership ok\n", m.id);
+}
+
+// A death while a join is pending. Member 1 SIGKILLs itself after generation 0; once its
+// replacement (member 3) is ready the launcher asks generation 1 to yield, and member 2 SIGKILLs
+// itself on seeing that request. Member 0, rank 0 throughout, holds its yield back until member 2
+// is gone, so the launcher must handle the death first and move the join request to generation 2.
+// Member 0 then yields to every request naming its generation until a generation has W members
+// again (member 4, member 2's replacement, joins with member 3 or after it), and sets kDoneKey.
+void scenario_elastic_churn() {
+  const ElasticMember m = connect_member();
+  if (m.joiner) {
+    m.store->set(c10::str(kReadyKeyPrefix, m.id), std::string("1"));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!m.store->check({kDoneKey})) {
+      LOOM_REQUIRE(std::chrono::steady_clock::now() < deadline, "member ", m.id, ": no kDoneKey");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    note(m, c10::str("done pid=", getpid()));
+    std::printf("member %d: elastic_churn ok (joined)\n", m.id);
+    return;
+  }
+  wait_generation(m, 0, /*exact=*/true);
+  if (m.id == 1) raise(SIGKILL);
+  if (m.id == 2) {
+    wait_generation(m, 1);
+    LOOM_REQUIRE(wait_key(m, kJoinRequestKey) == "1", "member 2: the first join request is not "
+                 "for generation 1");
+    note(m, "saw the join request for generation 1");
+    raise(SIGKILL);
+  }
+  // Member 0.
+  int seen = -1;
+  int yielded = -1;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (true) {
+    LOOM_REQUIRE(std::chrono::steady_clock::now() < deadline, "member 0: timed out at generation ",
+                 seen);
+    const int current = std::stoi(get_text(m, kGenerationKey));
+    if (current != seen) {
+      const nlohmann::json g = wait_generation(m, current, /*exact=*/true);
+      LOOM_REQUIRE(g["members"][0] == 0, "member 0 is not rank 0 of ", g.dump());
+      seen = current;
+      if (g["members"].size() == static_cast<size_t>(m.world_size) && current > 0) {
+        finish(m, g);
+        break;
+      }
+    }
+    const bool member_2_gone = seen >= 2;
+    if (member_2_gone && yielded < seen && m.store->check({kJoinRequestKey}) &&
+        get_text(m, kJoinRequestKey) == std::to_string(seen)) {
+      note(m, c10::str("yield ", seen));
+      m.store->set(c10::str(kYieldKeyPrefix, seen), std::string("7"));
+      yielded = seen;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::printf("member 0: elastic_churn ok\n");
+}
+
+// Attempt 0: member 1 exits kExitElasticRestart after generation 0, the others wait to be
+// stopped. Attempt 1 (a restart of the whole group) must find a fresh generation 0 under its own
+// prefix, members 0..W-1, and nothing newer.
+void scenario_elastic_restart() {
+  const ElasticMember m = connect_member();
+  const nlohmann::json g0 = wait_generation(m, 0, /*exact=*/true);
+  nlohmann::json all = nlohmann::json::array();
+  for (int i = 0; i < m.world_size; ++i) all.push_back(i);
+  LOOM_REQUIRE(g0["generation"] == 0 && g0["members"] == all && g0["reason"] == "start",
+               "member ", m.id, " attempt ", m.attempt, ": generation 0 is ", g0.dump());
+  std::printf("member %d attempt %d: generation 0 members=%s\n", m.id, m.attempt,
+              g0["members"].dump().c_str());
+  std::fflush(stdout);
+  if (m.attempt == 0) {
+    // Member 1 asks for the restart once every member has seen generation 0.
+    m.store->set(c10::str("test/seen/", m.id), std::string("1"));
+    if (m.id == 1) {
+      for (int i = 0; i < m.world_size; ++i) wait_key(m, c10::str("test/seen/", i));
+      std::printf("member 1 attempt 0: asking for a restart of the group\n");
+      std::fflush(stdout);
+      std::_Exit(kExitElasticRestart);
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // stopped by the launcher
+    return;
+  }
+  LOOM_REQUIRE(!m.store->check({c10::str(kGenerationKeyPrefix, 1)}), "member ", m.id,
+               ": attempt ", m.attempt, " sees a generation 1");
+  finish(m, g0);
+  std::printf("member %d attempt %d: elastic_restart ok\n", m.id, m.attempt);
+}
+
+// Scenarios that form no process group.
+const std::map<std::string, std::function<void()>>& store_scenarios() {
+  static const std::map<std::string, std::function<void()>> all = {
+      {"elastic_membership", scenario_elastic_membership},
+      {"elastic_restart", scenario_elastic_restart},
+      {"elastic_churn", scenario_elastic_churn},
+  };
+  return all;
+}
+
 const std::map<std::string, std::function<void(const std::shared_ptr<Distributed>&)>>& scenarios() {
   static const std::map<std::string, std::function<void(const std::shared_ptr<Distributed>&)>> all = {
       {"all_reduce", scenario_all_reduce},       {"all_gather", scenario_all_gather},
@@ -588,6 +854,16 @@ int main(int argc, char** argv) {
   // Several scenarios may run in one launch (sharing the process groups), saving process start-up.
   std::vector<std::string> names(argv + 1, argv + argc);
   if (names.empty()) names.push_back("");
+  if (names.size() == 1 && store_scenarios().count(names.front())) {
+    try {
+      store_scenarios().at(names.front())();
+      std::fflush(stdout);
+      return 0;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s: error: %s\n", names.front().c_str(), e.what());
+      return 1;
+    }
+  }
   for (const auto& name : names) {
     if (!scenarios().count(name)) {
       std::string known;
