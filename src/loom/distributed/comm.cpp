@@ -157,16 +157,22 @@ class CommWork : public c10d::Work {
   // collective on which group broke, not just the transport's complaint.
   // With collectives interruptible: returns once the backend's work completed, or throws
   // CollectivesInterrupted (leaving the work unsettled and its record to abandon_pending()).
-  void wait_interruptibly() {
+  // Returns true when it already waited on the backend's work (Gloo's send/recv: a second wait
+  // would block for good, their completions are counted), with `error` what that wait threw.
+  bool wait_interruptibly(std::exception_ptr& error) {
     auto& s = interrupt_state();
-    if (!inner_ || !s.interruptible.load()) return;
+    if (!inner_ || !s.interruptible.load()) return false;
     if (s.interrupted.load()) throw_interrupted(describe(record_));
-    c10::intrusive_ptr<c10::ivalue::Future> future;
-    try {
-      future = inner_->getFuture();
-    } catch (const std::exception&) {
-    }
-    if (future) {
+    // Gloo's send/recv works have no future that completes (their completion is only observable
+    // through wait()).
+    const bool gloo_point_to_point = host_threads_ && (op_ == CommOp::kSend || op_ == CommOp::kRecv);
+    if (!gloo_point_to_point) {
+      c10::intrusive_ptr<c10::ivalue::Future> future;
+      try {
+        future = inner_->getFuture();
+      } catch (const std::exception&) {
+      }
+      if (!future) return false;
       auto done = std::make_shared<std::atomic<bool>>(false);
       future->addCallback([done](c10::ivalue::Future&) {
         auto& st = interrupt_state();
@@ -182,9 +188,9 @@ class CommWork : public c10d::Work {
         lock.unlock();
         throw_interrupted(describe(record_));
       }
-      return;
+      return false;
     }
-    // No future (Gloo's send/recv): an interrupt aborts the backend's wait, which then throws.
+    // An interrupt aborts the backend's wait, which then throws.
     uint64_t id;
     {
       std::lock_guard<std::mutex> lock(s.mutex);
@@ -192,7 +198,6 @@ class CommWork : public c10d::Work {
       WorkHandle inner = inner_;
       s.wakers[id] = [inner] { inner->abort(); };
     }
-    std::exception_ptr error;
     try {
       if (!s.interrupted.load()) inner_->wait(kNoTimeout);
     } catch (...) {
@@ -203,14 +208,16 @@ class CommWork : public c10d::Work {
       s.wakers.erase(id);
     }
     if (s.interrupted.load()) throw_interrupted(describe(record_));
-    if (error) std::rethrow_exception(error);
+    return true;
   }
 
   void settle_from_inner(std::chrono::milliseconds timeout) {
-    wait_interruptibly();
+    std::exception_ptr waited_error;
+    const bool waited = wait_interruptibly(waited_error);
     std::exception_ptr error;
     try {
-      if (inner_) inner_->wait(timeout);
+      if (waited_error) std::rethrow_exception(waited_error);
+      if (inner_ && !waited) inner_->wait(timeout);
     } catch (const c10::Error& e) {
       error = std::make_exception_ptr(named_failure(e.what_without_backtrace()));
     } catch (const std::exception& e) {

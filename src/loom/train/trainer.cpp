@@ -355,7 +355,8 @@ void Trainer::init_validation() {
 void Trainer::init_checkpointing() {
   const auto& c = config_.checkpoint;
   const int attempt = dist_->env().restart_count;
-  if (!c.enable && dist_->env().max_restarts > 0 && dist_->rank() == 0) {
+  // (An elastic membership after the first restores from memory: the warning was said at the start.)
+  if (!c.enable && dist_->env().max_restarts > 0 && dist_->rank() == 0 && !hooks_.restore_state) {
     // A restart without checkpoints repeats the whole run; say so instead of starting silently.
     if (attempt > 0) {
       log::warn("restart ", attempt, " of ", dist_->env().max_restarts, ": checkpoint.enable is "
