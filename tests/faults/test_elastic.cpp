@@ -70,12 +70,14 @@ void expect_same_model(const fs::path& run, const fs::path& reference, int steps
   EXPECT_GT(clipped, steps / 2) << "clipping must engage for the norms to matter";
 }
 
-// member -> the pids it logged, one per generation it trained in.
-std::map<int, std::set<int>> member_pids(const std::string& output) {
-  std::map<int, std::set<int>> pids;
-  const std::regex line("fault tolerance: member (\\d+) \\(pid (\\d+)\\) is rank");
-  for (auto it = std::sregex_iterator(output.begin(), output.end(), line); it != std::sregex_iterator(); ++it) {
-    pids[std::stoi((*it)[1])].insert(std::stoi((*it)[2]));
+// member -> the pids it trained under, from the membership events (trainers and their pids).
+std::map<int64_t, std::set<int64_t>> member_pids(const fs::path& dump) {
+  std::map<int64_t, std::set<int64_t>> pids;
+  for (const auto& row : read_jsonl(dump / "metrics.jsonl")) {
+    if (!row.contains("event") || row["event"] != "membership") continue;
+    const auto trainers = row["trainers"].get<std::vector<int64_t>>();
+    const auto p = row["pids"].get<std::vector<int64_t>>();
+    for (size_t i = 0; i < trainers.size(); ++i) pids[trainers[i]].insert(p.at(i));
   }
   return pids;
 }
@@ -95,14 +97,17 @@ TEST(Elastic, FsdpOfFourLosesARankMidStepContinuesOnThreeAndTakesItsReplacementB
   EXPECT_NE(r.output.find("killed by signal 9"), std::string::npos) << r.output;
   // The survivors kept their processes through every membership; the lost member never came back;
   // the replacement (member 4) trained.
-  const auto pids = member_pids(r.output);
+  const auto pids = member_pids(dir.path());
   for (int m : {0, 2, 3}) {
     ASSERT_TRUE(pids.count(m)) << r.output;
     EXPECT_EQ(pids.at(m).size(), 1u) << "member " << m << " was restarted\n" << r.output;
   }
   EXPECT_TRUE(pids.count(4)) << r.output;
-  EXPECT_NE(r.output.find("rank 0 of 3 in generation 1"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("rank 3 of 4 in generation 2"), std::string::npos) << r.output;
+  std::vector<std::vector<int64_t>> trainers;
+  for (const auto& row : read_jsonl(dir.path() / "metrics.jsonl")) {
+    if (row.contains("event") && row["event"] == "membership") trainers.push_back(row["trainers"].get<std::vector<int64_t>>());
+  }
+  EXPECT_EQ(trainers, (std::vector<std::vector<int64_t>>{{0, 1, 2, 3}, {0, 2, 3}, {0, 2, 3, 4}}));
   // No applied step is lost: the survivors continue from step 4, the last one applied before the
   // kill inside step 5 (whose rows are issued again).
   EXPECT_NE(r.output.find("state of step 4 re-sharded over 3 rank(s)"), std::string::npos) << r.output;

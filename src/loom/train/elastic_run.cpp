@@ -163,6 +163,15 @@ void run_elastic_training(const JobConfig& config) {
       dist = distributed::init_distributed_over(
           genv, config.comm, device,
           c10::make_intrusive<c10d::PrefixStore>(c10::str("loom/elastic/world/", g), store), threads);
+      // Which process is which rank, for the membership event (and whoever checks that the
+      // survivors kept theirs).
+      torch::Tensor pid = torch::full({1}, static_cast<int64_t>(::getpid()), torch::kInt64);
+      torch::Tensor pids = torch::empty({genv.world_size}, torch::kInt64);
+      if (genv.world_size > 1) {
+        dist->world()->all_gather_into_tensor(pids, pid);
+      } else {
+        pids.copy_(pid);
+      }
       TrainerHooks hooks;
       hooks.world = dist;
       hooks.row_ledger = true;
@@ -170,6 +179,8 @@ void run_elastic_training(const JobConfig& config) {
                                       {"generation", g},
                                       {"members", gen.members},
                                       {"trainers", layout.trainers},
+                                      {"pids", std::vector<int64_t>(pids.data_ptr<int64_t>(),
+                                                                    pids.data_ptr<int64_t>() + pids.numel())},
                                       {"lost", gen.lost},
                                       {"joined", gen.joined},
                                       {"reason", gen.number == 0 ? std::string("start") : gen.reason},
