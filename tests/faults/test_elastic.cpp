@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <regex>
+#include <memory>
 #include <set>
 
 #include "loom/core/build_paths.h"
@@ -86,6 +87,40 @@ RunResult reference_run(const fs::path& dump, int nproc, int steps, const std::s
   return run(loom_bin() + " launch --nproc " + std::to_string(nproc) + " --" + train_args(dump, steps, extra));
 }
 
+// The run that never failed for a layout (`extra`), once per test binary.
+const fs::path& reference(const std::string& extra, int steps = 20) {
+  static std::map<std::string, std::unique_ptr<TempDir>> runs;
+  auto& dir = runs[extra + "/" + std::to_string(steps)];
+  if (!dir) {
+    dir = std::make_unique<TempDir>("elastic_ref");
+    RunResult r = reference_run(dir->path(), 4, steps, extra);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+  }
+  return dir->path();
+}
+
+std::vector<std::vector<int64_t>> trainers_by_membership(const fs::path& dump) {
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& row : read_jsonl(dump / "metrics.jsonl")) {
+    if (row.contains("event") && row["event"] == "membership") out.push_back(row["trainers"].get<std::vector<int64_t>>());
+  }
+  return out;
+}
+
+// An elastic run of `extra`'s layout over 4 ranks with `faults` (env assignments).
+RunResult elastic_run(const fs::path& dump, const std::string& faults, int max_restarts, const std::string& extra,
+                      int steps = 20) {
+  return run("env " + faults + " " + loom_bin() + " launch --nproc 4 --max-restarts " + std::to_string(max_restarts) +
+             " --" + train_args(dump, steps, " --fault_tolerance.enable=true" + extra));
+}
+
+void expect_every_row_once(const fs::path& dump, int steps, int rows_per_step = 12) {
+  const loom::train::RowLedger ledger = loom::train::check_row_ledger(dump);
+  EXPECT_TRUE(ledger.ok()) << ledger.problem;
+  EXPECT_EQ(ledger.steps, steps);
+  EXPECT_EQ(ledger.rows, steps * rows_per_step);
+}
+
 TEST(Elastic, FsdpOfFourLosesARankMidStepContinuesOnThreeAndTakesItsReplacementBack) {
   TempDir ref("elastic_ref"), dir("elastic_fsdp");
   const int steps = 20;
@@ -117,6 +152,121 @@ TEST(Elastic, FsdpOfFourLosesARankMidStepContinuesOnThreeAndTakesItsReplacementB
   EXPECT_EQ(ledger.steps, steps);
   EXPECT_EQ(ledger.rows, steps * 12);
   EXPECT_EQ(ledger.memberships, 3);
+}
+
+// HSDP 2 x 2 loses a rank: its replica is gone, the other replica holds every shard; the three
+// survivors continue as FSDP over 3, and the replacement brings back HSDP 2 x 2.
+TEST(Elastic, HsdpTwoByTwoLosesAReplicaAndComesBack) {
+  const std::string layout = " --parallelism.data_parallel_replicate_degree=2 --parallelism.data_parallel_shard_degree=2";
+  const fs::path& ref = reference(layout);
+  TempDir dir("elastic_hsdp");
+  RunResult r = elastic_run(dir.path(), "LOOM_FAULT_KILL_MID_STEP=2:5", 1, layout);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(trainers_by_membership(dir.path()),
+            (std::vector<std::vector<int64_t>>{{0, 1, 2, 3}, {0, 1, 3}, {0, 1, 3, 4}}));
+  EXPECT_NE(r.output.find("3 rank(s) training (dp_replicate 1 x dp_shard 3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("4 rank(s) training (dp_replicate 2 x dp_shard 2"), std::string::npos) << r.output;
+  expect_same_model(dir.path(), ref, 20);
+  expect_every_row_once(dir.path(), 20);
+}
+
+// DDP over 4: every rank holds the whole state.
+TEST(Elastic, DdpLosesARankAndComesBack) {
+  const std::string layout = " --parallelism.data_parallel_replicate_degree=4 --parallelism.data_parallel_shard_degree=1";
+  const fs::path& ref = reference(layout);
+  TempDir dir("elastic_ddp");
+  RunResult r = elastic_run(dir.path(), "LOOM_FAULT_KILL_MID_STEP=3:7", 1, layout);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(trainers_by_membership(dir.path()),
+            (std::vector<std::vector<int64_t>>{{0, 1, 2, 3}, {0, 1, 2}, {0, 1, 2, 4}}));
+  expect_same_model(dir.path(), ref, 20);
+  expect_every_row_once(dir.path(), 20);
+}
+
+// FSDP 2 x TP 2 loses a tensor-parallel rank: its whole replica leaves training (its TP partner
+// waits), the other replica continues with the lost FSDP shard from its neighbour copy, and the
+// replacement and the waiting partner form a replica again.
+TEST(Elastic, FsdpTimesTpLosesATensorParallelRankTheOtherReplicaContinues) {
+  const std::string layout = " --parallelism.data_parallel_shard_degree=2 --parallelism.tensor_parallel_degree=2";
+  const fs::path& ref = reference(layout);
+  TempDir dir("elastic_tp");
+  RunResult r = elastic_run(dir.path(), "LOOM_FAULT_KILL_MID_STEP=1:5", 1, layout);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(trainers_by_membership(dir.path()),
+            (std::vector<std::vector<int64_t>>{{0, 1, 2, 3}, {2, 3}, {2, 3, 0, 4}}));
+  // 6 rows a step (3 per replica) on one replica of 2 TP ranks: 2 micro-batches of 3.
+  EXPECT_NE(r.output.find("2 rank(s) training (dp_replicate 1 x dp_shard 1, 3 row(s) per micro-batch), 1 waiting"),
+            std::string::npos) << r.output;
+  expect_same_model(dir.path(), ref, 20);
+  expect_every_row_once(dir.path(), 20, 6);
+}
+
+// Two ranks at once, not neighbours: each one's shard is in the other survivors' copies.
+TEST(Elastic, TwoRanksLostAtOnceAndBothReplaced) {
+  const fs::path& ref = reference("");
+  TempDir dir("elastic_two");
+  RunResult r = elastic_run(dir.path(), "LOOM_FAULT_KILL_MID_STEP=1:5,3:5", 2, "");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto trainers = trainers_by_membership(dir.path());
+  ASSERT_GE(trainers.size(), 3u);
+  EXPECT_EQ(trainers[1], (std::vector<int64_t>{0, 2})) << r.output;
+  EXPECT_EQ(trainers.back().size(), 4u) << r.output;
+  expect_same_model(dir.path(), ref, 20);
+  expect_every_row_once(dir.path(), 20);
+}
+
+// Two neighbours at once: rank 2 held rank 1's copy, so rank 1's shard is gone. One line says so,
+// and every rank restarts from the newest checkpoint (today's recovery), which is complete.
+TEST(Elastic, NeighboursLostTogetherFallBackToTheCheckpointInOneLine) {
+  const fs::path& ref = reference("");
+  TempDir dir("elastic_neighbours");
+  RunResult r = elastic_run(dir.path(), "LOOM_FAULT_KILL_MID_STEP=1:5,2:5", 3,
+                            " --checkpoint.enable=true --checkpoint.interval=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("no surviving copy holds all of"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("every rank restarts from the newest checkpoint"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("loom launch: restart"), std::string::npos) << r.output;
+  expect_same_model(dir.path(), ref, 20);
+  expect_every_row_once(dir.path(), 20);
+}
+
+// The replacement dies while the membership it joins forms: the survivors drop it and form again
+// (their state still the one they stopped with), and the next replacement joins.
+TEST(Elastic, TheReplacementDiesWhileJoining) {
+  const fs::path& ref = reference("");
+  TempDir dir("elastic_regrow");
+  RunResult r = elastic_run(dir.path(), "LOOM_FAULT_KILL_MID_STEP=1:5 LOOM_FAULT_KILL_FORMING=4", 2, "");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("LOOM_FAULT_KILL_FORMING: member 4"), std::string::npos) << r.output;
+  const auto pids = member_pids(dir.path());
+  for (int m : {0, 2, 3}) EXPECT_EQ(pids.at(m).size(), 1u) << "member " << m << " was restarted";
+  EXPECT_EQ(trainers_by_membership(dir.path()).back(), (std::vector<int64_t>{0, 2, 3, 5})) << r.output;
+  expect_same_model(dir.path(), ref, 20);
+  expect_every_row_once(dir.path(), 20);
+}
+
+// A rank dies right after a step whose checkpoint is being written in the background: the save is
+// either completed or left in its temporary folder (never half a checkpoint passed off as whole),
+// and the run's later checkpoints are complete and resume.
+TEST(Elastic, ARankLostDuringACheckpointSaveLeavesNoInconsistentCheckpoint) {
+  const fs::path& ref = reference("");
+  TempDir dir("elastic_save");
+  RunResult r = elastic_run(dir.path(), "LOOM_FAULT_KILL=1:6", 1,
+                            " --checkpoint.enable=true --checkpoint.interval=3 --checkpoint.async_mode=async");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_model(dir.path(), ref, 20);
+  expect_every_row_once(dir.path(), 20);
+  for (const auto& e : fs::directory_iterator(dir.path() / "checkpoint")) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step-", 0) != 0 || name.find('.') != std::string::npos) continue;
+    // Saves go to a temporary folder renamed when whole: a step-N folder is a complete checkpoint.
+    EXPECT_TRUE(fs::exists(e.path() / "COMPLETE")) << e.path();
+  }
+  EXPECT_TRUE(fs::exists(dir.path() / "checkpoint" / "step-20" / "COMPLETE"));
+  // The newest complete checkpoint resumes (one rank, any layout reads it).
+  RunResult resumed = run(loom_bin() + train_args(dir.path(), 21, " --checkpoint.enable=true"));
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
 }
 
 }  // namespace elastic_faults

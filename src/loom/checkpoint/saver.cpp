@@ -28,6 +28,7 @@
 #include "loom/checkpoint/metadata.h"
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
+#include "loom/distributed/comm.h"
 #include "loom/core/logging.h"
 #include "loom/core/timer.h"
 
@@ -486,6 +487,11 @@ void wait_for_ranks(const Job& job) {
       if (!fs::exists(job.tmp_dir / rank_meta_name(r))) missing.push_back(r);
     }
     if (missing.empty()) return;
+    // Elastic training re-forms without the ranks that are gone: their parts never come.
+    if (distributed::collectives_interrupted()) {
+      fail("checkpoint step ", job.step, ": abandoned with its membership (a rank is gone); '",
+           job.tmp_dir.string(), "' is left incomplete");
+    }
     if (std::chrono::steady_clock::now() > deadline) {
       std::string ranks;
       for (const int r : missing) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);

@@ -3,6 +3,9 @@
 #include <c10/util/StringUtil.h>
 
 #include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <algorithm>
 
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
@@ -21,6 +24,49 @@ void set_string(c10d::Store& store, const std::string& key, const std::string& v
 }
 constexpr std::chrono::milliseconds kPoll{20};
 }  // namespace
+
+namespace {
+
+class InterruptiblePrefixStore : public c10d::PrefixStore {
+ public:
+  InterruptiblePrefixStore(std::string prefix, c10::intrusive_ptr<c10d::Store> store)
+      : c10d::PrefixStore(prefix, std::move(store)), prefix_(std::move(prefix)) {}
+
+  std::vector<uint8_t> get(const std::string& key) override {
+    await({key}, getTimeout());
+    return c10d::PrefixStore::get(key);
+  }
+  void wait(const std::vector<std::string>& keys) override { await(keys, getTimeout()); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    await(keys, timeout);
+  }
+  c10::intrusive_ptr<c10d::Store> clone() override {
+    return c10::make_intrusive<InterruptiblePrefixStore>(prefix_, getUnderlyingStore()->clone());
+  }
+
+ private:
+  void await(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::chrono::microseconds nap(100);
+    while (!check(keys)) {
+      if (distributed::collectives_interrupted()) {
+        throw distributed::CollectivesInterrupted("rendezvous abandoned: the membership changed");
+      }
+      LOOM_REQUIRE(std::chrono::steady_clock::now() < deadline, "rendezvous: wait timeout after ",
+                   timeout.count(), " ms for ", keys.front());
+      std::this_thread::sleep_for(nap);
+      nap = std::min<std::chrono::microseconds>(nap * 2, std::chrono::milliseconds(10));
+    }
+  }
+  std::string prefix_;
+};
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Store> interruptible_prefix_store(const std::string& prefix,
+                                                           c10::intrusive_ptr<c10d::Store> store) {
+  return c10::make_intrusive<InterruptiblePrefixStore>(prefix, std::move(store));
+}
 
 MembershipClient::MembershipClient(c10::intrusive_ptr<c10d::Store> store, int64_t member)
     : store_(std::move(store)), member_(member) {}
@@ -52,6 +98,21 @@ Generation MembershipClient::wait_newer(int64_t after, std::chrono::milliseconds
     LOOM_REQUIRE(std::chrono::steady_clock::now() < deadline, "fault tolerance: member ", member_,
                  " waited ", timeout.count() / 1000, " s for a new membership after generation ", after,
                  " and none came (fault_tolerance.join_timeout_seconds); stopping");
+    std::this_thread::sleep_for(kPoll);
+  }
+}
+
+bool MembershipClient::assemble(const Generation& generation, std::chrono::milliseconds timeout) {
+  const std::string prefix = c10::str("loom/elastic/here/", generation.number, "/");
+  set_string(*store_, prefix + std::to_string(member_), "1");
+  std::vector<std::string> keys;
+  for (int64_t m : generation.members) keys.push_back(prefix + std::to_string(m));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    if (store_->check(keys)) return true;
+    if (newest() > generation.number) return false;
+    LOOM_REQUIRE(std::chrono::steady_clock::now() < deadline, "fault tolerance: generation ", generation.number,
+                 " did not assemble within ", timeout.count() / 1000, " s (comm.timeout_seconds)");
     std::this_thread::sleep_for(kPoll);
   }
 }
@@ -97,6 +158,25 @@ void MembershipClient::stop_watch() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
+}
+
+void MembershipClient::record_layout(int64_t generation, const GenerationLayout& layout) {
+  const nlohmann::json j = {{"generation", generation},     {"trainers", layout.trainers},
+                            {"spares", layout.spares},       {"dp_replicate", layout.dp_replicate},
+                            {"dp_shard", layout.dp_shard},   {"local_batch_size", layout.local_batch_size}};
+  set_string(*store_, "loom/elastic/trained_layout", j.dump());
+}
+
+GenerationLayout MembershipClient::trained_layout() {
+  GenerationLayout layout;
+  if (!store_->check({"loom/elastic/trained_layout"})) return layout;
+  const auto j = nlohmann::json::parse(get_string(*store_, "loom/elastic/trained_layout"));
+  layout.trainers = j.at("trainers").get<std::vector<int64_t>>();
+  layout.spares = j.at("spares").get<std::vector<int64_t>>();
+  layout.dp_replicate = j.at("dp_replicate").get<int64_t>();
+  layout.dp_shard = j.at("dp_shard").get<int64_t>();
+  layout.local_batch_size = j.at("local_batch_size").get<int64_t>();
+  return layout;
 }
 
 bool MembershipClient::join_requested(int64_t current) {

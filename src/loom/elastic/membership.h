@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "loom/elastic/generation.h"
+
 namespace loom::elastic {
 
 struct Generation {
@@ -22,6 +24,12 @@ struct Generation {
   std::vector<int64_t> joined;
   std::string reason;
 };
+
+// A prefix store whose blocking reads (get, wait) give up with distributed::CollectivesInterrupted
+// once collectives are interrupted (the membership changed): a membership's world forms through it,
+// so a member lost while the others rendezvous ends the rendezvous at once, not at its timeout.
+c10::intrusive_ptr<c10d::Store> interruptible_prefix_store(const std::string& prefix,
+                                                           c10::intrusive_ptr<c10d::Store> store);
 
 class MembershipClient {
  public:
@@ -39,10 +47,21 @@ class MembershipClient {
   // done() true). loom::Error after `timeout`.
   Generation wait_newer(int64_t after, std::chrono::milliseconds timeout);
 
+  // Before forming generation `number`'s world: says this member is here and waits until every
+  // member of it is, so a member that died before forming is met here (false: a newer generation
+  // superseded this one) rather than as a rendezvous that waits out its timeout.
+  bool assemble(const Generation& generation, std::chrono::milliseconds timeout);
+
   // While training in generation `current`: a thread polls for a newer one and, when it appears,
   // interrupts the collectives in flight (comm.h) naming the reason.
   void watch(int64_t current);
   void stop_watch();
+
+  // The layout of the newest generation that trained (its state is the one the members hold):
+  // written by its rank 0 once its trainer was built, read by every member when it plans the next,
+  // so all plan from the same one. Empty trainers before any.
+  void record_layout(int64_t generation, const GenerationLayout& layout);
+  GenerationLayout trained_layout();
 
   // Whether the launcher asks generation `current` to stop at the next step boundary for joiners.
   bool join_requested(int64_t current);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
+#include <csignal>
 #include <thread>
 
 #include <unistd.h>
@@ -109,6 +110,11 @@ void run_elastic_training(const JobConfig& config) {
       return;
     }
     seen = gen.number;
+    // A replacement waits for the membership that takes it in.
+    if (std::find(gen.members.begin(), gen.members.end(), member) == gen.members.end()) continue;
+    // Every member of it alive and here, or a newer one.
+    if (!membership.assemble(gen, std::chrono::seconds(config.comm.timeout_seconds))) continue;
+    previous = membership.trained_layout();
     const elastic::GenerationLayout layout = plan_generation(base, previous, gen.members);
     const int64_t replicas = layout.trainers.empty() ? 0 : layout.replicas();
     if (replicas < ft.min_replicas) {
@@ -117,7 +123,6 @@ void run_elastic_training(const JobConfig& config) {
                 "; waiting for replacements");
       continue;
     }
-    previous = layout;
     const auto at = std::find(layout.trainers.begin(), layout.trainers.end(), member);
     if (at == layout.trainers.end()) {
       log::info("fault tolerance: member ", member, " waits in generation ", gen.number,
@@ -160,9 +165,14 @@ void run_elastic_training(const JobConfig& config) {
       replicator->replicate(t.training_state(), t.applied_step(), replica);
     };
     try {
+      // Test-only fault: this member dies after assembling generation g, before its state moves.
+      if (const char* f = std::getenv("LOOM_FAULT_KILL_FORMING"); f && std::atoll(f) == member && g > 0) {
+        log::warn("LOOM_FAULT_KILL_FORMING: member ", member, " kills itself while generation ", g, " forms");
+        std::raise(SIGKILL);
+      }
       dist = distributed::init_distributed_over(
           genv, config.comm, device,
-          c10::make_intrusive<c10d::PrefixStore>(c10::str("loom/elastic/world/", g), store), threads);
+          elastic::interruptible_prefix_store(c10::str("loom/elastic/world/", g), store), threads);
       // Which process is which rank, for the membership event (and whoever checks that the
       // survivors kept theirs).
       torch::Tensor pid = torch::full({1}, static_cast<int64_t>(::getpid()), torch::kInt64);
@@ -204,6 +214,7 @@ void run_elastic_training(const JobConfig& config) {
       };
       trainer = std::make_unique<Trainer>(gconfig, hooks);
       refresh_replica(*trainer);  // the copies of this layout's shards before its first step
+      if (rank == 0) membership.record_layout(g, layout);
       if (rank == 0 && g > 0) {
         log::info("fault tolerance: generation ", g, " formed and restored in ", formed.seconds(), " s");
       }
