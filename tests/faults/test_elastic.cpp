@@ -154,6 +154,20 @@ TEST(Elastic, FsdpOfFourLosesARankMidStepContinuesOnThreeAndTakesItsReplacementB
   EXPECT_EQ(ledger.memberships, 3);
 }
 
+// The same with the copies of the FSDP shards kept by the neighbouring rank (what a job across hosts
+// needs: a host copy dies with its host) instead of in each rank's host memory.
+TEST(Elastic, FsdpWithNeighbourCopiesLosesARankAndComesBack) {
+  const fs::path& ref = reference("");
+  TempDir dir("elastic_neighbour");
+  RunResult r = elastic_run(dir.path(), "LOOM_FAULT_KILL_MID_STEP=2:8", 1, " --fault_tolerance.shard_copy=neighbour");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("state of step 7 re-sharded over 3 rank(s)"), std::string::npos) << r.output;
+  EXPECT_EQ(trainers_by_membership(dir.path()),
+            (std::vector<std::vector<int64_t>>{{0, 1, 2, 3}, {0, 1, 3}, {0, 1, 3, 4}}));
+  expect_same_model(dir.path(), ref, 20);
+  expect_every_row_once(dir.path(), 20);
+}
+
 // HSDP 2 x 2 loses a rank: its replica is gone, the other replica holds every shard; the three
 // survivors continue as FSDP over 3, and the replacement brings back HSDP 2 x 2.
 TEST(Elastic, HsdpTwoByTwoLosesAReplicaAndComesBack) {
@@ -215,13 +229,15 @@ TEST(Elastic, TwoRanksLostAtOnceAndBothReplaced) {
   expect_every_row_once(dir.path(), 20);
 }
 
-// Two neighbours at once: rank 2 held rank 1's copy, so rank 1's shard is gone. One line says so,
-// and every rank restarts from the newest checkpoint (today's recovery), which is complete.
+// Neighbour copies, two neighbours at once: rank 2 held rank 1's copy, so rank 1's shard is gone
+// (as when a host with both dies). One line says so, and every rank restarts from the newest
+// checkpoint (today's recovery), which is complete. (With host copies the same two deaths are
+// survived in place: the copies outlive the processes.)
 TEST(Elastic, NeighboursLostTogetherFallBackToTheCheckpointInOneLine) {
   const fs::path& ref = reference("");
   TempDir dir("elastic_neighbours");
   RunResult r = elastic_run(dir.path(), "LOOM_FAULT_KILL_MID_STEP=1:5,2:5", 3,
-                            " --checkpoint.enable=true --checkpoint.interval=2");
+                            " --fault_tolerance.shard_copy=neighbour --checkpoint.enable=true --checkpoint.interval=2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("no surviving copy holds all of"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("every rank restarts from the newest checkpoint"), std::string::npos) << r.output;

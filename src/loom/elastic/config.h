@@ -9,6 +9,9 @@
 
 namespace loom::elastic {
 
+enum class ShardCopy { kHostMemory, kNeighbour };
+const options::EnumNames<ShardCopy>& option_names(ShardCopy);
+
 struct FaultToleranceConfig {
   bool enable = false;
   // The fewest data-parallel replicas (whole model-parallel groups) training continues with; below
@@ -17,6 +20,10 @@ struct FaultToleranceConfig {
   // How long members without enough replicas to train wait for a replacement before they give up
   // (one line, exit 1).
   int64_t join_timeout_seconds = 300;
+  // Where the copy of an FSDP shard without a data-parallel replica lives: "host_memory" (each
+  // rank's own, in /dev/shm: survives the rank, not its host) or "neighbour" (the next
+  // data-parallel rank's memory: survives the host, costs a transfer per step).
+  ShardCopy shard_copy = ShardCopy::kHostMemory;
 
   bool operator==(const FaultToleranceConfig&) const = default;
 };

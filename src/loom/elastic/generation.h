@@ -33,12 +33,15 @@ int64_t data_parallel_index(const BaseLayout& base, int64_t replicas, int64_t ra
 
 // One generation's layout.
 struct GenerationLayout {
+  int64_t generation = -1;  // the membership it was planned for (set by the caller)
   std::vector<int64_t> trainers;  // member ids, in world-rank order
   std::vector<int64_t> spares;    // members waiting for the rest of a replica (or for a batch that divides)
   int64_t dp_replicate = 1;
   int64_t dp_shard = 1;
   int64_t local_batch_size = 1;
   int64_t replicas() const { return dp_replicate * dp_shard; }
+  // An FSDP shard has no data-parallel replica: a lost one needs a copy kept elsewhere.
+  bool shards_need_copies() const { return dp_replicate == 1 && dp_shard > 1; }
   std::string describe() const;
 };
 

@@ -171,6 +171,7 @@ GenerationLayout MembershipClient::trained_layout() {
   GenerationLayout layout;
   if (!store_->check({"loom/elastic/trained_layout"})) return layout;
   const auto j = nlohmann::json::parse(get_string(*store_, "loom/elastic/trained_layout"));
+  layout.generation = j.at("generation").get<int64_t>();
   layout.trainers = j.at("trainers").get<std::vector<int64_t>>();
   layout.spares = j.at("spares").get<std::vector<int64_t>>();
   layout.dp_replicate = j.at("dp_replicate").get<int64_t>();

@@ -4,6 +4,9 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <filesystem>
+#include <optional>
+#include <set>
 #include <cstdlib>
 #include <memory>
 #include <csignal>
@@ -21,6 +24,7 @@
 #include "loom/distributed/parallel_dims.h"
 #include "loom/distributed/process_group.h"
 #include "loom/elastic/generation.h"
+#include "loom/elastic/host_snapshot.h"
 #include "loom/elastic/membership.h"
 #include "loom/elastic/state_pieces.h"
 #include "loom/train/trainer.h"
@@ -65,6 +69,36 @@ std::string join_ids(const std::vector<int64_t>& ids) {
   return out;
 }
 
+// The host copies this rank reads for a restore: those of the old ranks o with o % world == rank
+// (each region then has one reader), all at the newest step every old rank has a copy of.
+std::vector<elastic::PieceSet> read_host_copies(const std::string& job, const elastic::GenerationLayout& previous,
+                                                int rank, int world) {
+  std::optional<int64_t> common;
+  std::vector<std::set<int64_t>> steps(previous.trainers.size());
+  for (size_t o = 0; o < previous.trainers.size(); ++o) {
+    for (const auto& slot : elastic::read_snapshot_slots(elastic::HostSnapshot::path_of(job, previous.trainers[o]))) {
+      if (slot.generation == previous.generation && slot.rank == static_cast<int64_t>(o)) steps[o].insert(slot.step);
+    }
+  }
+  int64_t best = -1;
+  for (int64_t candidate : steps.empty() ? std::set<int64_t>{} : steps[0]) {
+    bool everywhere = true;
+    for (const auto& s : steps) everywhere = everywhere && s.count(candidate) > 0;
+    if (everywhere) best = std::max(best, candidate);
+  }
+  if (best < 0) {
+    throw elastic::StateLost(c10::str("no step has a host copy from every rank of generation ", previous.generation,
+                                      " (a rank's copy in /dev/shm is missing or was cut short)"));
+  }
+  std::vector<elastic::PieceSet> out;
+  for (size_t o = 0; o < previous.trainers.size(); ++o) {
+    if (static_cast<int>(o % static_cast<size_t>(world)) != rank) continue;
+    auto set = elastic::read_snapshot(elastic::HostSnapshot::path_of(job, previous.trainers[o]), best);
+    if (set) out.push_back(std::move(*set));
+  }
+  return out;
+}
+
 }  // namespace
 
 void run_elastic_training(const JobConfig& config) {
@@ -97,6 +131,12 @@ void run_elastic_training(const JobConfig& config) {
   const int threads = distributed::intra_op_threads(env);
   const c10::Device device = select_device(config.training.device, env.local_rank);
 
+  // This member's host copy of its state (fault_tolerance.shard_copy = "host_memory"), and the
+  // name every member of this launch finds the others' by.
+  const std::string job = c10::str(env.master_port, "-", env.restart_count);
+  elastic::HostSnapshot snapshot(job, member);
+  const bool host_copies = ft.shard_copy == elastic::ShardCopy::kHostMemory;
+  int64_t last_member = 0;
   elastic::GenerationLayout previous;
   elastic::PieceSet own;      // this member's pieces when its last membership ended
   elastic::PieceSet replica;  // its neighbour's, refreshed every step (FSDP shards without a replica)
@@ -115,7 +155,9 @@ void run_elastic_training(const JobConfig& config) {
     // Every member of it alive and here, or a newer one.
     if (!membership.assemble(gen, std::chrono::seconds(config.comm.timeout_seconds))) continue;
     previous = membership.trained_layout();
-    const elastic::GenerationLayout layout = plan_generation(base, previous, gen.members);
+    elastic::GenerationLayout layout = plan_generation(base, previous, gen.members);
+    layout.generation = gen.number;
+    for (int64_t m : gen.members) last_member = std::max(last_member, m);
     const int64_t replicas = layout.trainers.empty() ? 0 : layout.replicas();
     if (replicas < ft.min_replicas) {
       log::warn("fault tolerance: generation ", gen.number, " (members ", join_ids(gen.members), ") has ",
@@ -153,9 +195,11 @@ void run_elastic_training(const JobConfig& config) {
     const Timer formed;
     std::shared_ptr<distributed::Distributed> dist;
     std::unique_ptr<Trainer> trainer;
-    const bool replicate = layout.dp_replicate == 1 && layout.dp_shard > 1;
+    const bool replicate = layout.shards_need_copies() && !host_copies;
+    const bool write_host_copy = layout.shards_need_copies() && host_copies;
     std::unique_ptr<elastic::ShardReplicator> replicator;
     auto refresh_replica = [&](Trainer& t) {
+      if (write_host_copy) snapshot.write(t.training_state(), g, rank, t.applied_step());
       if (!replicate) return;
       if (!replicator) {
         auto ring = t.mesh().comm("dp_shard");
@@ -199,7 +243,18 @@ void run_elastic_training(const JobConfig& config) {
                                       {"local_batch_size", layout.local_batch_size}});
       if (g > 0) {
         hooks.restore_state = [&](checkpoint::ShardedStateDict& state) {
-          const int64_t step = elastic::restore_state(dist->world(), {&own, &replica}, state);
+          std::vector<elastic::PieceSet> copies;
+          if (host_copies && previous.shards_need_copies()) {
+            // Every rank of the layout the state was trained in left a host copy; the newest step
+            // all of them have is the state (a rank killed while writing left the one before).
+            copies = read_host_copies(job, previous, rank, genv.world_size);
+          }
+          std::vector<const elastic::PieceSet*> held = {&own, &replica};
+          if (!copies.empty() || (host_copies && previous.shards_need_copies())) {
+            held.clear();
+            for (const auto& c : copies) held.push_back(&c);
+          }
+          const int64_t step = elastic::restore_state(dist->world(), held, state);
           if (rank == 0) log::info("fault tolerance: state of step ", step, " re-sharded over ", genv.world_size,
                                    " rank(s) from the members' memory");
           return true;
@@ -219,7 +274,11 @@ void run_elastic_training(const JobConfig& config) {
         log::info("fault tolerance: generation ", g, " formed and restored in ", formed.seconds(), " s");
       }
       trainer->train();
-      if (rank == 0) membership.set_done(trainer->step());
+      if (rank == 0) {
+        membership.set_done(trainer->step());
+        std::error_code ec;  // every member's host copy: the run is over
+        for (int64_t m = 0; m <= last_member; ++m) std::filesystem::remove(elastic::HostSnapshot::path_of(job, m), ec);
+      }
       membership.stop_watch();
       trainer.reset();  // the closing barrier
       distributed::set_collectives_interruptible(false);
