@@ -31,11 +31,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+SEQ_LEN, LOCAL_BATCH = 64, 3
+
+
 def train_args(dump, steps, extra):
     return ["train", "--config", f"{ROOT}/configs/llama3_debug.toml", "--validation.enable=false",
             f"--model.tokenizer_path={ROOT}/data/default/tokenizer.json",
             f"--training.dataset_path={ROOT}/data/default/corpus.jsonl",
-            f"--job.dump_folder={dump}", "--training.seq_len=64", "--training.local_batch_size=3",
+            f"--job.dump_folder={dump}", f"--training.seq_len={SEQ_LEN}", f"--training.local_batch_size={LOCAL_BATCH}",
             f"--training.steps={steps}", "--training.max_norm=0.5", "--lr_scheduler.warmup_steps=2",
             "--metrics.log_freq=1", "--metrics.peak_flops=1e11", "--comm.timeout_seconds=120"] + extra
 
@@ -112,30 +115,40 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kill-every", type=int, default=10)
     ap.add_argument("--checkpoint-interval", type=int, default=5)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--local-batch", type=int, default=3, help="rows per rank; 4, 3 and 2 ranks must divide 4x it")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of A and B each, alternating (medians)")
     ap.add_argument("--loom", default=f"{ROOT}/build/bin/loom")
     a = ap.parse_args()
+    global SEQ_LEN, LOCAL_BATCH
+    SEQ_LEN, LOCAL_BATCH = a.seq_len, a.local_batch
     kills = list(range(a.kill_every, a.steps, a.kill_every))
     # The first victim is member 1; each later one is the previous victim's replacement.
     victims = [1] + [a.nproc + i for i in range(len(kills) - 1)]
     spec = ",".join(f"{m}:{s}" for m, s in zip(victims, kills))
     with tempfile.TemporaryDirectory() as tmp:
         d = {k: os.path.join(tmp, k) for k in "ABCD"}
-        _, wall_a = run(a.loom, a.nproc, d["A"], a.steps, [])
-        _, wall_b = run(a.loom, a.nproc, d["B"], a.steps, ["--fault_tolerance.enable=true"])
+        tps_a, tps_b = [], []
+        for i in range(a.repeat):
+            _, wall_a = run(a.loom, a.nproc, d["A"], a.steps, [])
+            tps_a.append(median_tps(d["A"]))
+            _, wall_b = run(a.loom, a.nproc, d["B"], a.steps, ["--fault_tolerance.enable=true"])
+            tps_b.append(median_tps(d["B"]))
         lines_c, wall_c = run(a.loom, a.nproc, d["C"], a.steps, ["--fault_tolerance.enable=true"],
                               ["--max-restarts", str(len(kills))], {"LOOM_FAULT_KILL_MID_STEP": spec})
         lines_d, wall_d = run(a.loom, a.nproc, d["D"], a.steps,
                               ["--checkpoint.enable=true", f"--checkpoint.interval={a.checkpoint_interval}",
                                "--checkpoint.async_mode=async"],
                               ["--max-restarts", "1"], {"LOOM_FAULT_KILL_MID_STEP": f"1:{kills[0]}"})
-        tps_a, tps_b = median_tps(d["A"]), median_tps(d["B"])
+        tps_a, tps_b = statistics.median(tps_a), statistics.median(tps_b)
         rec_c, rec_d = recoveries(lines_c), recoveries(lines_d)
         lost_c = superseded_by_resume(d["C"])
         resumed = resumed_steps(d["D"])
         lost_d = (kills[0] - 1 - resumed[0]) if resumed else float("nan")
         mttr_c = [t2 - t for t, _, t2 in rec_c]
         mttr_d = [t2 - t for t, _, t2 in rec_d]
-        print(f"debug model, FSDP over {a.nproc} ranks, {a.steps} steps, kills at steps {kills} (members {victims})")
+        print(f"debug model, FSDP over {a.nproc} ranks, seq {a.seq_len} x {a.local_batch} rows per rank, {a.steps} steps, "
+              f"kills at steps {kills} (members {victims})")
         print(f"{'':40s} {'elastic (C)':>14s} {'restart (D)':>14s}")
         print(f"{'failures':40s} {len(rec_c):>14d} {len(rec_d):>14d}")
         print(f"{'MTTR, s (median)':40s} {statistics.median(mttr_c) if mttr_c else float('nan'):>14.2f} "

@@ -246,6 +246,23 @@ TEST(Elastic, NeighboursLostTogetherFallBackToTheCheckpointInOneLine) {
   expect_every_row_once(dir.path(), 20);
 }
 
+// Tensor parallel with no data parallelism: the lost rank's TP shard has no other holder. One line
+// says so and every rank restarts from the newest checkpoint, without waiting for a replacement.
+TEST(Elastic, TensorParallelWithoutDataParallelFallsBackToTheCheckpointInOneLine) {
+  const std::string layout = " --parallelism.tensor_parallel_degree=4 --parallelism.data_parallel_shard_degree=1";
+  const fs::path& ref = reference(layout);
+  TempDir dir("elastic_tp_only");
+  RunResult r = elastic_run(dir.path(), "LOOM_FAULT_KILL_MID_STEP=1:5", 2,
+                            layout + " --checkpoint.enable=true --checkpoint.interval=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("lost a rank of the only replica"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("no data-parallel replica holds its state; every rank restarts from the newest checkpoint"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("loom launch: restart"), std::string::npos) << r.output;
+  expect_same_model(dir.path(), ref, 20);
+  expect_every_row_once(dir.path(), 20, 3);
+}
+
 // The replacement dies while the membership it joins forms: the survivors drop it and form again
 // (their state still the one they stopped with), and the next replacement joins.
 TEST(Elastic, TheReplacementDiesWhileJoining) {

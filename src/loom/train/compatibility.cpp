@@ -125,13 +125,15 @@ const std::vector<Incompatibility>& incompatibilities() {
        }},
       // The optimizer update must be local to each rank: one cut short by a lost peer (distributed
       // Muon's gathers run inside it) would leave a torn state that no copy can repair.
-      {"fault_tolerance.enable", "optimizer.name = \"muon\"",
-       [](const JobConfig& c, Dims) { return c.fault_tolerance.enable && c.optimizer.name == "muon"; },
+      {"fault_tolerance.enable", "optimizer.name = \"Muon\"",
+       [](const JobConfig& c, Dims) {
+         return c.fault_tolerance.enable && parallel::optimizer_spec(c.optimizer.name).name == "Muon";
+       },
        false,
        [](const JobConfig&) {
-         return std::string("fault_tolerance.enable = true does not compose with optimizer.name = \"muon\" (its "
+         return std::string("fault_tolerance.enable = true does not compose with optimizer.name = \"Muon\" (its "
                             "sharded update gathers across ranks, and one cut short by a lost rank cannot be "
-                            "repaired); use adamw or adamw8bit, or set fault_tolerance.enable = false");
+                            "repaired); use AdamW or AdamW8bit, or set fault_tolerance.enable = false");
        }},
   };
   return table;

@@ -159,6 +159,15 @@ void run_elastic_training(const JobConfig& config) {
     layout.generation = gen.number;
     for (int64_t m : gen.members) last_member = std::max(last_member, m);
     const int64_t replicas = layout.trainers.empty() ? 0 : layout.replicas();
+    if (replicas == 0 && base.replicas() == 1) {
+      // A model-parallel job without data parallelism: no other replica holds the lost rank's
+      // pieces, and none is kept (copies are kept for FSDP shards only).
+      throw Error(c10::str("fault tolerance: generation ", gen.number, " lost a rank of the only replica (",
+                           gen.reason.empty() ? "members " + join_ids(gen.members) : gen.reason,
+                           ") and no data-parallel replica holds its state; every rank restarts from the "
+                           "newest checkpoint"),
+                  distributed::kExitElasticRestart);
+    }
     if (replicas < ft.min_replicas) {
       log::warn("fault tolerance: generation ", gen.number, " (members ", join_ids(gen.members), ") has ",
                 replicas, " whole replica(s), fewer than fault_tolerance.min_replicas = ", ft.min_replicas,

@@ -524,6 +524,10 @@ TEST(Compatibility, EveryRowIsAOneLineUsageErrorBeforeRendezvous) {
        "lora.rank > 0 does not compose with parallelism.enable_async_tensor_parallel"},
       {{"--lora.rank=4", "--lora.dropout=0.1", "--activation_checkpoint.mode=full"},
        "lora.dropout = 0.1 does not compose with activation checkpointing"},
+      {{"--fault_tolerance.enable=true", "--parallelism.expert_parallel_degree=2"},
+       "fault_tolerance.enable = true does not compose with parallelism.expert_parallel_degree = 2"},
+      {{"--fault_tolerance.enable=true", "--optimizer.name=Muon"},
+       "fault_tolerance.enable = true does not compose with optimizer.name = \"Muon\""},
   };
   for (const Case& c : cases) {
     const std::string message = usage_error([&] { load_job_config(config, c.overrides); });
