@@ -23,7 +23,7 @@ const options::Section& fault_tolerance_section() {
           {LOOM_OPTION(FaultToleranceConfig, enable),
            "Elastic training under `loom launch`: when a rank dies, the survivors abandon the step in"
            " flight, re-shard parameters and optimizer state among themselves (a lost FSDP shard"
-           " from the copy its neighbour keeps) and continue at the same global batch; `loom launch"
+           " from its copy, see `shard_copy`) and continue at the same global batch; `loom launch"
            " --max-restarts` starts a replacement that joins at a step boundary. Every row is"
            " trained exactly once (metrics.jsonl's `rows` ledger). See docs/fault_tolerance.md for"
            " what combines and what falls back to a restart from the newest checkpoint."},
