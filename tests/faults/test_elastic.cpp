@@ -14,6 +14,7 @@
 #include "loom/core/build_paths.h"
 #include "loom/testing/run.h"
 #include "loom/train/row_ledger.h"
+#include "debug_run.h"
 
 namespace elastic_faults {
 namespace fs = std::filesystem;
@@ -23,18 +24,10 @@ using loom::testing::run;
 using loom::testing::RunResult;
 using loom::testing::TempDir;
 
-std::string src(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
-
 // A debug model at seq 64, 3 rows per rank per micro-batch (a global batch of 12 rows that 4, 3
 // and 2 ranks all divide), gradients clipped at 0.5 (the debug model's norms are above it).
 std::string train_args(const fs::path& dump, int steps, const std::string& extra = "") {
-  return " train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
-         " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
-         " --training.dataset_path=" + src("data/default/corpus.jsonl") +
-         " --job.dump_folder=" + dump.string() + " --training.seq_len=64 --training.local_batch_size=3" +
-         " --training.steps=" + std::to_string(steps) + " --training.max_norm=0.5" +
-         " --lr_scheduler.warmup_steps=2 --metrics.log_freq=1 --metrics.peak_flops=1e11"
-         " --comm.timeout_seconds=120" + extra;
+  return loom::faults::debug_train_args(dump, steps, 3, " --training.max_norm=0.5" + extra);
 }
 
 struct StepRecord {
@@ -121,6 +114,12 @@ void expect_every_row_once(const fs::path& dump, int steps, int rows_per_step = 
   EXPECT_EQ(ledger.rows, steps * rows_per_step);
 }
 
+// The run trained the reference's model on every row exactly once.
+void expect_trains_like(const fs::path& dump, const fs::path& ref, int rows_per_step = 12) {
+  expect_same_model(dump, ref, 20);
+  expect_every_row_once(dump, 20, rows_per_step);
+}
+
 TEST(Elastic, FsdpOfFourLosesARankMidStepContinuesOnThreeAndTakesItsReplacementBack) {
   TempDir ref("elastic_ref"), dir("elastic_fsdp");
   const int steps = 20;
@@ -164,8 +163,7 @@ TEST(Elastic, FsdpWithNeighbourCopiesLosesARankAndComesBack) {
   EXPECT_NE(r.output.find("state of step 7 re-sharded over 3 rank(s)"), std::string::npos) << r.output;
   EXPECT_EQ(trainers_by_membership(dir.path()),
             (std::vector<std::vector<int64_t>>{{0, 1, 2, 3}, {0, 1, 3}, {0, 1, 3, 4}}));
-  expect_same_model(dir.path(), ref, 20);
-  expect_every_row_once(dir.path(), 20);
+  expect_trains_like(dir.path(), ref);
 }
 
 // HSDP 2 x 2 loses a rank: its replica is gone, the other replica holds every shard; the three
@@ -180,8 +178,7 @@ TEST(Elastic, HsdpTwoByTwoLosesAReplicaAndComesBack) {
             (std::vector<std::vector<int64_t>>{{0, 1, 2, 3}, {0, 1, 3}, {0, 1, 3, 4}}));
   EXPECT_NE(r.output.find("3 rank(s) training (dp_replicate 1 x dp_shard 3"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("4 rank(s) training (dp_replicate 2 x dp_shard 2"), std::string::npos) << r.output;
-  expect_same_model(dir.path(), ref, 20);
-  expect_every_row_once(dir.path(), 20);
+  expect_trains_like(dir.path(), ref);
 }
 
 // DDP over 4: every rank holds the whole state.
@@ -193,8 +190,7 @@ TEST(Elastic, DdpLosesARankAndComesBack) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(trainers_by_membership(dir.path()),
             (std::vector<std::vector<int64_t>>{{0, 1, 2, 3}, {0, 1, 2}, {0, 1, 2, 4}}));
-  expect_same_model(dir.path(), ref, 20);
-  expect_every_row_once(dir.path(), 20);
+  expect_trains_like(dir.path(), ref);
 }
 
 // FSDP 2 x TP 2 loses a tensor-parallel rank: its whole replica leaves training (its TP partner
@@ -211,8 +207,7 @@ TEST(Elastic, FsdpTimesTpLosesATensorParallelRankTheOtherReplicaContinues) {
   // 6 rows a step (3 per replica) on one replica of 2 TP ranks: 2 micro-batches of 3.
   EXPECT_NE(r.output.find("2 rank(s) training (dp_replicate 1 x dp_shard 1, 3 row(s) per micro-batch), 1 waiting"),
             std::string::npos) << r.output;
-  expect_same_model(dir.path(), ref, 20);
-  expect_every_row_once(dir.path(), 20, 6);
+  expect_trains_like(dir.path(), ref, 6);
 }
 
 // Two ranks at once, not neighbours: each one's shard is in the other survivors' copies.
@@ -225,8 +220,7 @@ TEST(Elastic, TwoRanksLostAtOnceAndBothReplaced) {
   ASSERT_GE(trainers.size(), 3u);
   EXPECT_EQ(trainers[1], (std::vector<int64_t>{0, 2})) << r.output;
   EXPECT_EQ(trainers.back().size(), 4u) << r.output;
-  expect_same_model(dir.path(), ref, 20);
-  expect_every_row_once(dir.path(), 20);
+  expect_trains_like(dir.path(), ref);
 }
 
 // Neighbour copies, two neighbours at once: rank 2 held rank 1's copy, so rank 1's shard is gone
@@ -242,8 +236,7 @@ TEST(Elastic, NeighboursLostTogetherFallBackToTheCheckpointInOneLine) {
   EXPECT_NE(r.output.find("no surviving copy holds all of"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("every rank restarts from the newest checkpoint"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("loom launch: restart"), std::string::npos) << r.output;
-  expect_same_model(dir.path(), ref, 20);
-  expect_every_row_once(dir.path(), 20);
+  expect_trains_like(dir.path(), ref);
 }
 
 // Tensor parallel with no data parallelism: the lost rank's TP shard has no other holder. One line
@@ -259,8 +252,7 @@ TEST(Elastic, TensorParallelWithoutDataParallelFallsBackToTheCheckpointInOneLine
   EXPECT_NE(r.output.find("no data-parallel replica holds its state; every rank restarts from the newest checkpoint"),
             std::string::npos) << r.output;
   EXPECT_NE(r.output.find("loom launch: restart"), std::string::npos) << r.output;
-  expect_same_model(dir.path(), ref, 20);
-  expect_every_row_once(dir.path(), 20, 3);
+  expect_trains_like(dir.path(), ref, 3);
 }
 
 // The replacement dies while the membership it joins forms: the survivors drop it and form again
@@ -274,8 +266,7 @@ TEST(Elastic, TheReplacementDiesWhileJoining) {
   const auto pids = member_pids(dir.path());
   for (int m : {0, 2, 3}) EXPECT_EQ(pids.at(m).size(), 1u) << "member " << m << " was restarted";
   EXPECT_EQ(trainers_by_membership(dir.path()).back(), (std::vector<int64_t>{0, 2, 3, 5})) << r.output;
-  expect_same_model(dir.path(), ref, 20);
-  expect_every_row_once(dir.path(), 20);
+  expect_trains_like(dir.path(), ref);
 }
 
 // A rank dies right after a step whose checkpoint is being written in the background: the save is
@@ -287,8 +278,7 @@ TEST(Elastic, ARankLostDuringACheckpointSaveLeavesNoInconsistentCheckpoint) {
   RunResult r = elastic_run(dir.path(), "LOOM_FAULT_KILL=1:6", 1,
                             " --checkpoint.enable=true --checkpoint.interval=3 --checkpoint.async_mode=async");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  expect_same_model(dir.path(), ref, 20);
-  expect_every_row_once(dir.path(), 20);
+  expect_trains_like(dir.path(), ref);
   for (const auto& e : fs::directory_iterator(dir.path() / "checkpoint")) {
     const std::string name = e.path().filename().string();
     if (name.rfind("step-", 0) != 0 || name.find('.') != std::string::npos) continue;

@@ -22,6 +22,7 @@
 #include "loom/models/llama3/model.h"
 #include "loom/testing/checkpoint_files.h"
 #include "loom/testing/run.h"
+#include "debug_run.h"
 
 namespace {
 namespace fs = std::filesystem;
@@ -34,17 +35,11 @@ using loom::testing::run;
 using loom::testing::RunResult;
 using loom::testing::TempDir;
 
-std::string src(const std::string& rel) { return std::string(loom::kSourceDir) + "/" + rel; }
+using loom::faults::src;
 
 // `train ...` for a small FSDP/single-process debug run in `dump` (seq 64, batch 2 per rank).
 std::string train_args(const fs::path& dump, int steps, const std::string& extra = "") {
-  return " train --config " + src("configs/llama3_debug.toml") + " --validation.enable=false" +
-         " --model.tokenizer_path=" + src("data/default/tokenizer.json") +
-         " --training.dataset_path=" + src("data/default/corpus.jsonl") +
-         " --job.dump_folder=" + dump.string() + " --training.seq_len=64 --training.local_batch_size=2" +
-         " --training.steps=" + std::to_string(steps) +
-         " --lr_scheduler.warmup_steps=2 --metrics.log_freq=1 --metrics.peak_flops=1e11"
-         " --comm.timeout_seconds=120" + extra;
+  return loom::faults::debug_train_args(dump, steps, 2, extra);
 }
 std::string train_args(const TempDir& dir, int steps, const std::string& extra = "") {
   return train_args(dir.path(), steps, extra);

@@ -225,4 +225,15 @@ others leave.)md",
   return section;
 }
 
+distributed::ParallelDegrees parallel_degrees(const ParallelismConfig& p) {
+  distributed::ParallelDegrees degrees;
+  degrees.dp_replicate = static_cast<int>(p.data_parallel_replicate_degree);
+  degrees.dp_shard = static_cast<int>(p.data_parallel_shard_degree);
+  degrees.cp = static_cast<int>(p.context_parallel_degree);
+  degrees.tp = static_cast<int>(p.tensor_parallel_degree);
+  degrees.pp = static_cast<int>(p.pipeline_parallel_degree);
+  degrees.ep = static_cast<int>(p.expert_parallel_degree);
+  return degrees;
+}
+
 }  // namespace loom::parallel

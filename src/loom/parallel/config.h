@@ -5,6 +5,7 @@
 #include <string>
 
 #include "loom/core/options.h"
+#include "loom/distributed/parallel_dims.h"
 #include "loom/cp/ring_attention.h"
 #include "loom/optim/adamw.h"
 #include "loom/optim/muon.h"
@@ -59,5 +60,8 @@ struct ParallelismConfig {
   bool operator==(const ParallelismConfig&) const = default;
 };
 const options::Section& parallelism_section();
+
+// The section's degrees as ParallelDims takes them (dp_shard -1 still to resolve).
+distributed::ParallelDegrees parallel_degrees(const ParallelismConfig& config);
 
 }  // namespace loom::parallel

@@ -38,14 +38,7 @@ namespace {
 struct MembershipYields {};
 
 elastic::BaseLayout base_layout(const JobConfig& config, const distributed::LaunchEnv& env) {
-  const auto& p = config.parallelism;
-  distributed::ParallelDegrees degrees;
-  degrees.dp_replicate = static_cast<int>(p.data_parallel_replicate_degree);
-  degrees.dp_shard = static_cast<int>(p.data_parallel_shard_degree);
-  degrees.cp = static_cast<int>(p.context_parallel_degree);
-  degrees.tp = static_cast<int>(p.tensor_parallel_degree);
-  degrees.pp = static_cast<int>(p.pipeline_parallel_degree);
-  degrees.ep = static_cast<int>(p.expert_parallel_degree);
+  const distributed::ParallelDegrees degrees = parallel::parallel_degrees(config.parallelism);
   const distributed::ParallelDims dims(degrees, env.world_size, 0);
   LOOM_REQUIRE_USAGE(dims.ep() == 1, "fault_tolerance.enable does not combine with expert parallel "
                      "(parallelism.expert_parallel_degree = ", dims.ep(), "): a smaller data-parallel "

@@ -35,14 +35,7 @@ models::PipelineOptions pipeline_options(const JobConfig& config) {
 CheckedLayout check_layout(const JobConfig& config, int world_size, int rank, const models::ModelSpec& spec,
                            const std::function<const models::ModelArgs&()>& args) {
   validate(config);  // the world-independent checks (micro-batches per batch, CP chunks, ...)
-  const auto& p = config.parallelism;
-  distributed::ParallelDegrees degrees;
-  degrees.dp_replicate = static_cast<int>(p.data_parallel_replicate_degree);
-  degrees.dp_shard = static_cast<int>(p.data_parallel_shard_degree);
-  degrees.cp = static_cast<int>(p.context_parallel_degree);
-  degrees.tp = static_cast<int>(p.tensor_parallel_degree);
-  degrees.pp = static_cast<int>(p.pipeline_parallel_degree);
-  degrees.ep = static_cast<int>(p.expert_parallel_degree);
+  const distributed::ParallelDegrees degrees = parallel::parallel_degrees(config.parallelism);
   CheckedLayout out;
   out.dims = std::make_unique<distributed::ParallelDims>(degrees, world_size, rank);
   // The rows that need the resolved degrees.
@@ -50,7 +43,7 @@ CheckedLayout check_layout(const JobConfig& config, int world_size, int rank, co
   out.grad_accum_steps = gradient_accumulation_steps(config, out.dims->dp_degree());
   // Context parallel cuts each sequence into 2 x degree equal chunks (config validation checked
   // that it can); what is left per rank is what sequence parallel splits again.
-  spec.validate_layout(args(), *out.dims, config.training.seq_len / p.context_parallel_degree,
+  spec.validate_layout(args(), *out.dims, config.training.seq_len / config.parallelism.context_parallel_degree,
                        tensor_parallel_options(config), pipeline_options(config));
   return out;
 }
