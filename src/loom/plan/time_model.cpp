@@ -57,6 +57,11 @@ constexpr double kCpuSharedMemoryCallSeconds = 0.0009;
 // tokens/s per GPU, a 1.280x speedup; PlanTime.Float8SpeedupIsFitted... reproduces it), checked on
 // the 128-GPU pair (6,514 and 8,380) it was not fitted on.
 constexpr double kFloat8GemmSpeedup = 1.434;
+// The per-GEMM efficiency curve 1 / (1 / large + call x peak / FLOPs), fitted on 192 bf16 training
+// GEMM shapes on one H200 (bench/gemm_efficiency.py, 2026-11-27; mean error 3.3 %, docs/planner.md);
+// not on any published row.
+constexpr double kGemmLargeEfficiency = 0.698;
+constexpr double kGemmCallSeconds = 3e-6;
 }  // namespace
 
 double linear_flop_fraction(const models::ModelSpec& spec, const models::ModelArgs& args, const ModelShape& shape,
@@ -242,6 +247,31 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
   if (config.float8.enable && cluster.float8_gemm_speedup > 0) {
     const double f = linear_flop_fraction(spec, args, shape, t.seq_len);
     e.compute_s *= (1.0 - f) + f / cluster.float8_gemm_speedup;
+  }
+  // Routed experts on accelerators: each expert's rows are a GEMM of their own inside Loom's
+  // grouped GEMM (moe/experts.cpp, at::_grouped_mm), and a GEMM of few rows runs far below the
+  // peak. Priced with the per-GEMM curve measured on the H200 (docs/planner.md, "The GEMM
+  // efficiency curve": 1 / (1 / 0.698 + 3 us x peak / FLOPs), bench/gemm_efficiency.py): relative
+  // to a large GEMM, an expert's forward GEMM of F = 2 x rows x dim x hidden FLOPs takes
+  // 1 + 0.698 x 3 us x peak / F times as long. Its rows per micro-batch: the rank's tokens (under
+  // CP and sequence-parallel TP, its share), gathered from the EP group, times top-k over the
+  // experts -- DeepSeek-V3 at MBS 1 and EP 64: 8,192 (+1 %); a micro-batch of 4,096 tokens split
+  // over CP 8 without EP: 16 rows to each of GPT-OSS 120B's 128 experts (about 9x). Not on CPU clusters,
+  // whose GEMM rate is a table of their own shapes, not this curve.
+  if (cluster.cores == 0) {
+    const double mb_rows = layout.pp > 1 ? static_cast<double>(layout.microbatch_size) : static_cast<double>(t.local_batch_size);
+    const double mb_tokens = mb_rows * static_cast<double>(t.seq_len) / layout.cp /
+                             (p.disable_sequence_parallel ? 1.0 : static_cast<double>(layout.tp));
+    for (const auto& g : shape.groups) {
+      if (g.moe.experts <= 0 || g.moe.hidden <= 0) continue;
+      const double rows = mb_tokens * layout.ep * static_cast<double>(g.moe.top_k) / static_cast<double>(g.moe.experts);
+      const double gemm_flops = 2.0 * std::max(1.0, rows) * static_cast<double>(shape.dim) * static_cast<double>(g.moe.hidden);
+      const double slowdown = kGemmLargeEfficiency * kGemmCallSeconds * cluster.peak_flops / gemm_flops;
+      // The layer's routed-expert FLOPs per token: 6 x k x the three matrices of dim x hidden.
+      const double expert_flops = 18.0 * static_cast<double>(g.moe.top_k) * static_cast<double>(shape.dim) *
+                                  static_cast<double>(g.moe.hidden);
+      e.compute_s += expert_flops * global_tokens / world * recompute / (cluster.peak_flops * cluster.efficiency) * slowdown;
+    }
   }
   if (cluster.cores > 0) {
     // CPU runs: each rank runs the intra-op threads the trainer gives it (LOOM_NUM_THREADS,

@@ -2,7 +2,8 @@
 // communication volumes and the pipeline schedule's bubble (issue 29, first version):
 //   compute    FLOPs per token (the model's spec, TorchTitan's formula) x tokens per device x the
 //              recompute of activation checkpointing, at peak x efficiency (one fitted number per
-//              device kind);
+//              device kind); on accelerators, routed experts' GEMMs of few rows (tokens x ep x
+//              top-k / experts per micro-batch) slowed by the per-GEMM curve measured on the H200;
 //   TP         per layer and micro-step, sequence parallel's all-gathers and reduce-scatters of the
 //              activations (8 per layer forward + backward, 4 more under full recompute), ring time
 //              (t-1)/t x bytes / bandwidth + latency per hop, on the critical path;

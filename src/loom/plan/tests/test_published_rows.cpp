@@ -151,16 +151,23 @@ namespace plan_published_test {
 // Every H100 row the model expresses, predicted with the constants above, with the error
 // distribution docs/planner.md publishes. Fitted: only TorchTitan's 8B, 8-GPU row (the preset's
 // efficiency, test_time_model.cpp); all the NeMo AutoModel rows here are held out, and at least 80 %
-// of them must be within +-25 % (issue 50's acceptance), each fitting in 80 GiB.
+// of the held-out rows must be within +-25 % (issue 50's acceptance; with TorchTitan's three held-out
+// rows, test_time_model.cpp, 8 of 9), each fitting in 80 GiB.
 // GPT-OSS rows: same NeMo AutoModel table (20B: 8 GPUs, GBS 256, MBS 2, GA 16, FSDP 8: 13,058;
 // 120B: 64 GPUs, GBS 512, MBS 2, GA 4, FSDP 64: 7,626); DeepSeek-V3 on 1,024 GPUs: GBS 8192, LBS 8,
 // GA 4, PP 4, VP 8, EP 64, FSDP 256: 865.
+// The summary's EP column reads "-" for the GPT-OSS rows, but the benchmark configs that produced
+// them (NVIDIA-NeMo/Automodel, examples/benchmark/configs/gptoss_20b_te_deepep.yaml and
+// gptoss_120b_te_deepep.yaml) set distributed.ep_size = 8 and 64 with
+// activation_checkpointing: false: the rows are priced with the EP degree the runs used.
 std::vector<Published> nemo_rows() {
-  Published oss20{"GPT-OSS 20B, 8 GPUs, FSDP 8", "gpt_oss", "20B", 201088, 4096, 256, {}, "", 13058};
+  Published oss20{"GPT-OSS 20B, 8 GPUs, EP 8 x FSDP 8", "gpt_oss", "20B", 201088, 4096, 256, {}, "", 13058};
   oss20.layout.dp_shard = 8;
+  oss20.layout.ep = 8;
   oss20.layout.local_batch_size = 2;
-  Published oss120{"GPT-OSS 120B, 64 GPUs, FSDP 64", "gpt_oss", "120B", 201088, 4096, 512, {}, "", 7626};
+  Published oss120{"GPT-OSS 120B, 64 GPUs, EP 64 x FSDP 64", "gpt_oss", "120B", 201088, 4096, 512, {}, "", 7626};
   oss120.layout.dp_shard = 64;
+  oss120.layout.ep = 64;
   oss120.layout.local_batch_size = 2;
   Published dsv3_1024 = deepseek_v3_256();
   dsv3_1024.what = "DeepSeek-V3 671B, 1024 GPUs, PP 4 x EP 64 x FSDP 256";
@@ -170,10 +177,10 @@ std::vector<Published> nemo_rows() {
   return {llama3_70b(), qwen3_30b_a3b(), deepseek_v3_256(), dsv3_1024, oss20, oss120};
 }
 
-// The GPT-OSS rows are printed and must fit, but are not held to +-25 %: their table lists DeepEP
-// with no EP degree ("-"), priced here as written (experts FSDP-sharded over all ranks), and the 120B's
-// per-micro-batch gathers of 117B parameters do not fit its 4.3 s step on any link the model knows
-// (docs/planner.md discusses both misses).
+// Every row must fit and all but GPT-OSS 20B be within +-25 %: that row is printed, not held to it
+// -- over-predicted (+43 %): NeMo's own count puts it at 28 % MFU on one node (EP 8 over NVLink, its
+// all-to-alls priced at 0.8 s of a 7 s step), far below the 52 % of Loom's kernels the rows are priced
+// at, and nothing the model knows (links, memory, schedule) makes up the difference (docs/planner.md).
 TEST(PlanPublished, HeldOutNemoRowsErrorDistribution) {
   const auto cluster = published_system();
   std::vector<double> errors;
@@ -182,7 +189,7 @@ TEST(PlanPublished, HeldOutNemoRowsErrorDistribution) {
     print(p, row);
     EXPECT_TRUE(p.fits) << row.what << ": " << p.memory.describe();
     errors.push_back(error_of(p, row));
-    if (row.model != "gpt_oss") EXPECT_LE(std::abs(error_of(p, row)), 0.25) << row.what;
+    if (row.what.rfind("GPT-OSS 20B", 0) != 0) EXPECT_LE(std::abs(error_of(p, row)), 0.25) << row.what;
   }
   std::vector<double> sorted = errors;
   std::sort(sorted.begin(), sorted.end(), [](double a, double b) { return std::abs(a) < std::abs(b); });
@@ -192,7 +199,7 @@ TEST(PlanPublished, HeldOutNemoRowsErrorDistribution) {
   std::printf("held-out NeMo rows: %lld of %zu within +-25 %%; |error| median %.1f %%, mean %.1f %%, max %.1f %%\n",
               static_cast<long long>(within), errors.size(), 100 * std::abs(sorted[sorted.size() / 2]), 100 * mean_abs,
               100 * std::abs(sorted.back()));
-  EXPECT_GE(within, 4);  // the Llama, Qwen3 and both DeepSeek rows
+  EXPECT_GE(within, 5);  // the Llama, Qwen3, both DeepSeek and the GPT-OSS 120B rows
 }
 
 // Accumulating unsharded (Layout::fsdp_accumulate): one all-gather and one reduce-scatter per step
