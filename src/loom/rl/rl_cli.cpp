@@ -59,43 +59,6 @@ void set_rl_key(RlConfig& rl, const options::Key& key, const toml::node& node, c
       key.field(&rl));
 }
 
-struct Prompt {
-  std::string text, answer;
-  std::vector<int64_t> ids;
-};
-
-std::vector<Prompt> read_prompts(const std::string& path, const data::Tokenizer& tokenizer, bool add_bos,
-                                 int64_t max_new_tokens, int64_t max_seq_len) {
-  std::ifstream in(path);
-  LOOM_REQUIRE_USAGE(in.good(), "cannot read rl.prompts '", path, "'");
-  std::vector<Prompt> out;
-  std::string line;
-  for (int64_t no = 1; std::getline(in, line); ++no) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const std::exception&) {
-      LOOM_REQUIRE_USAGE(false, path, ":", no, ": not a JSON object");
-    }
-    LOOM_REQUIRE_USAGE(j.is_object() && j.contains("prompt") && j["prompt"].is_string(), path, ":", no,
-                       ": needs a string \"prompt\"");
-    Prompt p;
-    p.text = j["prompt"].get<std::string>();
-    if (j.contains("answer")) p.answer = j["answer"].is_string() ? j["answer"].get<std::string>() : j["answer"].dump();
-    p.ids = tokenizer.encode(p.text, add_bos && tokenizer.bos_id() >= 0, false);
-    LOOM_REQUIRE_USAGE(!p.ids.empty(), path, ":", no, ": the prompt is empty");
-    try {
-      models::check_generation_fits(static_cast<int64_t>(p.ids.size()), max_new_tokens, max_seq_len);
-    } catch (const UsageError& e) {
-      throw UsageError(c10::str(path, ":", no, ": ", e.what()));
-    }
-    out.push_back(std::move(p));
-  }
-  LOOM_REQUIRE_USAGE(!out.empty(), "rl.prompts '", path, "' holds no prompt");
-  return out;
-}
-
 void run_rl(const std::string& config_path) {
   const std::pair<train::JobConfig, RlConfig> configs = load_rl_config(config_path);
   const train::JobConfig& job = configs.first;
@@ -233,6 +196,38 @@ void run_rl(const std::string& config_path) {
 }
 
 }  // namespace
+
+std::vector<Prompt> read_prompts(const std::string& path, const data::Tokenizer& tokenizer, bool add_bos,
+                                 int64_t max_new_tokens, int64_t max_seq_len) {
+  std::ifstream in(path);
+  LOOM_REQUIRE_USAGE(in.good(), "cannot read rl.prompts '", path, "'");
+  std::vector<Prompt> out;
+  std::string line;
+  for (int64_t no = 1; std::getline(in, line); ++no) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const std::exception&) {
+      LOOM_REQUIRE_USAGE(false, path, ":", no, ": not a JSON object");
+    }
+    LOOM_REQUIRE_USAGE(j.is_object() && j.contains("prompt") && j["prompt"].is_string(), path, ":", no,
+                       ": needs a string \"prompt\"");
+    Prompt p;
+    p.text = j["prompt"].get<std::string>();
+    if (j.contains("answer")) p.answer = j["answer"].is_string() ? j["answer"].get<std::string>() : j["answer"].dump();
+    p.ids = tokenizer.encode(p.text, add_bos && tokenizer.bos_id() >= 0, false);
+    LOOM_REQUIRE_USAGE(!p.ids.empty(), path, ":", no, ": the prompt is empty");
+    try {
+      models::check_generation_fits(static_cast<int64_t>(p.ids.size()), max_new_tokens, max_seq_len);
+    } catch (const UsageError& e) {
+      throw UsageError(c10::str(path, ":", no, ": ", e.what()));
+    }
+    out.push_back(std::move(p));
+  }
+  LOOM_REQUIRE_USAGE(!out.empty(), "rl.prompts '", path, "' holds no prompt");
+  return out;
+}
 
 std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path) {
   std::ifstream in(path);

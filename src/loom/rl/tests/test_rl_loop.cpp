@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "loom/data/byte_level.h"
+#include "loom/data/tokenizer.h"
 #include "loom/lora/lora.h"
 #include "loom/models/common/generate.h"
 #include "loom/models/llama3/model.h"
@@ -162,7 +164,36 @@ TEST(RlLoop, ConfigRefusals) {
       {"rl.temperature"});
 }
 
-// (c) A prompt that leaves no room for max_new_tokens in the context is refused before loading.
-TEST(RlLoop, PromptLongerThanContextIsRefused) {
-  loom::testing::expect_error<UsageError>([] { models::check_generation_fits(30, 8, 32); }, {"30", "8", "32"});
+// (c) Prompt files: a prompt that leaves no room for max_new_tokens in the context, a malformed
+// line, an empty file: each one line naming FILE:LINE, before any model is loaded.
+TEST(RlLoop, PromptFileRefusals) {
+  const std::string dir = ::testing::TempDir();
+  // Byte-level BPE over the 256 bytes, no merges: a character's id is its byte.
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int b = 0; b < 256; ++b) vocab[data::byte_level::to_alphabet(std::string(1, static_cast<char>(b)))] = b;
+  const nlohmann::json j = {{"version", "1.0"}, {"added_tokens", nlohmann::json::array()}, {"normalizer", nullptr},
+                            {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
+                            {"decoder", {{"type", "ByteLevel"}}},
+                            {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
+  const data::Tokenizer tokenizer = data::Tokenizer::from_json_string(j.dump(), "bytes");
+  const auto file = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir + "/" + name) << text;
+    return dir + "/" + name;
+  };
+  const std::string good = file("rl_good.jsonl", "{\"prompt\": \"1+2=\", \"answer\": \"3\"}\n\n{\"prompt\": \"4+4=\", \"answer\": 8}\n");
+  const std::vector<rl::Prompt> prompts = rl::read_prompts(good, tokenizer, false, 4, 32);
+  ASSERT_EQ(prompts.size(), 2u);
+  EXPECT_EQ(prompts[0].ids, (std::vector<int64_t>{'1', '+', '2', '='}));
+  EXPECT_EQ(prompts[1].answer, "8");
+  const std::string long_prompt = file("rl_long.jsonl", "{\"prompt\": \"1+2=\"}\n{\"prompt\": \"" + std::string(30, '7') + "\"}\n");
+  loom::testing::expect_error<UsageError>([&] { rl::read_prompts(long_prompt, tokenizer, false, 4, 32); },
+                                          {"rl_long.jsonl:2", "30", "32"});
+  loom::testing::expect_error<UsageError>(
+      [&] { rl::read_prompts(file("rl_bad.jsonl", "{\"prompt\": \"1\"}\nnot json\n"), tokenizer, false, 4, 32); },
+      {"rl_bad.jsonl:2", "not a JSON object"});
+  loom::testing::expect_error<UsageError>(
+      [&] { rl::read_prompts(file("rl_noprompt.jsonl", "{\"question\": \"1\"}\n"), tokenizer, false, 4, 32); },
+      {"rl_noprompt.jsonl:1", "\"prompt\""});
+  loom::testing::expect_error<UsageError>([&] { rl::read_prompts(file("rl_empty.jsonl", "\n"), tokenizer, false, 4, 32); },
+                                          {"holds no prompt"});
 }
