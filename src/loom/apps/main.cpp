@@ -13,6 +13,7 @@
 #include "loom/models/cli/cli.h"
 #include "loom/pipeline/pipeline_cli.h"
 #include "loom/plan/plan_cli.h"
+#include "loom/rl/rl_cli.h"
 #include "loom/train/row_ledger.h"
 #include "loom/train/train_cli.h"
 #include "loom/apps/restart_policy.h"
@@ -64,6 +65,7 @@ int run_loom(int argc, char** argv) {
   loom::train::register_train_command(app);
   loom::train::register_plot_command(app);
   loom::train::register_ledger_command(app);
+  loom::rl::register_rl_command(app);
   loom::models::register_score_command(app);
   loom::models::register_generate_command(app);
   loom::data::register_tokenizer_command(app);

@@ -19,7 +19,7 @@ using loom::testing::loom_bin;
 using loom::testing::run;
 
 const std::string kAvailable =
-    "; available: launch, train, plot, ledger, score, generate, tokenizer, info, convert, pipeline, plan, check-layouts (see 'loom --help')";
+    "; available: launch, train, plot, ledger, rl, score, generate, tokenizer, info, convert, pipeline, plan, check-layouts (see 'loom --help')";
 
 // Issue 8 H: these printed only "A subcommand is required".
 TEST(LoomCli, UnknownCommandsAndOptionsListTheCommands) {
@@ -75,7 +75,7 @@ TEST(LoomCli, LaunchUsageErrorsExit2WithoutRestarts) {
       // Refused by the launcher before any rank starts.
       {"launch --nproc 2 --max-restarts 2 -- frobnicate",
        "error: loom launch: 'frobnicate' is not a loom command the ranks can run; available: launch, train, "
-       "plot, ledger, score, generate, tokenizer, info, convert, pipeline, plan, check-layouts (or --exec to run another program)"},
+       "plot, ledger, rl, score, generate, tokenizer, info, convert, pipeline, plan, check-layouts (or --exec to run another program)"},
       {"launch --max-restarts 2 -- train", "error: --nproc is required (see 'loom --help')"},
       // A required option the ranks' command lacks: each rank's report says exit 2.
       {"launch --nproc 2 --max-restarts 2 -- plot",

@@ -1,0 +1,77 @@
+#include "loom/rl/config.h"
+
+#include <cmath>
+
+namespace loom::rl {
+
+const options::EnumNames<RewardKind>& option_names(RewardKind) {
+  static const options::EnumNames<RewardKind> names = {
+      {"exact", RewardKind::kExact}, {"numeric", RewardKind::kNumeric}, {"command", RewardKind::kCommand}};
+  return names;
+}
+
+GrpoOptions RlConfig::grpo() const {
+  GrpoOptions o;
+  o.clip_low = clip_low;
+  o.clip_high = clip_high;
+  o.kl_beta = kl_beta;
+  o.aggregation = loss_type;
+  return o;
+}
+
+namespace {
+void check(const RlConfig& c) {
+  const options::Section& s = rl_section();
+  options::require(!c.prompts.empty(), s, "prompts", "a JSONL file of {\"prompt\", \"answer\"} lines", &c);
+  options::require(c.prompts_per_step >= 1, s, "prompts_per_step", "at least 1", &c);
+  options::require(c.group_size >= 2, s, "group_size",
+                   "at least 2 (advantages are relative to the other completions of the prompt)", &c);
+  options::require(c.max_new_tokens >= 1, s, "max_new_tokens", "at least 1", &c);
+  options::require(std::isfinite(c.temperature) && c.temperature > 0, s, "temperature",
+                   "a finite number > 0 (GRPO needs sampled, not greedy, completions)", &c);
+  options::require(std::isfinite(c.top_p) && c.top_p > 0 && c.top_p <= 1, s, "top_p", "in (0, 1]", &c);
+  options::require(c.top_k >= 0, s, "top_k", "at least 0", &c);
+  options::require(c.reward != RewardKind::kCommand || !c.reward_command.empty(), s, "reward_command",
+                   "a shell command when rl.reward = \"command\"", &c);
+  options::require(c.reward_timeout_seconds >= 1, s, "reward_timeout_seconds", "at least 1", &c);
+  options::require(c.numeric_tolerance >= 0, s, "numeric_tolerance", "at least 0", &c);
+  options::require(c.updates_per_rollout >= 1, s, "updates_per_rollout", "at least 1", &c);
+  options::require(c.save_every >= 0, s, "save_every", "at least 0", &c);
+  c.grpo().validate();
+}
+}  // namespace
+
+const options::Section& rl_section() {
+  static const options::Section section{
+      "rl",
+      {
+          {LOOM_OPTION(RlConfig, prompts), "`loom rl`: JSONL prompt file, one {\"prompt\": ..., \"answer\": ...} per line."},
+          {LOOM_OPTION(RlConfig, prompts_per_step), "Prompts per step (P); taken in file order, wrapping around."},
+          {LOOM_OPTION(RlConfig, group_size), "Completions sampled per prompt (G, at least 2): one GRPO group."},
+          {LOOM_OPTION(RlConfig, max_new_tokens), "Most tokens per completion (it also stops at the tokenizer's EOS)."},
+          {LOOM_OPTION(RlConfig, temperature), "Sampling temperature (> 0); log-probabilities are of logits / temperature."},
+          {LOOM_OPTION(RlConfig, top_p), "Nucleus sampling, in (0, 1]."},
+          {LOOM_OPTION(RlConfig, top_k), "Sample among the k most likely tokens; 0 = all."},
+          {LOOM_OPTION(RlConfig, reward),
+           "`exact` (the trimmed completion equals the answer), `numeric` (its last number equals the answer's), or"
+           " `command` (rl.reward_command: JSON lines in, one reward per line out)."},
+          {LOOM_OPTION(RlConfig, reward_command), "Shell command scoring a batch (rl.reward = \"command\")."},
+          {LOOM_OPTION(RlConfig, reward_timeout_seconds), "Seconds the reward command may take per batch."},
+          {LOOM_OPTION(RlConfig, numeric_tolerance), "rl.reward = \"numeric\": the largest difference still rewarded."},
+          {LOOM_OPTION(RlConfig, clip_low), "GRPO's epsilon_low: the ratio is clipped below 1 - clip_low."},
+          {LOOM_OPTION(RlConfig, clip_high), "GRPO's epsilon_high: the ratio is clipped above 1 + clip_high."},
+          {LOOM_OPTION(RlConfig, kl_beta), "Weight of the k3 KL to the base (the adapters zeroed); 0 = none."},
+          {LOOM_OPTION(RlConfig, loss_type), "`grpo` (per-sequence mean), `bnpo` (token mean) or `dr_grpo`."},
+          {LOOM_OPTION(RlConfig, scale_rewards), "`group`: advantages divided by the group's std; `none`: not."},
+          {LOOM_OPTION(RlConfig, updates_per_rollout),
+           "Optimizer steps on each batch of rollouts (GRPO's mu); above 1 the ratio leaves 1 and clipping acts."},
+          {LOOM_OPTION(RlConfig, save_every), "Save the adapters (PEFT) every this many steps; 0 = at the end only."},
+          {LOOM_OPTION(RlConfig, add_bos), "Prepend the tokenizer's BOS to each prompt (SFT data has none)."},
+      },
+      {},
+      {},
+      &options::validate_as<RlConfig, check>};
+  return section;
+}
+
+}  // namespace loom::rl

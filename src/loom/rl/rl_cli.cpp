@@ -1,0 +1,279 @@
+#include "loom/rl/rl_cli.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/core/error.h"
+#include "loom/core/logging.h"
+#include "loom/core/timer.h"
+#include "loom/data/tokenizer.h"
+#include "loom/lora/lora.h"
+#include "loom/models/common/adapter_dir.h"
+#include "loom/models/common/model_dir.h"
+#include "loom/rl/grpo.h"
+#include "loom/rl/rewards.h"
+#include "loom/rl/rollout.h"
+
+namespace loom::rl {
+namespace {
+namespace fs = std::filesystem;
+
+void set_rl_key(RlConfig& rl, const options::Key& key, const toml::node& node, const std::string& where) {
+  const std::string name = c10::str("rl.", key.name);
+  auto wrong = [&] {
+    LOOM_REQUIRE_USAGE(false, "config key '", name, "' expects ", key.type_description(), " in ", where);
+  };
+  std::visit(
+      [&](auto field) {
+        using T = decltype(field);
+        if constexpr (std::is_same_v<T, bool*>) {
+          if (!node.is_boolean()) wrong();
+          *field = *node.value<bool>();
+        } else if constexpr (std::is_same_v<T, int64_t*>) {
+          if (!node.is_integer()) wrong();
+          *field = *node.value<int64_t>();
+        } else if constexpr (std::is_same_v<T, double*>) {
+          if (!node.is_number()) wrong();
+          *field = *node.value<double>();
+        } else if constexpr (std::is_same_v<T, std::string*>) {
+          if (!node.is_string()) wrong();
+          *field = *node.value<std::string>();
+        } else if constexpr (std::is_same_v<T, options::EnumRef>) {
+          if (!node.is_string()) wrong();
+          const std::string value = *node.value<std::string>();
+          LOOM_REQUIRE_USAGE(field.codec->set(field.field, value), "config key '", name, "' must be one of ",
+                             options::join_choices(field.codec->names, "or"), ", got '", value, "' in ", where);
+        } else {
+          wrong();
+        }
+      },
+      key.field(&rl));
+}
+
+void run_rl(const std::string& config_path) {
+  const std::pair<train::JobConfig, RlConfig> configs = load_rl_config(config_path);
+  const train::JobConfig& job = configs.first;
+  const RlConfig& rl = configs.second;
+  LOOM_REQUIRE_USAGE(!job.checkpoint.initial_load_path.empty(),
+                     "loom rl needs checkpoint.initial_load_path: the model (an SFT run's checkpoint) to train");
+  LOOM_REQUIRE_USAGE(job.lora.rank > 0, "loom rl trains LoRA adapters: set lora.rank > 0");
+  const data::Tokenizer tokenizer = data::Tokenizer::from_file(job.model.tokenizer_path);
+  const std::string base = job.checkpoint.initial_load_path;
+  const models::ModelDirArgs recorded = models::read_model_dir_args(base);
+  const std::vector<Prompt> prompts =
+      read_prompts(rl.prompts, tokenizer, rl.add_bos, rl.max_new_tokens, recorded.decoder().max_seq_len);
+  std::unique_ptr<ExternalReward> command;
+  if (rl.reward == RewardKind::kCommand) {
+    command = std::make_unique<ExternalReward>(rl.reward_command, std::chrono::seconds(rl.reward_timeout_seconds));
+  }
+
+  torch::manual_seed(job.training.seed);
+  models::LoadOptions load;
+  const auto loaded = models::load_model_dir(base, load);
+  LOOM_REQUIRE_USAGE(!loaded.adapter, "checkpoint.initial_load_path '", base, "' is an adapter; give its base");
+  models::Decoder& model = *loaded.model;
+  model.eval();
+  LOOM_REQUIRE_USAGE(loaded.spec->hf.has_value(), "model '", loaded.spec->name, "' has no LoRA target names");
+  const lora::LoRAOptions lora_options = lora::LoRAOptions::from(job.lora);
+  const lora::LoRAReport report = lora::apply_lora(model, lora_options, models::hf_module_names(*loaded.spec->hf));
+  init_adapters(model);
+  log::info("rl: ", report.describe());
+  std::vector<torch::Tensor> trained;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> b_factors;  // (tensor, saved copy) for the reference
+  for (const auto& p : model.named_parameters()) {
+    if (p.tensor().requires_grad()) trained.push_back(p.tensor());
+    if (p.name.size() > 7 && p.name.compare(p.name.size() - 7, 7, ".lora.b") == 0) b_factors.push_back({p.tensor(), {}});
+  }
+  torch::optim::AdamW optimizer(trained, torch::optim::AdamWOptions(job.optimizer.lr)
+                                             .weight_decay(job.optimizer.weight_decay));
+
+  const fs::path dump(job.job.dump_folder);
+  fs::create_directories(dump);
+  std::ofstream metrics(dump / "metrics.jsonl", std::ios::app);
+  models::SamplingOptions sampling;
+  sampling.max_new_tokens = rl.max_new_tokens;
+  sampling.temperature = rl.temperature;
+  sampling.top_p = rl.top_p;
+  sampling.top_k = rl.top_k;
+  sampling.stop_id = tokenizer.eos_id();
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(job.training.seed));
+  const GrpoOptions grpo = rl.grpo();
+  const auto save = [&](int64_t step) {
+    const fs::path dir = dump / "adapters" / c10::str("step-", step);
+    fs::remove_all(dir);
+    fs::create_directories(dir.parent_path());
+    models::export_peft_dir(*loaded.spec, model, lora_options, fs::absolute(base).string(), dir);
+    log::info("rl: adapters saved to ", dir.string());
+  };
+
+  size_t next_prompt = 0;
+  for (int64_t step = 1; step <= job.training.steps; ++step) {
+    Timer timer;
+    std::vector<std::vector<int64_t>> rows;
+    std::vector<Completion> completions;
+    std::vector<RewardRequest> requests;
+    for (int64_t p = 0; p < rl.prompts_per_step; ++p) {
+      const Prompt& prompt = prompts[next_prompt];
+      next_prompt = (next_prompt + 1) % prompts.size();
+      for (int64_t g = 0; g < rl.group_size; ++g) {
+        Completion c = sample_completion(model, prompt.ids, sampling, generator);
+        std::vector<int64_t> text_ids = c.tokens;
+        if (!text_ids.empty() && text_ids.back() == sampling.stop_id) text_ids.pop_back();
+        requests.push_back({prompt.text, tokenizer.decode(text_ids, /*skip_special=*/true), prompt.answer});
+        rows.push_back(prompt.ids);
+        completions.push_back(std::move(c));
+      }
+    }
+    std::vector<double> rewards;
+    if (command) {
+      rewards = (*command)(requests);
+    } else {
+      for (const RewardRequest& r : requests) {
+        rewards.push_back(rl.reward == RewardKind::kExact ? exact_match(r.completion, r.answer)
+                                                          : numeric_match(r.completion, r.answer, rl.numeric_tolerance));
+      }
+    }
+    const double rollout_seconds = timer.seconds();
+    const torch::Tensor reward_t = torch::tensor(rewards, torch::kFloat64).to(torch::kFloat32);
+    const torch::Tensor advantages = group_advantages(reward_t, rl.group_size, rl.scale_rewards);
+    const Batch batch = make_batch(rows, completions);
+    const torch::Tensor old = rollout_logprobs(rows, completions, batch);
+    torch::Tensor ref;
+    if (grpo.kl_beta > 0) {
+      torch::NoGradGuard no_grad;
+      for (auto& [b, saved] : b_factors) {
+        saved = b.clone();
+        b.zero_();
+      }
+      ref = token_logprobs(model, batch, rl.temperature);
+      for (auto& [b, saved] : b_factors) b.copy_(saved);
+    }
+    torch::Tensor logp;
+    GrpoLoss loss;
+    double grad_norm = 0;
+    double max_logp_diff = 0;  // the first update's: rollout vs training forward, same weights
+    for (int64_t update = 0; update < rl.updates_per_rollout; ++update) {
+      logp = token_logprobs(model, batch, rl.temperature);
+      if (update == 0) max_logp_diff = ((logp.detach() - old) * batch.mask).abs().max().item<double>();
+      loss = grpo_loss(logp, old, ref, advantages, batch.mask, grpo);
+      optimizer.zero_grad();
+      loss.loss.backward();
+      grad_norm = torch::nn::utils::clip_grad_norm_(
+          trained, job.training.max_norm > 0 ? job.training.max_norm : std::numeric_limits<double>::infinity());
+      optimizer.step();
+    }
+    const double mean_reward = reward_t.mean().item<double>();
+    const double mean_len = batch.mask.sum().item<double>() / static_cast<double>(completions.size());
+    nlohmann::json line = {{"step", step},
+                           {"reward", mean_reward},
+                           {"loss", loss.loss.item<double>()},
+                           {"kl", loss.kl},
+                           {"clipped_low", loss.clipped_low},
+                           {"clipped_high", loss.clipped_high},
+                           {"ratio", loss.ratio},
+                           {"grad_norm", grad_norm},
+                           {"completion_tokens", mean_len},
+                           {"rollout_logp_max_diff", max_logp_diff},
+                           {"rollout_seconds", rollout_seconds},
+                           {"step_seconds", timer.seconds()}};
+    metrics << line.dump() << "\n" << std::flush;
+    std::printf("step %4ld  reward %.3f  loss %+.4f  kl %.4f  clip %.3f/%.3f  grad_norm %.3f  len %.1f  %.2fs\n",
+                static_cast<long>(step), mean_reward, loss.loss.item<double>(), loss.kl, loss.clipped_low,
+                loss.clipped_high, grad_norm, mean_len, timer.seconds());
+    std::fflush(stdout);
+    if (rl.save_every > 0 && step % rl.save_every == 0 && step != job.training.steps) save(step);
+  }
+  save(job.training.steps);
+}
+
+}  // namespace
+
+std::vector<Prompt> read_prompts(const std::string& path, const data::Tokenizer& tokenizer, bool add_bos,
+                                 int64_t max_new_tokens, int64_t max_seq_len) {
+  std::ifstream in(path);
+  LOOM_REQUIRE_USAGE(in.good(), "cannot read rl.prompts '", path, "'");
+  std::vector<Prompt> out;
+  std::string line;
+  for (int64_t no = 1; std::getline(in, line); ++no) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const std::exception&) {
+      LOOM_REQUIRE_USAGE(false, path, ":", no, ": not a JSON object");
+    }
+    LOOM_REQUIRE_USAGE(j.is_object() && j.contains("prompt") && j["prompt"].is_string(), path, ":", no,
+                       ": needs a string \"prompt\"");
+    Prompt p;
+    p.text = j["prompt"].get<std::string>();
+    if (j.contains("answer")) p.answer = j["answer"].is_string() ? j["answer"].get<std::string>() : j["answer"].dump();
+    p.ids = tokenizer.encode(p.text, add_bos && tokenizer.bos_id() >= 0, false);
+    LOOM_REQUIRE_USAGE(!p.ids.empty(), path, ":", no, ": the prompt is empty");
+    try {
+      models::check_generation_fits(static_cast<int64_t>(p.ids.size()), max_new_tokens, max_seq_len);
+    } catch (const UsageError& e) {
+      throw UsageError(c10::str(path, ":", no, ": ", e.what()));
+    }
+    out.push_back(std::move(p));
+  }
+  LOOM_REQUIRE_USAGE(!out.empty(), "rl.prompts '", path, "' holds no prompt");
+  return out;
+}
+
+std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path) {
+  std::ifstream in(path);
+  LOOM_REQUIRE_USAGE(in.good() && !fs::is_directory(path), "cannot read config file '", path, "'");
+  std::stringstream text;
+  text << in.rdbuf();
+  toml::table root;
+  try {
+    root = toml::parse(text.str(), path);
+  } catch (const toml::parse_error& e) {
+    std::string d(e.description());
+    std::replace(d.begin(), d.end(), '\n', ' ');
+    LOOM_REQUIRE_USAGE(false, "malformed TOML in ", path, ": ", d);
+  }
+  RlConfig rl;
+  const options::Section& section = rl_section();
+  if (const toml::node* node = root.get("rl")) {
+    LOOM_REQUIRE_USAGE(node->is_table(), "'rl' in ", path, " must be a [rl] table");
+    for (auto&& [key, value] : *node->as_table()) {
+      const std::string name(key.str());
+      const options::Key* spec = section.find(name);
+      if (spec == nullptr) {
+        std::vector<std::string_view> names;
+        for (const options::Key& k : section.keys) names.push_back(k.name);
+        LOOM_REQUIRE_USAGE(false, "unknown config key 'rl.", name, "' in ", path, " (did you mean 'rl.",
+                           options::nearest(name, names), "'?)");
+      }
+      set_rl_key(rl, *spec, value, c10::str(path, ":", key.source().begin.line));
+    }
+    root.erase("rl");
+  } else {
+    LOOM_REQUIRE_USAGE(false, "loom rl needs an [rl] section in ", path, " (rl.prompts at least)");
+  }
+  section.validate(&rl);
+  std::ostringstream rest;
+  rest << root;
+  train::JobConfig job = train::parse_config_toml(rest.str(), path);
+  train::validate(job);
+  return {std::move(job), std::move(rl)};
+}
+
+void register_rl_command(CLI::App& app) {
+  auto config = std::make_shared<std::string>();
+  CLI::App* cmd = app.add_subcommand("rl", "GRPO on LoRA adapters: sample, score, update (config with an [rl] section)");
+  cmd->add_option("--config", *config, "Job config TOML with an [rl] section")->required()->check(CLI::ExistingFile);
+  cmd->callback([config] { run_rl(*config); });
+}
+
+}  // namespace loom::rl

@@ -1,0 +1,47 @@
+// Rollouts for GRPO (issue 51): completions sampled with the KV-cache generator, each token's
+// log-probability under the rollout policy recorded as it is sampled, and the same log-probabilities
+// recomputed by one batched, differentiable forward for the update.
+//
+// The log-probability of a token is that of the sampling distribution before top-k/top-p:
+// log_softmax(logits / temperature) (TRL's convention).
+#pragma once
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "loom/models/common/decoder.h"
+#include "loom/models/common/generate.h"
+
+namespace loom::rl {
+
+// Fills freshly applied LoRA adapters as the trainer does (lora::adapter_init): A kaiming-uniform,
+// U(-1/sqrt(in), 1/sqrt(in)), from torch's default generator; B zero (the model starts as its base).
+void init_adapters(models::Decoder& model);
+
+struct Completion {
+  std::vector<int64_t> tokens;  // the new tokens (the stop token included when sampled)
+  std::vector<double> logp;     // each one's log-probability under the rollout policy
+};
+
+// One completion of `prompt` (a fresh cache of prompt + max_new_tokens positions), sampling from
+// `generator`'s stream. Runs under InferenceMode.
+Completion sample_completion(models::Decoder& model, const std::vector<int64_t>& prompt,
+                             const models::SamplingOptions& options, at::Generator& generator);
+
+struct Batch {
+  torch::Tensor tokens;  // [B, T] int64: prompt + completion, right-padded with 0
+  torch::Tensor mask;    // [B, T - 1] float: 1 where position t + 1 is a completion token
+};
+// B = prompts.size() = completions.size(); each row prompt[i] + completions[i].
+Batch make_batch(const std::vector<std::vector<int64_t>>& prompts, const std::vector<Completion>& completions);
+
+// logp [B, T - 1] (float32, differentiable through the model): log_softmax(logits[:, t] /
+// temperature)[tokens[:, t + 1]], 0 where the mask is 0.
+torch::Tensor token_logprobs(models::Decoder& model, const Batch& batch, double temperature);
+
+// The rollout log-probabilities laid out as token_logprobs' [B, T - 1].
+torch::Tensor rollout_logprobs(const std::vector<std::vector<int64_t>>& prompts,
+                               const std::vector<Completion>& completions, const Batch& batch);
+
+}  // namespace loom::rl
