@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "loom/data/byte_level.h"
 #include "loom/data/tokenizer.h"
@@ -15,6 +16,7 @@
 #include "loom/rl/grpo.h"
 #include "loom/rl/rl_cli.h"
 #include "loom/rl/rollout.h"
+#include "loom/core/build_paths.h"
 #include "loom/core/error.h"
 #include "loom/testing/errors.h"
 
@@ -196,4 +198,22 @@ TEST(RlLoop, PromptFileRefusals) {
       {"rl_noprompt.jsonl:1", "\"prompt\""});
   loom::testing::expect_error<UsageError>([&] { rl::read_prompts(file("rl_empty.jsonl", "\n"), tokenizer, false, 4, 32); },
                                           {"holds no prompt"});
+}
+
+// Every shipped `loom rl` config (an [rl] table next to the job's sections) loads through rl's
+// loader; Config.EveryShippedConfigLoads loads the others.
+TEST(RlLoop, ShippedRlConfigsLoad) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(std::string(loom::kSourceDir) + "/configs")) {
+    if (entry.path().extension() != ".toml") continue;
+    std::ifstream in(entry.path());
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (text.find("\n[rl]") == std::string::npos) continue;
+    SCOPED_TRACE(entry.path().string());
+    const auto [job, rl_config] = rl::load_rl_config(entry.path().string());
+    EXPECT_FALSE(job.model.flavor.empty());
+    EXPECT_GE(rl_config.group_size, 2);
+    ++count;
+  }
+  EXPECT_GE(count, 1);
 }
