@@ -105,7 +105,6 @@ void run_rl(const std::string& config_path) {
   sampling.top_p = rl.top_p;
   sampling.top_k = rl.top_k;
   sampling.stop_id = tokenizer.eos_id();
-  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(job.training.seed));
   const GrpoOptions grpo = rl.grpo();
   const auto save = [&](int64_t step) {
     const fs::path dir = dump / "adapters" / c10::str("step-", step);
@@ -125,6 +124,8 @@ void run_rl(const std::string& config_path) {
       const Prompt& prompt = prompts[next_prompt];
       next_prompt = (next_prompt + 1) % prompts.size();
       for (int64_t g = 0; g < rl.group_size; ++g) {
+        at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(completion_seed(
+            static_cast<uint64_t>(job.training.seed), step, static_cast<int64_t>(completions.size())));
         Completion c = sample_completion(model, prompt.ids, sampling, generator);
         std::vector<int64_t> text_ids = c.tokens;
         if (!text_ids.empty() && text_ids.back() == sampling.stop_id) text_ids.pop_back();

@@ -25,6 +25,16 @@ void init_adapters(models::Decoder& model) {
   }
 }
 
+uint64_t completion_seed(uint64_t seed, int64_t step, int64_t index) {
+  const auto mix = [](uint64_t z) {
+    z += 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  };
+  return mix(mix(mix(seed) ^ static_cast<uint64_t>(step)) ^ static_cast<uint64_t>(index));
+}
+
 Completion sample_completion(models::Decoder& model, const std::vector<int64_t>& prompt,
                              const models::SamplingOptions& options, at::Generator& generator) {
   LOOM_REQUIRE_USAGE(!prompt.empty(), "a prompt needs at least one token");

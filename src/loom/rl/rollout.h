@@ -24,6 +24,12 @@ struct Completion {
   std::vector<double> logp;     // each one's log-probability under the rollout policy
 };
 
+// The seed of completion `index` (prompt p's sample g is index p * G + g, counted over the whole
+// step's batch, every rank and policy alike) at GRPO step `step` of a job seeded `seed`: each
+// completion samples from its own stream, so the tokens do not depend on how completions are
+// batched, split over data-parallel ranks or ordered (splitmix64 of the three).
+uint64_t completion_seed(uint64_t seed, int64_t step, int64_t index);
+
 // One completion of `prompt` (a fresh cache of prompt + max_new_tokens positions), sampling from
 // `generator`'s stream. Runs under InferenceMode.
 Completion sample_completion(models::Decoder& model, const std::vector<int64_t>& prompt,
