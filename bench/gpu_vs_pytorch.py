@@ -148,9 +148,16 @@ def run_loom(args, kernels="all", steps=None, warmup=None, extra=()):
                     "mem_gib": float("nan"), "loss": float("nan")}
         rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
     rows = [r for r in rows if "event" not in r]
-    # Each logged row's tps covers the steps since the previous log step (a window): the windows
-    # that start after the warm-up, weighted by their lengths.
-    tokens = args.batch * a.seq_len
+    step_s, mem, loss = timed_windows(rows, warmup, args.batch * a.seq_len, name)
+    return {"impl": name, "tps": args.batch * a.seq_len / step_s, "step_s": step_s, "mem_gib": mem,
+            "loss": loss}
+
+
+def timed_windows(rows, warmup, tokens, name="loom"):
+    """(seconds per step, peak GiB, last loss) over Loom's logged windows after the warm-up.
+
+    Each logged row's tps covers the steps since the previous log step (a window): the windows
+    that start after the warm-up, weighted by their lengths."""
     timed, seconds, counted, prev = [], 0.0, 0, 0
     for r in rows:
         window = r["step"] - prev
@@ -161,9 +168,7 @@ def run_loom(args, kernels="all", steps=None, warmup=None, extra=()):
         prev = r["step"]
     if not timed:
         raise SystemExit(f"{name}: no logged window after {warmup} warm-up steps; raise --steps or lower --log-freq")
-    step_s = seconds / counted
-    return {"impl": name, "tps": tokens / step_s, "step_s": step_s,
-            "mem_gib": max(r["mem_peak_gib"] for r in timed), "loss": timed[-1]["loss"]}
+    return seconds / counted, max(r["mem_peak_gib"] for r in timed), timed[-1]["loss"]
 
 
 def main():

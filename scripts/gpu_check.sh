@@ -17,6 +17,9 @@
 #   GPU_CHECK_GEMM=0        skip the GEMM efficiency sweep (bench/gemm_efficiency.py, run on the
 #                           GPU while the build uses the CPU; its lines end in bench.log, its rows
 #                           in bench.json under "gemm_efficiency")
+#   GPU_CHECK_TORCHTITAN=0  skip Loom vs TorchTitan 0.3.0 (bench/torchtitan_vs_loom.py; its wheels
+#                           from .device/torchtitan, which scripts/pack_torchtitan.sh fills);
+#                           GPU_CHECK_TORCHTITAN_CASES=dense,moe,float8 picks its cases
 #   GPU_CHECK_SUITE_CORES=4 the suite runs beside the benchmarks (default): its build and its CPU
 #                           tests on all cores but the first N (taskset), the benchmarks on those
 #                           N, the CUDA-labelled tests after the benchmarks (they use the GPU); 0
@@ -139,6 +142,22 @@ run_step "benchmark + ablation" 200 "$out/bench.log" "${pin_bench[@]}" "$PY" ben
   --loom "$B/bin/loom" $([ "${GPU_CHECK_ABLATION:-1}" != 0 ] && echo --ablation) --json "$out/bench.json"
 grep -E "tokens/s|^\||FAILED|loom / " "$out/bench.log" | tee -a "$out/summary.txt" >/dev/null
 
+# 3b. Loom vs TorchTitan 0.3.0 itself (issue 49): the dense 1B shape (bf16, + compile), its Float8
+# rowwise pair and an MoE shape with Qwen3-30B-A3B's block widths. TorchTitan's wheels come from
+# .device/torchtitan (scripts/pack_torchtitan.sh), unpacked onto PYTHONPATH; without them the rows
+# say so and the hand-written reference of step 3 stays the peer. Its table goes to bench.log and
+# summary.txt, its rows into bench.json under "torchtitan_vs_loom".
+if [ "${GPU_CHECK_TORCHTITAN:-1}" != 0 ]; then
+  tt_lib=$(mktemp -d)
+  for w in .device/torchtitan/*.whl; do
+    [ -f "$w" ] && "$PY" -m zipfile -e "$w" "$tt_lib"
+  done
+  run_step "loom vs torchtitan" 240 "$out/bench.log" env PYTHONPATH="$tt_lib" "${pin_bench[@]}" "$PY" \
+    bench/torchtitan_vs_loom.py --loom "$B/bin/loom" --cases "${GPU_CHECK_TORCHTITAN_CASES:-dense,moe,float8}" \
+    --json "$gemm_tmp/torchtitan.json"
+  grep -E "^== |tokens/s|FAILED|apart|device: " "$out/bench.log" | tail -40 | tee -a "$out/summary.txt" >/dev/null
+fi
+
 # 4. A Kineto trace of 3 steps of the 1B shape with every kernel on.
 trace_dir=$(mktemp -d)
 run_step "trace" 60 "$out/runs.log" "${pin_bench[@]}" "$B/bin/loom" train --config configs/llama3_debug.toml \
@@ -217,6 +236,16 @@ bench = json.load(open(sys.argv[1])) if os.path.exists(sys.argv[1]) else {}
 if not isinstance(bench, dict):
     bench = {"gpu_vs_pytorch": bench}
 bench["gemm_efficiency"] = json.load(open(sys.argv[2]))
+json.dump(bench, open(sys.argv[1], "w"), indent=1)
+EOF
+fi
+if [ -f "$gemm_tmp/torchtitan.json" ]; then
+  "$PY" - "$out/bench.json" "$gemm_tmp/torchtitan.json" <<'EOF' || say "could not merge the TorchTitan rows into bench.json"
+import json, os, sys
+bench = json.load(open(sys.argv[1])) if os.path.exists(sys.argv[1]) else {}
+if not isinstance(bench, dict):
+    bench = {"gpu_vs_pytorch": bench}
+bench["torchtitan_vs_loom"] = json.load(open(sys.argv[2]))
 json.dump(bench, open(sys.argv[1], "w"), indent=1)
 EOF
 fi
