@@ -35,8 +35,11 @@ void ExpertParallel::apply(moe::MoE& moe, const std::string& fqn) {
     sharded_.insert(fqn + ".experts." + name);
   }
   tensor::CommPtr comm = comm_;
-  moe.set_expert_compute([comm](moe::GroupedExperts& local, const torch::Tensor& rows, const std::vector<int64_t>& counts) {
-    return dispatch_to_experts(local, rows, counts, comm);
+  moe.set_expert_compute([comm](moe::GroupedExperts& local, const torch::Tensor& rows, const torch::Tensor& counts) {
+    // The all-to-all's split sizes are host numbers: the one host read of the counts per layer.
+    const torch::Tensor host = counts.to(torch::kCPU, torch::kLong).contiguous();
+    const std::vector<int64_t> sizes(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+    return dispatch_to_experts(local, rows, sizes, comm);
   });
 }
 

@@ -112,33 +112,39 @@ bool GroupedExperts::grouped_mm_supported(const torch::Tensor& x, const torch::T
 }
 
 torch::Tensor GroupedExperts::forward(const torch::Tensor& x, const std::vector<int64_t>& counts) {
-  return call_with_hooks(x, [this, &counts](const torch::Tensor& in) {
+  return forward(x, torch::tensor(counts, torch::kLong));
+}
+
+torch::Tensor GroupedExperts::forward(const torch::Tensor& x, const torch::Tensor& counts_in) {
+  return call_with_hooks(x, [this, &counts_in](const torch::Tensor& in) {
     const torch::Tensor& w1 = w1_->tensor;
     const torch::Tensor& w2 = w2_->tensor;
     const torch::Tensor& w3 = w3_->tensor;
     const bool bias = b1_ != nullptr;
     // Under expert parallelism the slots hold this rank's experts only: counts follow them.
     const int64_t local = w1.size(0);
-    TORCH_CHECK(static_cast<int64_t>(counts.size()) == local, "GroupedExperts: ", counts.size(),
+    TORCH_CHECK(counts_in.dim() == 1 && counts_in.size(0) == local, "GroupedExperts: ", counts_in.sizes(),
                 " token counts for ", local, " experts");
     TORCH_CHECK(in.dim() == 2 && in.size(1) == dim_, "GroupedExperts: input must be [M, ", dim_, "], got ",
                 in.sizes());
-    int64_t rows = 0;
-    for (int64_t n : counts) rows += n;
-    TORCH_CHECK(rows == in.size(0), "GroupedExperts: counts sum to ", rows, " but ", in.size(0), " rows came");
+    const int64_t rows = in.size(0);
     if (rows > 0 && grouped_mm_ && grouped_mm_supported(in, w1)) {
-      // Each expert's rows end at offs[e] (int32, cumulative).
-      std::vector<int32_t> ends(counts.size());
-      int64_t end = 0;
-      for (size_t e = 0; e < counts.size(); ++e) ends[e] = static_cast<int32_t>(end += counts[e]);
-      const torch::Tensor offs = torch::tensor(ends, torch::kInt32).to(in.device());
+      // Each expert's rows end at offs[e] (int32, cumulative), computed where the counts are: on
+      // the GPU no count comes to the host (their sum is M by construction: the caller sorted M rows
+      // by these counts; a host-side check would wait for the device).
+      const torch::Tensor c = counts_in.to(in.device(), torch::kLong);
+      if (!c.is_cuda()) {
+        TORCH_CHECK(c.sum().item<int64_t>() == rows, "GroupedExperts: counts sum to ", c.sum().item<int64_t>(),
+                    " but ", rows, " rows came");
+      }
+      const torch::Tensor offs = c.cumsum(0).to(torch::kInt32);
       const torch::Tensor x = in.contiguous();
       torch::Tensor gate = at::_grouped_mm(x, w1.transpose(-2, -1), offs);
       torch::Tensor up = at::_grouped_mm(x, w3.transpose(-2, -1), offs);
       torch::Tensor expert_of_row;
       if (bias) {
-        // Each row's expert's biases, gathered (their gradient sums back per expert).
-        const torch::Tensor c = torch::tensor(counts, torch::kLong).to(in.device());
+        // Each row's expert's biases, gathered (their gradient sums back per expert); the output
+        // size given, repeat_interleave reads nothing back.
         expert_of_row = torch::repeat_interleave(torch::arange(local, c.options()), c, /*dim=*/0, rows);
         gate = gate + b1_->tensor.index_select(0, expert_of_row);
         up = up + b3_->tensor.index_select(0, expert_of_row);
@@ -148,6 +154,11 @@ torch::Tensor GroupedExperts::forward(const torch::Tensor& x, const std::vector<
       if (bias) out = out + b2_->tensor.index_select(0, expert_of_row);
       return out;
     }
+    const torch::Tensor host = counts_in.to(torch::kCPU, torch::kLong).contiguous();
+    const std::vector<int64_t> counts(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + local);
+    int64_t total = 0;
+    for (int64_t n : counts) total += n;
+    TORCH_CHECK(total == rows, "GroupedExperts: counts sum to ", total, " but ", rows, " rows came");
     // One GEMM pair per expert over its contiguous rows.
     std::vector<torch::Tensor> outputs;
     int64_t begin = 0;

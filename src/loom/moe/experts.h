@@ -73,6 +73,11 @@ class GroupedExperts : public nn::Module {
   // to M) -> [M, dim], row for row. An expert with no tokens computes nothing; its weights still
   // get (zero) gradients, as does every weight when M is 0, so every rank's gradients have the
   // same parameters whatever its tokens.
+  // `counts` [local experts] int64 on any device. The grouped GEMM path keeps them where they are
+  // (the offsets are their cumulative sum there): with counts on the GPU it reads nothing on the
+  // host, so a CUDA step does not wait here. The per-expert loop reads them on the host.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& counts);
+  // The same with counts on the host.
   torch::Tensor forward(const torch::Tensor& x, const std::vector<int64_t>& counts);
 
   // Whether forward may use at::_grouped_mm (default true; false forces the per-expert loop).

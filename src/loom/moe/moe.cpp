@@ -44,9 +44,8 @@ torch::Tensor MoE::forward(const torch::Tensor& x) {
     const torch::Tensor flat = routing.experts.reshape(-1);
     const torch::Tensor order = at::argsort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
     const torch::Tensor rows = tokens.index_select(0, order.div(k, "floor"));
-    const torch::Tensor counts_cpu = routing.counts.cpu();
-    const std::vector<int64_t> counts(counts_cpu.data_ptr<int64_t>(), counts_cpu.data_ptr<int64_t>() + counts_cpu.numel());
-    torch::Tensor out = expert_compute_ ? expert_compute_(*experts_, rows, counts) : experts_->forward(rows, counts);
+    torch::Tensor out = expert_compute_ ? expert_compute_(*experts_, rows, routing.counts)
+                                        : experts_->forward(rows, routing.counts);
     // Weighted in float32, back to (token, choice) order by a gather, summed over the choices.
     const torch::Tensor weights = routing.weights.reshape(-1).index_select(0, order).unsqueeze(1);
     out = out.to(torch::kFloat) * weights;

@@ -44,11 +44,13 @@ struct MoEOptions {
 };
 
 // How the permuted tokens reach the routed experts: `rows` [M, dim] sorted by expert, counts[e]
-// of them for each of the n_experts experts (global ids) -> the experts' outputs for the same rows
-// in the same order. The default calls the experts in place; expert parallelism (ep/) replaces it
-// with a dispatch to the ranks that hold them and back.
+// of them for each of the n_experts experts (global ids; [E] int64 on the rows' device) -> the
+// experts' outputs for the same rows in the same order. The default calls the experts in place,
+// reading no count on the host (a CUDA step runs without a synchronisation here); expert
+// parallelism (ep/) replaces it with a dispatch to the ranks that hold them and back, which needs
+// the counts on the host (the all-to-all's split sizes).
 using ExpertCompute =
-    std::function<torch::Tensor(GroupedExperts& experts, const torch::Tensor& rows, const std::vector<int64_t>& counts)>;
+    std::function<torch::Tensor(GroupedExperts& experts, const torch::Tensor& rows, const torch::Tensor& counts)>;
 
 class MoE : public nn::Module {
  public:

@@ -51,7 +51,11 @@ Routing route(const torch::Tensor& logits, const RouterOptions& o, const torch::
   if (o.normalize) weights = weights / weights.sum(-1, /*keepdim=*/true);
   if (o.scale != 1.0) weights = weights * o.scale;
   r.weights = weights;
-  r.counts = torch::bincount(r.experts.reshape(-1).cpu(), {}, o.n_experts).to(torch::kLong);
+  // Counts where the routing lives, without a host read (bincount on CUDA reads the maximum back
+  // to size its output): the sorted choices' boundaries at 0..E, differenced.
+  const torch::Tensor sorted = std::get<0>(r.experts.reshape(-1).sort());
+  const torch::Tensor bounds = torch::searchsorted(sorted, torch::arange(o.n_experts + 1, sorted.options()));
+  r.counts = bounds.diff();
   return r;
 }
 

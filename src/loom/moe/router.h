@@ -47,7 +47,7 @@ struct RouterOptions {
 struct Routing {
   torch::Tensor weights;  // [N, K] float32
   torch::Tensor experts;  // [N, K] int64, each row's experts in descending choice order
-  torch::Tensor counts;   // [E] int64: how many (token, choice) pairs went to each expert
+  torch::Tensor counts;   // [E] int64, on the logits' device: how many (token, choice) pairs went to each expert
 };
 
 // The routing of `logits` [N, E] (any floating dtype; the math runs in float32). `bias` [E]

@@ -24,7 +24,7 @@ void MoEBalanceSync::finish(parallel::ParameterStorage&) {
   torch::Tensor all = torch::cat(counts);
   for (const tensor::CommPtr& comm : comms_) comm->all_reduce(all, distributed::ReduceOp::kSum);
   int64_t offset = 0;
-  last_.clear();
+  std::vector<torch::Tensor> rows;
   for (moe::MoE* layer : layers_) {
     const int64_t n = layer->tokens_per_expert().numel();
     const torch::Tensor counts = all.narrow(0, offset, n);
@@ -33,19 +33,27 @@ void MoEBalanceSync::finish(parallel::ParameterStorage&) {
     } else {
       layer->reset_load_counts();
     }
-    const double mean = counts.mean().item<double>();
-    last_.push_back({mean > 0 ? counts.max().item<double>() / mean : 0.0,
-                     mean > 0 ? counts.min().item<double>() / mean : 0.0,
-                     layer->expert_bias().norm().item<double>()});
+    // Computed where the counts are; no value comes to the host here.
+    const torch::Tensor mean = counts.mean();
+    const torch::Tensor safe = torch::where(mean > 0, mean, torch::ones_like(mean));
+    const torch::Tensor zero = torch::zeros_like(mean);
+    const torch::Tensor bias = layer->expert_bias();
+    rows.push_back(torch::stack({torch::where(mean > 0, counts.max() / safe, zero),
+                                 torch::where(mean > 0, counts.min() / safe, zero),
+                                 bias.defined() ? bias.norm().to(mean.device(), torch::kFloat) : zero}));
     offset += n;
   }
+  last_ = torch::stack(rows);
 }
 
 void MoEBalanceSync::add_metrics(std::map<std::string, double>& out) const {
-  for (size_t i = 0; i < last_.size(); ++i) {
-    out["moe/" + names_[i] + "/load_max"] = last_[i][0];
-    out["moe/" + names_[i] + "/load_min"] = last_[i][1];
-    out["moe/" + names_[i] + "/bias_norm"] = last_[i][2];
+  if (!last_.defined()) return;
+  const torch::Tensor host = last_.to(torch::kCPU, torch::kDouble).contiguous();
+  const auto v = host.accessor<double, 2>();
+  for (int64_t i = 0; i < host.size(0); ++i) {
+    out["moe/" + names_[i] + "/load_max"] = v[i][0];
+    out["moe/" + names_[i] + "/load_min"] = v[i][1];
+    out["moe/" + names_[i] + "/bias_norm"] = v[i][2];
   }
 }
 

@@ -33,7 +33,9 @@ class MoEBalanceSync : public parallel::Synchronizer {
  private:
   std::vector<std::string> names_;  // each layer's module path ("layers.3.moe")
   std::vector<moe::MoE*> layers_;
-  std::vector<std::array<double, 3>> last_;  // load_max, load_min, bias_norm per layer
+  // [layers, 3] float32 where the counts live: load_max, load_min, bias_norm per layer. Kept on the
+  // device and read by add_metrics, at log steps only: a step does not wait for it.
+  torch::Tensor last_;
   std::vector<tensor::CommPtr> comms_;
   bool update_biases_ = true;
 };
