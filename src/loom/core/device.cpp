@@ -20,11 +20,12 @@ const options::EnumNames<DeviceRequest>& option_names(DeviceRequest) {
   return names;
 }
 
-c10::Device select_device(const std::string& requested, int local_rank, const std::string& setting) {
-  return select_device(options::parse_enum<DeviceRequest>(requested, setting), local_rank, setting);
+c10::Device select_device(const std::string& requested, int local_rank, const std::string& setting,
+                          bool share_devices) {
+  return select_device(options::parse_enum<DeviceRequest>(requested, setting), local_rank, setting, share_devices);
 }
 
-c10::Device select_device(DeviceRequest requested, int local_rank, const std::string& setting) {
+c10::Device select_device(DeviceRequest requested, int local_rank, const std::string& setting, bool share_devices) {
   // How the user writes a value of the setting: `training.device = "cpu"` or `--device cpu`.
   const bool flag = setting.rfind("--", 0) == 0;
   auto value = [&](const char* v) {
@@ -42,9 +43,11 @@ c10::Device select_device(DeviceRequest requested, int local_rank, const std::st
                        "CUDA_VISIBLE_DEVICES); use ", value("cpu"), " or ", value("auto"));
   }
   const int count = static_cast<int>(torch::cuda::device_count());
+  if (share_devices) return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % count));
   LOOM_REQUIRE_USAGE(local_rank < count, "rank with LOCAL_RANK ", local_rank, " has no GPU of its "
                      "own: ", count, " visible on this node; start at most ", count,
-                     " ranks per node (loom launch --nproc ", count, ")");
+                     " ranks per node (loom launch --nproc ", count, "), or share GPUs with "
+                     "comm.device_transport = \"host\" (tests only: slow)");
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
 }
 

@@ -20,11 +20,13 @@ const options::EnumNames<DeviceRequest>& option_names(DeviceRequest);
 // for but this libtorch has no CUDA support, or no CUDA device is visible, or the rank's local
 // index has no GPU of its own. `setting` names where the choice came from in those messages (a
 // config key, or a command-line flag such as "--device").
+// `share_devices`: ranks may share a GPU (their collectives do not use NCCL: comm.device_transport
+// = "host"): local rank r computes on GPU r mod the visible count.
 c10::Device select_device(DeviceRequest requested, int local_rank,
-                          const std::string& setting = "training.device");
+                          const std::string& setting = "training.device", bool share_devices = false);
 // The same for a name ("auto", "cpu", "cuda"; anything else is a loom::UsageError naming `setting`).
 c10::Device select_device(const std::string& requested, int local_rank,
-                          const std::string& setting = "training.device");
+                          const std::string& setting = "training.device", bool share_devices = false);
 
 // What the metrics need to know about a device: its name, its memory, and the peak it is measured
 // against. The CPU's name is "cpu" and its memory 0 (its peak FLOP/s are measured, not looked up:

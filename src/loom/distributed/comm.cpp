@@ -645,11 +645,12 @@ struct Comm::Issue {
 Comm::Comm(c10::intrusive_ptr<c10d::Backend> backend, std::string name,
            std::vector<int> world_ranks, int rank,
            c10::intrusive_ptr<c10d::Backend> device_backend, c10::Device device,
-           std::shared_ptr<SharedMemoryCollectives> shared_memory)
+           std::shared_ptr<SharedMemoryCollectives> shared_memory, bool stage_device_tensors)
     : backend_(std::move(backend)),
       device_backend_(std::move(device_backend)),
       device_(device),
       shared_memory_(std::move(shared_memory)),
+      stage_device_tensors_(stage_device_tensors),
       name_(std::move(name)),
       world_ranks_(std::move(world_ranks)),
       rank_(rank) {
@@ -711,6 +712,16 @@ SharedMemoryCollectives* Comm::shared_memory_for(const at::Tensor& tensor) const
   return size() > 1 && tensor.is_cpu() ? shared_memory_.get() : nullptr;
 }
 
+bool Comm::stages(const at::Tensor& tensor) const {
+  return stage_device_tensors_ && size() > 1 && !tensor.is_cpu();
+}
+
+WorkHandle Comm::staged(CommOp op, WorkHandle host_work, std::function<void()> copy_back) {
+  // The host collective is recorded and counted as itself; this work only copies the result back
+  // to the device when it completes (not recorded again: record seq 0, no wait accounting).
+  return c10::make_intrusive<CommWork>(rank_, op, std::move(host_work), std::move(copy_back), FlightRecord{});
+}
+
 void Comm::check_peer(int peer, const char* what) const {
   LOOM_REQUIRE(peer >= 0 && peer < size(), what, " ", peer, " is outside group ", describe(),
                " of ", size(), " ranks");
@@ -767,6 +778,10 @@ WorkHandle Comm::launch(Issue issue, c10d::Backend* backend,
 WorkHandle Comm::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
   require_dense(tensor, "all_reduce", "the");
   require_avg_dtype(tensor, op, "all_reduce");
+  if (stages(tensor)) {
+    const at::Tensor host = tensor.to(at::kCPU);
+    return staged(CommOp::kAllReduce, all_reduce_async(host, op), [tensor, host] { tensor.copy_(host); });
+  }
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   Issue issue{CommOp::kAllReduce, bytes, ring_wire_bytes(CommOp::kAllReduce, bytes, size()),
               tensor.sizes().vec(), tensor.sizes().vec(), tensor.scalar_type()};
@@ -790,6 +805,11 @@ WorkHandle Comm::all_gather_into_tensor_async(const at::Tensor& output, const at
   LOOM_REQUIRE(output.numel() == input.numel() * size(), "all_gather_into_tensor on ", describe(),
                ": output has ", output.numel(), " elements, expected ", size(), " x ",
                input.numel());
+  if (stages(input)) {
+    const at::Tensor host_out = at::empty(output.sizes(), output.options().device(at::kCPU));
+    return staged(CommOp::kAllGather, all_gather_into_tensor_async(host_out, input.to(at::kCPU)),
+                  [output, host_out] { output.copy_(host_out); });
+  }
   const int64_t bytes = static_cast<int64_t>(output.nbytes());
   Issue issue{CommOp::kAllGather, bytes, ring_wire_bytes(CommOp::kAllGather, bytes, size()),
               input.sizes().vec(), output.sizes().vec(), input.scalar_type()};
@@ -817,6 +837,11 @@ WorkHandle Comm::reduce_scatter_tensor_async(const at::Tensor& output, const at:
   LOOM_REQUIRE(input.numel() == output.numel() * size(), "reduce_scatter_tensor on ", describe(),
                ": input has ", input.numel(), " elements, expected ", size(), " x ",
                output.numel());
+  if (stages(input)) {
+    const at::Tensor host_out = at::empty(output.sizes(), output.options().device(at::kCPU));
+    return staged(CommOp::kReduceScatter, reduce_scatter_tensor_async(host_out, input.to(at::kCPU), op),
+                  [output, host_out] { output.copy_(host_out); });
+  }
   const int64_t bytes = static_cast<int64_t>(input.nbytes());
   Issue issue{CommOp::kReduceScatter, bytes,
               ring_wire_bytes(CommOp::kReduceScatter, bytes, size()), input.sizes().vec(),
@@ -876,6 +901,10 @@ WorkHandle Comm::reduce_scatter_tensor_async(const at::Tensor& output, const at:
 WorkHandle Comm::broadcast_async(const at::Tensor& tensor, int root) {
   require_dense(tensor, "broadcast", "the");
   check_peer(root, "broadcast root");
+  if (stages(tensor)) {
+    const at::Tensor host = tensor.to(at::kCPU);
+    return staged(CommOp::kBroadcast, broadcast_async(host, root), [tensor, host] { tensor.copy_(host); });
+  }
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   Issue issue{CommOp::kBroadcast, bytes, ring_wire_bytes(CommOp::kBroadcast, bytes, size()),
               tensor.sizes().vec(), tensor.sizes().vec(), tensor.scalar_type(), root};
@@ -899,6 +928,13 @@ WorkHandle Comm::all_to_all_async(const at::Tensor& output, const at::Tensor& in
   LOOM_REQUIRE(input.sizes().slice(1) == output.sizes().slice(1), "all_to_all on ", describe(),
                ": input rows ", input.sizes().slice(1), " and output rows ",
                output.sizes().slice(1), " differ in shape");
+  if (stages(input)) {
+    const at::Tensor host_out = at::empty(output.sizes(), output.options().device(at::kCPU));
+    return staged(CommOp::kAllToAll,
+                  all_to_all_async(host_out, input.to(at::kCPU), std::move(output_split_sizes),
+                                   std::move(input_split_sizes)),
+                  [output, host_out] { output.copy_(host_out); });
+  }
   auto check_splits = [&](const std::vector<int64_t>& splits, const at::Tensor& t,
                           const char* which) {
     if (splits.empty()) {
@@ -944,6 +980,10 @@ WorkHandle Comm::send_async(const at::Tensor& tensor, int dst, int tag) {
   require_dense(tensor, "send", "the");
   check_peer(dst, "send destination");
   LOOM_REQUIRE(dst != rank_, "send on ", describe(), ": rank ", rank_, " cannot send to itself");
+  if (stages(tensor)) {
+    const at::Tensor host = tensor.to(at::kCPU);
+    return staged(CommOp::kSend, send_async(host, dst, tag), [host] {});  // keeps `host` alive until sent
+  }
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   Issue issue{CommOp::kSend, bytes, ring_wire_bytes(CommOp::kSend, bytes, size()),
               tensor.sizes().vec(), {}, tensor.scalar_type(), dst};
@@ -958,6 +998,10 @@ WorkHandle Comm::recv_async(const at::Tensor& tensor, int src, int tag) {
   check_peer(src, "recv source");
   LOOM_REQUIRE(src != rank_, "recv on ", describe(), ": rank ", rank_,
                " cannot receive from itself");
+  if (stages(tensor)) {
+    const at::Tensor host = at::empty(tensor.sizes(), tensor.options().device(at::kCPU));
+    return staged(CommOp::kRecv, recv_async(host, src, tag), [tensor, host] { tensor.copy_(host); });
+  }
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   Issue issue{CommOp::kRecv, bytes, ring_wire_bytes(CommOp::kRecv, bytes, size()), {},
               tensor.sizes().vec(), tensor.scalar_type(), src};

@@ -213,10 +213,13 @@ class Comm {
   // `backend` serves CPU tensors; `device_backend` (null on CPU runs) serves tensors on `device`.
   // `shared_memory` (null: none), for groups whose ranks share a host, takes over the all-gathers,
   // reduce-scatters and all-reduces of CPU tensors from `backend` (shm_collectives.h).
+  // `stage_device_tensors` (comm.device_transport = "host"; then no device backend): a collective
+  // on device tensors copies them to host memory, runs there (shared memory or `backend`) and
+  // copies the result back when its work completes: ranks sharing one GPU can then communicate.
   Comm(c10::intrusive_ptr<c10d::Backend> backend, std::string name, std::vector<int> world_ranks,
        int rank, c10::intrusive_ptr<c10d::Backend> device_backend = {},
        c10::Device device = c10::Device(c10::kCPU),
-       std::shared_ptr<SharedMemoryCollectives> shared_memory = {});
+       std::shared_ptr<SharedMemoryCollectives> shared_memory = {}, bool stage_device_tensors = false);
   // A group of just this process (world rank `world_rank`): no backend, no network.
   static std::shared_ptr<Comm> single(std::string name, int world_rank);
 
@@ -286,11 +289,17 @@ class Comm {
   // The shared-memory transport for a collective on `tensor`, or null (Gloo or NCCL serves it).
   SharedMemoryCollectives* shared_memory_for(const at::Tensor& tensor) const;
   void check_peer(int peer, const char* what) const;
+  // Whether a collective on `tensor` is staged through host memory (stage_device_tensors).
+  bool stages(const at::Tensor& tensor) const;
+  // The work of a staged collective: `host_work` (the collective on the host copies), then
+  // `copy_back` (the result to the device tensors) when it completes.
+  WorkHandle staged(CommOp op, WorkHandle host_work, std::function<void()> copy_back);
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   c10::intrusive_ptr<c10d::Backend> device_backend_;
   c10::Device device_;
   std::shared_ptr<SharedMemoryCollectives> shared_memory_;
+  bool stage_device_tensors_ = false;
   std::string name_;
   std::vector<int> world_ranks_;
   int rank_;

@@ -112,7 +112,8 @@ c10::intrusive_ptr<c10d::Backend> new_nccl_backend(const c10::intrusive_ptr<c10d
 
 std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env, const CommConfig& comm,
                                               c10::Device device) {
-  return init_distributed(env, std::chrono::seconds(comm.timeout_seconds), device, comm.shared_memory);
+  return init_distributed(env, std::chrono::seconds(comm.timeout_seconds), device, comm.shared_memory,
+                          comm.device_transport);
 }
 
 int intra_op_threads(const LaunchEnv& env) {
@@ -122,11 +123,12 @@ int intra_op_threads(const LaunchEnv& env) {
 }
 
 Distributed::Distributed(LaunchEnv env, std::chrono::milliseconds timeout, c10::Device device,
-                         c10::intrusive_ptr<c10d::Store> store, bool shared_memory)
+                         c10::intrusive_ptr<c10d::Store> store, bool shared_memory, DeviceTransport transport)
     : env_(std::move(env)),
       timeout_(timeout),
       device_(device),
-      device_backend_kind_(backend_kind_for(device)),
+      device_backend_kind_(transport == DeviceTransport::kHost ? BackendKind::kGloo : backend_kind_for(device)),
+      stage_device_tensors_(transport == DeviceTransport::kHost && !device.is_cpu()),
       store_(std::move(store)),
       shared_memory_(shared_memory) {
   LOOM_REQUIRE(env_.world_size == 1 || store_, "a world of ", env_.world_size,
@@ -227,7 +229,7 @@ std::shared_ptr<Comm> Distributed::new_group(const std::vector<int>& ranks,
     it = backends_.emplace(ranks, std::move(backends)).first;
   }
   return std::make_shared<Comm>(it->second.host, name, ranks, group_rank, it->second.device,
-                                device_, it->second.shared_memory);
+                                device_, it->second.shared_memory, stage_device_tensors_);
 }
 
 void Distributed::enable_peer_abort() {
@@ -270,13 +272,14 @@ void Distributed::abandon() {
 
 std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
                                               std::chrono::milliseconds timeout,
-                                              c10::Device device, bool shared_memory) {
-  (void)backend_kind_for(device);  // a build without NCCL refuses a CUDA rank before rendezvous
+                                              c10::Device device, bool shared_memory, DeviceTransport transport) {
+  // A build without NCCL refuses a CUDA rank before rendezvous (unless staged through the host).
+  if (transport == DeviceTransport::kNccl) (void)backend_kind_for(device);
   LOOM_REQUIRE_USAGE(timeout.count() > 0, "distributed timeout must be positive (got ",
                      timeout.count(), " ms)");
   log::set_rank(env.rank);
   at::set_num_threads(intra_op_threads(env));
-  if (env.world_size == 1) return std::make_shared<Distributed>(env, timeout, device, nullptr);
+  if (env.world_size == 1) return std::make_shared<Distributed>(env, timeout, device, nullptr, shared_memory, transport);
   // A peer that dies closes its sockets; writing to them must surface as an I/O error in the
   // collective (reported, attributable), not as a silent SIGPIPE death of this rank.
   std::signal(SIGPIPE, SIG_IGN);
@@ -308,7 +311,7 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
   }
   try {
     auto dist = std::make_shared<Distributed>(env, timeout, device, std::move(store),
-                                              shared_memory);
+                                              shared_memory, transport);
     dist->enable_peer_abort();
     return dist;
   } catch (const c10::Error& e) {
@@ -320,15 +323,18 @@ std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
 std::shared_ptr<Distributed> init_distributed_over(const LaunchEnv& env, const CommConfig& comm,
                                                    c10::Device device,
                                                    c10::intrusive_ptr<c10d::Store> store, int threads) {
-  (void)backend_kind_for(device);
+  if (comm.device_transport == DeviceTransport::kNccl) (void)backend_kind_for(device);
   log::set_rank(env.rank);
   at::set_num_threads(threads);
   const std::chrono::milliseconds timeout = std::chrono::seconds(comm.timeout_seconds);
-  if (env.world_size == 1) return std::make_shared<Distributed>(env, timeout, device, nullptr);
+  if (env.world_size == 1) {
+    return std::make_shared<Distributed>(env, timeout, device, nullptr, comm.shared_memory, comm.device_transport);
+  }
   std::signal(SIGPIPE, SIG_IGN);
   dump_flight_recorder_on_sigterm();
   try {
-    return std::make_shared<Distributed>(env, timeout, device, std::move(store), comm.shared_memory);
+    return std::make_shared<Distributed>(env, timeout, device, std::move(store), comm.shared_memory,
+                                         comm.device_transport);
   } catch (const c10::Error& e) {
     fail("creating the world process group failed on rank ", env.rank, " of ", env.world_size, ": ",
          e.what_without_backtrace());

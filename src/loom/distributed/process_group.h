@@ -56,8 +56,11 @@ class Distributed {
  public:
   // `shared_memory`: groups of ranks that share a host (a single-node world) move the all-gathers,
   // reduce-scatters and all-reduces of CPU tensors through shared memory (shm_collectives.h).
+  // `transport` kHost: no NCCL; collectives on device() tensors are staged through host memory
+  // and the CPU transport (comm.device_transport, config.h), so ranks may share a GPU.
   Distributed(LaunchEnv env, std::chrono::milliseconds timeout, c10::Device device,
-              c10::intrusive_ptr<c10d::Store> store, bool shared_memory = true);
+              c10::intrusive_ptr<c10d::Store> store, bool shared_memory = true,
+              DeviceTransport transport = DeviceTransport::kNccl);
   ~Distributed();
   Distributed(const Distributed&) = delete;
   Distributed& operator=(const Distributed&) = delete;
@@ -119,6 +122,7 @@ class Distributed {
   std::chrono::milliseconds timeout_;
   c10::Device device_;
   BackendKind device_backend_kind_;
+  bool stage_device_tensors_;  // comm.device_transport = "host" on a GPU rank
   c10::intrusive_ptr<c10d::Store> store_;
   bool shared_memory_;
   // One Gloo transport device (one I/O loop) serves every group of this process.
@@ -139,7 +143,8 @@ class Distributed {
 std::shared_ptr<Distributed> init_distributed(const LaunchEnv& env,
                                               std::chrono::milliseconds timeout = kDefaultDistTimeout,
                                               c10::Device device = c10::Device(c10::kCPU),
-                                              bool shared_memory = true);
+                                              bool shared_memory = true,
+                                              DeviceTransport transport = DeviceTransport::kNccl);
 
 // The same, with the job config's [comm] section (its timeout and transport), so a new comm option
 // reaches the process groups without the trainer naming it.

@@ -122,7 +122,8 @@ void run_elastic_training(const JobConfig& config) {
   elastic::MembershipClient membership(store, member);
   distributed::set_collectives_interruptible(true);
   const int threads = distributed::intra_op_threads(env);
-  const c10::Device device = select_device(config.training.device, env.local_rank);
+  const c10::Device device = select_device(config.training.device, env.local_rank, "training.device",
+                                           config.comm.device_transport == distributed::DeviceTransport::kHost);
 
   // This member's host copy of its state (fault_tolerance.shard_copy = "host_memory"), and the
   // name every member of this launch finds the others' by.

@@ -197,7 +197,8 @@ void Trainer::check_layout(const distributed::LaunchEnv& env) {
 void Trainer::init_distributed(const distributed::LaunchEnv& env) {
   // The device, once, before anything is allocated: the model is materialized there and every
   // batch is moved there.
-  device_ = select_device(config_.training.device, env.local_rank);
+  device_ = select_device(config_.training.device, env.local_rank, "training.device",
+                          config_.comm.device_transport == distributed::DeviceTransport::kHost);
   set_current_device(device_);  // before NCCL creates its communicators on it
   dist_ = hooks_.world ? hooks_.world : distributed::init_distributed(env, config_.comm, device_);
   const auto& pd = *parallel_dims_;
