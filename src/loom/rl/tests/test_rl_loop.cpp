@@ -217,3 +217,17 @@ TEST(RlLoop, ShippedRlConfigsLoad) {
   }
   EXPECT_GE(count, 1);
 }
+
+// docs/config.md ends with the [rl] reference `make docs` appends (`loom rl --config-reference`):
+// a key added or re-described in rl_section() without `make docs` fails here.
+TEST(RlLoop, ConfigReferenceIsInTheDocs) {
+  std::ifstream in(std::string(loom::kSourceDir) + "/docs/config.md");
+  const std::string page((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t at = page.find(rl::kRlReferenceMarker);
+  ASSERT_NE(at, std::string::npos) << "docs/config.md has no [rl] reference: run `make docs`";
+  EXPECT_EQ(page.substr(page.find('\n', at) + 1), rl::rl_reference_markdown()) << "run `make docs`";
+  for (const options::Key& key : rl::rl_section().keys) {
+    EXPECT_NE(page.find(c10::str("| `rl.", key.name, "` |")), std::string::npos) << key.name;
+    EXPECT_FALSE(key.help.empty()) << key.name;
+  }
+}
