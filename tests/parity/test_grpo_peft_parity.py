@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' loading bars
 
@@ -187,6 +188,7 @@ def main():
     torch.manual_seed(0)
     worker = os.path.join(os.environ["LOOM_BINARY_DIR"], "bin", "loom_grpo_parity_worker")
     failures = []
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         base_run, base_hf = os.path.join(tmp, "base_run"), os.path.join(tmp, "base_hf")
         loom(*TRAIN, "--job.dump_folder", base_run, "--training.steps", "1", "--checkpoint.enable", "true",
@@ -201,6 +203,7 @@ def main():
                 if "lora_B" in n:
                     p.mul_(0.05)
         start.save_pretrained(adapter_dir)
+        print(f"base (loom train + convert) and starting adapters: {time.monotonic() - started:.1f} s")
         start.eval()
         rollouts = make_rollouts(start, torch.Generator().manual_seed(1))
         rollouts_file = os.path.join(tmp, "rollouts.json")
@@ -216,6 +219,7 @@ def main():
                 failures.append(f"{name}: loom_grpo_parity_worker failed: {proc.stderr.strip()}")
                 continue
             got = load_file(out)
+            print(f"{name}: loom worker done at {time.monotonic() - started:.1f} s")
             expected, final = reference_run(base_hf, adapter_dir, rollouts, rl, optimizer, schedule, max_norm)
             for u, e in enumerate(expected):
                 loss, norm, lr = got[f"{u}.loss"].item(), got[f"{u}.grad_norm"].item(), got[f"{u}.lr"].item()
@@ -252,7 +256,7 @@ def main():
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         sys.exit(1)
-    print("GRPO/PyTorch+peft parity: all checks passed")
+    print(f"GRPO/PyTorch+peft parity: all checks passed ({time.monotonic() - started:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 // by default, weight-decay groups by optim::weight_decay_param_groups) over the adapters, the
 // [lr_scheduler] schedule advanced after every optimizer step, and the gradients clipped by their
 // global norm to training.max_norm before the step (0: not clipped; the norm is still reported).
+// A non-finite loss or norm stops the run with one line before the adapters change (the Trainer's
+// training.skip_nonfinite_steps has no counterpart here), so no revision ever holds NaNs.
 #pragma once
 #include <torch/torch.h>
 
