@@ -184,6 +184,22 @@ def reference_run(base_hf, adapter_dir, rollouts, rl, optimizer, schedule, max_n
 
 
 def main():
+    # One thread, here and in the loom processes: the model is tiny, and two spinning OpenMP threads
+    # on a shared 2-core machine made each Loom process 10x slower.
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        check()
+    finally:
+        torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
+
+
+def check():
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     worker = os.path.join(os.environ["LOOM_BINARY_DIR"], "bin", "loom_grpo_parity_worker")
