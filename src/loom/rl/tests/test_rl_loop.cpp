@@ -164,6 +164,12 @@ TEST(RlLoop, ConfigRefusals) {
   loom::testing::expect_error<UsageError>(
       [] { rl::load_rl_config(write_config("rl_temp.toml", "[rl]\nprompts = \"p\"\ntemperature = 0.0\n")); },
       {"rl.temperature"});
+  loom::testing::expect_error<UsageError>(
+      [] {
+        rl::load_rl_config(
+            write_config("rl_resume.toml", "[rl]\nprompts = \"p\"\nresume = true\nrollback = \"out/adapters/step-2\"\n"));
+      },
+      {"rl.rollback", "rl.resume = true"});
 }
 
 // (c) Prompt files: a prompt that leaves no room for max_new_tokens in the context, a malformed
