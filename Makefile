@@ -50,6 +50,8 @@ test: build data/default/tokenizer.json
 docs: build
 	sed '/^<!-- generated below/q' docs/config.md > docs/config.md.new
 	$(LOOM) train --config-reference >> docs/config.md.new
+	echo '<!-- [rl] generated below by `loom rl --config-reference` (make docs) -->' >> docs/config.md.new
+	$(LOOM) rl --config-reference >> docs/config.md.new
 	mv docs/config.md.new docs/config.md
 
 bench: build

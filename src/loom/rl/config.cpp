@@ -1,5 +1,7 @@
 #include "loom/rl/config.h"
 
+#include <c10/util/StringUtil.h>
+
 #include <cmath>
 
 namespace loom::rl {
@@ -16,6 +18,7 @@ GrpoOptions RlConfig::grpo() const {
   o.clip_high = clip_high;
   o.kl_beta = kl_beta;
   o.aggregation = loss_type;
+  o.max_completion_length = max_new_tokens;
   return o;
 }
 
@@ -37,6 +40,10 @@ void check(const RlConfig& c) {
   options::require(c.numeric_tolerance >= 0, s, "numeric_tolerance", "at least 0", &c);
   options::require(c.updates_per_rollout >= 1, s, "updates_per_rollout", "at least 1", &c);
   options::require(c.save_every >= 0, s, "save_every", "at least 0", &c);
+  options::require(!c.resume || c.rollback.empty(), s, "rollback",
+                   "unset when rl.resume = true (resume continues from the newest revision, rollback from the one"
+                   " named)",
+                   &c);
   c.grpo().validate();
 }
 }  // namespace
@@ -65,8 +72,17 @@ const options::Section& rl_section() {
           {LOOM_OPTION(RlConfig, scale_rewards), "`group`: advantages divided by the group's std; `none`: not."},
           {LOOM_OPTION(RlConfig, updates_per_rollout),
            "Optimizer steps on each batch of rollouts (GRPO's mu); above 1 the ratio leaves 1 and clipping acts."},
-          {LOOM_OPTION(RlConfig, save_every), "Save the adapters (PEFT) every this many steps; 0 = at the end only."},
+          {LOOM_OPTION(RlConfig, save_every),
+           "Write a revision every this many steps (and at the end; 0 = at the end only): "
+           "`job.dump_folder/adapters/step-N`, a PEFT directory with `loom_revision.json` (step, reward statistics, "
+           "the base's checksum) and `rl_state.safetensors` (optimizer and LR-schedule state)."},
           {LOOM_OPTION(RlConfig, add_bos), "Prepend the tokenizer's BOS to each prompt (SFT data has none)."},
+          {LOOM_OPTION(RlConfig, resume),
+           "Continue from the newest revision in `job.dump_folder/adapters` (adapters, optimizer, LR schedule, step, "
+           "prompt cursor); a run without revisions there starts at step 1."},
+          {LOOM_OPTION(RlConfig, rollback),
+           "A revision directory (`.../adapters/step-N`) to restart from at step N + 1; this run's later revisions "
+           "are moved aside to `adapters/rolled-back-<unix time>/`, never deleted."},
       },
       {},
       {},
@@ -74,4 +90,24 @@ const options::Section& rl_section() {
   return section;
 }
 
+std::string rl_reference_markdown() {
+  const RlConfig defaults;
+  const options::Section& section = rl_section();
+  const auto cell = [](std::string_view text) {  // '|' ends a table cell even in a code span (GFM)
+    std::string escaped;
+    for (char ch : text) escaped += ch == '|' ? std::string("\\|") : std::string(1, ch);
+    return escaped;
+  };
+  std::string out = c10::str("## [", section.name, "]\n\n");
+  out += "Read by `loom rl` only (docs/rl.md); the rest of its config is the sections above.\n\n";
+  out += "| key | type | default | meaning |\n| --- | --- | --- | --- |\n";
+  for (const options::Key& k : section.keys) {
+    const std::string value = options::value_as_toml(k, &defaults);
+    const std::string shown = value == "none" ? "unset" : c10::str("`", value, "`");
+    out += c10::str("| `rl.", k.name, "` | ", k.doc_type(), " | ", cell(shown), " | ", cell(k.help), " |\n");
+  }
+  return out;
+}
+
 }  // namespace loom::rl
+

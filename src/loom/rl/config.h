@@ -35,10 +35,19 @@ struct RlConfig {
   int64_t updates_per_rollout = 1;  // optimizer steps on each batch of rollouts (GRPO's mu)
   int64_t save_every = 0;            // 0: only at the end
   bool add_bos = false;              // prepend the tokenizer's BOS to each prompt
+  bool resume = false;               // continue from the newest revision in dump_folder/adapters
+  std::string rollback;              // a revision directory to restart from (revisions.h)
 
   GrpoOptions grpo() const;
   bool operator==(const RlConfig&) const = default;
 };
 const options::Section& rl_section();
+
+// The [rl] section's reference in docs/config.md's format (each key's type, default and meaning):
+// `loom rl --config-reference` prints it and `make docs` appends it to the page below
+// kRlReferenceMarker, after `loom train --config-reference` (train does not know rl, which sits
+// after it in the folder order); RlLoop.ConfigReferenceIsInTheDocs checks the page.
+std::string rl_reference_markdown();
+inline constexpr const char* kRlReferenceMarker = "<!-- [rl] generated below by `loom rl --config-reference`";
 
 }  // namespace loom::rl

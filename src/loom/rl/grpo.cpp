@@ -32,6 +32,7 @@ void GrpoOptions::validate() const {
   LOOM_REQUIRE_USAGE(clip_low > 0 && clip_low < 1, "GRPO clip_low must be in (0, 1), got ", clip_low);
   LOOM_REQUIRE_USAGE(clip_high > 0, "GRPO clip_high must be > 0, got ", clip_high);
   LOOM_REQUIRE_USAGE(kl_beta >= 0, "GRPO kl_beta must be >= 0, got ", kl_beta);
+  LOOM_REQUIRE_USAGE(max_completion_length >= 0, "GRPO max_completion_length must be >= 0, got ", max_completion_length);
 }
 
 GrpoLoss grpo_loss(const torch::Tensor& logp, const torch::Tensor& logp_old, const torch::Tensor& logp_ref,
@@ -62,7 +63,8 @@ GrpoLoss grpo_loss(const torch::Tensor& logp, const torch::Tensor& logp_old, con
     case LossAggregation::kSequenceMean: out.loss = ((per_token * m).sum(1) / tokens).mean(); break;
     case LossAggregation::kTokenMean: out.loss = (per_token * m).sum() / m.sum(); break;
     case LossAggregation::kDrGrpo:
-      out.loss = (per_token * m).sum() / static_cast<double>(logp.size(0) * logp.size(1));
+      out.loss = (per_token * m).sum() /
+                 static_cast<double>(logp.size(0) * (o.max_completion_length > 0 ? o.max_completion_length : logp.size(1)));
       break;
   }
   torch::NoGradGuard no_grad;

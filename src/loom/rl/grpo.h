@@ -41,6 +41,9 @@ struct GrpoOptions {
   double clip_high = 0.2;  // epsilon_high (DAPO's clip-higher raises it)
   double kl_beta = 0.0;    // 0: no KL term (logp_ref unused)
   LossAggregation aggregation = LossAggregation::kSequenceMean;
+  // kDrGrpo's denominator is completions x this (TRL's max_completion_length: the longest a
+  // completion may be, rl.max_new_tokens in `loom rl`); 0: the log-probabilities' width T.
+  int64_t max_completion_length = 0;
   void validate() const;   // one-line loom::UsageError naming the field
 };
 

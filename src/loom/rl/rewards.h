@@ -8,9 +8,11 @@
 //                  0 when it differs or the completion holds no number.
 //   ExternalReward runs `command` through /bin/sh once per batch: one JSON object per line on its
 //                  stdin ({"prompt", "completion", "answer"}), one reward per line on its stdout (a
-//                  number, or an object with "reward"), in order. A command that exits non-zero,
-//                  prints too few or non-numeric lines, or outlives `timeout` (its process group is
-//                  killed) is a loom::Error naming what went wrong and the command.
+//                  number, or an object with "reward"), in order; text that is not valid UTF-8 (a
+//                  completion cut inside a character) is sent with U+FFFD in its place. A command
+//                  that exits non-zero, prints too few or non-numeric lines, or outlives `timeout`
+//                  (its process group is killed) is a loom::Error naming what went wrong and the
+//                  command.
 #pragma once
 #include <chrono>
 #include <optional>

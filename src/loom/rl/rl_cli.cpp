@@ -19,7 +19,9 @@
 #include "loom/lora/lora.h"
 #include "loom/models/common/adapter_dir.h"
 #include "loom/models/common/model_dir.h"
+#include "loom/rl/adapter_update.h"
 #include "loom/rl/grpo.h"
+#include "loom/rl/revisions.h"
 #include "loom/rl/rewards.h"
 #include "loom/rl/rollout.h"
 
@@ -84,19 +86,33 @@ void run_rl(const std::string& config_path) {
   model.eval();
   LOOM_REQUIRE_USAGE(loaded.spec->hf.has_value(), "model '", loaded.spec->name, "' has no LoRA target names");
   const lora::LoRAOptions lora_options = lora::LoRAOptions::from(job.lora);
-  const lora::LoRAReport report = lora::apply_lora(model, lora_options, models::hf_module_names(*loaded.spec->hf));
-  init_adapters(model);
-  log::info("rl: ", report.describe());
-  std::vector<torch::Tensor> trained;
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> b_factors;  // (tensor, saved copy) for the reference
-  for (const auto& p : model.named_parameters()) {
-    if (p.tensor().requires_grad()) trained.push_back(p.tensor());
-    if (p.name.size() > 7 && p.name.compare(p.name.size() - 7, 7, ".lora.b") == 0) b_factors.push_back({p.tensor(), {}});
-  }
-  torch::optim::AdamW optimizer(trained, torch::optim::AdamWOptions(job.optimizer.lr)
-                                             .weight_decay(job.optimizer.weight_decay));
-
   const fs::path dump(job.job.dump_folder);
+  const fs::path adapters_dir = dump / "adapters";
+  // A resumed or rolled-back run starts from a revision's adapters, optimizer state and cursor.
+  const std::optional<fs::path> start = revision_to_start_from(rl.resume, rl.rollback, adapters_dir);
+  RevisionInfo start_info;
+  if (start) {
+    start_info = read_revision(*start);
+    const models::AdapterDir adapter = models::read_adapter_dir(*start);
+    std::vector<std::string> want = lora_options.target_modules;
+    std::sort(want.begin(), want.end());
+    LOOM_REQUIRE_USAGE(adapter.options.rank == lora_options.rank && adapter.options.alpha == lora_options.alpha &&
+                           adapter.options.target_modules == want,
+                       "revision '", start->string(), "' holds ", adapter.describe(), ", but [lora] asks for rank ",
+                       lora_options.rank, ", alpha ", lora_options.alpha, "; give [lora] the revision's settings");
+    models::check_adapter_base(adapter, base);
+    models::attach_adapter(*loaded.spec, model, adapter);
+    log::info("rl: continuing from ", start->string(), " (step ", start_info.step, ")");
+  } else {
+    const lora::LoRAReport report = lora::apply_lora(model, lora_options, models::hf_module_names(*loaded.spec->hf));
+    init_adapters(model);
+    log::info("rl: ", report.describe());
+  }
+  AdapterOptimizer optimizer(model, job, job.training.steps * rl.updates_per_rollout);
+  if (start) load_revision_state(*start, optimizer);
+  const nlohmann::json base_reference = models::base_reference(base);
+  RewardStats reward_stats;
+
   fs::create_directories(dump);
   std::ofstream metrics(dump / "metrics.jsonl", std::ios::app);
   models::SamplingOptions sampling;
@@ -106,16 +122,24 @@ void run_rl(const std::string& config_path) {
   sampling.top_k = rl.top_k;
   sampling.stop_id = tokenizer.eos_id();
   const GrpoOptions grpo = rl.grpo();
+  size_t next_prompt = static_cast<size_t>(start_info.prompt_cursor) % prompts.size();
   const auto save = [&](int64_t step) {
-    const fs::path dir = dump / "adapters" / c10::str("step-", step);
-    fs::remove_all(dir);
-    fs::create_directories(dir.parent_path());
-    models::export_peft_dir(*loaded.spec, model, lora_options, fs::absolute(base).string(), dir);
-    log::info("rl: adapters saved to ", dir.string());
+    RevisionInfo info;
+    info.step = step;
+    info.prompt_cursor = static_cast<int64_t>(next_prompt);
+    info.rewards = reward_stats.to_json();
+    info.base = base_reference;
+    const fs::path dir = write_revision(adapters_dir, *loaded.spec, model, lora_options, optimizer, info);
+    reward_stats.clear();
+    log::info("rl: revision saved to ", dir.string());
   };
+  if (start_info.step >= job.training.steps) {
+    log::info("rl: ", start->string(), " is at step ", start_info.step, ", training.steps = ", job.training.steps,
+              ": nothing left to run");
+    return;
+  }
 
-  size_t next_prompt = 0;
-  for (int64_t step = 1; step <= job.training.steps; ++step) {
+  for (int64_t step = start_info.step + 1; step <= job.training.steps; ++step) {
     Timer timer;
     std::vector<std::vector<int64_t>> rows;
     std::vector<Completion> completions;
@@ -143,35 +167,18 @@ void run_rl(const std::string& config_path) {
                                                           : numeric_match(r.completion, r.answer, rl.numeric_tolerance));
       }
     }
+    reward_stats.add(rewards);
     const double rollout_seconds = timer.seconds();
     const torch::Tensor reward_t = torch::tensor(rewards, torch::kFloat64).to(torch::kFloat32);
     const torch::Tensor advantages = group_advantages(reward_t, rl.group_size, rl.scale_rewards);
     const Batch batch = make_batch(rows, completions);
     const torch::Tensor old = rollout_logprobs(rows, completions, batch);
-    torch::Tensor ref;
-    if (grpo.kl_beta > 0) {
-      torch::NoGradGuard no_grad;
-      for (auto& [b, saved] : b_factors) {
-        saved = b.clone();
-        b.zero_();
-      }
-      ref = token_logprobs(model, batch, rl.temperature);
-      for (auto& [b, saved] : b_factors) b.copy_(saved);
-    }
-    torch::Tensor logp;
-    GrpoLoss loss;
-    double grad_norm = 0;
-    double max_logp_diff = 0;  // the first update's: rollout vs training forward, same weights
-    for (int64_t update = 0; update < rl.updates_per_rollout; ++update) {
-      logp = token_logprobs(model, batch, rl.temperature);
-      if (update == 0) max_logp_diff = ((logp.detach() - old) * batch.mask).abs().max().item<double>();
-      loss = grpo_loss(logp, old, ref, advantages, batch.mask, grpo);
-      optimizer.zero_grad();
-      loss.loss.backward();
-      grad_norm = torch::nn::utils::clip_grad_norm_(
-          trained, job.training.max_norm > 0 ? job.training.max_norm : std::numeric_limits<double>::infinity());
-      optimizer.step();
-    }
+    const torch::Tensor ref = grpo.kl_beta > 0 ? reference_logprobs(model, batch, rl.temperature) : torch::Tensor();
+    const PolicyUpdate update =
+        update_policy(model, optimizer, batch, old, ref, advantages, grpo, rl.temperature, rl.updates_per_rollout);
+    const GrpoLoss& loss = update.loss;
+    const double grad_norm = update.grad_norm;
+    const double max_logp_diff = update.max_logp_diff;  // the first update's: rollout vs training forward
     const double mean_reward = reward_t.mean().item<double>();
     const double mean_len = batch.mask.sum().item<double>() / static_cast<double>(completions.size());
     nlohmann::json line = {{"step", step},
@@ -182,6 +189,7 @@ void run_rl(const std::string& config_path) {
                            {"clipped_high", loss.clipped_high},
                            {"ratio", loss.ratio},
                            {"grad_norm", grad_norm},
+                           {"lr", update.lr},
                            {"completion_tokens", mean_len},
                            {"rollout_logp_max_diff", max_logp_diff},
                            {"rollout_seconds", rollout_seconds},
@@ -272,9 +280,18 @@ std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path) {
 
 void register_rl_command(CLI::App& app) {
   auto config = std::make_shared<std::string>();
+  auto reference = std::make_shared<bool>(false);
   CLI::App* cmd = app.add_subcommand("rl", "GRPO on LoRA adapters: sample, score, update (config with an [rl] section)");
-  cmd->add_option("--config", *config, "Job config TOML with an [rl] section")->required()->check(CLI::ExistingFile);
-  cmd->callback([config] { run_rl(*config); });
+  cmd->add_option("--config", *config, "Job config TOML with an [rl] section")->check(CLI::ExistingFile);
+  cmd->add_flag("--config-reference", *reference, "Print the [rl] keys (type, default, meaning) as Markdown and exit");
+  cmd->callback([config, reference] {
+    if (*reference) {
+      std::fputs(rl_reference_markdown().c_str(), stdout);
+      return;
+    }
+    LOOM_REQUIRE_USAGE(!config->empty(), "loom rl needs --config FILE (a job config with an [rl] section)");
+    run_rl(*config);
+  });
 }
 
 }  // namespace loom::rl

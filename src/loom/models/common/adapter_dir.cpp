@@ -21,6 +21,7 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr const char* kPeftConfig = "adapter_config.json";
+constexpr const char* kRevisionMetadata = "loom_revision.json";  // rl/revisions.h's kRevisionFile
 constexpr const char* kPeftWeights = "adapter_model.safetensors";
 constexpr const char* kPeftPrefix = "base_model.model.";
 constexpr const char* kLoraA = ".lora_A.weight";
@@ -98,6 +99,16 @@ AdapterDir read_peft_dir(const fs::path& dir) {
   LOOM_REQUIRE_USAGE(out.options.rank > 0, "'", where, "' has r = ", out.options.rank, "; a LoRA rank is > 0");
   LOOM_REQUIRE_USAGE(fs::exists(dir / kPeftWeights), "'", dir.string(), "' has ", kPeftConfig, " but no ",
                      kPeftWeights, " (Loom reads safetensors adapters: save with safe_serialization=True)");
+  // A `loom rl` revision (rl/revisions.h) records its base's path and checksum next to the PEFT
+  // files; check_adapter_base compares it as it does a Loom checkpoint's.
+  if (fs::exists(dir / kRevisionMetadata)) {
+    try {
+      const nlohmann::json revision = nlohmann::json::parse(std::ifstream(dir / kRevisionMetadata));
+      if (revision.contains(kBaseKey) && revision.at(kBaseKey).is_object()) out.base = revision.at(kBaseKey);
+    } catch (const nlohmann::json::exception& e) {
+      fail_usage("'", (dir / kRevisionMetadata).string(), "' is malformed (", e.what(), ")");
+    }
+  }
   return out;
 }
 

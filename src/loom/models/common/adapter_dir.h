@@ -51,7 +51,7 @@ struct AdapterDir {
   // Where the base is: the Loom checkpoint's base path (empty for a seed-initialized base), or
   // PEFT's base_model_name_or_path (a path or a Hub name).
   std::string base_path;
-  nlohmann::json base;  // Loom: the checkpoint's "base" entry; PEFT: null
+  nlohmann::json base;  // Loom: the checkpoint's "base" entry; PEFT: a loom rl revision's, else null
   std::string describe() const;  // "peft adapter DIR (rank 4, alpha 8, q_proj,v_proj)"
 };
 
@@ -67,7 +67,10 @@ AdapterDir read_adapter_dir(const std::filesystem::path& dir);
 int64_t attach_adapter(const ModelSpec& spec, Decoder& model, const AdapterDir& adapter);
 
 // Warns when a Loom adapter was trained on a base whose checksum is not `base`'s (its numbers
-// then mean something else); PEFT directories record no checksum.
+// then mean something else). PEFT directories record no checksum, except a `loom rl` revision's
+// loom_revision.json (its "base" entry, read into AdapterDir::base). A warning, not a refusal: the
+// checksum is of the base's files, so the same weights in another format (a Loom checkpoint and its
+// Hugging Face export) differ.
 void check_adapter_base(const AdapterDir& adapter, const std::filesystem::path& base);
 
 // Many adapters over one resident base (`loom score` / `generate --adapter`): each of `adapters`

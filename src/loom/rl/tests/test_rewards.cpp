@@ -35,6 +35,10 @@ TEST(Rewards, ExternalCommandReadsJsonlAndAnswersInOrder) {
   EXPECT_EQ(ExternalReward("echo 1; echo 2", 10s)(big), (std::vector<double>{1, 2}));
   const ExternalReward objects("while read -r line; do echo '{\"reward\": 0.5}'; done", 10s);
   EXPECT_EQ(objects({{"a", "b", "c"}, {"d", "e", "f"}}), (std::vector<double>{0.5, 0.5}));
+  // A completion cut inside a multi-byte character (a sampled byte token) reaches the command as
+  // U+FFFD: "\xA3" alone is not UTF-8.
+  const ExternalReward replaced("grep -c '\"completion\":\"\xEF\xBF\xBD\"'", 10s);
+  EXPECT_EQ(replaced({{"p", "\xA3", ""}}), (std::vector<double>{1}));
 }
 
 TEST(Rewards, ExternalCommandFailuresAreOneLineNamingTheCommand) {

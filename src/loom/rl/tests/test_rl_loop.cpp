@@ -164,6 +164,12 @@ TEST(RlLoop, ConfigRefusals) {
   loom::testing::expect_error<UsageError>(
       [] { rl::load_rl_config(write_config("rl_temp.toml", "[rl]\nprompts = \"p\"\ntemperature = 0.0\n")); },
       {"rl.temperature"});
+  loom::testing::expect_error<UsageError>(
+      [] {
+        rl::load_rl_config(
+            write_config("rl_resume.toml", "[rl]\nprompts = \"p\"\nresume = true\nrollback = \"out/adapters/step-2\"\n"));
+      },
+      {"rl.rollback", "rl.resume = true"});
 }
 
 // (c) Prompt files: a prompt that leaves no room for max_new_tokens in the context, a malformed
@@ -216,4 +222,18 @@ TEST(RlLoop, ShippedRlConfigsLoad) {
     ++count;
   }
   EXPECT_GE(count, 1);
+}
+
+// docs/config.md ends with the [rl] reference `make docs` appends (`loom rl --config-reference`):
+// a key added or re-described in rl_section() without `make docs` fails here.
+TEST(RlLoop, ConfigReferenceIsInTheDocs) {
+  std::ifstream in(std::string(loom::kSourceDir) + "/docs/config.md");
+  const std::string page((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t at = page.find(rl::kRlReferenceMarker);
+  ASSERT_NE(at, std::string::npos) << "docs/config.md has no [rl] reference: run `make docs`";
+  EXPECT_EQ(page.substr(page.find('\n', at) + 1), rl::rl_reference_markdown()) << "run `make docs`";
+  for (const options::Key& key : rl::rl_section().keys) {
+    EXPECT_NE(page.find(c10::str("| `rl.", key.name, "` |")), std::string::npos) << key.name;
+    EXPECT_FALSE(key.help.empty()) << key.name;
+  }
 }

@@ -281,7 +281,10 @@ TEST(Config, DocsAreGeneratedFromTheSchema) {
   const std::string marker = "<!-- generated below";
   const size_t at = doc.str().find(marker);
   ASSERT_NE(at, std::string::npos) << "docs/config.md lost its '" << marker << "' line";
-  const std::string generated = doc.str().substr(doc.str().find('\n', at) + 1);
+  // To the end of the page, or to the next generated part (`loom rl --config-reference`'s [rl]).
+  const size_t begin = doc.str().find('\n', at) + 1;
+  const size_t next = doc.str().find("\n<!-- ", begin);
+  const std::string generated = doc.str().substr(begin, next == std::string::npos ? std::string::npos : next + 1 - begin);
   EXPECT_EQ(generated, config_reference_markdown())
       << "docs/config.md differs from the config schema: run `make docs` (each section's options::Section "
          "holds each key's type, default and meaning)";
