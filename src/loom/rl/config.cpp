@@ -1,6 +1,9 @@
 #include "loom/rl/config.h"
 
 #include <cmath>
+#include <set>
+
+#include "loom/rl/policies.h"
 
 namespace loom::rl {
 
@@ -37,6 +40,16 @@ void check(const RlConfig& c) {
   options::require(c.numeric_tolerance >= 0, s, "numeric_tolerance", "at least 0", &c);
   options::require(c.updates_per_rollout >= 1, s, "updates_per_rollout", "at least 1", &c);
   options::require(c.save_every >= 0, s, "save_every", "at least 0", &c);
+  std::set<std::string> names;
+  for (const std::string& name : split_policy_names(c.policies)) {
+    const bool safe = !name.empty() && name != "." && name != ".." &&
+                      name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") ==
+                          std::string::npos;
+    options::require(safe, s, "policies",
+                     "comma-separated names of letters, digits, '_', '.' or '-' (each names its adapters/<policy> folder)",
+                     &c);
+    options::require(names.insert(name).second, s, "policies", "names that are all different", &c);
+  }
   c.grpo().validate();
 }
 }  // namespace
@@ -67,6 +80,9 @@ const options::Section& rl_section() {
            "Optimizer steps on each batch of rollouts (GRPO's mu); above 1 the ratio leaves 1 and clipping acts."},
           {LOOM_OPTION(RlConfig, save_every), "Save the adapters (PEFT) every this many steps; 0 = at the end only."},
           {LOOM_OPTION(RlConfig, add_bos), "Prepend the tokenizer's BOS to each prompt (SFT data has none)."},
+          {LOOM_OPTION(RlConfig, policies),
+           "Several policies over one base: comma-separated names, one LoRA adapter each, trained concurrently"
+           " (rollouts decoded in one batch, separate updates; policy k seeded training.seed + k); \"\" = one."},
       },
       {},
       {},

@@ -35,6 +35,7 @@ struct RlConfig {
   int64_t updates_per_rollout = 1;  // optimizer steps on each batch of rollouts (GRPO's mu)
   int64_t save_every = 0;            // 0: only at the end
   bool add_bos = false;              // prepend the tokenizer's BOS to each prompt
+  std::string policies;              // "a,b,c": one adapter per name over one base; "" = one policy
 
   GrpoOptions grpo() const;
   bool operator==(const RlConfig&) const = default;
