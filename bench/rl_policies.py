@@ -1,11 +1,11 @@
 """Many policies over one resident base (issue 51, MinT's two headline comparisons), for `loom rl`.
 
-For each model (the debug flavor and the 124M benchmark config; random weights saved by a 1-step
-`loom train` as the base; LoRA rank 8 on q, k, v, o; the rl_toy prompts; exact-match reward):
+For each model (the debug flavor and the 124M benchmark config with the prompts' 2048-token
+vocabulary; random weights saved by a 1-step `loom train` as the base; LoRA rank 8 on q, k, v, o; the rl_toy prompts; exact-match reward):
   (a) adapter hand-off: an adapter revision (the PEFT directory `loom rl` exports) against a merged
       full checkpoint of the same policy (`loom convert --merge-adapter --to hf`): bytes on disk,
-      and the time to make it (`loom convert --to peft` of the revision vs `--merge-adapter`, wall)
-      and to take it up (the adapter attached to the resident base, `loom score --adapter`'s
+      and the time to make it (`loom convert --to peft` of the revision vs `--merge-adapter --to hf`:
+      what is merged and written after the load, the command's own log line) and to take it up (the adapter attached to the resident base, `loom score --adapter`'s
       "attached in" vs loading the merged model, `loom score`'s "base load").
   (b) step time: 4 concurrent policies (rl.policies, P prompts x G each) against 1 policy with 4P
       prompts (equal total rollouts) and against 4 sequential one-policy runs of P prompts: wall
@@ -32,8 +32,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {
     "debug": ["--config", os.path.join(ROOT, "configs/llama3_debug.toml"), "--training.seq_len=64",
               "--training.local_batch_size=1", "--parallelism.data_parallel_shard_degree=1"],
+    # The vocabulary of the prompts' tokenizer (data/default, 2048), not the config's 32000: a random
+    # model samples every id of its head and each completion is decoded (78.7M parameters then).
     "124M": ["--config", os.path.join(ROOT, "bench/llama3_124m.toml"), "--training.seq_len=64",
-             "--training.local_batch_size=1"],
+             "--training.local_batch_size=1", "--model.vocab_size=0"],
 }
 FLAVOR = {"debug": "debugmodel", "124M": "124M"}
 
@@ -136,12 +138,13 @@ def bench_model(args, model, work):
     revision = os.path.join(runs["four"][0], "adapters", "a", f"step-{args.steps}")
     peft = os.path.join(work, f"{model}-handoff-peft")
     merged = os.path.join(work, f"{model}-handoff-merged")
+    written = r"written in ([0-9.e+-]+) s"
     t = time.time()
-    run(args, ["convert", "--input", revision, "--output", peft, "--to", "peft", "--base", base])
-    export_adapter = time.time() - t
+    out = run(args, ["convert", "--input", revision, "--output", peft, "--to", "peft", "--base", base])
+    wall_adapter, export_adapter = time.time() - t, float(re.search(written, out).group(1))
     t = time.time()
-    run(args, ["convert", "--input", revision, "--output", merged, "--to", "hf", "--merge-adapter", "--base", base])
-    export_merged = time.time() - t
+    out = run(args, ["convert", "--input", revision, "--output", merged, "--to", "hf", "--merge-adapter", "--base", base])
+    wall_merged, export_merged = time.time() - t, float(re.search(written, out).group(1))
     out = run(args, ["score", "--checkpoint", base, "--adapter", peft, "--tokens", "1,2,3,4,5,6,7,8"])
     attach = float(re.search(r"attached in ([0-9.]+) s", out).group(1))
     out = run(args, ["score", "--checkpoint", merged, "--tokens", "1,2,3,4,5,6,7,8"])
@@ -154,10 +157,14 @@ def bench_model(args, model, work):
           f"{args.max_new_tokens} new tokens at most, {args.steps} steps, first left out)")
     print("(a) adapter hand-off vs merged full checkpoint")
     print(f"    bytes      adapter {adapter_bytes:>12,}  merged {merged_bytes:>12,}  ratio {merged_bytes / adapter_bytes:7.1f}x")
-    print(f"    export s   adapter {export_adapter:12.3f}  merged {export_merged:12.3f}  ratio "
-          f"{export_merged / export_adapter:7.2f}x  (loom convert, wall, process start included)")
+    print(f"    export s   adapter {export_adapter:12.4f}  merged {export_merged:12.4f}  ratio "
+          f"{export_merged / export_adapter:7.1f}x  (written / merged and written, after the load)")
     print(f"    take-up s  attach  {attach:12.4f}  load   {load_merged:12.4f}  ratio {load_merged / max(attach, 1e-4):7.1f}x"
           f"  (adapter on the resident base vs loading the merged model)")
+    hand_adapter, hand_merged = export_adapter + attach, export_merged + load_merged
+    print(f"    hand-off s adapter {hand_adapter:12.4f}  merged {hand_merged:12.4f}  ratio "
+          f"{hand_merged / hand_adapter:7.1f}x  (export + take-up; MinT: 18.3x on a 4B model)")
+    print(f"    convert wall s (process start and base load included): adapter {wall_adapter:.2f}, merged {wall_merged:.2f}")
 
     s_one = typical(runs["one"][3])
     s_four = typical(runs["four"][3])

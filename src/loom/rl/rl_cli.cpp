@@ -183,6 +183,8 @@ void run_rl(const std::string& config_path) {
     }
     const double rollout_seconds = timer.seconds();
     // The updates: each policy on its own rows, with its own optimizer, advantages and clipping.
+    // (The loop's body keeps the step's indentation so that this change, and its merge with the
+    // other issue-51 branches that edit the body, stays small; to reindent once they are merged.)
     for (int64_t k = 0; k < policy_count; ++k) {
     policies.bind(k);
     const auto from = static_cast<std::ptrdiff_t>(k * per_policy), to = from + static_cast<std::ptrdiff_t>(per_policy);
