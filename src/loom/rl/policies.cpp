@@ -73,12 +73,15 @@ PolicySet::RowAdapters::RowAdapters(PolicySet& set, std::vector<int64_t> policy_
     module->set_forward_override([previous, a, b, rows, scaling](nn::Module& m, const torch::Tensor& x,
                                                                  const nn::ForwardFn& forward) {
       const torch::Tensor base = previous ? previous(m, x, forward) : forward(x);
-      LOOM_REQUIRE(x.dim() == 3 && x.size(0) == rows->policy.size(0), "per-row adapters need x [rows, T, in] with ",
-                   rows->policy.size(0), " rows, got ", x.sizes());
+      // x [rows, T, in], or its tokens flattened row by row ([rows * T, in]: an MoE's shared experts).
+      const int64_t n_rows = rows->policy.size(0), tokens = x.numel() / x.size(-1);
+      LOOM_REQUIRE(n_rows > 0 && tokens % n_rows == 0, "per-row adapters: ", tokens, " tokens are not ", n_rows,
+                   " rows of equal length (x ", x.sizes(), ")");
+      const torch::Tensor by_row = x.reshape({n_rows, tokens / n_rows, x.size(-1)});
       const torch::Tensor row_a = a.index_select(0, rows->policy);  // [rows, r, in]
       const torch::Tensor row_b = b.index_select(0, rows->policy);  // [rows, out, r]
-      const torch::Tensor delta = torch::matmul(torch::matmul(x, row_a.transpose(1, 2)), row_b.transpose(1, 2));
-      return base + (delta * scaling).to(base.scalar_type());
+      const torch::Tensor delta = torch::matmul(torch::matmul(by_row, row_a.transpose(1, 2)), row_b.transpose(1, 2));
+      return base + (delta * scaling).reshape(base.sizes()).to(base.scalar_type());
     });
   }
   LOOM_REQUIRE(!saved_.empty(), "RowAdapters: the model has no LoRA adapters");

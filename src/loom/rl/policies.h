@@ -35,7 +35,7 @@ class PolicySet {
   int64_t adapter_bytes() const;
 
   // While alive, each adapted linear computes base(x) + the adapter of the row's policy for every row
-  // of x [rows, T, in]: row i of the batch uses policy policy_of_row[rows[i]] where `rows` is the
+  // of x [rows, T, in] (or [rows * T, in], flattened row by row): row i of the batch uses policy policy_of_row[rows[i]] where `rows` is the
   // last set_rows (initially all). Inference only (rollouts); the LoRA hooks are put back after.
   class RowAdapters {
    public:

@@ -18,6 +18,7 @@
 #include "loom/lora/lora.h"
 #include "loom/models/common/model_dir.h"
 #include "loom/models/llama3/model.h"
+#include "loom/nn/layers.h"
 #include "loom/models/spec.h"
 #include "loom/rl/policies.h"
 #include "loom/rl/rl_cli.h"
@@ -93,6 +94,13 @@ TEST(RlPolicies, RowAdaptersGiveEachRowItsPolicysLogits) {
   const torch::Tensor subset = model->forward(ids.index_select(0, torch::tensor({1, 2}, torch::kInt64)));
   EXPECT_TRUE(torch::allclose(subset[0], alone[0][1], 1e-5, 1e-5));
   EXPECT_TRUE(torch::allclose(subset[1], alone[1][2], 1e-5, 1e-5));
+  // A linear fed the rows' tokens flattened row by row (an MoE's shared experts) adds the same.
+  rows.set_rows({0, 1, 2, 3});
+  auto* wq = dynamic_cast<nn::Linear*>(model->find_submodule("layers.0.attention.wq"));
+  ASSERT_NE(wq, nullptr);
+  const torch::Tensor x = torch::randn({4, 6, 64});
+  const torch::Tensor by_row = wq->forward(x);
+  EXPECT_TRUE(torch::allclose(wq->forward(x.reshape({24, 64})), by_row.reshape({24, -1}), 1e-6, 1e-6));
   // The policies really differ (else the comparison proves nothing).
   EXPECT_GT((alone[0] - alone[1]).abs().max().item<double>(), 1e-3);
 }
