@@ -42,9 +42,14 @@ int64_t PolicySet::adapter_bytes() const {
   return bytes;
 }
 
-// The rows the next forward computes, as each row's policy index (on the model's device).
+// The rows the next forward computes, as runs of consecutive rows of one policy (a step's rows are
+// grouped by policy, and dropping finished rows keeps them grouped: one run per policy).
 struct PolicySet::RowAdapters::Rows {
-  torch::Tensor policy;  // [rows] int64
+  struct Run {
+    int64_t policy, start, count;
+  };
+  std::vector<Run> runs;
+  int64_t count = 0;
 };
 
 PolicySet::RowAdapters::RowAdapters(PolicySet& set, std::vector<int64_t> policy_of_row, double scaling)
@@ -56,7 +61,7 @@ PolicySet::RowAdapters::RowAdapters(PolicySet& set, std::vector<int64_t> policy_
   for (const auto& [path, module] : set.model_.named_modules()) {
     auto* adapter = dynamic_cast<lora::Adapter*>(module->find_submodule(lora::kAdapterName));
     if (adapter == nullptr) continue;
-    // The adapter's tensors of every policy, stacked once for the whole rollout: a [P, r, in], b [P, out, r].
+    // The adapter's tensors of every policy: a [r, in], b [out, r] each.
     std::vector<torch::Tensor> as, bs;
     for (const auto& tensors : set.tensors_) {
       for (size_t i = 0; i < set.slots_.size(); ++i) {
@@ -66,21 +71,24 @@ PolicySet::RowAdapters::RowAdapters(PolicySet& set, std::vector<int64_t> policy_
     }
     LOOM_REQUIRE(as.size() == set.tensors_.size() && bs.size() == as.size(), "RowAdapters: adapter of '", path,
                  "' has no a/b pair per policy");
-    const torch::Tensor a = torch::stack(as), b = torch::stack(bs);
     const nn::ForwardOverride previous = adapter->previous_override();
     const std::shared_ptr<Rows> rows = rows_;
     saved_.emplace_back(module, module->forward_override());
-    module->set_forward_override([previous, a, b, rows, scaling](nn::Module& m, const torch::Tensor& x,
-                                                                 const nn::ForwardFn& forward) {
+    module->set_forward_override([previous, as, bs, rows, scaling](nn::Module& m, const torch::Tensor& x,
+                                                                   const nn::ForwardFn& forward) {
       const torch::Tensor base = previous ? previous(m, x, forward) : forward(x);
       // x [rows, T, in], or its tokens flattened row by row ([rows * T, in]: an MoE's shared experts).
-      const int64_t n_rows = rows->policy.size(0), tokens = x.numel() / x.size(-1);
+      const int64_t n_rows = rows->count, tokens = x.numel() / x.size(-1);
       LOOM_REQUIRE(n_rows > 0 && tokens % n_rows == 0, "per-row adapters: ", tokens, " tokens are not ", n_rows,
                    " rows of equal length (x ", x.sizes(), ")");
       const torch::Tensor by_row = x.reshape({n_rows, tokens / n_rows, x.size(-1)});
-      const torch::Tensor row_a = a.index_select(0, rows->policy);  // [rows, r, in]
-      const torch::Tensor row_b = b.index_select(0, rows->policy);  // [rows, out, r]
-      const torch::Tensor delta = torch::matmul(torch::matmul(by_row, row_a.transpose(1, 2)), row_b.transpose(1, 2));
+      // Each run of rows through its policy's adapter: one pair of GEMMs per policy, no gathered copies.
+      std::vector<torch::Tensor> parts;
+      for (const Rows::Run& run : rows->runs) {
+        const auto k = static_cast<size_t>(run.policy);
+        parts.push_back(at::linear(at::linear(by_row.narrow(0, run.start, run.count), as[k]), bs[k]));
+      }
+      const torch::Tensor delta = parts.size() == 1 ? parts.front() : torch::cat(parts, 0);
       return base + (delta * scaling).reshape(base.sizes()).to(base.scalar_type());
     });
   }
@@ -92,9 +100,15 @@ PolicySet::RowAdapters::~RowAdapters() {
 }
 
 void PolicySet::RowAdapters::set_rows(const std::vector<int64_t>& rows) {
-  std::vector<int64_t> policy;
-  for (int64_t r : rows) policy.push_back(policy_of_row_.at(static_cast<size_t>(r)));
-  rows_->policy = torch::tensor(policy, torch::kInt64).to(set_.model_.rope_cache().device());
+  rows_->runs.clear();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t policy = policy_of_row_.at(static_cast<size_t>(rows[i]));
+    if (rows_->runs.empty() || rows_->runs.back().policy != policy) {
+      rows_->runs.push_back({policy, static_cast<int64_t>(i), 0});
+    }
+    ++rows_->runs.back().count;
+  }
+  rows_->count = static_cast<int64_t>(rows.size());
 }
 
 std::vector<std::string> split_policy_names(const std::string& list) {

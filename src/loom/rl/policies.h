@@ -4,8 +4,8 @@
 // policy points the adapter modules at its tensors (no copy), so an update, an export or the
 // reference forward of policy k runs on the ordinary LoRA path. Rollouts of every policy are
 // decoded in one batch: RowAdapters replaces each adapted linear's LoRA hook by one that adds, to
-// each row, its own policy's adapter (the policies' A and B stacked [P, r, in] / [P, out, r] and
-// indexed per row), so the base runs once for all rows.
+// each row, its own policy's adapter (the rows taken in runs of consecutive rows of one policy,
+// each run through its policy's A and B), so the base runs once for all rows.
 #pragma once
 #include <torch/torch.h>
 
