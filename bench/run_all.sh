@@ -9,4 +9,5 @@ BUILD=${1:-build}
 .venv/bin/python bench/tp_vs_pytorch_tp.py --loom "$BUILD/bin/loom"
 "$BUILD/bin/loom_plan_report"
 .venv/bin/python bench/lora_adapter_checkpoint.py --loom "$BUILD/bin/loom"
+.venv/bin/python bench/rl_policies.py --loom "$BUILD/bin/loom"
 .venv/bin/python bench/loader.py --loom "$BUILD/bin/loom"

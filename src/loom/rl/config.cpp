@@ -3,6 +3,9 @@
 #include <c10/util/StringUtil.h>
 
 #include <cmath>
+#include <set>
+
+#include "loom/rl/policies.h"
 
 namespace loom::rl {
 
@@ -44,6 +47,16 @@ void check(const RlConfig& c) {
                    "unset when rl.resume = true (resume continues from the newest revision, rollback from the one"
                    " named)",
                    &c);
+  std::set<std::string> names;
+  for (const std::string& name : split_policy_names(c.policies)) {
+    const bool safe = !name.empty() && name != "." && name != ".." &&
+                      name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") ==
+                          std::string::npos;
+    options::require(safe, s, "policies",
+                     "comma-separated names of letters, digits, '_', '.' or '-' (each names its adapters/<policy> folder)",
+                     &c);
+    options::require(names.insert(name).second, s, "policies", "names that are all different", &c);
+  }
   c.grpo().validate();
 }
 }  // namespace
@@ -83,6 +96,9 @@ const options::Section& rl_section() {
           {LOOM_OPTION(RlConfig, rollback),
            "A revision directory (`.../adapters/step-N`) to restart from at step N + 1; this run's later revisions "
            "are moved aside to `adapters/rolled-back-<unix time>/`, never deleted."},
+          {LOOM_OPTION(RlConfig, policies),
+           "Several policies over one base: comma-separated names, one LoRA adapter each, trained concurrently"
+           " (rollouts decoded in one batch, separate updates; policy k seeded training.seed + k); \"\" = one."},
       },
       {},
       {},

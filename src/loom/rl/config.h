@@ -37,6 +37,7 @@ struct RlConfig {
   bool add_bos = false;              // prepend the tokenizer's BOS to each prompt
   bool resume = false;               // continue from the newest revision in dump_folder/adapters
   std::string rollback;              // a revision directory to restart from (revisions.h)
+  std::string policies;              // "a,b,c": one adapter per name over one base; "" = one policy
 
   GrpoOptions grpo() const;
   bool operator==(const RlConfig&) const = default;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <limits>
 #include <cstdio>
 #include <filesystem>
@@ -22,6 +23,7 @@
 #include "loom/rl/adapter_update.h"
 #include "loom/rl/grpo.h"
 #include "loom/rl/revisions.h"
+#include "loom/rl/policies.h"
 #include "loom/rl/rewards.h"
 #include "loom/rl/rollout.h"
 
@@ -61,6 +63,8 @@ void set_rl_key(RlConfig& rl, const options::Key& key, const toml::node& node, c
       key.field(&rl));
 }
 
+}  // namespace
+
 void run_rl(const std::string& config_path) {
   const std::pair<train::JobConfig, RlConfig> configs = load_rl_config(config_path);
   const train::JobConfig& job = configs.first;
@@ -86,6 +90,13 @@ void run_rl(const std::string& config_path) {
   model.eval();
   LOOM_REQUIRE_USAGE(loaded.spec->hf.has_value(), "model '", loaded.spec->name, "' has no LoRA target names");
   const lora::LoRAOptions lora_options = lora::LoRAOptions::from(job.lora);
+  // rl.policies: one adapter per policy over this one base (rl/policies.h); policy k is seeded
+  // training.seed + k, so it equals a one-policy run with that seed.
+  const std::vector<std::string> policy_names = split_policy_names(rl.policies);
+  const int64_t policy_count = std::max<int64_t>(1, static_cast<int64_t>(policy_names.size()));
+  LOOM_REQUIRE_USAGE(policy_count == 1 || (!rl.resume && rl.rollback.empty()),
+                     "rl.resume and rl.rollback continue one policy's revision; with rl.policies = \"", rl.policies,
+                     "\" start a fresh run (resuming several policies is not built)");
   const fs::path dump(job.job.dump_folder);
   const fs::path adapters_dir = dump / "adapters";
   // A resumed or rolled-back run starts from a revision's adapters, optimizer state and cursor.
@@ -108,10 +119,22 @@ void run_rl(const std::string& config_path) {
     init_adapters(model);
     log::info("rl: ", report.describe());
   }
-  AdapterOptimizer optimizer(model, job, job.training.steps * rl.updates_per_rollout);
-  if (start) load_revision_state(*start, optimizer);
+  PolicySet policies(model, policy_count);
+  for (int64_t k = 1; k < policy_count; ++k) {
+    policies.bind(k);
+    torch::manual_seed(job.training.seed + k);
+    init_adapters(model);
+  }
+  // Each policy its own optimizer and schedule, over its own adapter tensors (bound when built).
+  std::vector<std::unique_ptr<AdapterOptimizer>> optimizers;
+  for (int64_t k = 0; k < policy_count; ++k) {
+    policies.bind(k);
+    optimizers.push_back(std::make_unique<AdapterOptimizer>(model, job, job.training.steps * rl.updates_per_rollout));
+  }
+  policies.bind(0);
+  if (start) load_revision_state(*start, *optimizers.front());
   const nlohmann::json base_reference = models::base_reference(base);
-  RewardStats reward_stats;
+  std::vector<RewardStats> reward_stats(static_cast<size_t>(policy_count));
 
   fs::create_directories(dump);
   std::ofstream metrics(dump / "metrics.jsonl", std::ios::app);
@@ -124,14 +147,20 @@ void run_rl(const std::string& config_path) {
   const GrpoOptions grpo = rl.grpo();
   size_t next_prompt = static_cast<size_t>(start_info.prompt_cursor) % prompts.size();
   const auto save = [&](int64_t step) {
-    RevisionInfo info;
-    info.step = step;
-    info.prompt_cursor = static_cast<int64_t>(next_prompt);
-    info.rewards = reward_stats.to_json();
-    info.base = base_reference;
-    const fs::path dir = write_revision(adapters_dir, *loaded.spec, model, lora_options, optimizer, info);
-    reward_stats.clear();
-    log::info("rl: revision saved to ", dir.string());
+    for (int64_t k = 0; k < policy_count; ++k) {
+      policies.bind(k);
+      RevisionInfo info;
+      info.step = step;
+      info.prompt_cursor = static_cast<int64_t>(next_prompt);
+      info.rewards = reward_stats[static_cast<size_t>(k)].to_json();
+      info.base = base_reference;
+      // One policy: adapters/step-N; several: adapters/<policy>/step-N.
+      const fs::path dir = write_revision(policy_names.empty() ? adapters_dir : adapters_dir / policy_names[k],
+                                          *loaded.spec, model, lora_options, *optimizers[static_cast<size_t>(k)], info);
+      reward_stats[static_cast<size_t>(k)].clear();
+      log::info("rl: revision saved to ", dir.string());
+    }
+    policies.bind(0);
   };
   if (start_info.step >= job.training.steps) {
     log::info("rl: ", start->string(), " is at step ", start_info.step, ", training.steps = ", job.training.steps,
@@ -139,36 +168,66 @@ void run_rl(const std::string& config_path) {
     return;
   }
 
+  const int64_t per_policy = rl.prompts_per_step * rl.group_size;  // completions of one policy per step
   for (int64_t step = start_info.step + 1; step <= job.training.steps; ++step) {
     Timer timer;
-    std::vector<std::vector<int64_t>> rows;
-    std::vector<Completion> completions;
-    std::vector<RewardRequest> requests;
-    for (int64_t p = 0; p < rl.prompts_per_step; ++p) {
-      const Prompt& prompt = prompts[next_prompt];
-      next_prompt = (next_prompt + 1) % prompts.size();
-      for (int64_t g = 0; g < rl.group_size; ++g) {
-        at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(completion_seed(
-            static_cast<uint64_t>(job.training.seed), step, static_cast<int64_t>(completions.size())));
-        Completion c = sample_completion(model, prompt.ids, sampling, generator);
-        std::vector<int64_t> text_ids = c.tokens;
-        if (!text_ids.empty() && text_ids.back() == sampling.stop_id) text_ids.pop_back();
-        requests.push_back({prompt.text, tokenizer.decode(text_ids, /*skip_special=*/true), prompt.answer});
-        rows.push_back(prompt.ids);
-        completions.push_back(std::move(c));
+    // Every policy's completions, decoded together (policy k's are rows k * per_policy ..); each
+    // samples from its policy's stream: completion_seed(training.seed + k, step, index in the policy).
+    std::vector<std::vector<int64_t>> all_rows;
+    std::vector<at::Generator> generators;
+    std::vector<int64_t> policy_of_row;
+    std::vector<const Prompt*> prompt_of_row;
+    for (int64_t k = 0; k < policy_count; ++k) {
+      size_t cursor = next_prompt;
+      for (int64_t p = 0; p < rl.prompts_per_step; ++p) {
+        const Prompt& prompt = prompts[cursor];
+        cursor = (cursor + 1) % prompts.size();
+        for (int64_t g = 0; g < rl.group_size; ++g) {
+          generators.push_back(at::make_generator<at::CPUGeneratorImpl>(completion_seed(
+              static_cast<uint64_t>(job.training.seed + k), step, p * rl.group_size + g)));
+          all_rows.push_back(prompt.ids);
+          policy_of_row.push_back(k);
+          prompt_of_row.push_back(&prompt);
+        }
       }
     }
-    std::vector<double> rewards;
-    if (command) {
-      rewards = (*command)(requests);
+    next_prompt = (next_prompt + static_cast<size_t>(rl.prompts_per_step)) % prompts.size();
+    std::vector<Completion> all_completions;
+    if (policy_count == 1) {
+      all_completions = sample_completions(model, all_rows, sampling, generators);
     } else {
-      for (const RewardRequest& r : requests) {
-        rewards.push_back(rl.reward == RewardKind::kExact ? exact_match(r.completion, r.answer)
-                                                          : numeric_match(r.completion, r.answer, rl.numeric_tolerance));
+      PolicySet::RowAdapters row_adapters(policies, policy_of_row, lora_options.scaling());
+      all_completions = sample_completions(model, all_rows, sampling, generators,
+                                           [&](const std::vector<int64_t>& rows) { row_adapters.set_rows(rows); });
+    }
+    std::vector<RewardRequest> all_requests;
+    for (size_t i = 0; i < all_completions.size(); ++i) {
+      std::vector<int64_t> text_ids = all_completions[i].tokens;
+      if (!text_ids.empty() && text_ids.back() == sampling.stop_id) text_ids.pop_back();
+      all_requests.push_back({prompt_of_row[i]->text, tokenizer.decode(text_ids, /*skip_special=*/true),
+                              prompt_of_row[i]->answer});
+    }
+    std::vector<double> all_rewards;
+    if (command) {
+      all_rewards = (*command)(all_requests);
+    } else {
+      for (const RewardRequest& r : all_requests) {
+        all_rewards.push_back(rl.reward == RewardKind::kExact ? exact_match(r.completion, r.answer)
+                                                              : numeric_match(r.completion, r.answer, rl.numeric_tolerance));
       }
     }
-    reward_stats.add(rewards);
     const double rollout_seconds = timer.seconds();
+    // The updates: each policy on its own rows, with its own optimizer, advantages and clipping.
+    // (The loop's body keeps the step's indentation so that this change, and its merge with the
+    // other issue-51 branches that edit the body, stays small; to reindent once they are merged.)
+    for (int64_t k = 0; k < policy_count; ++k) {
+    policies.bind(k);
+    const auto from = static_cast<std::ptrdiff_t>(k * per_policy), to = from + static_cast<std::ptrdiff_t>(per_policy);
+    const std::vector<std::vector<int64_t>> rows(all_rows.begin() + from, all_rows.begin() + to);
+    const std::vector<Completion> completions(all_completions.begin() + from, all_completions.begin() + to);
+    const std::vector<double> rewards(all_rewards.begin() + from, all_rewards.begin() + to);
+    AdapterOptimizer& optimizer = *optimizers[static_cast<size_t>(k)];
+    reward_stats[static_cast<size_t>(k)].add(rewards);
     const torch::Tensor reward_t = torch::tensor(rewards, torch::kFloat64).to(torch::kFloat32);
     const torch::Tensor advantages = group_advantages(reward_t, rl.group_size, rl.scale_rewards);
     const Batch batch = make_batch(rows, completions);
@@ -194,17 +253,19 @@ void run_rl(const std::string& config_path) {
                            {"rollout_logp_max_diff", max_logp_diff},
                            {"rollout_seconds", rollout_seconds},
                            {"step_seconds", timer.seconds()}};
+    if (!policy_names.empty()) line["policy"] = policy_names[static_cast<size_t>(k)];
     metrics << line.dump() << "\n" << std::flush;
+    if (!policy_names.empty()) std::printf("%-8s ", policy_names[static_cast<size_t>(k)].c_str());
     std::printf("step %4ld  reward %.3f  loss %+.4f  kl %.4f  clip %.3f/%.3f  grad_norm %.3f  len %.1f  %.2fs\n",
                 static_cast<long>(step), mean_reward, loss.loss.item<double>(), loss.kl, loss.clipped_low,
                 loss.clipped_high, grad_norm, mean_len, timer.seconds());
     std::fflush(stdout);
+    }
+    policies.bind(0);
     if (rl.save_every > 0 && step % rl.save_every == 0 && step != job.training.steps) save(step);
   }
   save(job.training.steps);
 }
-
-}  // namespace
 
 std::vector<Prompt> read_prompts(const std::string& path, const data::Tokenizer& tokenizer, bool add_bos,
                                  int64_t max_new_tokens, int64_t max_seq_len) {
@@ -275,6 +336,16 @@ std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path) {
   rest << root;
   train::JobConfig job = train::parse_config_toml(rest.str(), path);
   train::validate(job);
+  // Several policies run in one process only: the per-row adapters of a rollout and the policy
+  // binding are not built for sharded (FSDP) or split (TP) adapters.
+  const char* world = std::getenv("WORLD_SIZE");
+  const parallel::ParallelismConfig& par = job.parallelism;
+  const bool parallel_job = (world != nullptr && std::atoi(world) > 1) || par.data_parallel_shard_degree > 1 ||
+                            par.data_parallel_replicate_degree > 1 || par.tensor_parallel_degree > 1 ||
+                            par.context_parallel_degree > 1 || par.pipeline_parallel_degree > 1;
+  LOOM_REQUIRE_USAGE(split_policy_names(rl.policies).size() <= 1 || !parallel_job, "rl.policies = \"", rl.policies,
+                     "\" (several policies over one base) runs in one process only; run it without loom launch and"
+                     " parallelism degrees, or train one policy per job");
   return {std::move(job), std::move(rl)};
 }
 

@@ -15,6 +15,9 @@ namespace loom::rl {
 // A job config file with an [rl] section: the [rl] table parsed by rl_section(), the rest as any
 // `loom train` config; both validated. One-line loom::UsageErrors.
 std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path);
+// Runs the job `loom rl --config config_path` describes (metrics.jsonl and adapters/ under
+// job.dump_folder).
+void run_rl(const std::string& config_path);
 void register_rl_command(CLI::App& app);
 
 struct Prompt {

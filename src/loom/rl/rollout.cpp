@@ -53,6 +53,52 @@ Completion sample_completion(models::Decoder& model, const std::vector<int64_t>&
   return out;
 }
 
+std::vector<Completion> sample_completions(models::Decoder& model, const std::vector<std::vector<int64_t>>& prompts,
+                                           const models::SamplingOptions& options,
+                                           std::vector<at::Generator>& generators, const RowsFn& on_rows) {
+  LOOM_REQUIRE(!prompts.empty() && generators.size() == prompts.size(), "sample_completions: ", prompts.size(),
+               " prompts for ", generators.size(), " generators");
+  torch::InferenceMode inference;
+  int64_t longest = 0;
+  for (const auto& p : prompts) {
+    LOOM_REQUIRE_USAGE(!p.empty(), "a prompt needs at least one token");
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
+  }
+  models::BatchGenerator cache(model, static_cast<int64_t>(prompts.size()), longest + options.max_new_tokens,
+                               "lower rl.max_new_tokens, rl.prompts_per_step or rl.group_size");
+  std::vector<Completion> out(prompts.size());
+  std::vector<int64_t> running(prompts.size());  // the cache's rows, as indices into prompts
+  for (size_t i = 0; i < running.size(); ++i) running[i] = static_cast<int64_t>(i);
+  if (on_rows) on_rows(running);
+  torch::Tensor logits = cache.prefill(prompts);
+  for (int64_t step = 0; step < options.max_new_tokens; ++step) {
+    // One transfer and one log_softmax for every row; the sampling itself is sample_token's.
+    const torch::Tensor scores = logits.to(torch::kCPU, torch::kFloat32);
+    const torch::Tensor logp = torch::log_softmax(scores / options.temperature, 1);
+    std::vector<int64_t> next_tokens, kept_rows, kept_running;
+    for (size_t r = 0; r < running.size(); ++r) {
+      const int64_t row = running[r];
+      const int64_t next = models::sample_token(scores[static_cast<int64_t>(r)], options, generators[row]);
+      Completion& c = out[static_cast<size_t>(row)];
+      c.tokens.push_back(next);
+      c.logp.push_back(logp[static_cast<int64_t>(r)][next].item<double>());
+      if (next != options.stop_id) {
+        next_tokens.push_back(next);
+        kept_rows.push_back(static_cast<int64_t>(r));
+        kept_running.push_back(row);
+      }
+    }
+    if (kept_rows.empty() || step + 1 == options.max_new_tokens) break;
+    if (kept_rows.size() != running.size()) {
+      cache.keep_rows(kept_rows);
+      running = std::move(kept_running);
+    }
+    if (on_rows) on_rows(running);
+    logits = cache.decode(next_tokens);
+  }
+  return out;
+}
+
 Batch make_batch(const std::vector<std::vector<int64_t>>& prompts, const std::vector<Completion>& completions) {
   LOOM_REQUIRE(prompts.size() == completions.size() && !prompts.empty(), "make_batch: ", prompts.size(),
                " prompts for ", completions.size(), " completions");

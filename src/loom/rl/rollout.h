@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "loom/models/common/decoder.h"
@@ -34,6 +35,17 @@ uint64_t completion_seed(uint64_t seed, int64_t step, int64_t index);
 // `generator`'s stream. Runs under InferenceMode.
 Completion sample_completion(models::Decoder& model, const std::vector<int64_t>& prompt,
                              const models::SamplingOptions& options, at::Generator& generator);
+
+// Every prompt's completion decoded together (models::BatchGenerator: one cache of
+// prompts.size() rows, prompts of any lengths; a row stops at options.stop_id and stops costing
+// compute). Row i samples from generators[i] exactly as sample_completion does, so its tokens are
+// those of sample_completion with that generator and its log-probabilities equal within float
+// rounding. `on_rows`, when set, is told before every forward which rows it computes (indices into
+// `prompts`, ascending): per-row adapters (rl/policies.h) follow it. Runs under InferenceMode.
+using RowsFn = std::function<void(const std::vector<int64_t>& rows)>;
+std::vector<Completion> sample_completions(models::Decoder& model, const std::vector<std::vector<int64_t>>& prompts,
+                                           const models::SamplingOptions& options,
+                                           std::vector<at::Generator>& generators, const RowsFn& on_rows = nullptr);
 
 struct Batch {
   torch::Tensor tokens;  // [B, T] int64: prompt + completion, right-padded with 0

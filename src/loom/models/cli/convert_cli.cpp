@@ -15,6 +15,7 @@
 #include "loom/core/device.h"
 #include "loom/core/error.h"
 #include "loom/core/logging.h"
+#include "loom/core/timer.h"
 #include "loom/lora/lora.h"
 #include "loom/models/common/adapter_dir.h"
 #include "loom/models/common/model_dir.h"
@@ -63,12 +64,16 @@ void register_convert_command(CLI::App& app) {
                        args->input, "' is a whole model");
     std::optional<c10::ScalarType> dtype;
     if (!args->dtype.empty()) dtype = parse_dtype(args->dtype, "--dtype");
+    // What is written (and merged) after the load: an adapter's hand-off cost against a merged
+    // model's (bench/rl_policies.py).
+    const Timer written;
     if (args->to == "peft") {
       LOOM_REQUIRE_USAGE(loaded.adapter.has_value(), "convert --to peft: '", args->input, "' holds no LoRA adapters "
                          "(a checkpoint of a run with lora.rank > 0, or a PEFT directory)");
       export_peft_dir(*loaded.spec, *loaded.model, loaded.adapter->options,
                       std::filesystem::absolute(loaded.source).lexically_normal().string(), args->output, dtype);
-      log::info("converted ", args->input, " -> ", args->output, " (peft, base ", loaded.source.string(), ")");
+      log::info("converted ", args->input, " -> ", args->output, " (peft, base ", loaded.source.string(),
+                "; written in ", written.seconds(), " s)");
       return;
     }
     if (loaded.adapter) {
@@ -83,7 +88,8 @@ void register_convert_command(CLI::App& app) {
     } else {
       save_loom_checkpoint(*loaded.spec, *loaded.model, args->output, dtype);
     }
-    log::info("converted ", args->input, " -> ", args->output, " (", args->to, ")");
+    log::info("converted ", args->input, " -> ", args->output, " (", args->to,
+              loaded.adapter ? "; merged and written in " : "; written in ", written.seconds(), " s)");
   });
 }
 

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
+#include <utility>
 
 #include "loom/core/error.h"
 #include "loom/core/memory.h"
@@ -30,11 +32,21 @@ void check_generation_fits(int64_t prompt_tokens, int64_t max_new_tokens, int64_
                               : std::string("; shorten the prompt to leave room for new tokens"));
 }
 
-int64_t kv_cache_bytes(const DecoderArgs& args, int64_t capacity, c10::ScalarType dtype) {
+int64_t kv_cache_bytes(const DecoderArgs& args, int64_t capacity, c10::ScalarType dtype, int64_t batch) {
   const int64_t per_token = args.n_layers * args.attention_kv_heads() * (args.qk_head_dim() + args.v_head_dim()) *
                             static_cast<int64_t>(c10::elementSize(dtype));
-  return per_token * capacity;
+  return per_token * capacity * batch;
 }
+
+namespace {
+// The one place that says a layer's cache shape: keys [batch, KV heads, slots, qk head dim] and
+// values [batch, KV heads, slots, v head dim] (Generator and BatchGenerator both allocate here).
+std::pair<torch::Tensor, torch::Tensor> allocate_layer_cache(const DecoderArgs& args, int64_t batch, int64_t slots,
+                                                             const torch::TensorOptions& options) {
+  return {torch::empty({batch, args.attention_kv_heads(), slots, args.qk_head_dim()}, options),
+          torch::empty({batch, args.attention_kv_heads(), slots, args.v_head_dim()}, options)};
+}
+}  // namespace
 
 // A layer's keys and values. A full-attention layer keeps every position ([1, KV, capacity, D]);
 // a sliding-window layer of window w keeps only the last w - 1 (the most any later query sees
@@ -65,8 +77,7 @@ Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory
           auto cache = std::make_shared<LayerCache>();
           cache->window = static_cast<DecoderBlock&>(*layer).attention().sliding_window();
           const int64_t slots = cache->window > 0 ? std::max<int64_t>(1, std::min(capacity, cache->window - 1)) : capacity;
-          cache->k = torch::empty({1, args.attention_kv_heads(), slots, args.qk_head_dim()}, options);
-          cache->v = torch::empty({1, args.attention_kv_heads(), slots, args.v_head_dim()}, options);
+          std::tie(cache->k, cache->v) = allocate_layer_cache(args, 1, slots, options);
           caches_.push_back(std::move(cache));
         }
       },
@@ -188,6 +199,125 @@ std::vector<int64_t> Generator::generate(const std::vector<int64_t>& prompt, con
     logits = forward({next});
   }
   return out;
+}
+
+// The cache of every layer, shared by the installed attention cores: keys and values [rows, KV,
+// capacity, D] at virtual positions 0..length-1, and each row's document of every position (0:
+// padding before the row's prompt, 1: the row's tokens).
+struct BatchGenerator::State {
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> kv;
+  torch::Tensor documents;  // [rows, capacity] int64
+  int64_t length = 0;
+};
+
+BatchGenerator::BatchGenerator(Decoder& model, int64_t batch, int64_t capacity, const std::string& memory_hint)
+    : model_(model), capacity_(capacity), rows_(batch), state_(std::make_shared<State>()) {
+  LOOM_REQUIRE(batch >= 1, "BatchGenerator needs at least one row, got ", batch);
+  LOOM_REQUIRE_USAGE(capacity >= 1 && capacity <= model.decoder_args().max_seq_len, "generation needs ", capacity,
+                     " positions but the model's RoPE table has ", model.decoder_args().max_seq_len,
+                     "; use shorter prompts or fewer new tokens");
+  const DecoderArgs& args = model.decoder_args();
+  const auto options = model.tok_embeddings().weight().options();
+  const int64_t layers = static_cast<int64_t>(model.layers().named_children().size());
+  memory::with_allocation_context(
+      [&] {
+        for (int64_t i = 0; i < layers; ++i) state_->kv.push_back(allocate_layer_cache(args, batch, capacity, options));
+      },
+      c10::str("the key/value cache for ", batch, " rows of ", capacity, " tokens (", layers, " layers)"),
+      kv_cache_bytes(args, capacity, options.dtype().toScalarType(), batch), model.rope_cache().device(),
+      memory_hint);
+  size_t next = 0;
+  for (const auto& [id, layer] : model.layers().named_children()) {
+    const size_t index = next++;
+    std::shared_ptr<State> state = state_;
+    static_cast<DecoderBlock&>(*layer).attention().set_attend(
+        [state, index](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const nn::TokenLayout&,
+                       const nn::AttendFeatures& features) {
+          // q [rows, T, H, D], k [rows, T, KV, D], v [rows, T, KV, Dv], rotated at positions
+          // length .. length + T - 1 (every row alike).
+          const int64_t t = q.size(1), heads = q.size(2), v_dim = v.size(3);
+          const int64_t start = state->length, end = start + t;
+          auto& [keys_cache, values_cache] = state->kv[index];
+          LOOM_REQUIRE(end <= keys_cache.size(2), "key/value cache full: ", end, " > ", keys_cache.size(2));
+          keys_cache.narrow(2, start, t).copy_(k.transpose(1, 2));
+          values_cache.narrow(2, start, t).copy_(v.transpose(1, 2));
+          const torch::Tensor keys = keys_cache.narrow(2, 0, end), values = values_cache.narrow(2, 0, end);
+          const auto positions = torch::TensorOptions().dtype(torch::kInt64).device(q.device());
+          const torch::Tensor documents = state->documents.narrow(1, 0, end);
+          // Causal (and windowed) by position, and only within the query's document: a real token
+          // never sees its row's padding; a padding query sees earlier padding (so no row is empty).
+          const torch::Tensor mask =
+              nn::attention_mask(torch::arange(start, end, positions), torch::arange(end, positions),
+                                 features.sliding_window, documents.narrow(1, start, t), documents);
+          const torch::Tensor out =
+              features.sinks.defined()
+                  ? nn::sink_attention(q.transpose(1, 2), keys, values, mask, false, features.sinks)
+                  : at::scaled_dot_product_attention(q.transpose(1, 2), keys, values, mask, 0.0, false,
+                                                     std::nullopt, heads != keys.size(1));
+          return out.transpose(1, 2).reshape({q.size(0), t, heads * v_dim});
+        });
+  }
+}
+
+BatchGenerator::~BatchGenerator() {
+  for (const auto& [id, layer] : model_.layers().named_children()) {
+    static_cast<DecoderBlock&>(*layer).attention().set_attend(nullptr);
+  }
+}
+
+torch::Tensor BatchGenerator::run(const torch::Tensor& ids) {
+  const int64_t start = state_->length, t = ids.size(1);
+  const c10::Device device = model_.rope_cache().device();
+  nn::TokenLayout layout;
+  layout.positions = torch::arange(start, start + t, torch::TensorOptions().dtype(torch::kInt64).device(device));
+  const torch::Tensor hidden = model_.run_layers(model_.embed(ids.to(device)), layout);
+  state_->length = start + t;
+  return model_.head(hidden.narrow(1, t - 1, 1)).squeeze(1).to(torch::kFloat32);
+}
+
+torch::Tensor BatchGenerator::prefill(const std::vector<std::vector<int64_t>>& prompts) {
+  LOOM_REQUIRE(state_->length == 0, "BatchGenerator::prefill runs once, on an empty cache");
+  LOOM_REQUIRE(static_cast<int64_t>(prompts.size()) == rows_, "BatchGenerator::prefill: ", prompts.size(),
+               " prompts for ", rows_, " rows");
+  int64_t longest = 0;
+  for (const auto& p : prompts) {
+    LOOM_REQUIRE_USAGE(!p.empty(), "generation needs a prompt of at least one token");
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
+  }
+  LOOM_REQUIRE_USAGE(longest <= capacity_, "a prompt of ", longest, " tokens exceeds the ", capacity_,
+                     " positions of this generator");
+  torch::Tensor ids = torch::zeros({rows_, longest}, torch::kInt64);
+  torch::Tensor documents = torch::ones({rows_, capacity_}, torch::kInt64);
+  auto id = ids.accessor<int64_t, 2>();
+  auto doc = documents.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < rows_; ++r) {
+    const auto& p = prompts[static_cast<size_t>(r)];
+    const int64_t offset = longest - static_cast<int64_t>(p.size());
+    for (int64_t j = 0; j < offset; ++j) doc[r][j] = 0;
+    for (size_t j = 0; j < p.size(); ++j) id[r][offset + static_cast<int64_t>(j)] = p[j];
+  }
+  state_->documents = documents.to(model_.rope_cache().device());
+  return run(ids);
+}
+
+torch::Tensor BatchGenerator::decode(const std::vector<int64_t>& tokens) {
+  LOOM_REQUIRE(state_->length > 0, "BatchGenerator::decode before prefill");
+  LOOM_REQUIRE(static_cast<int64_t>(tokens.size()) == rows_, "BatchGenerator::decode: ", tokens.size(),
+               " tokens for ", rows_, " rows");
+  LOOM_REQUIRE(state_->length < capacity_, "BatchGenerator: all ", capacity_, " positions are used");
+  return run(torch::tensor(tokens, torch::kInt64).unsqueeze(1));
+}
+
+void BatchGenerator::keep_rows(const std::vector<int64_t>& rows) {
+  LOOM_REQUIRE(!rows.empty(), "BatchGenerator::keep_rows needs at least one row");
+  if (static_cast<int64_t>(rows.size()) == rows_) return;
+  const torch::Tensor index = torch::tensor(rows, torch::kInt64).to(model_.rope_cache().device());
+  for (auto& [k, v] : state_->kv) {
+    k = k.index_select(0, index);
+    v = v.index_select(0, index);
+  }
+  state_->documents = state_->documents.index_select(0, index);
+  rows_ = static_cast<int64_t>(rows.size());
 }
 
 }  // namespace loom::models

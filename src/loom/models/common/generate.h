@@ -39,9 +39,9 @@ struct SamplingOptions {
 // and what to lower otherwise. Callers run it before building or allocating anything.
 void check_generation_fits(int64_t prompt_tokens, int64_t max_new_tokens, int64_t max_seq_len);
 
-// Bytes of the key/value cache Generator allocates for `capacity` tokens (keys and values of every
-// layer, batch 1) in `dtype`.
-int64_t kv_cache_bytes(const DecoderArgs& args, int64_t capacity, c10::ScalarType dtype);
+// Bytes of the key/value cache Generator (batch 1) or BatchGenerator (`batch` rows) allocates for
+// `capacity` tokens (keys and values of every layer) in `dtype`.
+int64_t kv_cache_bytes(const DecoderArgs& args, int64_t capacity, c10::ScalarType dtype, int64_t batch = 1);
 
 // The next token from logits [V] (float32 on any device).
 int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& options, at::Generator& generator);
@@ -76,6 +76,46 @@ class Generator {
   Decoder& model_;
   int64_t capacity_;
   std::vector<std::shared_ptr<LayerCache>> caches_;
+};
+
+// Many sequences decoded together (GRPO's rollouts, issue 51): one key/value cache of `batch`
+// rows, each row its own prompt (lengths may differ) and continuation, one forward per step for
+// every row still running.
+//
+// Rows are right-aligned: a prompt shorter than the longest starts `offset` = longest - its length
+// positions later, and its cache slots before that are padding no real token attends to (the
+// mask's documents: padding is document 0, the row's tokens document 1). Every row then writes its
+// next token at the same position, so one forward serves all rows. RoPE makes attention depend only
+// on the distance between a query and a key, so a row's logits equal those of the row decoded alone
+// from position 0 within float rounding (the tests compare them). Every layer keeps every position
+// (a sliding-window layer masks by the window instead of dropping keys, unlike Generator).
+class BatchGenerator {
+ public:
+  // Installs the cache of `batch` rows and `capacity` positions (the longest prompt plus the new
+  // tokens, at most max_seq_len) on every layer of `model`, allocated here (an out-of-memory is one
+  // error naming the cache's size and `memory_hint`); removes it on destruction.
+  BatchGenerator(Decoder& model, int64_t batch, int64_t capacity, const std::string& memory_hint);
+  ~BatchGenerator();
+  BatchGenerator(const BatchGenerator&) = delete;
+  BatchGenerator& operator=(const BatchGenerator&) = delete;
+
+  // One prompt per row (batch of them, none empty, the longest at most capacity): logits [batch,
+  // V] (float32) of each row's next token. Once, on an empty cache.
+  torch::Tensor prefill(const std::vector<std::vector<int64_t>>& prompts);
+  // One token per current row (in row order): logits [rows, V] (float32) of the token after it.
+  torch::Tensor decode(const std::vector<int64_t>& tokens);
+  // Keeps only the current rows `rows` (ascending indices into the current rows): rows that have
+  // finished stop costing compute and cache reads.
+  void keep_rows(const std::vector<int64_t>& rows);
+  int64_t rows() const { return rows_; }
+
+ private:
+  struct State;
+  torch::Tensor run(const torch::Tensor& ids);
+  Decoder& model_;
+  int64_t capacity_;
+  int64_t rows_;
+  std::shared_ptr<State> state_;
 };
 
 }  // namespace loom::models

@@ -56,7 +56,7 @@ std::string revision_test_config(const fs::path& root, const fs::path& dump, con
   return path.string();
 }
 
-lt::RunResult run_rl(const std::string& config) {
+lt::RunResult run_loom_rl(const std::string& config) {
   return lt::run("env OMP_NUM_THREADS=1 " + lt::loom_bin() + " rl --config " + config, 120);
 }
 
@@ -98,7 +98,7 @@ TEST(RlRevisions, ResumeAndRollbackEqualAnUninterruptedRun) {
                                              "awk '{ print (length($0) % 5) / 4 }'\n"));
   const fs::path whole = root / "whole", broken = root / "broken";
 
-  const lt::RunResult uninterrupted = run_rl(revision_test_config(root, whole, "reward.sh"));
+  const lt::RunResult uninterrupted = run_loom_rl(revision_test_config(root, whole, "reward.sh"));
   ASSERT_EQ(uninterrupted.exit_code, 0) << uninterrupted.output;
   EXPECT_EQ(rl::list_revisions(whole / "adapters").size(), 3u);
   // The rewards move, and the gradients are not zero: the comparisons below compare something.
@@ -116,26 +116,26 @@ TEST(RlRevisions, ResumeAndRollbackEqualAnUninterruptedRun) {
   EXPECT_EQ(info.base, models::base_reference(root / "base"));
 
   // The reward command fails in step 5: one line naming it, exit non-zero, revisions 2 and 4 kept.
-  const lt::RunResult failed = run_rl(revision_test_config(root, broken, "flaky.sh"));
+  const lt::RunResult failed = run_loom_rl(revision_test_config(root, broken, "flaky.sh"));
   EXPECT_NE(failed.exit_code, 0);
   EXPECT_NE(failed.output.find("reward backend down"), std::string::npos) << failed.output;
   ASSERT_EQ(rl::list_revisions(broken / "adapters").size(), 2u) << failed.output;
   EXPECT_EQ(rl::read_revision(broken / "adapters/step-4").step, 4);
 
   // A fresh run into a folder with revisions refuses to start.
-  const lt::RunResult fresh = run_rl(revision_test_config(root, broken, "reward.sh"));
+  const lt::RunResult fresh = run_loom_rl(revision_test_config(root, broken, "reward.sh"));
   EXPECT_EQ(fresh.exit_code, 2);
   EXPECT_NE(fresh.output.find("already holds revisions (newest step-4); set rl.resume = true"), std::string::npos)
       << fresh.output;
 
   // Resumed from step-4 with a working backend: steps 5 and 6 as the uninterrupted run's.
-  const lt::RunResult resumed = run_rl(revision_test_config(root, broken, "reward.sh", "resume = true\n"));
+  const lt::RunResult resumed = run_loom_rl(revision_test_config(root, broken, "reward.sh", "resume = true\n"));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("continuing from"), std::string::npos);
   expect_same_steps(whole, broken);
 
   // Rolled back to step-2: steps 3..6 again, the same; step-4 and step-6 moved aside, not deleted.
-  const lt::RunResult rolled = run_rl(revision_test_config(
+  const lt::RunResult rolled = run_loom_rl(revision_test_config(
       root, broken, "reward.sh", "rollback = \"" + (broken / "adapters/step-2").string() + "\"\n"));
   ASSERT_EQ(rolled.exit_code, 0) << rolled.output;
   expect_same_steps(whole, broken);
@@ -149,7 +149,7 @@ TEST(RlRevisions, ResumeAndRollbackEqualAnUninterruptedRun) {
   EXPECT_EQ(aside, 1);
 
   // rl.rollback naming something that is not a revision: one line.
-  const lt::RunResult bad = run_rl(revision_test_config(root, broken, "reward.sh", "rollback = \"" + root.string() + "\"\n"));
+  const lt::RunResult bad = run_loom_rl(revision_test_config(root, broken, "reward.sh", "rollback = \"" + root.string() + "\"\n"));
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.output.find("is not a loom rl revision"), std::string::npos) << bad.output;
 }
@@ -160,7 +160,7 @@ TEST(RlRevisions, GenerateAndScoreServeARevision) {
   save_revision_test_base(root / "other_base", 6);
   lt::write(root / "prompts.jsonl", "{\"prompt\": \"1+2=\", \"answer\": \"3\"}\n{\"prompt\": \"4+4=\", \"answer\": \"8\"}\n");
   lt::write(root / "reward.sh", "awk '{ print (length($0) % 5) / 4 }'\n");
-  const lt::RunResult trained = run_rl(revision_test_config(root, root / "run", "reward.sh"));
+  const lt::RunResult trained = run_loom_rl(revision_test_config(root, root / "run", "reward.sh"));
   ASSERT_EQ(trained.exit_code, 0) << trained.output;
   const std::string step2 = (root / "run/adapters/step-2").string(), step6 = (root / "run/adapters/step-6").string();
   const std::string base = (root / "base").string();

@@ -97,6 +97,56 @@ TEST(RlLoop, RolloutLogprobsEqualTrainingForward) {
   }
 }
 
+// (a') The batched rollout: all completions of prompts of 3, 5 and 1 tokens (two each) decoded in
+// one cache, each row from its own generator, give the tokens of sampling each alone with the same
+// generator and log-probabilities equal within float32 rounding; the stop token is one that some
+// rows sample early, so rows finish at different steps and leave the batch.
+TEST(RlLoop, BatchedRolloutEqualsOneAtATime) {
+  auto model = adapted_model();
+  const std::vector<std::vector<int64_t>> prompts = {{1, 2, 3}, {1, 2, 3}, {4, 8, 15, 16, 23}, {4, 8, 15, 16, 23}, {42}, {42}};
+  models::SamplingOptions s;
+  s.max_new_tokens = 8;
+  s.temperature = 1.3;
+  s.top_k = 40;
+  auto alone = [&](int64_t stop) {
+    s.stop_id = stop;
+    std::vector<rl::Completion> out;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(rl::completion_seed(9, 1, static_cast<int64_t>(i)));
+      out.push_back(rl::sample_completion(*model, prompts[i], s, gen));
+    }
+    return out;
+  };
+  // The stop token: the third token row 0 samples without one.
+  const int64_t stop = alone(-1)[0].tokens[2];
+  const std::vector<rl::Completion> one = alone(stop);
+  std::vector<at::Generator> gens;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    gens.push_back(at::make_generator<at::CPUGeneratorImpl>(rl::completion_seed(9, 1, static_cast<int64_t>(i))));
+  }
+  std::vector<std::vector<int64_t>> seen_rows;
+  const std::vector<rl::Completion> batched =
+      rl::sample_completions(*model, prompts, s, gens, [&](const std::vector<int64_t>& rows) { seen_rows.push_back(rows); });
+  size_t short_rows = 0, full_rows = 0;
+  double worst = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(batched[i].tokens, one[i].tokens) << "row " << i;
+    ASSERT_EQ(batched[i].logp.size(), one[i].logp.size());
+    for (size_t j = 0; j < one[i].logp.size(); ++j) {
+      worst = std::max(worst, std::abs(batched[i].logp[j] - one[i].logp[j]));
+      EXPECT_NEAR(batched[i].logp[j], one[i].logp[j], 1e-5) << "row " << i << " token " << j;
+    }
+    (one[i].tokens.size() < static_cast<size_t>(s.max_new_tokens) ? short_rows : full_rows) += 1;
+  }
+  EXPECT_GE(short_rows, 1u);
+  EXPECT_GE(full_rows, 1u);
+  // Finished rows left the batch: the last forward computed only the rows still running.
+  EXPECT_EQ(seen_rows.front().size(), prompts.size());
+  EXPECT_LT(seen_rows.back().size(), prompts.size());
+  std::printf("batched rollout: %zu of %zu rows stopped early, max |logp batched - alone| %.2e\n", short_rows,
+              prompts.size(), worst);
+}
+
 // (b, C++ only) One GRPO step on fixed rollouts: with logp_old = the rollout's, the ratio is 1 and
 // the "grpo" loss is -mean_i A_i mean_t logp_it / ... whose gradient is that of the surrogate
 // -mean_i (A_i / n_i) sum_t logp_it; the adapters' gradient from grpo_loss equals the surrogate's.
