@@ -19,9 +19,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <stdexcept>
 
 #include "loom/models/spec.h"
 #include "loom/plan/memory_model.h"
+#include "loom/plan/ranking.h"
 #include "loom/plan/search.h"
 #include "loom/plan/time_model.h"
 #include "loom/train/config.h"
@@ -266,6 +268,79 @@ TEST(PlanPublished, DeepEpSendsATokenOncePerRemoteNode) {
   EXPECT_NEAR(deepep.time.ep_s - latency, share / (56.0 / 64.0) * (loom_a2a.time.ep_s - latency),
               0.01 * (deepep.time.ep_s - latency));
   EXPECT_LT(loom_a2a.time.tokens_per_device_s, deepep.time.tokens_per_device_s);
+}
+
+}  // namespace plan_published_test
+
+namespace plan_published_test {
+
+// Issue 50's acceptance: each published layout ranks within the top 10 % of the layouts training
+// accepts for its model, devices and global batch (each at its fastest memory settings that fit
+// 80 GiB with the allocator reserve, bf16), priced on the published system as above. Prints the
+// five fastest candidates with their steps broken down (docs/planner.md, "Ranks").
+double rank_of(const Published& row) {
+  const auto cluster = published_system();
+  loom::train::JobConfig config = config_of(row);
+  const auto& spec = loom::models::get_spec(row.model);
+  const auto args = spec.build_args({row.flavor, row.vocab, row.seq, 0});
+  const auto shape = loom::plan::ModelShape::of(spec, *args);
+  loom::plan::Layout layout = row.layout;
+  layout.float8 = "off";
+  layout.grad_accum_steps = row.global_rows / (layout.local_batch_size * layout.dp_shard * layout.dp_replicate);
+  layout.apply_to(config);
+  const int world = layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp * layout.pp;
+  const auto ranking =
+      loom::plan::rank_layout(spec, *args, shape, config, layout, cluster, cluster.memory_gib, world, 8, row.vocab);
+  print(ranking.given, row);
+  std::printf("  rank %lld of the %zu layouts that fit (top %.1f %%), of %lld training accepts\n",
+              static_cast<long long>(ranking.rank), ranking.fitting.size(), 100 * ranking.top_fraction(),
+              static_cast<long long>(ranking.accepted));
+  // Where the published throughput itself would rank among the predicted candidates: what the
+  // ranking would say if the layout's own prediction had no error.
+  const auto above_published = std::count_if(ranking.fitting.begin(), ranking.fitting.end(), [&](const auto& p) {
+    return p.time.tokens_per_device_s > row.published_tps;
+  });
+  std::printf("  at its published %.0f tokens/s it would rank %lld (top %.1f %%)\n", row.published_tps,
+              static_cast<long long>(above_published + 1),
+              100.0 * static_cast<double>(above_published + 1) / static_cast<double>(ranking.fitting.size()));
+  for (size_t i = 0; i < std::min<size_t>(5, ranking.fitting.size()); ++i) {
+    const auto& p = ranking.fitting[i];
+    const auto& t = p.time;
+    std::printf("    #%zu %7.0f step %.2f = compute %.2f + bubble %.2f + PP %.2f + TP %.2f + FSDP %.2f + CP %.2f + EP %.2f; "
+                "%.1f GiB; %s\n",
+                i + 1, t.tokens_per_device_s, t.step_s, t.compute_s, t.bubble_s, t.pp_s, t.tp_s, t.fsdp_exposed_s,
+                t.cp_exposed_s, t.ep_s, static_cast<double>(p.memory.peak) / (1 << 30), p.layout.describe().c_str());
+  }
+  EXPECT_TRUE(ranking.given.fits) << row.what;
+  EXPECT_GT(ranking.fitting.size(), 100u) << row.what;  // a ranking among many, not a handful
+  return ranking.top_fraction();
+}
+
+const Published& nemo_row(const std::string& prefix) {
+  static const std::vector<Published> rows = nemo_rows();
+  for (const Published& row : rows) {
+    if (row.what.rfind(prefix, 0) == 0) return row;
+  }
+  throw std::runtime_error("no NeMo row " + prefix);
+}
+
+TEST(PlanPublished, Llama3_70BLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("Llama 3 70B")), 0.10);
+}
+TEST(PlanPublished, Qwen3Moe30BA3BLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("Qwen3-MoE 30B-A3B")), 0.10);
+}
+TEST(PlanPublished, DeepSeekV3On256GpusLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("DeepSeek-V3 671B, 256")), 0.10);
+}
+TEST(PlanPublished, DeepSeekV3On1024GpusLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("DeepSeek-V3 671B, 1024")), 0.10);
+}
+TEST(PlanPublished, GptOss20BLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("GPT-OSS 20B")), 0.10);
+}
+TEST(PlanPublished, GptOss120BLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("GPT-OSS 120B")), 0.10);
 }
 
 }  // namespace plan_published_test
