@@ -344,3 +344,45 @@ TEST(PlanPublished, GptOss120BLayoutRanksInTheTopTenPercent) {
 }
 
 }  // namespace plan_published_test
+
+namespace plan_published_test {
+
+// DeepEP's node dedup when a node holds several of the routing groups: DeepSeek-V3 under EP 16 is
+// two nodes of 4 groups each, and a token's 4 of 8 groups span both with probability 1 - 2 / 70.
+// A node holding j of the token's groups receives one of its 8 experts with probability
+// 1 - (1 - j/4)^8; j is hypergeometric (16, 36, 16, 1 of 70 for j = 1..4): 0.9608 remote nodes per
+// token, 0.1201 of its 8 rows, against Loom's all-to-all's 8 of 16 ranks' rows (0.5): the cross-node
+// bytes scale by 0.2402. (The count before 2026-11-29 took 2 x 4 / 8 = 1 node as all a token can
+// reach: 1/16 of the rows, half the bytes.)
+TEST(PlanPublished, DeepEpCountsTheNodesATokensGroupsSpan) {
+  const auto& spec = loom::models::get_spec("deepseek_v3");
+  const auto args = spec.build_args({"671B", 129280, 4096, 0});
+  const auto shape = loom::plan::ModelShape::of(spec, *args);
+  ASSERT_EQ(shape.moe_groups, 8);
+  ASSERT_EQ(shape.moe_topk_groups, 4);
+  Published row = deepseek_v3_256();
+  row.global_rows = 16;
+  row.split_points = "";
+  loom::plan::Layout layout;
+  layout.dp_shard = 16;
+  layout.ep = 16;
+  layout.local_batch_size = 1;
+  layout.ac_mode = "none";
+  layout.float8 = "off";
+  loom::train::JobConfig config = config_of(row);
+  layout.apply_to(config);
+  loom::plan::Cluster loom_ep = published_system();
+  loom_ep.ep_node_dedup = false;
+  const auto deepep = loom::plan::estimate_time(spec, *args, shape, config, layout, published_system());
+  const auto all_to_all = loom::plan::estimate_time(spec, *args, shape, config, layout, loom_ep);
+  // 4 all-to-alls (no AC) per MoE layer and micro-batch, 15 hops of 20 us each, the same for both.
+  const double latency = 4.0 * static_cast<double>(shape.moe_layers) * 15 * 20e-6;
+  double p_touched = 0;
+  const double ways[] = {16, 36, 16, 1};
+  for (int j = 1; j <= 4; ++j) p_touched += ways[j - 1] / 70 * (1 - std::pow(1 - j / 4.0, 8));
+  EXPECT_NEAR(p_touched, 0.9608, 1e-4);
+  const double share = p_touched / 8;  // remote nodes per token over its 8 rows
+  EXPECT_NEAR(deepep.ep_s - latency, share / 0.5 * (all_to_all.ep_s - latency), 1e-3 * (deepep.ep_s - latency));
+}
+
+}  // namespace plan_published_test
