@@ -489,8 +489,12 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
       transfer = std::max((in_node - 1.0) / layout.ep * rows_bytes / cluster.intra_node_bw,
                           remote / cluster.inter_node_bw);
     }
-    e.ep_s = calls_per_layer * (transfer +
-                                moe_layers * micro_steps * microbatches * ((layout.ep - 1.0) * lat + cluster.blocking_call_s));
+    // Each all-to-all's messages to its ep - 1 peers travel at once (NCCL's grouped sends and
+    // receives, DeepEP's kernels), not hop by hop around a ring: one latency of the link it
+    // crosses per call. (Before 2026-11-29 it was priced (ep - 1) hops, a ring's: 63 x 20 us =
+    // 1.26 ms per call under EP 64, 0.92 s of DeepSeek-V3's 256-GPU step and 0.73 s of GPT-OSS
+    // 120B's; for ep = 2, the CPU rows, the two are the same.)
+    e.ep_s = calls_per_layer * (transfer + moe_layers * micro_steps * microbatches * (lat + cluster.blocking_call_s));
   }
 
   e.step_s = e.compute_s + e.bubble_s + e.pp_s + e.tp_s + e.fsdp_exposed_s + e.dp_exposed_s + e.cp_exposed_s + e.ep_s;

@@ -264,11 +264,11 @@ TEST(PlanPublished, DeepEpSendsATokenOncePerRemoteNode) {
   const double reachable = 4, touched = reachable * (1 - std::pow(0.75, 8)), share = touched * 7.0 / 8.0 / 8.0;
   EXPECT_NEAR(share, 0.394, 0.001);
   // Both pay the same per-call latencies: 6 all-to-alls (full AC) per MoE layer of the stage and
-  // micro-batch, 63 hops of 20 us each; the bytes across nodes scale by share / (56 / 64).
+  // micro-batch, one 20 us latency each (the peers at once); the bytes across nodes scale by share / (56 / 64).
   const auto& spec = loom::models::get_spec("deepseek_v3");
   const auto shape = loom::plan::ModelShape::of(*&spec, *spec.build_args({"671B", 129280, 4096, 0}));
   ASSERT_EQ(deepep.layout.ac_mode, "full");
-  const double latency = 6.0 * static_cast<double>(shape.moe_layers) / 4 * 8 * 63 * 20e-6;
+  const double latency = 6.0 * static_cast<double>(shape.moe_layers) / 4 * 8 * 20e-6;
   EXPECT_NEAR(deepep.time.ep_s - latency, share / (56.0 / 64.0) * (loom_a2a.time.ep_s - latency),
               0.01 * (deepep.time.ep_s - latency));
   EXPECT_LT(loom_a2a.time.tokens_per_device_s, deepep.time.tokens_per_device_s);
@@ -381,8 +381,8 @@ TEST(PlanPublished, DeepEpCountsTheNodesATokensGroupsSpan) {
   loom_ep.ep_node_dedup = false;
   const auto deepep = loom::plan::estimate_time(spec, *args, shape, config, layout, published_system());
   const auto all_to_all = loom::plan::estimate_time(spec, *args, shape, config, layout, loom_ep);
-  // 4 all-to-alls (no AC) per MoE layer and micro-batch, 15 hops of 20 us each, the same for both.
-  const double latency = 4.0 * static_cast<double>(shape.moe_layers) * 15 * 20e-6;
+  // 4 all-to-alls (no AC) per MoE layer and micro-batch, one 20 us latency each (the peers at once), the same for both.
+  const double latency = 4.0 * static_cast<double>(shape.moe_layers) * 20e-6;
   double p_touched = 0;
   const double ways[] = {16, 36, 16, 1};
   for (int j = 1; j <= 4; ++j) p_touched += ways[j - 1] / 70 * (1 - std::pow(1 - j / 4.0, 8));
