@@ -492,7 +492,7 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
     // Each all-to-all's messages to its ep - 1 peers travel at once (NCCL's grouped sends and
     // receives, DeepEP's kernels), not hop by hop around a ring: one latency of the link it
     // crosses per call. (Before 2026-11-29 it was priced (ep - 1) hops, a ring's: 63 x 20 us =
-    // 1.26 ms per call under EP 64, 0.92 s of DeepSeek-V3's 256-GPU step and 0.73 s of GPT-OSS
+    // 1.26 ms per call under EP 64, 0.88 s of DeepSeek-V3's 256-GPU step and 0.73 s of GPT-OSS
     // 120B's; for ep = 2, the CPU rows, the two are the same.)
     e.ep_s = calls_per_layer * (transfer + moe_layers * micro_steps * microbatches * (lat + cluster.blocking_call_s));
   }
