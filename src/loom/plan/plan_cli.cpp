@@ -15,6 +15,7 @@
 #include "loom/data/tokenizer.h"
 #include "loom/plan/memory_model.h"
 #include "loom/plan/published.h"
+#include "loom/plan/ranking.h"
 #include "loom/plan/search.h"
 #include "loom/plan/time_model.h"
 #include "loom/train/config.h"
@@ -54,7 +55,7 @@ Cluster cluster_of(const PlanOptions& o) {
 
 nlohmann::json cluster_json(const Cluster& c) {
   return {{"name", c.name}, {"peak_flops", c.peak_flops}, {"peak_flops_all_cores", c.peak_flops_all_cores},
-          {"efficiency", c.efficiency}, {"intra_node_bw", c.intra_node_bw}, {"inter_node_bw", c.inter_node_bw},
+          {"efficiency", c.efficiency}, {"allocator_reserve", c.allocator_reserve}, {"intra_node_bw", c.intra_node_bw}, {"inter_node_bw", c.inter_node_bw},
           {"intra_latency", c.intra_latency}, {"inter_latency", c.inter_latency},
           {"blocking_call_s", c.blocking_call_s}, {"shared_host_efficiency", c.shared_host_efficiency},
           {"shm_bw", c.shm_bw}, {"shm_call_s", c.shm_call_s}, {"cores", c.cores}};
@@ -92,9 +93,8 @@ void explain_ranking(const PlanOptions& o, const train::JobConfig& config, const
                      int64_t vocab, const PrintStep& print_step) {
   const double capacity = o.memory_gib > 0 ? o.memory_gib : cluster.memory_gib;
   // The config's precision holds for every layout compared: Float8 as the config sets it.
-  const char* float8 = config.float8.enable ? "on" : "off";
   Layout given = layout;
-  given.float8 = float8;
+  given.float8 = config.float8.enable ? "on" : "off";
   const Priced mine = fastest_fitting(spec, args, shape, config, given, cluster, capacity, o.fixed_memory_settings);
   if (!o.fixed_memory_settings) {
     std::printf("with the fastest memory settings that fit%s: %s\n",
@@ -102,28 +102,15 @@ void explain_ranking(const PlanOptions& o, const train::JobConfig& config, const
     print_step(mine.fits ? "  predicted step" : "  predicted step (does not fit)", mine.time);
   }
   if (config.training.global_batch_size > 0) {
-    SearchRequest request;
-    request.base = config;
-    request.world_size = o.world_size;
-    request.devices_per_node = o.devices_per_node;
-    request.vocab_size = vocab;
-    const SearchResult found = enumerate_layouts(request);
-    int64_t fitting = 0, faster = 0;
-    std::optional<Priced> best;
-    for (Layout candidate : found.layouts) {
-      candidate.float8 = float8;
-      const Priced p = fastest_fitting(spec, args, shape, config, candidate, cluster, capacity, o.fixed_memory_settings);
-      if (!p.fits) continue;
-      ++fitting;
-      if (p.time.tokens_per_device_s > mine.time.tokens_per_device_s * (1 + 1e-9)) ++faster;
-      if (!best || p.time.tokens_per_device_s > best->time.tokens_per_device_s) best = p;
-    }
-    if (fitting > 0) {
-      std::printf("rank among the %lld layouts that fit (of %zu training accepts): %lld (top %.1f %%); the fastest: "
+    const Ranking ranking = rank_layout(spec, args, shape, config, given, cluster, capacity, o.world_size,
+                                        o.devices_per_node, vocab, o.fixed_memory_settings);
+    if (!ranking.fitting.empty()) {
+      const Priced& best = ranking.fitting.front();
+      std::printf("rank among the %zu layouts that fit (of %lld training accepts): %lld (top %.1f %%); the fastest: "
                   "%.0f tokens/s per device, %s\n",
-                  static_cast<long long>(fitting), found.layouts.size(), static_cast<long long>(faster + 1),
-                  100.0 * static_cast<double>(faster + 1) / static_cast<double>(fitting), best->time.tokens_per_device_s,
-                  best->layout.describe().c_str());
+                  ranking.fitting.size(), static_cast<long long>(ranking.accepted), static_cast<long long>(ranking.rank),
+                  100.0 * ranking.top_fraction(), best.time.tokens_per_device_s, best.layout.describe().c_str());
+      print_step("  its step", best.time);
     }
   }
   if (const PublishedRow* row = nearest_published(config.model.name, config.model.flavor, o.world_size,
@@ -256,8 +243,9 @@ void run_plan(const PlanOptions& o, const std::vector<std::string>& overrides) {
                      " tried); try another --world-size or training.global_batch_size");
   LOOM_REQUIRE_USAGE(!rows.empty(), "no layout of ", config.model.name, " ", config.model.flavor, " on ", o.world_size,
                      " devices fits in ", capacity, " GiB per device: the smallest needs ",
-                     c10::str(std::round(as_gib(smallest->memory.peak) * 100) / 100), " GiB (",
-                     smallest->layout.describe(), "); raise --memory-gib, add devices, or shorten training.seq_len");
+                     c10::str(std::round(as_gib(smallest->memory.peak) * 100) / 100), " GiB",
+                     timed && cluster.allocator_reserve > 1 ? c10::str(" x the allocator reserve ", cluster.allocator_reserve) : "",
+                     " (", smallest->layout.describe(), "); raise --memory-gib, add devices, or shorten training.seq_len");
   if (timed) {
     std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
       return a.time.tokens_per_device_s > b.time.tokens_per_device_s;
@@ -368,6 +356,8 @@ void register_plan_command(CLI::App& app) {
   cmd->add_option("--peak-flops", co.peak_flops, "With --cluster: dense FLOP/s per device (cpu: one thread's)")->check(positive);
   cmd->add_option("--peak-flops-all-cores", co.peak_flops_all_cores, "With --cluster cpu: the GEMM rate with every core")->check(positive);
   cmd->add_option("--efficiency", co.efficiency, "With --cluster: the share of the peak the model's compute reaches")->check(positive);
+  cmd->add_option("--allocator-reserve", co.allocator_reserve, "With --cluster: device memory reserved per byte "
+                  "the memory model counts allocated (a layout fits when peak x this <= the memory)")->check(positive);
   cmd->add_option("--intra-node-bw", co.intra_node_bw, "With --cluster: ring bandwidth per device inside a node, bytes/s")->check(positive);
   cmd->add_option("--inter-node-bw", co.inter_node_bw, "With --cluster: bandwidth per device across nodes, bytes/s")->check(positive);
   cmd->add_option("--intra-latency", co.intra_latency, "With --cluster: seconds per ring hop inside a node")->check(non_negative);

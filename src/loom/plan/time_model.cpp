@@ -61,6 +61,11 @@ constexpr double kFloat8GemmSpeedup = 1.434;
 // GEMM shapes on one H200 (bench/gemm_efficiency.py, 2026-11-27; mean error 3.3 %, docs/planner.md);
 // not on any published row.
 constexpr double kGemmLargeEfficiency = 0.698;
+// TorchTitan's published peak memory (max reserved) over Loom's predicted allocated peak for the
+// same run: Llama 3.1 8B, 8 H100s, FSDP, local batch 2, seq 8192, per-op SAC, 82.4 / 72.08 GiB
+// (fitted; the 8-GPU row that fits the preset's efficiency); its 128-GPU row, 67.0 / 58.06 = 1.154,
+// is predicted at 1.143 (-0.9 %). Not fitted on any rank or NeMo row.
+constexpr double kGpuAllocatorReserve = 1.143;
 constexpr double kGemmCallSeconds = 3e-6;
 }  // namespace
 
@@ -89,6 +94,7 @@ Cluster Cluster::preset(const std::string& name) {
   c.inter_latency = 20e-6;
   c.devices_per_node = 8;
   c.float8_gemm_speedup = kFloat8GemmSpeedup;
+  c.allocator_reserve = kGpuAllocatorReserve;
   if (name == "h100") {
     c.memory_gib = 80;
   } else if (name == "h200") {
@@ -197,6 +203,7 @@ Cluster Cluster::with(const Overrides& o) const {
   set(c.peak_flops, o.peak_flops);
   set(c.efficiency, o.efficiency);
   set(c.memory_gib, o.memory_gib);
+  set(c.allocator_reserve, o.allocator_reserve);
   set(c.intra_node_bw, o.intra_node_bw);
   set(c.inter_node_bw, o.inter_node_bw);
   set(c.intra_latency, o.intra_latency);
@@ -209,6 +216,8 @@ Cluster Cluster::with(const Overrides& o) const {
   if (o.devices_per_node > 0) c.devices_per_node = o.devices_per_node;
   LOOM_REQUIRE_USAGE(c.peak_flops > 0 && c.efficiency > 0 && c.efficiency <= 1, "the cluster needs a peak "
                      "FLOP/s > 0 and an efficiency in (0, 1]; got ", c.peak_flops, " and ", c.efficiency);
+  LOOM_REQUIRE_USAGE(c.allocator_reserve >= 1, "the cluster's allocator reserve (device memory reserved per byte "
+                     "the model counts allocated) must be >= 1; got ", c.allocator_reserve);
   LOOM_REQUIRE_USAGE(c.shared_host_efficiency > 0 && c.shared_host_efficiency <= 1, "the cluster's shared-host "
                      "efficiency must be in (0, 1]; got ", c.shared_host_efficiency);
   LOOM_REQUIRE_USAGE(c.shm_bw >= 0 && c.shm_call_s >= 0, "the cluster's shared-memory bandwidth and call cost "
@@ -445,23 +454,47 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
       const double in_node = std::min<double>(layout.ep, cluster.devices_per_node);
       double remote = (layout.ep - in_node) / layout.ep * rows_bytes;  // rows bound for other nodes
       if (cluster.ep_node_dedup && shape.moe_layers > 0) {
-        // Once per remote node a token's experts are on: of the nodes its routing may reach
-        // (all of them, or topk_groups / groups of them when the groups split the nodes), the
-        // expected number its k experts land on (uniformly), less its own.
+        // Once per remote node a token's experts are on: the expected number of nodes its k experts
+        // land on (uniformly among the experts it may reach), less its own. Group-limited routing
+        // (DeepSeek-V3: topk_groups of the groups, then k experts among theirs): with G groups over
+        // N nodes, G / N whole groups a node, a node holds j of the token's g groups with the
+        // hypergeometric probability C(G/N, j) C(G - G/N, g - j) / C(G, g), and then one of its k
+        // experts with probability 1 - (1 - j/g)^k. (Before 2026-11-29 a node was counted
+        // reachable as N g / G nodes, which is 1 node of 2 under EP 16 -- no cross-node rows -- where
+        // a token's 4 of 8 groups span both nodes 97 % of the time.) A group spanning N / G nodes:
+        // the token's experts spread over g N / G of them. No groups: over all N.
         const double nodes = layout.ep / in_node;
         const double k = static_cast<double>(shape.moe_top_k_sum) / static_cast<double>(shape.moe_layers);
-        double reachable = nodes;
-        if (shape.moe_groups > 1 && static_cast<double>(shape.moe_groups) >= nodes) {
-          reachable = std::max(1.0, nodes * static_cast<double>(shape.moe_topk_groups) / static_cast<double>(shape.moe_groups));
+        const int64_t groups = shape.moe_groups, picked = shape.moe_topk_groups;
+        const int64_t n = static_cast<int64_t>(std::llround(nodes));
+        const auto spread = [&](double reachable) { return reachable * (1.0 - std::pow(1.0 - 1.0 / reachable, k)); };
+        double touched = spread(nodes);
+        if (groups > 1 && picked > 0 && picked < groups && groups >= n && groups % n == 0) {
+          const auto choose = [](int64_t a, int64_t b) {
+            if (b < 0 || b > a) return 0.0;
+            return std::exp(std::lgamma(a + 1.0) - std::lgamma(b + 1.0) - std::lgamma(a - b + 1.0));
+          };
+          const int64_t per_node = groups / n;
+          double p_touched = 0;
+          for (int64_t j = 1; j <= std::min(per_node, picked); ++j) {
+            const double p_j = choose(per_node, j) * choose(groups - per_node, picked - j) / choose(groups, picked);
+            p_touched += p_j * (1.0 - std::pow(1.0 - static_cast<double>(j) / static_cast<double>(picked), k));
+          }
+          touched = nodes * p_touched;
+        } else if (groups > 1 && picked > 0 && picked < groups && n > groups && n % groups == 0) {
+          touched = spread(static_cast<double>(picked) * static_cast<double>(n / groups));
         }
-        const double touched = reachable * (1.0 - std::pow(1.0 - 1.0 / reachable, k));
         remote = std::min(remote, touched * (nodes - 1.0) / nodes / k * rows_bytes);
       }
       transfer = std::max((in_node - 1.0) / layout.ep * rows_bytes / cluster.intra_node_bw,
                           remote / cluster.inter_node_bw);
     }
-    e.ep_s = calls_per_layer * (transfer +
-                                moe_layers * micro_steps * microbatches * ((layout.ep - 1.0) * lat + cluster.blocking_call_s));
+    // Each all-to-all's messages to its ep - 1 peers travel at once (NCCL's grouped sends and
+    // receives, DeepEP's kernels), not hop by hop around a ring: one latency of the link it
+    // crosses per call. (Before 2026-11-29 it was priced (ep - 1) hops, a ring's: 63 x 20 us =
+    // 1.26 ms per call under EP 64, 0.88 s of DeepSeek-V3's 256-GPU step and 0.73 s of GPT-OSS
+    // 120B's; for ep = 2, the CPU rows, the two are the same.)
+    e.ep_s = calls_per_layer * (transfer + moe_layers * micro_steps * microbatches * (lat + cluster.blocking_call_s));
   }
 
   e.step_s = e.compute_s + e.bubble_s + e.pp_s + e.tp_s + e.fsdp_exposed_s + e.dp_exposed_s + e.cp_exposed_s + e.ep_s;
@@ -528,12 +561,35 @@ Priced fastest_fitting(const models::ModelSpec& spec, const models::ModelArgs& a
   std::stable_sort(by_speed.begin(), by_speed.end(), [](const auto& a, const auto& b) {
     return a.first.tokens_per_device_s > b.first.tokens_per_device_s;
   });
+  const auto fits_in = [&](const MemoryEstimate& m) {
+    return capacity_gib <= 0 ||
+           static_cast<double>(m.peak) * cluster.allocator_reserve / (1024.0 * 1024.0 * 1024.0) <= capacity_gib;
+  };
+  // Full AC keeps the least under every other setting (resharding "never" and accumulating
+  // unsharded only add buffers; Float8 changes no memory): when none of the full-AC variants fits,
+  // none fits, and the smallest is among them -- the other variants' memory is not computed. (Most
+  // layouts of a large search fit nowhere: 93,280 of DeepSeek-V3's 143,900 on 1,024 GPUs.)
+  if (capacity_gib > 0 && by_speed.size() > 1) {
+    std::optional<Priced> least;
+    bool some_full_fits = false, any_full = false;
+    for (const auto& [time, v] : by_speed) {
+      if (v->ac_mode != "full") continue;
+      any_full = true;
+      configure(*v);
+      const MemoryEstimate m = estimate_memory(shape, args, c, *v);
+      if (fits_in(m)) {
+        some_full_fits = true;
+        break;
+      }
+      if (!least || m.peak < least->memory.peak) least = Priced{*v, time, m, false};
+    }
+    if (any_full && !some_full_fits) return *least;
+  }
   std::optional<Priced> smallest;
   for (const auto& [time, v] : by_speed) {
     configure(*v);
     const MemoryEstimate m = estimate_memory(shape, args, c, *v);
-    const bool fits = capacity_gib <= 0 || static_cast<double>(m.peak) / (1024.0 * 1024.0 * 1024.0) <= capacity_gib;
-    if (fits) return Priced{*v, time, m, true};
+    if (fits_in(m)) return Priced{*v, time, m, true};
     if (!smallest || m.peak < smallest->memory.peak) smallest = Priced{*v, time, m, false};
   }
   return *smallest;

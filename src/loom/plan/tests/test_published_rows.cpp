@@ -4,7 +4,8 @@
 // (the same table: https://docs.nvidia.com/nemo/automodel/nightly/performance-summary.html).
 // Each row is priced as `loom plan` prices a given layout: the fastest of its memory settings
 // (activation checkpointing, FSDP accumulating unsharded or not, ...) that fits an H100's 80 GiB
-// (plan::fastest_fitting); the published tables do not say which they used.
+// with the allocator reserve, peak x 1.143 (plan::fastest_fitting); the published tables do not say
+// which they used.
 // The published runs' software, not Loom's defaults: NeMo's kernels (Transformer Engine) and DeepEP.
 // Their cluster (published_system) is the H100 preset with
 //  - the compute efficiency of Loom's own kernels measured on one H200 (same 989 TFLOP/s dense
@@ -19,9 +20,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <stdexcept>
 
 #include "loom/models/spec.h"
 #include "loom/plan/memory_model.h"
+#include "loom/plan/ranking.h"
 #include "loom/plan/search.h"
 #include "loom/plan/time_model.h"
 #include "loom/train/config.h"
@@ -110,9 +113,13 @@ double error_of(const loom::plan::Priced& p, const Published& row) {
 
 void print(const loom::plan::Priced& p, const Published& row) {
   const auto& t = p.time;
-  std::printf("%-50s published %7.0f predicted %7.0f (%+.1f %%), step %.2f s = compute %.2f + bubble %.2f + FSDP %.2f "
+  const std::string against =
+      row.published_tps > 0 ? c10::str("published ", static_cast<int64_t>(std::lround(row.published_tps)), " ") : "";
+  char error[32] = "";
+  if (row.published_tps > 0) std::snprintf(error, sizeof(error), " (%+.1f %%)", 100 * error_of(p, row));
+  std::printf("%-50s %spredicted %7.0f%s, step %.2f s = compute %.2f + bubble %.2f + FSDP %.2f "
               "+ CP %.2f + EP %.2f; peak %.1f GiB%s; %s\n",
-              row.what.c_str(), row.published_tps, t.tokens_per_device_s, 100 * error_of(p, row), t.step_s, t.compute_s,
+              row.what.c_str(), against.c_str(), t.tokens_per_device_s, error, t.step_s, t.compute_s,
               t.bubble_s, t.fsdp_exposed_s, t.cp_exposed_s, t.ep_s,
               static_cast<double>(p.memory.peak) / (1 << 30), p.fits ? "" : " (does not fit)", p.layout.describe().c_str());
 }
@@ -178,8 +185,8 @@ std::vector<Published> nemo_rows() {
 }
 
 // Every row must fit and all but GPT-OSS 20B be within +-25 %: that row is printed, not held to it
-// -- over-predicted (+43 %): NeMo's own count puts it at 28 % MFU on one node (EP 8 over NVLink, its
-// all-to-alls priced at 0.8 s of a 7 s step), far below the 52 % of Loom's kernels the rows are priced
+// -- over-predicted (+38 %): NeMo's own count puts it at 28 % MFU on one node (EP 8 over NVLink, its
+// all-to-alls priced at 0.7 s of a 7.3 s step), far below the 52 % of Loom's kernels the rows are priced
 // at, and nothing the model knows (links, memory, schedule) makes up the difference (docs/planner.md).
 TEST(PlanPublished, HeldOutNemoRowsErrorDistribution) {
   const auto cluster = published_system();
@@ -258,14 +265,163 @@ TEST(PlanPublished, DeepEpSendsATokenOncePerRemoteNode) {
   const double reachable = 4, touched = reachable * (1 - std::pow(0.75, 8)), share = touched * 7.0 / 8.0 / 8.0;
   EXPECT_NEAR(share, 0.394, 0.001);
   // Both pay the same per-call latencies: 6 all-to-alls (full AC) per MoE layer of the stage and
-  // micro-batch, 63 hops of 20 us each; the bytes across nodes scale by share / (56 / 64).
+  // micro-batch, one 20 us latency each (the peers at once); the bytes across nodes scale by share / (56 / 64).
   const auto& spec = loom::models::get_spec("deepseek_v3");
   const auto shape = loom::plan::ModelShape::of(*&spec, *spec.build_args({"671B", 129280, 4096, 0}));
   ASSERT_EQ(deepep.layout.ac_mode, "full");
-  const double latency = 6.0 * static_cast<double>(shape.moe_layers) / 4 * 8 * 63 * 20e-6;
+  const double latency = 6.0 * static_cast<double>(shape.moe_layers) / 4 * 8 * 20e-6;
   EXPECT_NEAR(deepep.time.ep_s - latency, share / (56.0 / 64.0) * (loom_a2a.time.ep_s - latency),
               0.01 * (deepep.time.ep_s - latency));
   EXPECT_LT(loom_a2a.time.tokens_per_device_s, deepep.time.tokens_per_device_s);
+}
+
+}  // namespace plan_published_test
+
+namespace plan_published_test {
+
+// Issue 50's acceptance: each published layout ranks within the top 10 % of the layouts training
+// accepts for its model, devices and global batch (each at its fastest memory settings that fit
+// 80 GiB with the allocator reserve, bf16), priced on the published system as above. Prints the
+// five fastest candidates with their steps broken down (docs/planner.md, "Ranks").
+double rank_of(const Published& row) {
+  const auto cluster = published_system();
+  loom::train::JobConfig config = config_of(row);
+  const auto& spec = loom::models::get_spec(row.model);
+  const auto args = spec.build_args({row.flavor, row.vocab, row.seq, 0});
+  const auto shape = loom::plan::ModelShape::of(spec, *args);
+  loom::plan::Layout layout = row.layout;
+  layout.float8 = "off";
+  layout.grad_accum_steps = row.global_rows / (layout.local_batch_size * layout.dp_shard * layout.dp_replicate);
+  layout.apply_to(config);
+  const int world = layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp * layout.pp;
+  const auto ranking =
+      loom::plan::rank_layout(spec, *args, shape, config, layout, cluster, cluster.memory_gib, world, 8, row.vocab);
+  print(ranking.given, row);
+  std::printf("  rank %lld of the %zu layouts that fit (top %.1f %%), of %lld training accepts\n",
+              static_cast<long long>(ranking.rank), ranking.fitting.size(), 100 * ranking.top_fraction(),
+              static_cast<long long>(ranking.accepted));
+  // Where the published throughput itself would rank among the predicted candidates: what the
+  // ranking would say if the layout's own prediction had no error.
+  const auto above_published = std::count_if(ranking.fitting.begin(), ranking.fitting.end(), [&](const auto& p) {
+    return p.time.tokens_per_device_s > row.published_tps;
+  });
+  if (row.published_tps > 0) {
+    std::printf("  at its published %.0f tokens/s it would rank %lld (top %.1f %%)\n", row.published_tps,
+                static_cast<long long>(above_published + 1),
+                100.0 * static_cast<double>(above_published + 1) / static_cast<double>(ranking.fitting.size()));
+  }
+  for (size_t i = 0; i < std::min<size_t>(5, ranking.fitting.size()); ++i) {
+    const auto& p = ranking.fitting[i];
+    const auto& t = p.time;
+    std::printf("    #%zu %7.0f step %.2f = compute %.2f + bubble %.2f + PP %.2f + TP %.2f + FSDP %.2f + CP %.2f + EP %.2f; "
+                "%.1f GiB; %s\n",
+                i + 1, t.tokens_per_device_s, t.step_s, t.compute_s, t.bubble_s, t.pp_s, t.tp_s, t.fsdp_exposed_s,
+                t.cp_exposed_s, t.ep_s, static_cast<double>(p.memory.peak) / (1 << 30), p.layout.describe().c_str());
+  }
+  EXPECT_TRUE(ranking.given.fits) << row.what;
+  EXPECT_GT(ranking.fitting.size(), 100u) << row.what;  // a ranking among many, not a handful
+  return ranking.top_fraction();
+}
+
+const Published& nemo_row(const std::string& prefix) {
+  static const std::vector<Published> rows = nemo_rows();
+  for (const Published& row : rows) {
+    if (row.what.rfind(prefix, 0) == 0) return row;
+  }
+  throw std::runtime_error("no NeMo row " + prefix);
+}
+
+TEST(PlanPublished, Llama3_70BLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("Llama 3 70B")), 0.10);
+}
+TEST(PlanPublished, Qwen3Moe30BA3BLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("Qwen3-MoE 30B-A3B")), 0.10);
+}
+TEST(PlanPublished, DeepSeekV3On256GpusLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("DeepSeek-V3 671B, 256")), 0.10);
+}
+TEST(PlanPublished, DeepSeekV3On1024GpusLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("DeepSeek-V3 671B, 1024")), 0.10);
+}
+TEST(PlanPublished, GptOss20BLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("GPT-OSS 20B")), 0.10);
+}
+TEST(PlanPublished, GptOss120BLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("GPT-OSS 120B")), 0.10);
+}
+
+}  // namespace plan_published_test
+
+namespace plan_published_test {
+
+// DeepEP's node dedup when a node holds several of the routing groups: DeepSeek-V3 under EP 16 is
+// two nodes of 4 groups each, and a token's 4 of 8 groups span both with probability 1 - 2 / 70.
+// A node holding j of the token's groups receives one of its 8 experts with probability
+// 1 - (1 - j/4)^8; j is hypergeometric (16, 36, 16, 1 of 70 for j = 1..4): 0.9608 remote nodes per
+// token, 0.1201 of its 8 rows, against Loom's all-to-all's 8 of 16 ranks' rows (0.5): the cross-node
+// bytes scale by 0.2402. (The count before 2026-11-29 took 2 x 4 / 8 = 1 node as all a token can
+// reach: 1/16 of the rows, half the bytes.)
+TEST(PlanPublished, DeepEpCountsTheNodesATokensGroupsSpan) {
+  const auto& spec = loom::models::get_spec("deepseek_v3");
+  const auto args = spec.build_args({"671B", 129280, 4096, 0});
+  const auto shape = loom::plan::ModelShape::of(spec, *args);
+  ASSERT_EQ(shape.moe_groups, 8);
+  ASSERT_EQ(shape.moe_topk_groups, 4);
+  Published row = deepseek_v3_256();
+  row.global_rows = 16;
+  row.split_points = "";
+  loom::plan::Layout layout;
+  layout.dp_shard = 16;
+  layout.ep = 16;
+  layout.local_batch_size = 1;
+  layout.ac_mode = "none";
+  layout.float8 = "off";
+  loom::train::JobConfig config = config_of(row);
+  layout.apply_to(config);
+  loom::plan::Cluster loom_ep = published_system();
+  loom_ep.ep_node_dedup = false;
+  const auto deepep = loom::plan::estimate_time(spec, *args, shape, config, layout, published_system());
+  const auto all_to_all = loom::plan::estimate_time(spec, *args, shape, config, layout, loom_ep);
+  // 4 all-to-alls (no AC) per MoE layer and micro-batch, one 20 us latency each (the peers at once), the same for both.
+  const double latency = 4.0 * static_cast<double>(shape.moe_layers) * 20e-6;
+  double p_touched = 0;
+  const double ways[] = {16, 36, 16, 1};
+  for (int j = 1; j <= 4; ++j) p_touched += ways[j - 1] / 70 * (1 - std::pow(1 - j / 4.0, 8));
+  EXPECT_NEAR(p_touched, 0.9608, 1e-4);
+  const double share = p_touched / 8;  // remote nodes per token over its 8 rows
+  EXPECT_NEAR(deepep.ep_s - latency, share / 0.5 * (all_to_all.ep_s - latency), 1e-3 * (deepep.ep_s - latency));
+}
+
+}  // namespace plan_published_test
+
+namespace plan_published_test {
+
+// NVIDIA's other stack on the same machines: Megatron-Bridge's H100 performance recipes (BF16,
+// docs.nvidia.com/nemo/megatron-bridge/nightly/apidocs/bridge/bridge.perf_recipes.llama.h100.llama3.html
+// and ...perf_recipes.gpt_oss.h100.gpt_oss.html) lay the same models out on the same 64 GPUs
+// differently from NeMo AutoModel: Llama 3 70B as TP 4 x PP 4 x CP 2 (GBS 256, seq 8192), GPT-OSS
+// 120B as PP 4 x EP 8 (GBS 1280, seq 4096) -- no full recompute, EP inside a node -- the family the
+// planner ranks first where NeMo AutoModel's layouts rank low (docs/planner.md). Their throughput is
+// not in the stored tables, so only their rank is checked (micro-batch 1; the 70B's
+// Interleaved1F1B with the planner's default stages, the 120B's 1F1B).
+TEST(PlanPublished, MegatronBridgeRecipeLayoutsRankInTheTopTenPercent) {
+  Published llama{"Llama 3 70B, 64 GPUs, Megatron-Bridge TP 4 x PP 4 x CP 2", "llama3", "70B", 128256, 8192, 256, {}, "", 0};
+  llama.layout.dp_shard = 2;
+  llama.layout.tp = 4;
+  llama.layout.pp = 4;
+  llama.layout.cp = 2;
+  llama.layout.schedule = "Interleaved1F1B";
+  llama.layout.microbatch_size = 1;
+  llama.layout.local_batch_size = 128;
+  EXPECT_LE(rank_of(llama), 0.10);
+  Published oss{"GPT-OSS 120B, 64 GPUs, Megatron-Bridge PP 4 x EP 8", "gpt_oss", "120B", 201088, 4096, 1280, {}, "", 0};
+  oss.layout.dp_shard = 16;
+  oss.layout.pp = 4;
+  oss.layout.ep = 8;
+  oss.layout.schedule = "1F1B";
+  oss.layout.microbatch_size = 1;
+  oss.layout.local_batch_size = 80;
+  EXPECT_LE(rank_of(oss), 0.10);
 }
 
 }  // namespace plan_published_test

@@ -12,6 +12,7 @@
 #include "loom/models/spec.h"
 #include "loom/plan/memory_model.h"
 #include "loom/plan/search.h"
+#include "loom/core/error.h"
 #include "loom/plan/time_model.h"
 #include "loom/train/config.h"
 
@@ -320,6 +321,21 @@ TEST(PlanTime, ExplicitClusterConstantsOverrideThePreset) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("efficiency in (0, 1]"), std::string::npos) << e.what();
   }
+  // The GPU presets' allocator reserve (1.143, fitted on TorchTitan's 8B memory) is a constant
+  // like the others: replaced when given, refused below 1 (a run never reserves less than it
+  // allocates), 1 on the CPU.
+  EXPECT_EQ(h100.allocator_reserve, 1.143);
+  loom::plan::Cluster::Overrides reserve;
+  reserve.allocator_reserve = 1.05;
+  EXPECT_EQ(h100.with(reserve).allocator_reserve, 1.05);
+  reserve.allocator_reserve = 0.9;
+  try {
+    (void)h100.with(reserve);
+    FAIL() << "an allocator reserve below 1 was accepted";
+  } catch (const loom::UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("allocator reserve"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(loom::plan::Cluster::this_cpu(70e9, 140e9).allocator_reserve, 1.0);
 }
 
 }  // namespace plan_time_test
