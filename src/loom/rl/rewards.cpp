@@ -59,7 +59,11 @@ ExternalReward::ExternalReward(std::string command, std::chrono::milliseconds ti
 std::vector<double> ExternalReward::operator()(const std::vector<RewardRequest>& batch) const {
   std::string input;
   for (const RewardRequest& r : batch) {
-    input += nlohmann::json{{"prompt", r.prompt}, {"completion", r.completion}, {"answer", r.answer}}.dump() + "\n";
+    // A sampled completion may end inside a multi-byte character (byte-level tokens): such bytes
+    // reach the command as U+FFFD rather than stopping the run.
+    input += nlohmann::json{{"prompt", r.prompt}, {"completion", r.completion}, {"answer", r.answer}}.dump(
+                 -1, ' ', false, nlohmann::json::error_handler_t::replace) +
+             "\n";
   }
   // stdin is a socket, not a pipe: a command that exits without reading all of it must not kill
   // this process with SIGPIPE (send's MSG_NOSIGNAL; a pipe's write has no such flag).

@@ -19,7 +19,9 @@
 #include "loom/lora/lora.h"
 #include "loom/models/common/adapter_dir.h"
 #include "loom/models/common/model_dir.h"
+#include "loom/core/error_report.h"
 #include "loom/rl/grpo.h"
+#include "loom/rl/parallel_policy.h"
 #include "loom/rl/rewards.h"
 #include "loom/rl/rollout.h"
 
@@ -59,46 +61,70 @@ void set_rl_key(RlConfig& rl, const options::Key& key, const toml::node& node, c
       key.field(&rl));
 }
 
-void run_rl(const std::string& config_path) {
-  const std::pair<train::JobConfig, RlConfig> configs = load_rl_config(config_path);
+// --rl.NAME=VALUE: the value as its key's TOML (a string key's as the text itself).
+void set_rl_override(RlConfig& rl, const std::string& name, const std::string& value, const std::string& where) {
+  const options::Section& section = rl_section();
+  const options::Key* key = section.find(name);
+  if (key == nullptr) {
+    std::vector<std::string_view> names;
+    for (const options::Key& k : section.keys) names.push_back(k.name);
+    LOOM_REQUIRE_USAGE(false, "unknown config key 'rl.", name, "' in ", where, " (did you mean 'rl.",
+                       options::nearest(name, names), "'?)");
+  }
+  const bool text = std::visit(
+      [](auto field) {
+        using T = decltype(field);
+        return std::is_same_v<T, std::string*> || std::is_same_v<T, options::EnumRef>;
+      },
+      key->field(&rl));
+  toml::table doc;
+  try {
+    doc = toml::parse(c10::str("value = ", text ? options::toml_string(value) : value), where);
+  } catch (const toml::parse_error&) {
+    LOOM_REQUIRE_USAGE(false, "config key 'rl.", name, "' expects ", key->type_description(), ", got '", value,
+                       "' in ", where);
+  }
+  set_rl_key(rl, *key, *doc.get("value"), where);
+}
+
+void run_rl(const std::string& config_path, const std::vector<std::string>& overrides) {
+  const std::pair<train::JobConfig, RlConfig> configs = load_rl_config(config_path, overrides);
   const train::JobConfig& job = configs.first;
   const RlConfig& rl = configs.second;
   LOOM_REQUIRE_USAGE(!job.checkpoint.initial_load_path.empty(),
                      "loom rl needs checkpoint.initial_load_path: the model (an SFT run's checkpoint) to train");
   LOOM_REQUIRE_USAGE(job.lora.rank > 0, "loom rl trains LoRA adapters: set lora.rank > 0");
   const data::Tokenizer tokenizer = data::Tokenizer::from_file(job.model.tokenizer_path);
-  const std::string base = job.checkpoint.initial_load_path;
-  const models::ModelDirArgs recorded = models::read_model_dir_args(base);
   const std::vector<Prompt> prompts =
-      read_prompts(rl.prompts, tokenizer, rl.add_bos, rl.max_new_tokens, recorded.decoder().max_seq_len);
+      read_prompts(rl.prompts, tokenizer, rl.add_bos, rl.max_new_tokens, job.training.seq_len);
   std::unique_ptr<ExternalReward> command;
   if (rl.reward == RewardKind::kCommand) {
     command = std::make_unique<ExternalReward>(rl.reward_command, std::chrono::seconds(rl.reward_timeout_seconds));
   }
+  const int64_t vocab = job.model.vocab_size > 0 ? job.model.vocab_size : tokenizer.vocab_size();
+  LOOM_REQUIRE_USAGE(vocab >= tokenizer.vocab_size(), "model.vocab_size ", vocab,
+                     " is smaller than the tokenizer's vocabulary (", tokenizer.vocab_size(),
+                     "); raise it or set 0 to use the tokenizer's");
 
-  torch::manual_seed(job.training.seed);
-  models::LoadOptions load;
-  const auto loaded = models::load_model_dir(base, load);
-  LOOM_REQUIRE_USAGE(!loaded.adapter, "checkpoint.initial_load_path '", base, "' is an adapter; give its base");
-  models::Decoder& model = *loaded.model;
-  model.eval();
-  LOOM_REQUIRE_USAGE(loaded.spec->hf.has_value(), "model '", loaded.spec->name, "' has no LoRA target names");
-  const lora::LoRAOptions lora_options = lora::LoRAOptions::from(job.lora);
-  const lora::LoRAReport report = lora::apply_lora(model, lora_options, models::hf_module_names(*loaded.spec->hf));
-  init_adapters(model);
-  log::info("rl: ", report.describe());
-  std::vector<torch::Tensor> trained;
+  // The model as the Trainer builds it (LoRA on the base, then the layout's parallelisms).
+  ParallelPolicy policy(job, rl, vocab);
+  models::Decoder& model = policy.decoder();
+  const bool main_rank = policy.main_rank();
+  log::info("rl: ", lora::LoRAOptions::from(job.lora).scaling(), " adapter scaling, rank ", job.lora.rank);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> b_factors;  // (tensor, saved copy) for the reference
   for (const auto& p : model.named_parameters()) {
-    if (p.tensor().requires_grad()) trained.push_back(p.tensor());
     if (p.name.size() > 7 && p.name.compare(p.name.size() - 7, 7, ".lora.b") == 0) b_factors.push_back({p.tensor(), {}});
   }
-  torch::optim::AdamW optimizer(trained, torch::optim::AdamWOptions(job.optimizer.lr)
-                                             .weight_decay(job.optimizer.weight_decay));
 
   const fs::path dump(job.job.dump_folder);
-  fs::create_directories(dump);
-  std::ofstream metrics(dump / "metrics.jsonl", std::ios::app);
+  std::ofstream metrics;
+  if (main_rank) {
+    fs::create_directories(dump);
+    metrics.open(dump / "metrics.jsonl", std::ios::app);
+  }
+  // Every sampled completion, by its global index, from the rank that sampled it.
+  fs::create_directories(dump / "rollouts");
+  std::ofstream rollouts(dump / "rollouts" / c10::str("rank", policy.rank(), ".jsonl"), std::ios::app);
   models::SamplingOptions sampling;
   sampling.max_new_tokens = rl.max_new_tokens;
   sampling.temperature = rl.temperature;
@@ -106,27 +132,22 @@ void run_rl(const std::string& config_path) {
   sampling.top_k = rl.top_k;
   sampling.stop_id = tokenizer.eos_id();
   const GrpoOptions grpo = rl.grpo();
-  const auto save = [&](int64_t step) {
-    const fs::path dir = dump / "adapters" / c10::str("step-", step);
-    fs::remove_all(dir);
-    fs::create_directories(dir.parent_path());
-    models::export_peft_dir(*loaded.spec, model, lora_options, fs::absolute(base).string(), dir);
-    log::info("rl: adapters saved to ", dir.string());
-  };
+  const auto save = [&](int64_t step) { policy.save_adapters(dump / "adapters" / c10::str("step-", step), step); };
 
   size_t next_prompt = 0;
+  const auto [first_prompt, end_prompt] = policy.prompt_range(rl.prompts_per_step);
   for (int64_t step = 1; step <= job.training.steps; ++step) {
     Timer timer;
     std::vector<std::vector<int64_t>> rows;
     std::vector<Completion> completions;
     std::vector<RewardRequest> requests;
-    for (int64_t p = 0; p < rl.prompts_per_step; ++p) {
-      const Prompt& prompt = prompts[next_prompt];
-      next_prompt = (next_prompt + 1) % prompts.size();
+    // This rank's prompts of the step (whole groups); the index of each completion is global.
+    for (int64_t p = first_prompt; p < end_prompt; ++p) {
+      const Prompt& prompt = prompts[(next_prompt + static_cast<size_t>(p)) % prompts.size()];
       for (int64_t g = 0; g < rl.group_size; ++g) {
-        at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(completion_seed(
-            static_cast<uint64_t>(job.training.seed), step, static_cast<int64_t>(completions.size())));
-        Completion c = sample_completion(model, prompt.ids, sampling, generator);
+        at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(
+            completion_seed(static_cast<uint64_t>(job.training.seed), step, p * rl.group_size + g));
+        Completion c = policy.sample(prompt.ids, sampling, generator);
         std::vector<int64_t> text_ids = c.tokens;
         if (!text_ids.empty() && text_ids.back() == sampling.stop_id) text_ids.pop_back();
         requests.push_back({prompt.text, tokenizer.decode(text_ids, /*skip_special=*/true), prompt.answer});
@@ -134,6 +155,7 @@ void run_rl(const std::string& config_path) {
         completions.push_back(std::move(c));
       }
     }
+    next_prompt = (next_prompt + static_cast<size_t>(rl.prompts_per_step)) % prompts.size();
     std::vector<double> rewards;
     if (command) {
       rewards = (*command)(requests);
@@ -144,10 +166,26 @@ void run_rl(const std::string& config_path) {
       }
     }
     const double rollout_seconds = timer.seconds();
+    for (size_t i = 0; i < completions.size(); ++i) {
+      const nlohmann::json line = {{"step", step},
+                                   {"index", first_prompt * rl.group_size + static_cast<int64_t>(i)},
+                                   {"completion", requests[i].completion},
+                                   {"tokens", completions[i].tokens},
+                                   {"reward", rewards[i]}};
+      rollouts << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    }
+    rollouts << std::flush;
     const torch::Tensor reward_t = torch::tensor(rewards, torch::kFloat64).to(torch::kFloat32);
     const torch::Tensor advantages = group_advantages(reward_t, rl.group_size, rl.scale_rewards);
     const Batch batch = make_batch(rows, completions);
     const torch::Tensor old = rollout_logprobs(rows, completions, batch);
+    // The global batch this rank's loss is a share of: rows, completion tokens, widest row.
+    const double local_rows = static_cast<double>(completions.size());
+    const double local_tokens = batch.mask.sum().item<double>();
+    const double local_width = static_cast<double>(batch.mask.size(1));
+    const std::vector<double> global = policy.sum_over_replicas({local_rows, local_tokens});
+    const double scale = global_loss_scale(grpo.aggregation, local_rows, local_tokens, local_width, global[0],
+                                           global[1], policy.max_over_replicas(local_width));
     torch::Tensor ref;
     if (grpo.kl_beta > 0) {
       torch::NoGradGuard no_grad;
@@ -155,42 +193,58 @@ void run_rl(const std::string& config_path) {
         saved = b.clone();
         b.zero_();
       }
-      ref = token_logprobs(model, batch, rl.temperature);
+      ref = policy.autocast([&] { return token_logprobs(model, batch, rl.temperature); });
       for (auto& [b, saved] : b_factors) b.copy_(saved);
     }
-    torch::Tensor logp;
     GrpoLoss loss;
-    double grad_norm = 0;
+    ParallelPolicy::Update result;
     double max_logp_diff = 0;  // the first update's: rollout vs training forward, same weights
     for (int64_t update = 0; update < rl.updates_per_rollout; ++update) {
-      logp = token_logprobs(model, batch, rl.temperature);
-      if (update == 0) max_logp_diff = ((logp.detach() - old) * batch.mask).abs().max().item<double>();
-      loss = grpo_loss(logp, old, ref, advantages, batch.mask, grpo);
-      optimizer.zero_grad();
-      loss.loss.backward();
-      grad_norm = torch::nn::utils::clip_grad_norm_(
-          trained, job.training.max_norm > 0 ? job.training.max_norm : std::numeric_limits<double>::infinity());
-      optimizer.step();
+      result = policy.update(
+          [&] {
+            const torch::Tensor logp = token_logprobs(model, batch, rl.temperature);
+            if (update == 0) max_logp_diff = ((logp.detach().cpu() - old) * batch.mask).abs().max().item<double>();
+            // In float64: the per-token terms are of order 1 and cancel to about the update's
+            // size, so a float32 sum's rounding would be a visible share of the loss, and differ
+            // with the order of the sum (the layout).
+            const auto f64 = [&](const torch::Tensor& t) {
+              return t.defined() ? t.to(logp.device(), torch::kFloat64) : t;
+            };
+            loss = grpo_loss(f64(logp), f64(old), f64(ref), f64(advantages), f64(batch.mask), grpo);
+            return loss.loss * scale;
+          },
+          job.training.max_norm);
     }
-    const double mean_reward = reward_t.mean().item<double>();
-    const double mean_len = batch.mask.sum().item<double>() / static_cast<double>(completions.size());
-    nlohmann::json line = {{"step", step},
-                           {"reward", mean_reward},
-                           {"loss", loss.loss.item<double>()},
-                           {"kl", loss.kl},
-                           {"clipped_low", loss.clipped_low},
-                           {"clipped_high", loss.clipped_high},
-                           {"ratio", loss.ratio},
-                           {"grad_norm", grad_norm},
-                           {"completion_tokens", mean_len},
-                           {"rollout_logp_max_diff", max_logp_diff},
-                           {"rollout_seconds", rollout_seconds},
-                           {"step_seconds", timer.seconds()}};
-    metrics << line.dump() << "\n" << std::flush;
-    std::printf("step %4ld  reward %.3f  loss %+.4f  kl %.4f  clip %.3f/%.3f  grad_norm %.3f  len %.1f  %.2fs\n",
-                static_cast<long>(step), mean_reward, loss.loss.item<double>(), loss.kl, loss.clipped_low,
-                loss.clipped_high, grad_norm, mean_len, timer.seconds());
-    std::fflush(stdout);
+    // Over every rank: the global loss (the sum of the shares), token-weighted means, the rewards.
+    const std::vector<double> sums = policy.sum_over_replicas(
+        {result.loss.item<double>(), loss.kl * local_tokens, loss.clipped_low * local_tokens,
+         loss.clipped_high * local_tokens, loss.ratio * local_tokens, reward_t.sum().item<double>()});
+    max_logp_diff = policy.max_over_replicas(max_logp_diff);
+    const double global_loss = sums[0];
+    const double kl = sums[1] / global[1], clipped_low = sums[2] / global[1], clipped_high = sums[3] / global[1],
+                 ratio = sums[4] / global[1];
+    const double mean_reward = sums[5] / global[0];
+    const double mean_len = global[1] / global[0];
+    const double grad_norm = result.grad_norm;
+    if (main_rank) {
+      nlohmann::json line = {{"step", step},
+                             {"reward", mean_reward},
+                             {"loss", global_loss},
+                             {"kl", kl},
+                             {"clipped_low", clipped_low},
+                             {"clipped_high", clipped_high},
+                             {"ratio", ratio},
+                             {"grad_norm", grad_norm},
+                             {"completion_tokens", mean_len},
+                             {"rollout_logp_max_diff", max_logp_diff},
+                             {"rollout_seconds", rollout_seconds},
+                             {"step_seconds", timer.seconds()}};
+      metrics << line.dump() << "\n" << std::flush;
+      std::printf("step %4ld  reward %.3f  loss %+.4f  kl %.4f  clip %.3f/%.3f  grad_norm %.3f  len %.1f  %.2fs\n",
+                  static_cast<long>(step), mean_reward, global_loss, kl, clipped_low, clipped_high, grad_norm, mean_len,
+                  timer.seconds());
+      std::fflush(stdout);
+    }
     if (rl.save_every > 0 && step % rl.save_every == 0 && step != job.training.steps) save(step);
   }
   save(job.training.steps);
@@ -230,7 +284,7 @@ std::vector<Prompt> read_prompts(const std::string& path, const data::Tokenizer&
   return out;
 }
 
-std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path) {
+std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path, const std::vector<std::string>& overrides) {
   std::ifstream in(path);
   LOOM_REQUIRE_USAGE(in.good() && !fs::is_directory(path), "cannot read config file '", path, "'");
   std::stringstream text;
@@ -262,19 +316,57 @@ std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path) {
   } else {
     LOOM_REQUIRE_USAGE(false, "loom rl needs an [rl] section in ", path, " (rl.prompts at least)");
   }
+  // Command-line overrides: --rl.key=value here, every other section's as `loom train` takes them.
+  std::vector<std::string> job_overrides;
+  for (size_t i = 0; i < overrides.size(); ++i) {
+    const std::string& arg = overrides[i];
+    if (arg.rfind("--rl.", 0) != 0) {
+      job_overrides.push_back(arg);
+      continue;
+    }
+    const size_t eq = arg.find('=');
+    const std::string name = arg.substr(5, eq == std::string::npos ? std::string::npos : eq - 5);
+    std::string value;
+    if (eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+    } else {
+      LOOM_REQUIRE_USAGE(i + 1 < overrides.size(), "config override '", arg, "' needs a value: --rl.", name,
+                         "=VALUE");
+      value = overrides[++i];
+    }
+    set_rl_override(rl, name, value, c10::str("command-line override '", arg, "'"));
+  }
   section.validate(&rl);
   std::ostringstream rest;
   rest << root;
   train::JobConfig job = train::parse_config_toml(rest.str(), path);
+  train::apply_overrides(job, job_overrides);
   train::validate(job);
   return {std::move(job), std::move(rl)};
 }
 
 void register_rl_command(CLI::App& app) {
   auto config = std::make_shared<std::string>();
-  CLI::App* cmd = app.add_subcommand("rl", "GRPO on LoRA adapters: sample, score, update (config with an [rl] section)");
+  CLI::App* cmd = app.add_subcommand("rl", "GRPO on LoRA adapters: sample, score, update (config with an [rl] section; "
+                                           "one rank, use 'loom launch' for several)");
   cmd->add_option("--config", *config, "Job config TOML with an [rl] section")->required()->check(CLI::ExistingFile);
-  cmd->callback([config] { run_rl(*config); });
+  cmd->allow_extras();
+  cmd->footer("Any config key can be overridden: --section.key=value, --rl.key=value.");
+  cmd->callback([cmd, config] {
+    try {
+      run_rl(*config, cmd->remaining());
+    } catch (...) {
+      // As `loom train`: reported at once; with several ranks the process ends without unwinding
+      // into collectives the peers may never join (the report tells them to stop).
+      const ErrorReport report = report_error(describe_exception(std::current_exception()));
+      if (several_ranks_launched()) {
+        std::fflush(stdout);
+        std::fflush(stderr);
+        std::_Exit(report.exit_code);
+      }
+      throw ReportedError(report.exit_code);
+    }
+  });
 }
 
 }  // namespace loom::rl

@@ -13,8 +13,11 @@
 
 namespace loom::rl {
 // A job config file with an [rl] section: the [rl] table parsed by rl_section(), the rest as any
-// `loom train` config; both validated. One-line loom::UsageErrors.
-std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path);
+// `loom train` config, then the command-line `overrides` (--rl.key=value for the [rl] table,
+// --section.key=value for the rest, as `loom train` takes them); both validated. One-line
+// loom::UsageErrors.
+std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path,
+                                                    const std::vector<std::string>& overrides = {});
 void register_rl_command(CLI::App& app);
 
 struct Prompt {
