@@ -53,7 +53,7 @@ void set_rl_key(RlConfig& rl, const options::Key& key, const toml::node& node, c
           if (!node.is_string()) wrong();
           const std::string value = *node.value<std::string>();
           LOOM_REQUIRE_USAGE(field.codec->set(field.field, value), "config key '", name, "' must be one of ",
-                             options::join_choices(field.codec->names, "or"), ", got '", value, "' in ", where);
+                             options::join_choices(field.codec->names), ", got '", value, "' in ", where);
         } else {
           wrong();
         }

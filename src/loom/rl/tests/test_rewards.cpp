@@ -35,6 +35,10 @@ TEST(Rewards, ExternalCommandReadsJsonlAndAnswersInOrder) {
   EXPECT_EQ(ExternalReward("echo 1; echo 2", 10s)(big), (std::vector<double>{1, 2}));
   const ExternalReward objects("while read -r line; do echo '{\"reward\": 0.5}'; done", 10s);
   EXPECT_EQ(objects({{"a", "b", "c"}, {"d", "e", "f"}}), (std::vector<double>{0.5, 0.5}));
+  // A completion cut inside a multi-byte character (byte-level tokens) reaches the command with
+  // U+FFFD in place of the stray bytes.
+  EXPECT_EQ(reward({{"p", "a\xe2\x82", ""}, {"p", "ok", ""}}),
+            (std::vector<double>{reward({{"p", "a\xef\xbf\xbd", ""}})[0], 2}));
 }
 
 TEST(Rewards, ExternalCommandFailuresAreOneLineNamingTheCommand) {
