@@ -1,6 +1,7 @@
-// `loom rl` under FSDP 2 and TP 2 equals one process (issue 51): the same sampled tokens and
-// rewards, step for step, and the same loss and gradient norm (1e-5 relative) with clipping that
-// engages, for the sequence-mean and the token-mean GRPO loss. The base is a fresh two-layer debug
+// `loom rl` under FSDP 2, TP 2, their product and DDP 2 equals one process (issue 51): the same
+// sampled tokens and rewards, step for step, and the same loss and gradient norm (1e-5 relative)
+// with clipping that engages, for the sequence-mean and the token-mean GRPO loss and with the KL
+// term. The base is a fresh two-layer debug
 // model saved as a Loom checkpoint, its end-of-text logit made large so completions end at
 // different lengths (the data-parallel ranks then decode in lockstep through FSDP's gathers).
 #include <gtest/gtest.h>
@@ -137,23 +138,43 @@ void expect_same_run(const RlRun& one, const RlRun& parallel, const std::string&
 TEST(RlParallel, FsdpAndTensorParallelEqualOneProcess) {
   TempDir dir("rl_parallel");
   const fs::path config = write_job(dir.path());
-  const std::string fsdp = "--parallelism.data_parallel_shard_degree=2";
-  const std::string tp =
-      "--parallelism.data_parallel_shard_degree=1 --parallelism.tensor_parallel_degree=2 "
-      "--parallelism.disable_sequence_parallel=true --parallelism.disable_loss_parallel=true";
-  for (const std::string loss_type : {"grpo", "bnpo"}) {
-    const std::string rl = "--rl.loss_type=" + loss_type;
-    const RlRun one = run_rl(config, dir.path() / ("one_" + loss_type), 1, rl);
+  struct Layout {
+    std::string name;
+    int nproc;
+    std::string overrides;
+  };
+  const std::string tp_flags =
+      "--parallelism.tensor_parallel_degree=2 --parallelism.disable_sequence_parallel=true "
+      "--parallelism.disable_loss_parallel=true";
+  const Layout fsdp{"FSDP 2", 2, "--parallelism.data_parallel_shard_degree=2"};
+  const Layout tp{"TP 2", 2, "--parallelism.data_parallel_shard_degree=1 " + tp_flags};
+  const Layout fsdp_tp{"FSDP 2 x TP 2", 4, "--parallelism.data_parallel_shard_degree=2 " + tp_flags};
+  const Layout ddp{"DDP 2", 2,
+                   "--parallelism.data_parallel_shard_degree=1 --parallelism.data_parallel_replicate_degree=2"};
+  // The sequence-mean and the token-mean loss; the KL term to the base (not under FSDP).
+  const std::vector<std::pair<std::string, std::vector<Layout>>> cases = {
+      {"--rl.loss_type=grpo", {fsdp, tp, fsdp_tp, ddp}},
+      {"--rl.loss_type=bnpo", {fsdp, tp}},
+      {"--rl.loss_type=grpo --rl.kl_beta=0.5", {tp, ddp}},
+  };
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const auto& [rl, layouts] = cases[c];
+    const RlRun one = run_rl(config, dir.path() / c10::str("one_", c), 1, rl);
     // Some completions end early, so the ranks' decoding lengths differ.
     std::set<size_t> lengths;
     for (const auto& [key, line] : one.rollouts) lengths.insert(line.at("tokens").size());
     EXPECT_GT(lengths.size(), 1u);
-    expect_same_run(one, run_rl(config, dir.path() / ("fsdp_" + loss_type), 2, fsdp + " " + rl), "FSDP 2 " + loss_type);
-    expect_same_run(one, run_rl(config, dir.path() / ("tp_" + loss_type), 2, tp + " " + rl), "TP 2 " + loss_type);
+    for (size_t l = 0; l < layouts.size(); ++l) {
+      const Layout& layout = layouts[l];
+      expect_same_run(one,
+                      run_rl(config, dir.path() / c10::str("run_", c, "_", l), layout.nproc,
+                             layout.overrides + " " + rl),
+                      layout.name + " " + rl);
+    }
   }
   // Each layout saved its adapters: one process as a PEFT directory, several as a Loom checkpoint.
-  EXPECT_TRUE(fs::exists(dir.path() / "one_grpo" / "adapters" / "step-3" / "adapter_config.json"));
-  EXPECT_TRUE(fs::exists(dir.path() / "fsdp_grpo" / "adapters" / "step-3"));
+  EXPECT_TRUE(fs::exists(dir.path() / "one_0" / "adapters" / "step-3" / "adapter_config.json"));
+  EXPECT_TRUE(fs::exists(dir.path() / "run_0_0" / "adapters" / "step-3" / "metadata.json"));
 }
 
 // Layouts rl does not run under: one line each, before any rendezvous.
