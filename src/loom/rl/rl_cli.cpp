@@ -110,7 +110,8 @@ void run_rl(const std::string& config_path, const std::vector<std::string>& over
   ParallelPolicy policy(job, rl, vocab);
   models::Decoder& model = policy.decoder();
   const bool main_rank = policy.main_rank();
-  log::info("rl: ", lora::LoRAOptions::from(job.lora).scaling(), " adapter scaling, rank ", job.lora.rank);
+  log::info("rl: LoRA adapters of rank ", job.lora.rank, " (scaling ", lora::LoRAOptions::from(job.lora).scaling(),
+            ") on ", job.lora.target_modules, ", the base frozen");
   std::vector<std::pair<torch::Tensor, torch::Tensor>> b_factors;  // (tensor, saved copy) for the reference
   for (const auto& p : model.named_parameters()) {
     if (p.name.size() > 7 && p.name.compare(p.name.size() - 7, 7, ".lora.b") == 0) b_factors.push_back({p.tensor(), {}});
