@@ -145,6 +145,15 @@ Completion ParallelPolicy::sample(const std::vector<int64_t>& prompt, const mode
   return out;
 }
 
+std::vector<double> ParallelPolicy::replica_rewards(std::vector<double> rewards, size_t count) {
+  if (!tp_) return rewards;
+  if (!scores_rewards()) rewards.assign(count, 0.0);
+  LOOM_REQUIRE(rewards.size() == count, "replica_rewards: ", rewards.size(), " rewards for ", count, " rows");
+  torch::Tensor t = torch::tensor(rewards, torch::kFloat64);
+  tp_->broadcast(t, 0);
+  return std::vector<double>(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
+}
+
 std::vector<double> ParallelPolicy::sum_over_replicas(std::vector<double> values) {
   if (!dp_ || values.empty()) return values;
   torch::Tensor t = torch::tensor(values, torch::kFloat64);

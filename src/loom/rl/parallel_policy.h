@@ -18,6 +18,8 @@
 //               every token, of all ranks: global_loss_scale), times dp because the composition
 //               averages gradients over the data-parallel ranks; the gradient norm and clipping
 //               are the composition's (global over every group), then the optimizer step.
+//   rewards     each data-parallel rank scores its rows; of a replica's tensor-parallel ranks only
+//               the first (a reward command runs once per row), which broadcasts them.
 //   metrics     sums over the data-parallel ranks (sum_over_replicas): the same figures as one
 //               process.
 // Refused before rendezvous, in one line: pipeline, context and expert parallelism, TP with
@@ -88,6 +90,13 @@ class ParallelPolicy {
   // the same number of times per step.
   Completion sample(const std::vector<int64_t>& prompt, const models::SamplingOptions& options,
                     at::Generator& generator);
+
+  // Whether this rank scores its rows: the tensor-parallel ranks of a replica hold the same rows,
+  // and only the first runs the reward (a command, a judge) for them.
+  bool scores_rewards() const { return !tp_ || tp_->rank() == 0; }
+  // The `count` rewards the replica's scoring rank computed (`rewards` there, ignored elsewhere),
+  // on every rank of the replica.
+  std::vector<double> replica_rewards(std::vector<double> rewards, size_t count);
 
   // Element-wise sums over the data-parallel ranks (float64; the values themselves with dp = 1).
   std::vector<double> sum_over_replicas(std::vector<double> values);

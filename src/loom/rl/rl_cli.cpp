@@ -158,7 +158,9 @@ void run_rl(const std::string& config_path, const std::vector<std::string>& over
     }
     next_prompt = (next_prompt + static_cast<size_t>(rl.prompts_per_step)) % prompts.size();
     std::vector<double> rewards;
-    if (command) {
+    if (!policy.scores_rewards()) {
+      // Another rank of this replica scores the same rows.
+    } else if (command) {
       rewards = (*command)(requests);
     } else {
       for (const RewardRequest& r : requests) {
@@ -166,6 +168,7 @@ void run_rl(const std::string& config_path, const std::vector<std::string>& over
                                                           : numeric_match(r.completion, r.answer, rl.numeric_tolerance));
       }
     }
+    rewards = policy.replica_rewards(std::move(rewards), requests.size());
     const double rollout_seconds = timer.seconds();
     for (size_t i = 0; i < completions.size(); ++i) {
       const nlohmann::json line = {{"step", step},

@@ -85,8 +85,10 @@ fs::path write_job(const fs::path& dir) {
                         // update's) is not the sum of a group's advantages, which is 0.
                         << "prompts_per_step = 4\ngroup_size = 4\nmax_new_tokens = 5\ntemperature = 1.0\n"
                         << "updates_per_rollout = 2\n"
-                        // A reward that differs within groups: the length of the request's line, mod 3.
-                        << "reward = \"command\"\nreward_command = \"awk '{print length($0) % 3}'\"\n";
+                        // A reward that differs within groups: the length of the request's line, mod 3;
+                        // every request is also kept, to count how often each row is scored.
+                        << "reward = \"command\"\nreward_command = \"tee -a " << (dir / "requests.jsonl").string()
+                        << " | awk '{print length($0) % 3}'\"\n";
   return config;
 }
 
@@ -172,6 +174,14 @@ TEST(RlParallel, FsdpAndTensorParallelEqualOneProcess) {
                       layout.name + " " + rl);
     }
   }
+  // Every run scored each of its 3 x 16 rows once: the tensor-parallel ranks of a replica do not
+  // run the reward command twice.
+  size_t runs = 0;
+  for (const auto& [rl, layouts] : cases) runs += 1 + layouts.size();
+  // (Lines counted, not parsed: two data-parallel ranks append to the file at once.)
+  EXPECT_EQ(static_cast<size_t>(loom::testing::count_occurrences(
+                loom::testing::file_bytes(dir.path() / "requests.jsonl"), "\n")),
+            runs * 3 * 16);
   // Each layout saved its adapters: one process as a PEFT directory, several as a Loom checkpoint.
   EXPECT_TRUE(fs::exists(dir.path() / "one_0" / "adapters" / "step-3" / "adapter_config.json"));
   EXPECT_TRUE(fs::exists(dir.path() / "run_0_0" / "adapters" / "step-3" / "metadata.json"));
