@@ -44,11 +44,6 @@ void check_rl_layout(const train::JobConfig& job, const RlConfig& rl, const dist
                        "parallelism.disable_loss_parallel = true (decoding feeds one token at a time, and the "
                        "log-probabilities need whole logits)");
   }
-  // The reference forward zeroes the adapters' B factors in place, which FSDP's shards do not hold.
-  LOOM_REQUIRE_USAGE(rl.kl_beta == 0 || !dims.fsdp_enabled(),
-                     "loom rl's KL term (rl.kl_beta > 0) does not run under FSDP yet; set rl.kl_beta = 0, or "
-                     "parallelism.data_parallel_shard_degree = 1 (DDP over data_parallel_replicate_degree and "
-                     "tensor parallelism take it)");
   LOOM_REQUIRE_USAGE(rl.prompts_per_step % dims.dp_degree() == 0, "rl.prompts_per_step = ", rl.prompts_per_step,
                      " does not split over the ", dims.dp_degree(),
                      " data-parallel ranks (each prompt's group stays on one rank); make it a multiple of ",

@@ -112,9 +112,9 @@ void run_rl(const std::string& config_path, const std::vector<std::string>& over
   const bool main_rank = policy.main_rank();
   log::info("rl: LoRA adapters of rank ", job.lora.rank, " (scaling ", lora::LoRAOptions::from(job.lora).scaling(),
             ") on ", job.lora.target_modules, ", the base frozen");
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> b_factors;  // (tensor, saved copy) for the reference
-  for (const auto& p : model.named_parameters()) {
-    if (p.name.size() > 7 && p.name.compare(p.name.size() - 7, 7, ".lora.b") == 0) b_factors.push_back({p.tensor(), {}});
+  std::vector<lora::Adapter*> adapters;  // switched off for the reference (the base)
+  for (const auto& [path, module] : model.named_modules()) {
+    if (auto* adapter = dynamic_cast<lora::Adapter*>(module)) adapters.push_back(adapter);
   }
 
   const fs::path dump(job.job.dump_folder);
@@ -193,12 +193,9 @@ void run_rl(const std::string& config_path, const std::vector<std::string>& over
     torch::Tensor ref;
     if (grpo.kl_beta > 0) {
       torch::NoGradGuard no_grad;
-      for (auto& [b, saved] : b_factors) {
-        saved = b.clone();
-        b.zero_();
-      }
+      for (lora::Adapter* adapter : adapters) adapter->set_enabled(false);
       ref = policy.autocast([&] { return token_logprobs(model, batch, rl.temperature); });
-      for (auto& [b, saved] : b_factors) b.copy_(saved);
+      for (lora::Adapter* adapter : adapters) adapter->set_enabled(true);
     }
     GrpoLoss loss;
     ParallelPolicy::Update result;

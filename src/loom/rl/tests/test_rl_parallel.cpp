@@ -153,11 +153,11 @@ TEST(RlParallel, FsdpAndTensorParallelEqualOneProcess) {
   const Layout fsdp_tp{"FSDP 2 x TP 2", 4, "--parallelism.data_parallel_shard_degree=2 " + tp_flags};
   const Layout ddp{"DDP 2", 2,
                    "--parallelism.data_parallel_shard_degree=1 --parallelism.data_parallel_replicate_degree=2"};
-  // The sequence-mean and the token-mean loss; the KL term to the base (not under FSDP).
+  // The sequence-mean and the token-mean loss; the KL term to the base (the adapters switched off).
   const std::vector<std::pair<std::string, std::vector<Layout>>> cases = {
       {"--rl.loss_type=grpo", {fsdp, tp, fsdp_tp, ddp}},
       {"--rl.loss_type=bnpo", {fsdp, tp}},
-      {"--rl.loss_type=grpo --rl.kl_beta=0.5", {tp, ddp}},
+      {"--rl.loss_type=grpo --rl.kl_beta=0.5", {fsdp, tp, ddp}},
   };
   for (size_t c = 0; c < cases.size(); ++c) {
     const auto& [rl, layouts] = cases[c];
@@ -203,5 +203,4 @@ TEST(RlParallel, UnsupportedLayoutsRefused) {
   refused("--parallelism.data_parallel_shard_degree=1 --parallelism.tensor_parallel_degree=2",
           {"parallelism.disable_sequence_parallel = true"});
   refused("--parallelism.data_parallel_shard_degree=2 --rl.prompts_per_step=3", {"rl.prompts_per_step = 3", "multiple of 2"});
-  refused("--parallelism.data_parallel_shard_degree=2 --rl.kl_beta=0.1", {"rl.kl_beta"});
 }
