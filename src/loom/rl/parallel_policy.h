@@ -10,16 +10,17 @@
 //               samples on one data-parallel rank (its group statistics stay local); each
 //               completion samples from its own stream, completion_seed(seed, step, p * G + g)
 //               with the global index, so the tokens are those of one process. The tensor-parallel
-//               ranks of a replica sample the same rows (rank 0 of the group's token is broadcast,
-//               so they never part); under FSDP every forward gathers the parameters, so the
+//               ranks of a replica sample the same rows (each token is tp rank 0's, broadcast, so
+//               they never part); under FSDP every forward gathers the parameters, so the
 //               data-parallel ranks decode in lockstep (a rank whose completion has ended repeats
 //               a forward until every rank's has).
-//   update      the GRPO loss of this rank's rows, normalised by the global batch (every row, or
-//               every token, of all ranks: global_loss_scale), times dp because the composition
-//               averages gradients over the data-parallel ranks; the gradient norm and clipping
-//               are the composition's (global over every group), then the optimizer step.
 //   rewards     each data-parallel rank scores its rows; of a replica's tensor-parallel ranks only
 //               the first (a reward command runs once per row), which broadcasts them.
+//   update      the GRPO loss of this rank's rows, normalised by the global batch (every row,
+//               every token, or rows x widest row, of all ranks: global_loss_scale), times dp
+//               because the composition averages gradients over the data-parallel ranks; the
+//               gradient norm and clipping are the composition's (global over every group), then
+//               the optimizer step. The KL term's reference is the base: the adapters switched off.
 //   metrics     sums over the data-parallel ranks (sum_over_replicas): the same figures as one
 //               process.
 // Refused before rendezvous, in one line: pipeline, context and expert parallelism, TP with
