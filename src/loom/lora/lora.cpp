@@ -181,6 +181,7 @@ LoRAReport apply_lora(nn::Module& model, const LoRAOptions& options, const HfMod
     linear->set_forward_override([previous, raw, scaling, dropout](nn::Module& m, const torch::Tensor& x,
                                                                  const nn::ForwardFn& forward) {
       const torch::Tensor base = previous ? previous(m, x, forward) : forward(x);
+      if (!raw->enabled()) return base;
       const bool training = torch::GradMode::is_enabled();
       const torch::Tensor in = dropout > 0 && training ? torch::dropout(x, dropout, true) : x;
       return base + raw->forward(in, scaling).to(base.scalar_type());

@@ -65,11 +65,16 @@ class Adapter : public nn::Module {
   // puts back.
   const nn::ForwardOverride& previous_override() const { return previous_; }
   void set_previous_override(nn::ForwardOverride previous) { previous_ = std::move(previous); }
+  // Off: its linear computes the base alone, the adapter's parameters untouched wherever they live
+  // (TP shards, FSDP's flat buffers): the reference policy of `loom rl`'s KL term.
+  void set_enabled(bool enabled) { enabled_ = enabled; }
+  bool enabled() const { return enabled_; }
 
  private:
   nn::ParameterSlot* a_;
   nn::ParameterSlot* b_;
   nn::ForwardOverride previous_;
+  bool enabled_ = true;
 };
 
 inline constexpr const char* kAdapterName = "lora";  // the child a linear's adapter is registered as

@@ -81,6 +81,23 @@ torch::Tensor ParallelizedModel::forward_backward(const std::vector<ModelBatch>&
   return loss;
 }
 
+torch::Tensor ParallelizedModel::forward_backward(const std::function<torch::Tensor()>& loss) {
+  LOOM_REQUIRE_USAGE(!parts_.step->holds_model_parts(),
+                     "a step with the caller's loss needs the whole model on each rank, not pipeline stages");
+  begin_micro_batch(/*last=*/true);
+  torch::Tensor value;
+  {
+    RECORD_USER_SCOPE("loom::forward");
+    value = loss();
+  }
+  {
+    RECORD_USER_SCOPE("loom::backward");
+    value.backward();
+  }
+  finish_gradient_sync();
+  return value.detach();
+}
+
 torch::Tensor ParallelizedModel::forward_loss(const ModelBatch& batch) { return parts_.step->forward_loss(batch); }
 
 void ParallelizedModel::finish_gradient_sync() {

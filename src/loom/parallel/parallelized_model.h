@@ -75,6 +75,13 @@ class ParallelizedModel {
   // pipeline; with one, the last stage's loss, the same on every pp rank). `hook`: see LossHook;
   // with a pipeline it is applied to this rank's stage outputs (the loss on a last stage).
   torch::Tensor forward_backward(const std::vector<ModelBatch>& batches, const LossHook& hook = nullptr);
+  // The same step with an objective the caller computes (`loom rl`'s policy-gradient loss over
+  // the model's log-probabilities): `loss` runs the forward through the modules' forward() (so
+  // every parallelism's hooks run) and returns the scalar to differentiate; its backward is the
+  // step's one micro-batch, and on return every gradient reduction is done (the data-parallel ones
+  // average, as for the model's loss). Returns the loss, detached. Not with a pipeline, whose
+  // schedule owns the forward.
+  torch::Tensor forward_backward(const std::function<torch::Tensor()>& loss);
   void zero_grad();
   // The mean loss of one batch, forward only (validation; the caller holds a NoGradGuard): the
   // same forward as the step's, with every parallelism's collectives. Not with a pipeline, whose

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "loom/core/error.h"
+#include "loom/lora/lora.h"
 #include "loom/optim/clip_grad.h"
 #include "loom/parallel/optimizer_registry.h"
 
@@ -13,10 +14,6 @@ namespace loom::rl {
 namespace {
 constexpr const char* kOptimizerPrefix = "optimizer.";
 constexpr const char* kSchedulePrefix = "lr_scheduler.";
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 }  // namespace
 
 AdapterOptimizer::AdapterOptimizer(models::Decoder& model, const train::JobConfig& job, int64_t total_updates)
@@ -80,15 +77,20 @@ void AdapterOptimizer::load_state_dict(const optim::TensorDict& state) {
   schedule_->load_state_dict(schedule);
 }
 
+torch::Tensor recomputed_logprobs(models::Decoder& model, const Batch& batch, double temperature) {
+  torch::NoGradGuard no_grad;
+  return token_logprobs(model, batch, temperature);
+}
+
 torch::Tensor reference_logprobs(models::Decoder& model, const Batch& batch, double temperature) {
   torch::NoGradGuard no_grad;
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> saved;  // (B factor, its values)
-  for (const auto& p : model.named_parameters()) {
-    if (ends_with(p.name, ".lora.b")) saved.emplace_back(p.tensor(), p.tensor().clone());
+  std::vector<lora::Adapter*> adapters;
+  for (const auto& [path, module] : model.named_modules()) {
+    if (auto* adapter = dynamic_cast<lora::Adapter*>(module)) adapters.push_back(adapter);
   }
-  for (auto& [b, copy] : saved) b.zero_();
+  for (lora::Adapter* adapter : adapters) adapter->set_enabled(false);
   torch::Tensor ref = token_logprobs(model, batch, temperature);
-  for (auto& [b, copy] : saved) b.copy_(copy);
+  for (lora::Adapter* adapter : adapters) adapter->set_enabled(true);
   return ref;
 }
 
@@ -100,7 +102,11 @@ PolicyUpdate update_policy(models::Decoder& model, AdapterOptimizer& optimizer, 
   for (int64_t update = 0; update < updates; ++update) {
     const torch::Tensor logp = token_logprobs(model, batch, temperature);
     if (update == 0) out.max_logp_diff = ((logp.detach() - old) * batch.mask).abs().max().item<double>();
-    out.loss = grpo_loss(logp, old, ref, advantages, batch.mask, grpo);
+    // In float64, as parallel_loop.cpp: the per-token terms are of order 1 and cancel to about the
+    // update's size, so a float32 sum's rounding would be a visible share of the loss (and differ
+    // from a parallel run's, which sums in another order).
+    const auto f64 = [&](const torch::Tensor& t) { return t.defined() ? t.to(logp.device(), torch::kFloat64) : t; };
+    out.loss = grpo_loss(f64(logp), f64(old), f64(ref), f64(advantages), f64(batch.mask), grpo);
     const AdapterOptimizer::Update step = optimizer.step(out.loss.loss, inspect);
     out.grad_norm = step.grad_norm;
     out.lr = step.lr;

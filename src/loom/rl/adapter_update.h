@@ -50,8 +50,13 @@ class AdapterOptimizer {
   std::unique_ptr<optim::LRScheduler> schedule_;
 };
 
-// The reference policy's log-probabilities for the KL term: the base, every adapter's B factor
-// zeroed for one no-grad forward and put back.
+// The current policy's log-probabilities of `batch` by a no-grad training forward: GRPO's old
+// log-probabilities for a step's updates (as TRL recomputes them), equal to the sampler's up to
+// rounding that depends on how the rows were decoded.
+torch::Tensor recomputed_logprobs(models::Decoder& model, const Batch& batch, double temperature);
+
+// The reference policy's log-probabilities for the KL term: the base, every adapter switched off
+// (lora::Adapter::set_enabled) for one no-grad forward, as parallel_loop.cpp does under FSDP.
 torch::Tensor reference_logprobs(models::Decoder& model, const Batch& batch, double temperature);
 
 struct PolicyUpdate {

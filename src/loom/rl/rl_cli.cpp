@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
+#include "loom/core/error_report.h"
 #include "loom/core/logging.h"
 #include "loom/core/timer.h"
 #include "loom/data/tokenizer.h"
@@ -55,7 +56,7 @@ void set_rl_key(RlConfig& rl, const options::Key& key, const toml::node& node, c
           if (!node.is_string()) wrong();
           const std::string value = *node.value<std::string>();
           LOOM_REQUIRE_USAGE(field.codec->set(field.field, value), "config key '", name, "' must be one of ",
-                             options::join_choices(field.codec->names, "or"), ", got '", value, "' in ", where);
+                             options::join_choices(field.codec->names), ", got '", value, "' in ", where);
         } else {
           wrong();
         }
@@ -63,16 +64,35 @@ void set_rl_key(RlConfig& rl, const options::Key& key, const toml::node& node, c
       key.field(&rl));
 }
 
-}  // namespace
+// --rl.NAME=VALUE: the value as its key's TOML (a string key's as the text itself).
+void set_rl_override(RlConfig& rl, const std::string& name, const std::string& value, const std::string& where) {
+  const options::Section& section = rl_section();
+  const options::Key* key = section.find(name);
+  if (key == nullptr) {
+    std::vector<std::string_view> names;
+    for (const options::Key& k : section.keys) names.push_back(k.name);
+    LOOM_REQUIRE_USAGE(false, "unknown config key 'rl.", name, "' in ", where, " (did you mean 'rl.",
+                       options::nearest(name, names), "'?)");
+  }
+  const bool text = std::visit(
+      [](auto field) {
+        using T = decltype(field);
+        return std::is_same_v<T, std::string*> || std::is_same_v<T, options::EnumRef>;
+      },
+      key->field(&rl));
+  toml::table doc;
+  try {
+    doc = toml::parse(c10::str("value = ", text ? options::toml_string(value) : value), where);
+  } catch (const toml::parse_error&) {
+    LOOM_REQUIRE_USAGE(false, "config key 'rl.", name, "' expects ", key->type_description(), ", got '", value,
+                       "' in ", where);
+  }
+  set_rl_key(rl, *key, *doc.get("value"), where);
+}
 
-void run_rl(const std::string& config_path) {
-  const std::pair<train::JobConfig, RlConfig> configs = load_rl_config(config_path);
-  const train::JobConfig& job = configs.first;
-  const RlConfig& rl = configs.second;
-  LOOM_REQUIRE_USAGE(!job.checkpoint.initial_load_path.empty(),
-                     "loom rl needs checkpoint.initial_load_path: the model (an SFT run's checkpoint) to train");
-  LOOM_REQUIRE_USAGE(job.lora.rank > 0, "loom rl trains LoRA adapters: set lora.rank > 0");
-  const data::Tokenizer tokenizer = data::Tokenizer::from_file(job.model.tokenizer_path);
+// The single-process loop: batched rollouts, several policies over one base, PEFT revisions with
+// resume and rollback.
+void run_local_rl(const train::JobConfig& job, const RlConfig& rl, const data::Tokenizer& tokenizer) {
   const std::string base = job.checkpoint.initial_load_path;
   const models::ModelDirArgs recorded = models::read_model_dir_args(base);
   const std::vector<Prompt> prompts =
@@ -116,14 +136,13 @@ void run_rl(const std::string& config_path) {
     log::info("rl: continuing from ", start->string(), " (step ", start_info.step, ")");
   } else {
     const lora::LoRAReport report = lora::apply_lora(model, lora_options, models::hf_module_names(*loaded.spec->hf));
-    init_adapters(model);
+    init_adapters(model, static_cast<uint64_t>(job.training.seed));
     log::info("rl: ", report.describe());
   }
   PolicySet policies(model, policy_count);
   for (int64_t k = 1; k < policy_count; ++k) {
     policies.bind(k);
-    torch::manual_seed(job.training.seed + k);
-    init_adapters(model);
+    init_adapters(model, static_cast<uint64_t>(job.training.seed + k));
   }
   // Each policy its own optimizer and schedule, over its own adapter tensors (bound when built).
   std::vector<std::unique_ptr<AdapterOptimizer>> optimizers;
@@ -136,8 +155,11 @@ void run_rl(const std::string& config_path) {
   const nlohmann::json base_reference = models::base_reference(base);
   std::vector<RewardStats> reward_stats(static_cast<size_t>(policy_count));
 
-  fs::create_directories(dump);
+  fs::create_directories(dump / "rollouts");
   std::ofstream metrics(dump / "metrics.jsonl", std::ios::app);
+  // Every sampled completion by its index in its policy's step (as parallel_loop.cpp's ranks write
+  // theirs, so the two compare line for line).
+  std::ofstream rollouts(dump / "rollouts" / "rank0.jsonl", std::ios::app);
   models::SamplingOptions sampling;
   sampling.max_new_tokens = rl.max_new_tokens;
   sampling.temperature = rl.temperature;
@@ -217,6 +239,16 @@ void run_rl(const std::string& config_path) {
       }
     }
     const double rollout_seconds = timer.seconds();
+    for (size_t i = 0; i < all_completions.size(); ++i) {
+      nlohmann::json line = {{"step", step},
+                             {"index", static_cast<int64_t>(i) % per_policy},
+                             {"completion", all_requests[i].completion},
+                             {"tokens", all_completions[i].tokens},
+                             {"reward", all_rewards[i]}};
+      if (!policy_names.empty()) line["policy"] = policy_names[static_cast<size_t>(policy_of_row[i])];
+      rollouts << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    }
+    rollouts << std::flush;
     // The updates: each policy on its own rows, with its own optimizer, advantages and clipping.
     // (The loop's body keeps the step's indentation so that this change, and its merge with the
     // other issue-51 branches that edit the body, stays small; to reindent once they are merged.)
@@ -231,13 +263,19 @@ void run_rl(const std::string& config_path) {
     const torch::Tensor reward_t = torch::tensor(rewards, torch::kFloat64).to(torch::kFloat32);
     const torch::Tensor advantages = group_advantages(reward_t, rl.group_size, rl.scale_rewards);
     const Batch batch = make_batch(rows, completions);
-    const torch::Tensor old = rollout_logprobs(rows, completions, batch);
+    // The ratio's old log-probabilities: the rollout policy's, recomputed by the training forward
+    // (the same weights) rather than the sampler's, whose rounding depends on how the rows were
+    // decoded (batched here, one at a time under parallelism): the first update's ratio is then
+    // exactly 1, and the loss the same whatever the layout (parallel_loop.cpp does the same).
+    const torch::Tensor old = recomputed_logprobs(model, batch, rl.temperature);
+    // The sampler's against the training forward's, same weights (reported, not used).
+    const double max_logp_diff =
+        ((old - rollout_logprobs(rows, completions, batch)) * batch.mask).abs().max().item<double>();
     const torch::Tensor ref = grpo.kl_beta > 0 ? reference_logprobs(model, batch, rl.temperature) : torch::Tensor();
     const PolicyUpdate update =
         update_policy(model, optimizer, batch, old, ref, advantages, grpo, rl.temperature, rl.updates_per_rollout);
     const GrpoLoss& loss = update.loss;
     const double grad_norm = update.grad_norm;
-    const double max_logp_diff = update.max_logp_diff;  // the first update's: rollout vs training forward
     const double mean_reward = reward_t.mean().item<double>();
     const double mean_len = batch.mask.sum().item<double>() / static_cast<double>(completions.size());
     nlohmann::json line = {{"step", step},
@@ -265,6 +303,31 @@ void run_rl(const std::string& config_path) {
     if (rl.save_every > 0 && step % rl.save_every == 0 && step != job.training.steps) save(step);
   }
   save(job.training.steps);
+}
+
+}  // namespace
+
+bool parallel_job(const train::JobConfig& job) {
+  const char* world = std::getenv("WORLD_SIZE");
+  const parallel::ParallelismConfig& par = job.parallelism;
+  return (world != nullptr && std::atoi(world) > 1) || par.data_parallel_shard_degree > 1 ||
+         par.data_parallel_replicate_degree > 1 || par.tensor_parallel_degree > 1 ||
+         par.context_parallel_degree > 1 || par.pipeline_parallel_degree > 1 || par.expert_parallel_degree > 1;
+}
+
+void run_rl(const std::string& config_path, const std::vector<std::string>& overrides) {
+  const std::pair<train::JobConfig, RlConfig> configs = load_rl_config(config_path, overrides);
+  const train::JobConfig& job = configs.first;
+  const RlConfig& rl = configs.second;
+  LOOM_REQUIRE_USAGE(!job.checkpoint.initial_load_path.empty(),
+                     "loom rl needs checkpoint.initial_load_path: the model (an SFT run's checkpoint) to train");
+  LOOM_REQUIRE_USAGE(job.lora.rank > 0, "loom rl trains LoRA adapters: set lora.rank > 0");
+  const data::Tokenizer tokenizer = data::Tokenizer::from_file(job.model.tokenizer_path);
+  if (parallel_job(job)) {
+    run_parallel_rl(job, rl, tokenizer);
+  } else {
+    run_local_rl(job, rl, tokenizer);
+  }
 }
 
 std::vector<Prompt> read_prompts(const std::string& path, const data::Tokenizer& tokenizer, bool add_bos,
@@ -299,7 +362,7 @@ std::vector<Prompt> read_prompts(const std::string& path, const data::Tokenizer&
   return out;
 }
 
-std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path) {
+std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path, const std::vector<std::string>& overrides) {
   std::ifstream in(path);
   LOOM_REQUIRE_USAGE(in.good() && !fs::is_directory(path), "cannot read config file '", path, "'");
   std::stringstream text;
@@ -331,19 +394,35 @@ std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path) {
   } else {
     LOOM_REQUIRE_USAGE(false, "loom rl needs an [rl] section in ", path, " (rl.prompts at least)");
   }
+  // Command-line overrides: --rl.key=value here, every other section's as `loom train` takes them.
+  std::vector<std::string> job_overrides;
+  for (size_t i = 0; i < overrides.size(); ++i) {
+    const std::string& arg = overrides[i];
+    if (arg.rfind("--rl.", 0) != 0) {
+      job_overrides.push_back(arg);
+      continue;
+    }
+    const size_t eq = arg.find('=');
+    const std::string name = arg.substr(5, eq == std::string::npos ? std::string::npos : eq - 5);
+    std::string value;
+    if (eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+    } else {
+      LOOM_REQUIRE_USAGE(i + 1 < overrides.size(), "config override '", arg, "' needs a value: --rl.", name,
+                         "=VALUE");
+      value = overrides[++i];
+    }
+    set_rl_override(rl, name, value, c10::str("command-line override '", arg, "'"));
+  }
   section.validate(&rl);
   std::ostringstream rest;
   rest << root;
   train::JobConfig job = train::parse_config_toml(rest.str(), path);
+  train::apply_overrides(job, job_overrides);
   train::validate(job);
   // Several policies run in one process only: the per-row adapters of a rollout and the policy
   // binding are not built for sharded (FSDP) or split (TP) adapters.
-  const char* world = std::getenv("WORLD_SIZE");
-  const parallel::ParallelismConfig& par = job.parallelism;
-  const bool parallel_job = (world != nullptr && std::atoi(world) > 1) || par.data_parallel_shard_degree > 1 ||
-                            par.data_parallel_replicate_degree > 1 || par.tensor_parallel_degree > 1 ||
-                            par.context_parallel_degree > 1 || par.pipeline_parallel_degree > 1;
-  LOOM_REQUIRE_USAGE(split_policy_names(rl.policies).size() <= 1 || !parallel_job, "rl.policies = \"", rl.policies,
+  LOOM_REQUIRE_USAGE(split_policy_names(rl.policies).size() <= 1 || !parallel_job(job), "rl.policies = \"", rl.policies,
                      "\" (several policies over one base) runs in one process only; run it without loom launch and"
                      " parallelism degrees, or train one policy per job");
   return {std::move(job), std::move(rl)};
@@ -352,16 +431,31 @@ std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path) {
 void register_rl_command(CLI::App& app) {
   auto config = std::make_shared<std::string>();
   auto reference = std::make_shared<bool>(false);
-  CLI::App* cmd = app.add_subcommand("rl", "GRPO on LoRA adapters: sample, score, update (config with an [rl] section)");
+  CLI::App* cmd = app.add_subcommand("rl", "GRPO on LoRA adapters: sample, score, update (config with an [rl] section; "
+                                           "one rank, use 'loom launch' for several)");
   cmd->add_option("--config", *config, "Job config TOML with an [rl] section")->check(CLI::ExistingFile);
   cmd->add_flag("--config-reference", *reference, "Print the [rl] keys (type, default, meaning) as Markdown and exit");
-  cmd->callback([config, reference] {
+  cmd->allow_extras();
+  cmd->footer("Any config key can be overridden: --section.key=value, --rl.key=value.");
+  cmd->callback([cmd, config, reference] {
     if (*reference) {
       std::fputs(rl_reference_markdown().c_str(), stdout);
       return;
     }
-    LOOM_REQUIRE_USAGE(!config->empty(), "loom rl needs --config FILE (a job config with an [rl] section)");
-    run_rl(*config);
+    try {
+      LOOM_REQUIRE_USAGE(!config->empty(), "loom rl needs --config FILE (a job config with an [rl] section)");
+      run_rl(*config, cmd->remaining());
+    } catch (...) {
+      // As `loom train`: reported at once; with several ranks the process ends without unwinding
+      // into collectives the peers may never join (the report tells them to stop).
+      const ErrorReport report = report_error(describe_exception(std::current_exception()));
+      if (several_ranks_launched()) {
+        std::fflush(stdout);
+        std::fflush(stderr);
+        std::_Exit(report.exit_code);
+      }
+      throw ReportedError(report.exit_code);
+    }
   });
 }
 

@@ -2,25 +2,20 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include "loom/core/error.h"
+#include "loom/lora/lora.h"
+#include "loom/nn/init.h"
 
 namespace loom::rl {
 
-void init_adapters(models::Decoder& model) {
+void init_adapters(models::Decoder& model, uint64_t seed) {
   torch::NoGradGuard no_grad;
   for (const auto& p : model.named_parameters()) {
-    const std::string& n = p.name;
-    const auto ends = [&](const char* suffix) {
-      const std::string s(suffix);
-      return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0;
-    };
-    if (ends(".lora.a")) {
-      const double bound = 1.0 / std::sqrt(static_cast<double>(p.slot->tensor.size(1)));
-      p.slot->tensor.uniform_(-bound, bound);
-    } else if (ends(".lora.b")) {
-      p.slot->tensor.zero_();
+    if (const std::optional<nn::ParameterInit> init = lora::adapter_init(p.name)) {
+      nn::init_parameter(*init, p.name, seed, p.slot->tensor);
     }
   }
 }

@@ -16,9 +16,11 @@
 
 namespace loom::rl {
 
-// Fills freshly applied LoRA adapters as the trainer does (lora::adapter_init): A kaiming-uniform,
-// U(-1/sqrt(in), 1/sqrt(in)), from torch's default generator; B zero (the model starts as its base).
-void init_adapters(models::Decoder& model);
+// Fills freshly applied LoRA adapters as the Trainer's composition does (lora::adapter_init drawn
+// by nn::init_parameter from `seed` and each parameter's name): A kaiming-uniform, B zero (the
+// model starts as its base). The same values whatever the layout, so a one-process `loom rl` and
+// one under FSDP/TP (parallel_policy.h) start from the same adapters.
+void init_adapters(models::Decoder& model, uint64_t seed);
 
 struct Completion {
   std::vector<int64_t> tokens;  // the new tokens (the stop token included when sampled)

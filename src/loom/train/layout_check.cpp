@@ -3,6 +3,8 @@
 #include <sstream>
 #include <string>
 
+#include "loom/core/dtype.h"
+#include "loom/parallel/optimizer_registry.h"
 #include "loom/train/compatibility.h"
 
 namespace loom::train {
@@ -10,6 +12,36 @@ namespace loom::train {
 models::TensorParallelOptions tensor_parallel_options(const JobConfig& config) {
   const auto& p = config.parallelism;
   return {!p.disable_sequence_parallel, !p.disable_loss_parallel, p.enable_async_tensor_parallel};
+}
+
+models::ParallelizeOptions parallelize_options(const JobConfig& config, const distributed::ParallelDims& dims,
+                                               c10::Device device) {
+  const auto& t = config.training;
+  models::ParallelizeOptions options;
+  options.tp = tensor_parallel_options(config);
+  options.cp_rotate_method = config.parallelism.context_parallel_rotate_method;
+  options.fsdp_reshard_after_forward = config.parallelism.fsdp_reshard_after_forward;
+  options.fsdp_bucket_mb = config.parallelism.fsdp_bucket_mb;
+  options.fsdp_prefetch_depth = config.parallelism.fsdp_prefetch_depth;
+  options.fsdp_accumulate_unsharded = config.parallelism.fsdp_accumulate_unsharded;
+  // What the optimizer needs FSDP's planner never to cut (its registry entry says).
+  const parallel::OptimizerSpec& optimizer = parallel::optimizer_spec(config.optimizer.name);
+  if (optimizer.fsdp_granularity) options.fsdp_parameter_granularity = optimizer.fsdp_granularity(config.optimizer.request());
+  options.fsdp_mixed_precision.param_dtype = scalar_type(t.mixed_precision_param);
+  options.fsdp_mixed_precision.reduce_dtype = scalar_type(t.mixed_precision_reduce);
+  options.seed = static_cast<uint64_t>(t.seed);
+  options.device = device;
+  options.activation_checkpoint = config.activation_checkpoint;
+  options.float8 = config.float8;
+  options.lora = config.lora;
+  options.pipeline = pipeline_options(config);
+  if (!dims.fsdp_enabled() && options.fsdp_mixed_precision.param_dtype != torch::kFloat32) {
+    // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in
+    // TorchTitan: float32 master weights, gradients and optimizer state (a bfloat16 reduce has
+    // nothing to apply to: train/compatibility.cpp refuses it).
+    options.autocast_dtype = options.fsdp_mixed_precision.param_dtype;
+  }
+  return options;
 }
 
 models::PipelineOptions pipeline_options(const JobConfig& config) {

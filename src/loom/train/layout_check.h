@@ -21,6 +21,11 @@ namespace loom::train {
 models::TensorParallelOptions tensor_parallel_options(const JobConfig& config);
 // parallelism.pipeline_parallel_*, as a model's pipeline split reads them.
 models::PipelineOptions pipeline_options(const JobConfig& config);
+// Everything models::ModelSpec::parallelize reads from a job config ([parallelism], mixed
+// precision, [activation_checkpoint], [float8], [lora], the seed) for a run of `dims` on `device`:
+// the one composition the Trainer and `loom rl` both build their model with.
+models::ParallelizeOptions parallelize_options(const JobConfig& config, const distributed::ParallelDims& dims,
+                                               c10::Device device);
 
 struct CheckedLayout {
   std::unique_ptr<distributed::ParallelDims> dims;

@@ -296,31 +296,7 @@ void Trainer::build_model() {
 }
 
 void Trainer::parallelize() {
-  const auto& t = config_.training;
-  models::ParallelizeOptions options;
-  options.tp = tensor_parallel_options(config_);
-  options.cp_rotate_method = config_.parallelism.context_parallel_rotate_method;
-  options.fsdp_reshard_after_forward = config_.parallelism.fsdp_reshard_after_forward;
-  options.fsdp_bucket_mb = config_.parallelism.fsdp_bucket_mb;
-  options.fsdp_prefetch_depth = config_.parallelism.fsdp_prefetch_depth;
-  options.fsdp_accumulate_unsharded = config_.parallelism.fsdp_accumulate_unsharded;
-  // What the optimizer needs FSDP's planner never to cut (its registry entry says).
-  const parallel::OptimizerSpec& optimizer = parallel::optimizer_spec(config_.optimizer.name);
-  if (optimizer.fsdp_granularity) options.fsdp_parameter_granularity = optimizer.fsdp_granularity(config_.optimizer.request());
-  options.fsdp_mixed_precision.param_dtype = scalar_type(t.mixed_precision_param);
-  options.fsdp_mixed_precision.reduce_dtype = scalar_type(t.mixed_precision_reduce);
-  options.seed = static_cast<uint64_t>(t.seed);
-  options.device = device_;
-  options.activation_checkpoint = config_.activation_checkpoint;
-  options.float8 = config_.float8;
-  options.lora = config_.lora;
-  options.pipeline = pipeline_options(config_);
-  if (!parallel_dims_->fsdp_enabled() && options.fsdp_mixed_precision.param_dtype != torch::kFloat32) {
-    // Without FSDP (one device, DDP, TP) mixed precision is autocast around the forward, as in
-    // TorchTitan: float32 master weights, gradients and optimizer state (a bfloat16 reduce has
-    // nothing to apply to: train/compatibility.cpp refuses it).
-    options.autocast_dtype = options.fsdp_mixed_precision.param_dtype;
-  }
+  const models::ParallelizeOptions options = parallelize_options(config_, *parallel_dims_, device_);
   parallel_model_ = model_spec_->parallelize(model_, *model_args_, *parallel_dims_, *mesh_, options);
   log::info("parallelized: ", parallel_model_->describe());
 }
@@ -572,21 +548,29 @@ checkpoint::ShardedStateDict Trainer::state_dict() {
 }
 
 void Trainer::load_initial_weights(const std::string& path) {
-  const models::InitialWeights weights = model_spec_->read_initial_weights(path);
+  train::load_initial_weights(*parallel_model_, *model_spec_, path, dist_->rank(),
+                              [this](const checkpoint::ShardedStateDict& base, const std::string& source) {
+                                require_finite_weights(base, source);
+                              });
+}
+
+void load_initial_weights(parallel::ParallelizedModel& model, const models::ModelSpec& spec, const std::string& path,
+                          int rank, const std::function<void(const checkpoint::ShardedStateDict&, const std::string&)>& check) {
+  const models::InitialWeights weights = spec.read_initial_weights(path);
   if (!weights.loom_checkpoint.empty()) {
     // A Loom checkpoint (`loom convert --to loom`, or another run's step-N): each rank reads only
     // the pieces of its own shards, whatever layout saved them; optimizer state is not read.
     const fs::path& dir = weights.loom_checkpoint;
     // The base's parameters (every one, or the frozen ones under LoRA adapters).
     checkpoint::ShardedStateDict base;
-    parallel_model_->add_base_to_state_dict(base);
-    checkpoint::load_checkpoint(dir, base, dist_->rank());
-    require_finite_weights(base, dir.string());
+    model.add_base_to_state_dict(base);
+    checkpoint::load_checkpoint(dir, base, rank);
+    if (check) check(base, dir.string());
     log::info("initial weights loaded from ", dir.string());
     return;
   }
   // Another format (Hugging Face), read whole by the model's spec.
-  parallel_model_->load_full_parameters(weights.full_parameters);  // each rank keeps only its pieces
+  model.load_full_parameters(weights.full_parameters);  // each rank keeps only its pieces
   log::info("initial weights loaded from ", path);
 }
 

@@ -67,6 +67,15 @@ struct StepResult {
 
 class Trainer;
 
+// checkpoint.initial_load_path into `model` (the Trainer's step 8, and `loom rl`'s): a Loom
+// checkpoint is read piece by piece (each rank only its shards, whatever layout saved them; the
+// frozen base only under LoRA adapters), then handed to `check` with its folder (the Trainer
+// refuses non-finite weights there); another format (Hugging Face) is read whole by `spec` and
+// each rank keeps its pieces.
+void load_initial_weights(parallel::ParallelizedModel& model, const models::ModelSpec& spec, const std::string& path,
+                          int rank,
+                          const std::function<void(const checkpoint::ShardedStateDict&, const std::string&)>& check = nullptr);
+
 // How a Trainer runs inside something that outlives it (elastic training: train/elastic_run.h).
 // Every member is optional; the defaults make a plain `loom train` rank.
 struct TrainerHooks {

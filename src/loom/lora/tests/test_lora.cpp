@@ -58,6 +58,14 @@ TEST(LoRA, StartsAsTheBaseThenAddsTheScaledAdapter) {
   const torch::Tensor hq = at::linear(x, model.wq->weight()) + 2.0 * at::linear(at::linear(x, a), b);
   const torch::Tensor want = at::linear(at::linear(hq, model.wo->weight()), model.output->weight());
   EXPECT_TRUE(torch::allclose(model.forward(x), want, 1e-5, 1e-5));
+  // Switched off, the adapter leaves the base's output (bitwise) and its own parameters as they are.
+  auto& adapter = dynamic_cast<loom::lora::Adapter&>(model.wq->submodule(loom::lora::kAdapterName));
+  const torch::Tensor b_before = b.clone();
+  adapter.set_enabled(false);
+  EXPECT_TRUE(torch::equal(model.forward(x), base));
+  adapter.set_enabled(true);
+  EXPECT_TRUE(torch::allclose(model.forward(x), want, 1e-5, 1e-5));
+  EXPECT_TRUE(torch::equal(model.parameter("wq.lora.b"), b_before));
   // Only the adapter trains.
   for (const auto& p : model.named_parameters()) {
     const bool adapter = p.name.find(".lora.") != std::string::npos;

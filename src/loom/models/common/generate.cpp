@@ -39,12 +39,23 @@ int64_t kv_cache_bytes(const DecoderArgs& args, int64_t capacity, c10::ScalarTyp
 }
 
 namespace {
-// The one place that says a layer's cache shape: keys [batch, KV heads, slots, qk head dim] and
-// values [batch, KV heads, slots, v head dim] (Generator and BatchGenerator both allocate here).
-std::pair<torch::Tensor, torch::Tensor> allocate_layer_cache(const DecoderArgs& args, int64_t batch, int64_t slots,
-                                                             const torch::TensorOptions& options) {
-  return {torch::empty({batch, args.attention_kv_heads(), slots, args.qk_head_dim()}, options),
-          torch::empty({batch, args.attention_kv_heads(), slots, args.v_head_dim()}, options)};
+// The one place that says a layer's cache shape: keys [batch, heads, slots, qk head dim] and
+// values [batch, heads, slots, v head dim], `heads` being the KV heads the layer computes on this
+// rank (Generator and BatchGenerator both allocate here).
+std::pair<torch::Tensor, torch::Tensor> allocate_layer_cache(const DecoderArgs& args, int64_t heads, int64_t batch,
+                                                             int64_t slots, const torch::TensorOptions& options) {
+  return {torch::empty({batch, heads, slots, args.qk_head_dim()}, options),
+          torch::empty({batch, heads, slots, args.v_head_dim()}, options)};
+}
+
+// The key/value heads `block`'s attention computes on this rank: the model's, or under tensor
+// parallelism the share of them its wk holds (the slot's layout records the split; FSDP keeps it).
+int64_t held_kv_heads(DecoderBlock& block, const DecoderArgs& args) {
+  auto* attention = dynamic_cast<nn::Attention*>(&block.attention());
+  if (attention == nullptr) return args.attention_kv_heads();
+  const nn::ParameterSlot& slot = attention->wk().parameter_slot("weight");
+  if (!slot.layout) return args.attention_kv_heads();
+  return args.attention_kv_heads() * slot.layout->local_box().sizes[0] / slot.layout->global_shape[0];
 }
 }  // namespace
 
@@ -71,18 +82,27 @@ Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory
   // The cache holds what attention's keys and values are computed in: the model's dtype.
   const auto options = model.tok_embeddings().weight().options();
   const int64_t layers = static_cast<int64_t>(model.layers().named_children().size());
+  std::vector<int64_t> kv_heads;
+  int64_t held_heads = 0;
+  for (const auto& [id, layer] : model.layers().named_children()) {
+    kv_heads.push_back(held_kv_heads(static_cast<DecoderBlock&>(*layer), args));
+    held_heads += kv_heads.back();
+  }
   memory::with_allocation_context(
       [&] {
         for (const auto& [id, layer] : model.layers().named_children()) {
+          const int64_t heads = kv_heads[caches_.size()];
           auto cache = std::make_shared<LayerCache>();
           cache->window = static_cast<DecoderBlock&>(*layer).attention().sliding_window();
           const int64_t slots = cache->window > 0 ? std::max<int64_t>(1, std::min(capacity, cache->window - 1)) : capacity;
-          std::tie(cache->k, cache->v) = allocate_layer_cache(args, 1, slots, options);
+          std::tie(cache->k, cache->v) = allocate_layer_cache(args, heads, 1, slots, options);
           caches_.push_back(std::move(cache));
         }
       },
       c10::str("the key/value cache for ", capacity, " tokens (", layers, " layers)"),
-      kv_cache_bytes(args, capacity, options.dtype().toScalarType()), rope.device(), memory_hint);
+      kv_cache_bytes(args, capacity, options.dtype().toScalarType()) * held_heads /
+          std::max<int64_t>(1, layers * args.attention_kv_heads()),
+      rope.device(), memory_hint);
   size_t next = 0;
   for (const auto& [id, layer] : model.layers().named_children()) {
     auto cache = caches_[next++];
@@ -94,6 +114,8 @@ Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory
           const int64_t t = q.size(1), heads = q.size(2), v_dim = v.size(3);
           const int64_t start = cache->length, end = start + t;
           LOOM_REQUIRE(end <= cap, "key/value cache full: ", end, " > ", cap);
+          LOOM_REQUIRE(k.size(2) == cache->k.size(1), "key/value cache of ", cache->k.size(1),
+                       " heads for a layer computing ", k.size(2));
           const auto opts = torch::TensorOptions().dtype(torch::kInt64).device(q.device());
           const int64_t window = features.sliding_window;
           std::optional<torch::Tensor> mask;
@@ -155,9 +177,15 @@ torch::Tensor Generator::forward(const std::vector<int64_t>& tokens) {
   const torch::Tensor ids = torch::tensor(tokens, torch::kInt64).unsqueeze(0).to(device);
   nn::TokenLayout layout;
   layout.positions = torch::arange(start, start + t, torch::TensorOptions().dtype(torch::kInt64).device(device));
-  const torch::Tensor hidden = model_.run_layers(model_.embed(ids), layout);
+  // Between the model's own hooks, as its forward runs (FSDP's root gathers the embedding there).
   // Only the last position's logits are needed.
-  return model_.head(hidden.narrow(1, t - 1, 1)).reshape({-1}).to(torch::kFloat32);
+  return model_
+      .run_between_hooks(ids,
+                         [&](const torch::Tensor& in) {
+                           return model_.head(model_.run_layers(model_.embed(in), layout).narrow(1, t - 1, 1));
+                         })
+      .reshape({-1})
+      .to(torch::kFloat32);
 }
 
 int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& o, at::Generator& generator) {
@@ -221,7 +249,10 @@ BatchGenerator::BatchGenerator(Decoder& model, int64_t batch, int64_t capacity, 
   const int64_t layers = static_cast<int64_t>(model.layers().named_children().size());
   memory::with_allocation_context(
       [&] {
-        for (int64_t i = 0; i < layers; ++i) state_->kv.push_back(allocate_layer_cache(args, batch, capacity, options));
+        for (const auto& [id, layer] : model.layers().named_children()) {
+          state_->kv.push_back(allocate_layer_cache(
+              args, held_kv_heads(static_cast<DecoderBlock&>(*layer), args), batch, capacity, options));
+        }
       },
       c10::str("the key/value cache for ", batch, " rows of ", capacity, " tokens (", layers, " layers)"),
       kv_cache_bytes(args, capacity, options.dtype().toScalarType(), batch), model.rope_cache().device(),

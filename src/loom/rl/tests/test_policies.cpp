@@ -73,7 +73,7 @@ TEST(RlPolicies, RowAdaptersGiveEachRowItsPolicysLogits) {
   for (int64_t k = 0; k < 3; ++k) {
     policies.bind(k);
     torch::manual_seed(10 + k);
-    rl::init_adapters(*model);
+    rl::init_adapters(*model, static_cast<uint64_t>(10 + k));
     torch::NoGradGuard no_grad;
     for (const torch::Tensor& t : policies.parameters(k)) t.normal_(0.0, 0.1);
   }
@@ -125,7 +125,7 @@ TEST(RlPolicies, TwoPoliciesInOneJobEqualTwoOnePolicyJobs) {
                         << "[model]\nname = \"llama3\"\nflavor = \"debugmodel\"\ntokenizer_path = \"" << kTokenizer.string()
                         << "\"\nvocab_size = 0\n"
                         << "[optimizer]\nlr = 0.01\nweight_decay = 0.01\n"
-                        << "[training]\nsteps = 3\nseed = " << seed << "\nmax_norm = 0.02\n"
+                        << "[training]\nsteps = 3\nseed = " << seed << "\nmax_norm = 0.01\n"
                         << "[lora]\nrank = 4\nalpha = 8.0\ntarget_modules = \"q_proj,v_proj,gate_proj\"\n"
                         << "[checkpoint]\ninitial_load_path = \"" << (root / "base").string() << "\"\n"
                         << "[rl]\nprompts = \"" << (root / "prompts.jsonl").string() << "\"\n"
@@ -152,7 +152,7 @@ TEST(RlPolicies, TwoPoliciesInOneJobEqualTwoOnePolicyJobs) {
         EXPECT_NEAR(a, b, 1e-5) << name << " step " << i + 1 << " " << key;
         ++compared;
       }
-      clipped += alone[i]["grad_norm"].get<double>() > 0.02;
+      clipped += alone[i]["grad_norm"].get<double>() > 0.01;
     }
     // Each policy's revision in its own folder.
     EXPECT_TRUE(fs::exists(root / "both" / "adapters" / name / "step-3" / "adapter_config.json")) << name;

@@ -44,8 +44,8 @@ std::shared_ptr<llama3::Transformer> adapted_model() {
     if (tail == "wo") return std::string("o_proj");
     return std::nullopt;
   });
+  rl::init_adapters(*model, 3);
   torch::manual_seed(3);
-  rl::init_adapters(*model);
   torch::NoGradGuard no_grad;
   for (const auto& p : model->named_parameters()) {
     if (p.name.size() > 7 && p.name.compare(p.name.size() - 7, 7, ".lora.b") == 0) {
