@@ -250,54 +250,53 @@ void run_local_rl(const train::JobConfig& job, const RlConfig& rl, const data::T
     }
     rollouts << std::flush;
     // The updates: each policy on its own rows, with its own optimizer, advantages and clipping.
-    // (The loop's body keeps the step's indentation so that this change, and its merge with the
-    // other issue-51 branches that edit the body, stays small; to reindent once they are merged.)
     for (int64_t k = 0; k < policy_count; ++k) {
-    policies.bind(k);
-    const auto from = static_cast<std::ptrdiff_t>(k * per_policy), to = from + static_cast<std::ptrdiff_t>(per_policy);
-    const std::vector<std::vector<int64_t>> rows(all_rows.begin() + from, all_rows.begin() + to);
-    const std::vector<Completion> completions(all_completions.begin() + from, all_completions.begin() + to);
-    const std::vector<double> rewards(all_rewards.begin() + from, all_rewards.begin() + to);
-    AdapterOptimizer& optimizer = *optimizers[static_cast<size_t>(k)];
-    reward_stats[static_cast<size_t>(k)].add(rewards);
-    const torch::Tensor reward_t = torch::tensor(rewards, torch::kFloat64).to(torch::kFloat32);
-    const torch::Tensor advantages = group_advantages(reward_t, rl.group_size, rl.scale_rewards);
-    const Batch batch = make_batch(rows, completions);
-    // The ratio's old log-probabilities: the rollout policy's, recomputed by the training forward
-    // (the same weights) rather than the sampler's, whose rounding depends on how the rows were
-    // decoded (batched here, one at a time under parallelism): the first update's ratio is then
-    // exactly 1, and the loss the same whatever the layout (parallel_loop.cpp does the same).
-    const torch::Tensor old = recomputed_logprobs(model, batch, rl.temperature);
-    // The sampler's against the training forward's, same weights (reported, not used).
-    const double max_logp_diff =
-        ((old - rollout_logprobs(rows, completions, batch)) * batch.mask).abs().max().item<double>();
-    const torch::Tensor ref = grpo.kl_beta > 0 ? reference_logprobs(model, batch, rl.temperature) : torch::Tensor();
-    const PolicyUpdate update =
-        update_policy(model, optimizer, batch, old, ref, advantages, grpo, rl.temperature, rl.updates_per_rollout);
-    const GrpoLoss& loss = update.loss;
-    const double grad_norm = update.grad_norm;
-    const double mean_reward = reward_t.mean().item<double>();
-    const double mean_len = batch.mask.sum().item<double>() / static_cast<double>(completions.size());
-    nlohmann::json line = {{"step", step},
-                           {"reward", mean_reward},
-                           {"loss", loss.loss.item<double>()},
-                           {"kl", loss.kl},
-                           {"clipped_low", loss.clipped_low},
-                           {"clipped_high", loss.clipped_high},
-                           {"ratio", loss.ratio},
-                           {"grad_norm", grad_norm},
-                           {"lr", update.lr},
-                           {"completion_tokens", mean_len},
-                           {"rollout_logp_max_diff", max_logp_diff},
-                           {"rollout_seconds", rollout_seconds},
-                           {"step_seconds", timer.seconds()}};
-    if (!policy_names.empty()) line["policy"] = policy_names[static_cast<size_t>(k)];
-    metrics << line.dump() << "\n" << std::flush;
-    if (!policy_names.empty()) std::printf("%-8s ", policy_names[static_cast<size_t>(k)].c_str());
-    std::printf("step %4ld  reward %.3f  loss %+.4f  kl %.4f  clip %.3f/%.3f  grad_norm %.3f  len %.1f  %.2fs\n",
-                static_cast<long>(step), mean_reward, loss.loss.item<double>(), loss.kl, loss.clipped_low,
-                loss.clipped_high, grad_norm, mean_len, timer.seconds());
-    std::fflush(stdout);
+      policies.bind(k);
+      const auto from = static_cast<std::ptrdiff_t>(k * per_policy);
+      const auto to = from + static_cast<std::ptrdiff_t>(per_policy);
+      const std::vector<std::vector<int64_t>> rows(all_rows.begin() + from, all_rows.begin() + to);
+      const std::vector<Completion> completions(all_completions.begin() + from, all_completions.begin() + to);
+      const std::vector<double> rewards(all_rewards.begin() + from, all_rewards.begin() + to);
+      AdapterOptimizer& optimizer = *optimizers[static_cast<size_t>(k)];
+      reward_stats[static_cast<size_t>(k)].add(rewards);
+      const torch::Tensor reward_t = torch::tensor(rewards, torch::kFloat64).to(torch::kFloat32);
+      const torch::Tensor advantages = group_advantages(reward_t, rl.group_size, rl.scale_rewards);
+      const Batch batch = make_batch(rows, completions);
+      // The ratio's old log-probabilities: the rollout policy's, recomputed by the training forward
+      // (the same weights) rather than the sampler's, whose rounding depends on how the rows were
+      // decoded (batched here, one at a time under parallelism): the first update's ratio is then
+      // exactly 1, and the loss the same whatever the layout (parallel_loop.cpp does the same).
+      const torch::Tensor old = recomputed_logprobs(model, batch, rl.temperature);
+      // The sampler's against the training forward's, same weights (reported, not used).
+      const double max_logp_diff =
+          ((old - rollout_logprobs(rows, completions, batch)) * batch.mask).abs().max().item<double>();
+      const torch::Tensor ref = grpo.kl_beta > 0 ? reference_logprobs(model, batch, rl.temperature) : torch::Tensor();
+      const PolicyUpdate update =
+          update_policy(model, optimizer, batch, old, ref, advantages, grpo, rl.temperature, rl.updates_per_rollout);
+      const GrpoLoss& loss = update.loss;
+      const double grad_norm = update.grad_norm;
+      const double mean_reward = reward_t.mean().item<double>();
+      const double mean_len = batch.mask.sum().item<double>() / static_cast<double>(completions.size());
+      nlohmann::json line = {{"step", step},
+                             {"reward", mean_reward},
+                             {"loss", loss.loss.item<double>()},
+                             {"kl", loss.kl},
+                             {"clipped_low", loss.clipped_low},
+                             {"clipped_high", loss.clipped_high},
+                             {"ratio", loss.ratio},
+                             {"grad_norm", grad_norm},
+                             {"lr", update.lr},
+                             {"completion_tokens", mean_len},
+                             {"rollout_logp_max_diff", max_logp_diff},
+                             {"rollout_seconds", rollout_seconds},
+                             {"step_seconds", timer.seconds()}};
+      if (!policy_names.empty()) line["policy"] = policy_names[static_cast<size_t>(k)];
+      metrics << line.dump() << "\n" << std::flush;
+      if (!policy_names.empty()) std::printf("%-8s ", policy_names[static_cast<size_t>(k)].c_str());
+      std::printf("step %4ld  reward %.3f  loss %+.4f  kl %.4f  clip %.3f/%.3f  grad_norm %.3f  len %.1f  %.2fs\n",
+                  static_cast<long>(step), mean_reward, loss.loss.item<double>(), loss.kl, loss.clipped_low,
+                  loss.clipped_high, grad_norm, mean_len, timer.seconds());
+      std::fflush(stdout);
     }
     policies.bind(0);
     if (rl.save_every > 0 && step % rl.save_every == 0 && step != job.training.steps) save(step);
@@ -362,7 +361,8 @@ std::vector<Prompt> read_prompts(const std::string& path, const data::Tokenizer&
   return out;
 }
 
-std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path, const std::vector<std::string>& overrides) {
+std::pair<train::JobConfig, RlConfig> load_rl_config(const std::string& path,
+                                                    const std::vector<std::string>& overrides) {
   std::ifstream in(path);
   LOOM_REQUIRE_USAGE(in.good() && !fs::is_directory(path), "cannot read config file '", path, "'");
   std::stringstream text;
