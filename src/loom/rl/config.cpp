@@ -15,6 +15,16 @@ const options::EnumNames<RewardKind>& option_names(RewardKind) {
   return names;
 }
 
+models::SamplingOptions RlConfig::sampling(int64_t stop_id) const {
+  models::SamplingOptions s;
+  s.max_new_tokens = max_new_tokens;
+  s.temperature = temperature;
+  s.top_p = top_p;
+  s.top_k = top_k;
+  s.stop_id = stop_id;
+  return s;
+}
+
 GrpoOptions RlConfig::grpo() const {
   GrpoOptions o;
   o.clip_low = clip_low;

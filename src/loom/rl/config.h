@@ -8,6 +8,7 @@
 #include <string>
 
 #include "loom/core/options.h"
+#include "loom/models/common/generate.h"
 #include "loom/rl/grpo.h"
 
 namespace loom::rl {
@@ -40,6 +41,9 @@ struct RlConfig {
   std::string policies;              // "a,b,c": one adapter per name over one base; "" = one policy
 
   GrpoOptions grpo() const;
+  // The rollouts' sampling (max_new_tokens, temperature, top_p, top_k), stopping after `stop_id`
+  // (the tokenizer's EOS): the same for the single-process and the parallel loop.
+  models::SamplingOptions sampling(int64_t stop_id) const;
   bool operator==(const RlConfig&) const = default;
 };
 const options::Section& rl_section();

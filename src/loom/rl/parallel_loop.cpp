@@ -64,12 +64,7 @@ void run_parallel_rl(const train::JobConfig& job, const RlConfig& rl, const data
   // Every sampled completion, by its global index, from the rank that sampled it.
   fs::create_directories(dump / "rollouts");
   std::ofstream rollouts(dump / "rollouts" / c10::str("rank", policy.rank(), ".jsonl"), std::ios::app);
-  models::SamplingOptions sampling;
-  sampling.max_new_tokens = rl.max_new_tokens;
-  sampling.temperature = rl.temperature;
-  sampling.top_p = rl.top_p;
-  sampling.top_k = rl.top_k;
-  sampling.stop_id = tokenizer.eos_id();
+  const models::SamplingOptions sampling = rl.sampling(tokenizer.eos_id());
   const GrpoOptions grpo = rl.grpo();
   const auto save = [&](int64_t step) { policy.save_adapters(dump / "adapters" / c10::str("step-", step), step); };
 

@@ -160,12 +160,7 @@ void run_local_rl(const train::JobConfig& job, const RlConfig& rl, const data::T
   // Every sampled completion by its index in its policy's step (as parallel_loop.cpp's ranks write
   // theirs, so the two compare line for line).
   std::ofstream rollouts(dump / "rollouts" / "rank0.jsonl", std::ios::app);
-  models::SamplingOptions sampling;
-  sampling.max_new_tokens = rl.max_new_tokens;
-  sampling.temperature = rl.temperature;
-  sampling.top_p = rl.top_p;
-  sampling.top_k = rl.top_k;
-  sampling.stop_id = tokenizer.eos_id();
+  const models::SamplingOptions sampling = rl.sampling(tokenizer.eos_id());
   const GrpoOptions grpo = rl.grpo();
   size_t next_prompt = static_cast<size_t>(start_info.prompt_cursor) % prompts.size();
   const auto save = [&](int64_t step) {
