@@ -58,7 +58,8 @@ nlohmann::json cluster_json(const Cluster& c) {
           {"efficiency", c.efficiency}, {"allocator_reserve", c.allocator_reserve}, {"intra_node_bw", c.intra_node_bw}, {"inter_node_bw", c.inter_node_bw},
           {"intra_latency", c.intra_latency}, {"inter_latency", c.inter_latency},
           {"blocking_call_s", c.blocking_call_s}, {"shared_host_efficiency", c.shared_host_efficiency},
-          {"shm_bw", c.shm_bw}, {"shm_call_s", c.shm_call_s}, {"cores", c.cores}};
+          {"shm_bw", c.shm_bw}, {"shm_call_s", c.shm_call_s}, {"float8_gemm_speedup", c.float8_gemm_speedup},
+          {"cores", c.cores}};
 }
 
 double as_gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
@@ -114,7 +115,9 @@ void explain_ranking(const PlanOptions& o, const train::JobConfig& config, const
     }
   }
   if (const PublishedRow* row = nearest_published(config.model.name, config.model.flavor, o.world_size,
-                                                  config.training.seq_len, config.training.global_batch_size)) {
+                                                  config.training.seq_len, config.training.global_batch_size,
+                                                  mine.layout.float8 == "on" ||
+                                                      (mine.layout.float8.empty() && config.float8.enable))) {
     std::printf("nearest published row: %s %s on %d GPUs, seq %lld, global batch %lld, %s: %.0f tokens/s per GPU "
                 "(%s); this layout predicted %.0f (%+.1f %%)\n",
                 row->model.c_str(), row->flavor.c_str(), row->gpus, static_cast<long long>(row->seq_len),
@@ -370,6 +373,10 @@ void register_plan_command(CLI::App& app) {
                   "With --cluster cpu: bytes/s of the shared-memory collectives between a host's ranks")->check(positive);
   cmd->add_option("--shm-call-s", co.shm_call_s,
                   "With --cluster cpu: seconds a blocking shared-memory collective costs beyond its bytes")->check(non_negative);
+  cmd->add_option("--float8-speedup", co.float8_gemm_speedup,
+                  "With --cluster: how much faster the blocks' linears run under Float8 than in bf16 (the GPU "
+                  "presets: 1.434, torchao's Float8 as Loom runs it; Transformer Engine's FP8: 2, the H100's "
+                  "FP8/BF16 peak ratio; 0: no float8 GEMMs)")->check(non_negative);
   cmd->add_option("--fsdp-accumulate", o->fsdp_accumulate,
                   "With --explain: price FSDP keeping the gathered parameters and unsharded gradients across the "
                   "step's micro-batches, one gather and one reduce per step (on), or per micro-batch (off); unset: "

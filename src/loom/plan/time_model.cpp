@@ -213,6 +213,7 @@ Cluster Cluster::with(const Overrides& o) const {
   set(c.peak_flops_all_cores, o.peak_flops_all_cores);
   set(c.shm_bw, o.shm_bw);
   set(c.shm_call_s, o.shm_call_s);
+  set(c.float8_gemm_speedup, o.float8_gemm_speedup);
   if (o.devices_per_node > 0) c.devices_per_node = o.devices_per_node;
   LOOM_REQUIRE_USAGE(c.peak_flops > 0 && c.efficiency > 0 && c.efficiency <= 1, "the cluster needs a peak "
                      "FLOP/s > 0 and an efficiency in (0, 1]; got ", c.peak_flops, " and ", c.efficiency);
@@ -222,6 +223,8 @@ Cluster Cluster::with(const Overrides& o) const {
                      "efficiency must be in (0, 1]; got ", c.shared_host_efficiency);
   LOOM_REQUIRE_USAGE(c.shm_bw >= 0 && c.shm_call_s >= 0, "the cluster's shared-memory bandwidth and call cost "
                      "must be >= 0 (0: no shared-memory transport); got ", c.shm_bw, " and ", c.shm_call_s);
+  LOOM_REQUIRE_USAGE(c.float8_gemm_speedup == 0 || c.float8_gemm_speedup >= 1, "the cluster's Float8 GEMM speedup "
+                     "must be >= 1 (0: no float8 GEMMs); got ", c.float8_gemm_speedup);
   LOOM_REQUIRE_USAGE(c.intra_node_bw > 0 && c.inter_node_bw > 0, "the cluster's bandwidths must be > 0; got ",
                      c.intra_node_bw, " and ", c.inter_node_bw, " bytes/s");
   return c;
@@ -310,8 +313,13 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
       double receives = 0;
     };
     static std::mutex bubble_mutex;
-    static std::map<std::tuple<std::string, int, int64_t, int64_t, int64_t>, Simulated> simulated;
-    const auto key = std::make_tuple(po.schedule, layout.pp, po.microbatches, po.layers_per_stage, shape.n_layers);
+    // Keyed by everything plan_pipeline reads: the split points and a schedule CSV give other
+    // stages than the default (before 2026-11-29 they were left out of the key, so a layout with
+    // split points could take the bubble of one without, priced earlier in the same process).
+    static std::map<std::tuple<std::string, std::string, int, int64_t, int64_t, std::vector<std::string>, int64_t>, Simulated>
+        simulated;
+    const auto key = std::make_tuple(po.schedule, po.schedule_csv, layout.pp, po.microbatches, po.layers_per_stage,
+                                     po.split_points, shape.n_layers);
     std::optional<Simulated> sim;
     {
       std::lock_guard<std::mutex> lock(bubble_mutex);

@@ -57,7 +57,11 @@ struct Cluster {
   // How much faster the blocks' linear layers run under Float8 (float8.enable: scaled float8 GEMMs
   // and their casts) than in bf16; 0: the devices have no float8 GEMMs (the CPU emulates them),
   // so the planner does not choose Float8 and the model does not price it. H100/H200: fitted on
-  // TorchTitan's published 8B, 8-GPU Float8 row against the row without it (docs/planner.md).
+  // TorchTitan's published 8B, 8-GPU Float8 row against the row without it (docs/planner.md): the
+  // torchao class of Float8 that Loom's own runs have. Transformer Engine's FP8 (Megatron-Bridge's
+  // published rows) is priced at 2, the H100's dense FP8 / BF16 peak ratio (1,979 / 989 TFLOP/s):
+  // its FP8 GEMMs reaching the share of the FP8 peak its BF16 GEMMs reach of theirs, the casts
+  // fused into the neighbouring kernels (`--float8-speedup 2`).
   double float8_gemm_speedup = 0;
   // CPU ranks that share a host's cores: what one blocking collective (a TP or CP exchange, a
   // pipeline send/recv, an EP all-to-all) costs beyond its bytes -- every rank waits for the one
@@ -99,7 +103,7 @@ struct Cluster {
   struct Overrides {
     double peak_flops = -1, efficiency = -1, memory_gib = -1, allocator_reserve = -1, intra_node_bw = -1, inter_node_bw = -1,
            intra_latency = -1, inter_latency = -1, blocking_call_s = -1, peak_flops_all_cores = -1,
-           shared_host_efficiency = -1, shm_bw = -1, shm_call_s = -1;
+           shared_host_efficiency = -1, shm_bw = -1, shm_call_s = -1, float8_gemm_speedup = -1;
     int devices_per_node = -1;
   };
   Cluster with(const Overrides& o) const;

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 
 #include "loom/models/spec.h"
@@ -430,6 +431,137 @@ TEST(PlanPublished, MegatronBridgeRecipeLayoutsRankInTheTopTenPercent) {
   oss.layout.microbatch_size = 1;
   oss.layout.local_batch_size = 80;
   EXPECT_LE(rank_of(oss), 0.10);
+}
+
+}  // namespace plan_published_test
+
+namespace plan_published_test {
+
+// NVIDIA's other stack on the same machines: Megatron-Bridge's performance summary, pre-training,
+// DGX-H100 (NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary-archive.md: the NeMo 25.11 and
+// 26.02 containers' tables; 25.09's repeat the same layouts within 3 %). Megatron's runs, not
+// Loom's: Transformer Engine's kernels (the efficiency above) and its FP8 "current scaling" --
+// per-tensor dynamic scales, the recipe Loom calls tensorwise -- on every linear of the blocks,
+// priced at the H100's FP8 / BF16 peak ratio, 2 (Cluster::float8_gemm_speedup; not fitted: the
+// 8B row alone would fit 2.01). Megatron's data parallelism is DDP with the distributed optimizer
+// (FSDP 0), priced as Loom's FSDP over the same ranks (under PP Loom keeps a stage's parameters
+// gathered, which is DDP's traffic plus the optimizer's sharding). VP v: Loom's interleaved
+// schedule with pp x v stages. The rows Loom cannot express are left out: the MoE rows in FP8
+// (Qwen3-30B-A3B on 16 GPUs, Qwen3-235B-A22B on 256, DeepSeek-V3 on 1,024 with blockwise FP8) --
+// Loom's Float8 covers the dense linears, not the grouped expert GEMMs -- and the token-dropping
+// ones (Loom's MoE is dropless).
+Published megatron_dense(const std::string& what, const std::string& flavor, int64_t gbs, double tps) {
+  return Published{what, "llama3", flavor, 128256, 8192, gbs, {}, "", tps};
+}
+std::string even_split(int layers, int stages) {  // the first layer of stages 1..stages-1, two layers each
+  std::string out;
+  for (int i = 1; i < stages; ++i) out += c10::str(out.empty() ? "" : ",", "layers.", i * layers / stages);
+  return out;
+}
+std::vector<Published> megatron_rows() {
+  std::vector<Published> rows;
+  Published r = megatron_dense("Megatron Llama 3 8B, 8 GPUs, FP8, DP 8, GBS 128", "8B", 128, 14451);
+  r.layout.dp_shard = 8;
+  r.layout.local_batch_size = 1;
+  rows.push_back(r);
+  for (const auto& [gbs, tps] : {std::pair<int64_t, double>{128, 1602}, {256, 1621}}) {
+    r = megatron_dense(c10::str("Megatron Llama 3 70B, 64 GPUs, FP8, TP 4 x PP 8 (VP 5), GBS ", gbs), "70B", gbs, tps);
+    r.split_points = even_split(80, 40);
+    r.layout.dp_shard = 2, r.layout.tp = 4, r.layout.pp = 8, r.layout.schedule = "Interleaved1F1B";
+    r.layout.microbatch_size = 1, r.layout.local_batch_size = gbs / 2;
+    rows.push_back(r);
+  }
+  // 126 layers in 64 stages: Megatron's recipe counts the embedding and the loss as a layer each
+  // (account_for_embedding/loss_in_pipeline_split), so the first and last stages hold one block.
+  std::string split;
+  for (int layer = 1; layer <= 125; layer += 2) split += c10::str(split.empty() ? "" : ",", "layers.", layer);
+  for (const auto& [gbs, tps] : {std::pair<int64_t, double>{512, 292}, {1536, 311}}) {
+    r = megatron_dense(c10::str("Megatron Llama 3.1 405B, 1024 GPUs, FP8, TP 8 x PP 8 (VP 8) x CP 2, GBS ", gbs), "405B",
+                       gbs, tps);
+    r.split_points = split;
+    r.layout.dp_shard = 8, r.layout.cp = 2, r.layout.tp = 8, r.layout.pp = 8, r.layout.schedule = "Interleaved1F1B";
+    r.layout.microbatch_size = 1, r.layout.local_batch_size = gbs / 8;
+    rows.push_back(r);
+  }
+  for (const auto& [gbs, mbs, tps] : {std::tuple<int64_t, int64_t, double>{512, 4, 5630}, {1280, 1, 5993}}) {
+    Published oss{c10::str("Megatron GPT-OSS 120B, 64 GPUs, PP 4 x EP 8, GBS ", gbs, ", MBS ", mbs), "gpt_oss", "120B",
+                  201088, 4096, gbs, {}, "", tps};
+    oss.layout.dp_shard = 16, oss.layout.pp = 4, oss.layout.ep = 8, oss.layout.schedule = "1F1B";
+    oss.layout.microbatch_size = mbs, oss.layout.local_batch_size = gbs / 16;
+    rows.push_back(oss);
+  }
+  return rows;
+}
+bool megatron_fp8(const Published& row) { return row.model == "llama3"; }
+
+constexpr double kTransformerEngineFp8Speedup = 2.0;  // the H100's 1,979 / 989 TFLOP/s
+
+loom::plan::Priced price_megatron(const Published& row) {
+  loom::plan::Cluster cluster = published_system();
+  cluster.float8_gemm_speedup = kTransformerEngineFp8Speedup;
+  loom::train::JobConfig config = config_of(row);
+  const bool fp8 = megatron_fp8(row);
+  config.float8.enable = fp8;
+  const auto& spec = loom::models::get_spec(row.model);
+  const auto args = spec.build_args({row.flavor, row.vocab, row.seq, 0});
+  const auto shape = loom::plan::ModelShape::of(spec, *args);
+  loom::plan::Layout layout = row.layout;
+  layout.float8 = fp8 ? "on" : "off";
+  layout.grad_accum_steps = row.global_rows / (layout.local_batch_size * layout.dp_shard * layout.dp_replicate);
+  layout.apply_to(config);
+  return loom::plan::fastest_fitting(spec, *args, shape, config, layout, cluster, cluster.memory_gib);
+}
+
+// Held out, every one. The five dense FP8 rows within +-25 %; the two GPT-OSS rows are
+// over-predicted (+28 % at MBS 4, +99 % at MBS 1: Megatron's own count, 153-163 model TFLOP/s,
+// is 16 % MFU, where its GB200 runs of the model reach 43-57 %), printed and not held to it (docs/planner.md).
+// With NeMo AutoModel's six (5 within) and TorchTitan's three (3 within, test_time_model.cpp):
+// 13 of the 16 held-out rows within +-25 %, issue 50's 80 %.
+TEST(PlanPublished, HeldOutMegatronBridgeRowsErrorDistribution) {
+  std::vector<double> errors;
+  for (const Published& row : megatron_rows()) {
+    const auto p = price_megatron(row);
+    print(p, row);
+    EXPECT_TRUE(p.fits) << row.what << ": " << p.memory.describe();
+    EXPECT_EQ(p.layout.float8 == "on", megatron_fp8(row)) << row.what;
+    errors.push_back(error_of(p, row));
+    if (megatron_fp8(row)) EXPECT_LE(std::abs(error_of(p, row)), 0.25) << row.what;
+  }
+  for (const Published& row : nemo_rows()) errors.push_back(error_of(price(row, published_system()), row));
+  std::vector<double> sorted = errors;
+  std::sort(sorted.begin(), sorted.end(), [](double a, double b) { return std::abs(a) < std::abs(b); });
+  const auto within = std::count_if(errors.begin(), errors.end(), [](double e) { return std::abs(e) <= 0.25; });
+  double mean_abs = 0;
+  for (double e : errors) mean_abs += std::abs(e) / static_cast<double>(errors.size());
+  std::printf("held-out Megatron-Bridge and NeMo AutoModel rows: %lld of %zu within +-25 %%; |error| median %.1f %%, "
+              "mean %.1f %%, max %.1f %%\n",
+              static_cast<long long>(within), errors.size(), 100 * std::abs(sorted[sorted.size() / 2]), 100 * mean_abs,
+              100 * std::abs(sorted.back()));
+  EXPECT_GE(within, 10);  // + TorchTitan's 3 of 3: 13 of 16
+}
+
+// The same FP8 rows priced with Loom's own Float8 (torchao's class, the preset's 1.434): only the
+// linears' share f of the compute changes, by (1 - f + f / 2) / (1 - f + f / 1.434) -- Loom's
+// kernels would run these layouts about 20 % slower than Megatron's, what the planner tells a
+// Loom user.
+TEST(PlanPublished, MegatronFp8RowsWithLoomsFloat8AreSlower) {
+  for (const Published& row : megatron_rows()) {
+    if (!megatron_fp8(row)) continue;
+    const auto te = price_megatron(row);
+    loom::plan::Cluster loom_f8 = published_system();
+    loom::train::JobConfig config = config_of(row);
+    config.float8.enable = true;
+    const auto& spec = loom::models::get_spec(row.model);
+    const auto args = spec.build_args({row.flavor, row.vocab, row.seq, 0});
+    const auto shape = loom::plan::ModelShape::of(spec, *args);
+    loom::plan::Layout layout = te.layout;
+    layout.apply_to(config);
+    const auto loom = loom::plan::estimate_time(spec, *args, shape, config, layout, loom_f8);
+    EXPECT_LT(loom.tokens_per_device_s, te.time.tokens_per_device_s) << row.what;
+    const double f = loom::plan::linear_flop_fraction(spec, *args, shape, row.seq);
+    EXPECT_NEAR(te.time.compute_s / loom.compute_s, (1 - f + f / 2) / (1 - f + f / loom_f8.float8_gemm_speedup), 1e-9)
+        << row.what;
+  }
 }
 
 }  // namespace plan_published_test
