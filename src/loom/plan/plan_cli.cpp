@@ -59,6 +59,7 @@ nlohmann::json cluster_json(const Cluster& c) {
           {"intra_latency", c.intra_latency}, {"inter_latency", c.inter_latency},
           {"blocking_call_s", c.blocking_call_s}, {"shared_host_efficiency", c.shared_host_efficiency},
           {"shm_bw", c.shm_bw}, {"shm_call_s", c.shm_call_s}, {"float8_gemm_speedup", c.float8_gemm_speedup},
+          {"ep_node_dedup", c.ep_node_dedup}, {"ep_inter_node_bw", c.ep_inter_node_bw},
           {"cores", c.cores}};
 }
 
@@ -384,7 +385,10 @@ void register_plan_command(CLI::App& app) {
       ->check(CLI::IsMember({"on", "off"}));
   cmd->add_flag("--ep-node-dedup", o->ep_node_dedup,
                 "With --cluster: price expert parallelism's dispatch as DeepEP's (a token crosses to each remote "
-                "node once) instead of Loom's all-to-all (a row per token and expert)");
+                "node once, at --ep-inter-node-bw) instead of Loom's all-to-all (a row per token and expert)");
+  cmd->add_option("--ep-inter-node-bw", co.ep_inter_node_bw,
+                  "With --ep-node-dedup: DeepEP's bytes/s per device across nodes (the GPU presets: 50e9, its "
+                  "published line rate on a 400 Gb/s NIC)")->check(positive);
   cmd->add_flag("--json", o->json, "Print JSON");
   cmd->allow_extras();
   cmd->footer("Config keys can be overridden: --section.key=value (see docs/config.md).");

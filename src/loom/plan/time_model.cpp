@@ -67,6 +67,12 @@ constexpr double kGemmLargeEfficiency = 0.698;
 // is predicted at 1.143 (-0.9 %). Not fitted on any rank or NeMo row.
 constexpr double kGpuAllocatorReserve = 1.143;
 constexpr double kGemmCallSeconds = 3e-6;
+// DeepEP's normal (training) kernels across nodes on H800s with one CX7 400 Gb/s NIC per GPU --
+// the DGX H100's NIC -- DeepSeek-V3's setting (4,096 tokens, hidden 7,168, top 8 of 4 groups):
+// 43 / 58 / 51 GB/s of RDMA bottleneck bandwidth for dispatch at EP 16 / 32 / 64, 43 / 57 / 50
+// for combine (deepseek-ai/DeepEP, docs/legacy.md, "Normal kernels with NVLink and RDMA
+// forwarding"): the NIC's line rate, 50 GB/s, at EP 64. Not fitted on any row.
+constexpr double kDeepEpRdmaBandwidth = 50e9;
 }  // namespace
 
 double linear_flop_fraction(const models::ModelSpec& spec, const models::ModelArgs& args, const ModelShape& shape,
@@ -90,6 +96,7 @@ Cluster Cluster::preset(const std::string& name) {
   c.efficiency = 0.3547;       // fitted on TorchTitan's 8B, 8-GPU FSDP row (docs/planner.md)
   c.intra_node_bw = 350e9;     // NVLink 4: 450 GB/s per direction, ~350 GB/s ring algorithmic
   c.inter_node_bw = 40e9;      // 400 Gb/s InfiniBand per GPU, ~80 % achieved
+  c.ep_inter_node_bw = kDeepEpRdmaBandwidth;
   c.intra_latency = 10e-6;
   c.inter_latency = 20e-6;
   c.devices_per_node = 8;
@@ -214,6 +221,7 @@ Cluster Cluster::with(const Overrides& o) const {
   set(c.shm_bw, o.shm_bw);
   set(c.shm_call_s, o.shm_call_s);
   set(c.float8_gemm_speedup, o.float8_gemm_speedup);
+  set(c.ep_inter_node_bw, o.ep_inter_node_bw);
   if (o.devices_per_node > 0) c.devices_per_node = o.devices_per_node;
   LOOM_REQUIRE_USAGE(c.peak_flops > 0 && c.efficiency > 0 && c.efficiency <= 1, "the cluster needs a peak "
                      "FLOP/s > 0 and an efficiency in (0, 1]; got ", c.peak_flops, " and ", c.efficiency);
@@ -494,8 +502,11 @@ TimeEstimate estimate_time(const models::ModelSpec& spec, const models::ModelArg
         }
         remote = std::min(remote, touched * (nodes - 1.0) / nodes / k * rows_bytes);
       }
-      transfer = std::max((in_node - 1.0) / layout.ep * rows_bytes / cluster.intra_node_bw,
-                          remote / cluster.inter_node_bw);
+      // DeepEP's RDMA kernels run at the NIC's line rate (Cluster::ep_inter_node_bw), NCCL's rings
+      // at the preset's achieved share of it.
+      const double nic = cluster.ep_node_dedup && cluster.ep_inter_node_bw > 0 ? cluster.ep_inter_node_bw
+                                                                               : cluster.inter_node_bw;
+      transfer = std::max((in_node - 1.0) / layout.ep * rows_bytes / cluster.intra_node_bw, remote / nic);
     }
     // Each all-to-all's messages to its ep - 1 peers travel at once (NCCL's grouped sends and
     // receives, DeepEP's kernels), not hop by hop around a ring: one latency of the link it

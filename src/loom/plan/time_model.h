@@ -88,6 +88,10 @@ struct Cluster {
   // 4 of 8 groups) to at most that many nodes. Both are priced on the critical path: neither
   // Loom's schedule nor the published configurations overlap them with compute.
   bool ep_node_dedup = false;
+  // DeepEP's bytes/s per device across nodes (with ep_node_dedup): its RDMA kernels reach the
+  // NIC's line rate where NCCL's rings reach inter_node_bw -- 50 GB/s on a 400 Gb/s CX7, DeepEP's
+  // published internode measurement at EP 64 (docs/planner.md). 0: inter_node_bw.
+  double ep_inter_node_bw = 0;
   // "h100" (SXM, 80 GB, NVLink 4, 400 Gb/s InfiniBand per GPU) or "h200" (141 GB); a UsageError
   // lists the known ones. Efficiency: fitted on TorchTitan's published Llama 3.1 8B row
   // (docs/planner.md).
@@ -103,7 +107,8 @@ struct Cluster {
   struct Overrides {
     double peak_flops = -1, efficiency = -1, memory_gib = -1, allocator_reserve = -1, intra_node_bw = -1, inter_node_bw = -1,
            intra_latency = -1, inter_latency = -1, blocking_call_s = -1, peak_flops_all_cores = -1,
-           shared_host_efficiency = -1, shm_bw = -1, shm_call_s = -1, float8_gemm_speedup = -1;
+           shared_host_efficiency = -1, shm_bw = -1, shm_call_s = -1, float8_gemm_speedup = -1,
+           ep_inter_node_bw = -1;
     int devices_per_node = -1;
   };
   Cluster with(const Overrides& o) const;

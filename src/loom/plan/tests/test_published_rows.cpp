@@ -11,7 +11,8 @@
 //  - the compute efficiency of Loom's own kernels measured on one H200 (same 989 TFLOP/s dense
 //    bf16 peak): 52.2 % MFU, Llama 3 1B shape, bf16 (docs/gpu.md, 2026-11-27) -- the class of TE's,
 //    where the preset's 0.3547 is TorchTitan's eager step (its 8B row);
-//  - DeepEP's dispatch (Cluster::ep_node_dedup): a token crosses to each remote node once.
+//  - DeepEP's dispatch (Cluster::ep_node_dedup): a token crosses to each remote node once, at
+//    DeepEP's published RDMA bandwidth (the NIC's line rate, 50 GB/s: Cluster::ep_inter_node_bw).
 // No constant was fitted on any row of this file.
 #include <gtest/gtest.h>
 
@@ -254,7 +255,7 @@ TEST(PlanPublished, AccumulatingUnshardedGathersAndReducesOncePerStep) {
 // DeepSeek-V3's dispatch on 256 GPUs: Loom's all-to-all sends a row per (token, expert) -- 7 of a
 // token's 8 rows cross nodes -- where DeepEP sends a token once per remote node its experts are on,
 // at most 4 with its group-limited routing (3.6 nodes expected, 3.15 of them remote): the EP term
-// runs at most 0.45x + the same latencies.
+// runs at most 0.45x + the same latencies, times 40 / 50 for DeepEP's RDMA at the NIC's line rate.
 TEST(PlanPublished, DeepEpSendsATokenOncePerRemoteNode) {
   const Published row = deepseek_v3_256();
   loom::plan::Cluster loom_ep = published_system();
@@ -271,7 +272,10 @@ TEST(PlanPublished, DeepEpSendsATokenOncePerRemoteNode) {
   const auto shape = loom::plan::ModelShape::of(*&spec, *spec.build_args({"671B", 129280, 4096, 0}));
   ASSERT_EQ(deepep.layout.ac_mode, "full");
   const double latency = 6.0 * static_cast<double>(shape.moe_layers) / 4 * 8 * 20e-6;
-  EXPECT_NEAR(deepep.time.ep_s - latency, share / (56.0 / 64.0) * (loom_a2a.time.ep_s - latency),
+  // DeepEP's RDMA also runs at the NIC's line rate (50 GB/s), Loom's all-to-all at the rings' 40.
+  const double nic = loom_ep.inter_node_bw / loom_ep.ep_inter_node_bw;
+  EXPECT_DOUBLE_EQ(nic, 0.8);
+  EXPECT_NEAR(deepep.time.ep_s - latency, share / (56.0 / 64.0) * nic * (loom_a2a.time.ep_s - latency),
               0.01 * (deepep.time.ep_s - latency));
   EXPECT_LT(loom_a2a.time.tokens_per_device_s, deepep.time.tokens_per_device_s);
 }
@@ -332,31 +336,32 @@ const Published& nemo_row(const std::string& prefix) {
   throw std::runtime_error("no NeMo row " + prefix);
 }
 
-// Issue 50 asks for the top 10 % for every published layout. Qwen3-MoE 30B-A3B and GPT-OSS 20B get
-// there; the other three do not, and these tests hold them to the ranks measured (2026-11-29) so a
-// change that moves them is seen. Why each misses (docs/planner.md, "Ranks", with the arithmetic):
-// the 70B's published layout recomputes every block (full activation checkpointing: 20.4 s of
-// compute against 15.3 s without), and about 590 layouts fit without recomputing, so even at its
-// own published throughput it would rank 11.7 %; GPT-OSS 120B (predicted within 0.0 %) pays full
-// recompute and all-to-alls across 8 nodes that layouts keeping EP inside a node avoid: its rank is
-// the layout's own; DeepSeek-V3 on 256 GPUs misses because its prediction is 13.8 % low (at its
-// published figure it would rank 3.7 %). DeepSeek-V3 on 1,024 GPUs ranks 19.5 % (19.3 % at its
-// published figure); its ranking takes 7 minutes of CPU and is not part of the suite:
-// `loom plan --explain` on that layout prints it (docs/planner.md).
+// Issue 50 asks for the top 10 % for every published layout. Qwen3-MoE 30B-A3B, GPT-OSS 20B and
+// DeepSeek-V3 on 256 GPUs get there (the last since DeepEP's RDMA is priced at its published line
+// rate, 2026-11-29: 9.5 %); the 70B and GPT-OSS 120B do not, and these tests hold them to the ranks
+// measured so a change that moves them is seen. Why (docs/planner.md, "Ranks", with the
+// arithmetic): the 70B's published layout recomputes every block (full activation checkpointing:
+// 20.4 s of compute against 15.3 s without), and about 590 layouts fit without recomputing --
+// Megatron-Bridge's TP 4 x PP 8 on the same 64 GPUs and batch measured 1,602 tokens/s (FP8),
+// predicted within -7.3 % -- so even at its own published throughput it would rank 11.7 %; GPT-OSS
+// 120B ranks 19.4 % behind layouts keeping EP inside a node, which the model over-predicts:
+// Megatron-Bridge's PP 4 x EP 8 measured 5,630-5,993 tokens/s where the planner predicts
+// 7,224-11,951 (+28 to +99 %). DeepSeek-V3 on 1,024 GPUs: its ranking takes 7 minutes of CPU and
+// is not part of the suite: `loom plan --explain` on that layout prints it (docs/planner.md).
 TEST(PlanPublished, Llama3_70BLayoutRanksWhereMeasured) {
   EXPECT_LE(rank_of(nemo_row("Llama 3 70B")), 0.18);  // issue 50's goal: 0.10
 }
 TEST(PlanPublished, Qwen3Moe30BA3BLayoutRanksInTheTopTenPercent) {
   EXPECT_LE(rank_of(nemo_row("Qwen3-MoE 30B-A3B")), 0.10);
 }
-TEST(PlanPublished, DeepSeekV3On256GpusLayoutRanksWhereMeasured) {
-  EXPECT_LE(rank_of(nemo_row("DeepSeek-V3 671B, 256")), 0.14);  // issue 50's goal: 0.10
+TEST(PlanPublished, DeepSeekV3On256GpusLayoutRanksInTheTopTenPercent) {
+  EXPECT_LE(rank_of(nemo_row("DeepSeek-V3 671B, 256")), 0.10);
 }
 TEST(PlanPublished, GptOss20BLayoutRanksInTheTopTenPercent) {
   EXPECT_LE(rank_of(nemo_row("GPT-OSS 20B")), 0.10);
 }
 TEST(PlanPublished, GptOss120BLayoutRanksWhereMeasured) {
-  EXPECT_LE(rank_of(nemo_row("GPT-OSS 120B")), 0.31);  // issue 50's goal: 0.10
+  EXPECT_LE(rank_of(nemo_row("GPT-OSS 120B")), 0.20);  // issue 50's goal: 0.10
 }
 
 }  // namespace plan_published_test
@@ -368,7 +373,7 @@ namespace plan_published_test {
 // A node holding j of the token's groups receives one of its 8 experts with probability
 // 1 - (1 - j/4)^8; j is hypergeometric (16, 36, 16, 1 of 70 for j = 1..4): 0.9608 remote nodes per
 // token, 0.1201 of its 8 rows, against Loom's all-to-all's 8 of 16 ranks' rows (0.5): the cross-node
-// bytes scale by 0.2402. (The count before 2026-11-29 took 2 x 4 / 8 = 1 node as all a token can
+// bytes scale by 0.2402, and DeepEP moves them at 50 GB/s, Loom at 40. (The count before 2026-11-29 took 2 x 4 / 8 = 1 node as all a token can
 // reach: 1/16 of the rows, half the bytes.)
 TEST(PlanPublished, DeepEpCountsTheNodesATokensGroupsSpan) {
   const auto& spec = loom::models::get_spec("deepseek_v3");
@@ -398,7 +403,8 @@ TEST(PlanPublished, DeepEpCountsTheNodesATokensGroupsSpan) {
   for (int j = 1; j <= 4; ++j) p_touched += ways[j - 1] / 70 * (1 - std::pow(1 - j / 4.0, 8));
   EXPECT_NEAR(p_touched, 0.9608, 1e-4);
   const double share = p_touched / 8;  // remote nodes per token over its 8 rows
-  EXPECT_NEAR(deepep.ep_s - latency, share / 0.5 * (all_to_all.ep_s - latency), 1e-3 * (deepep.ep_s - latency));
+  const double nic = loom_ep.inter_node_bw / loom_ep.ep_inter_node_bw;  // DeepEP at line rate: 40 / 50
+  EXPECT_NEAR(deepep.ep_s - latency, share / 0.5 * nic * (all_to_all.ep_s - latency), 1e-3 * (deepep.ep_s - latency));
 }
 
 }  // namespace plan_published_test
@@ -410,9 +416,11 @@ namespace plan_published_test {
 // and ...perf_recipes.gpt_oss.h100.gpt_oss.html) lay the same models out on the same 64 GPUs
 // differently from NeMo AutoModel: Llama 3 70B as TP 4 x PP 4 x CP 2 (GBS 256, seq 8192), GPT-OSS
 // 120B as PP 4 x EP 8 (GBS 1280, seq 4096) -- no full recompute, EP inside a node -- the family the
-// planner ranks first where NeMo AutoModel's layouts rank low (docs/planner.md). Their throughput is
-// not in the stored tables, so only their rank is checked (micro-batch 1; the 70B's
-// Interleaved1F1B with the planner's default stages, the 120B's 1F1B).
+// planner ranks first where NeMo AutoModel's layouts rank low (docs/planner.md). The 70B recipe's
+// BF16 throughput is not in Megatron-Bridge's tables (its FP8 TP 4 x PP 8 is, above); the 120B's is
+// (26.02: 5,993 tokens/s at MBS 1), and the planner over-predicts it by 99 % (above): its rank here
+// is the planner's, not a measurement's (micro-batch 1; the 70B's Interleaved1F1B with the
+// planner's default stages, the 120B's 1F1B).
 TEST(PlanPublished, MegatronBridgeRecipeLayoutsRankInTheTopTenPercent) {
   Published llama{"Llama 3 70B, 64 GPUs, Megatron-Bridge TP 4 x PP 4 x CP 2", "llama3", "70B", 128256, 8192, 256, {}, "", 0};
   llama.layout.dp_shard = 2;
@@ -423,7 +431,7 @@ TEST(PlanPublished, MegatronBridgeRecipeLayoutsRankInTheTopTenPercent) {
   llama.layout.microbatch_size = 1;
   llama.layout.local_batch_size = 128;
   EXPECT_LE(rank_of(llama), 0.10);
-  Published oss{"GPT-OSS 120B, 64 GPUs, Megatron-Bridge PP 4 x EP 8", "gpt_oss", "120B", 201088, 4096, 1280, {}, "", 0};
+  Published oss{"GPT-OSS 120B, 64 GPUs, Megatron-Bridge PP 4 x EP 8", "gpt_oss", "120B", 201088, 4096, 1280, {}, "", 5993};
   oss.layout.dp_shard = 16;
   oss.layout.pp = 4;
   oss.layout.ep = 8;
