@@ -336,6 +336,25 @@ TEST(PlanTime, ExplicitClusterConstantsOverrideThePreset) {
     EXPECT_NE(std::string(e.what()).find("allocator reserve"), std::string::npos) << e.what();
   }
   EXPECT_EQ(loom::plan::Cluster::this_cpu(70e9, 140e9).allocator_reserve, 1.0);
+  // The Float8 speedup (torchao's 1.434 on the GPU presets; 2 for Transformer Engine's FP8, the
+  // Megatron rows) and DeepEP's cross-node rate (50 GB/s, its published line rate) likewise; a
+  // speedup below 1 is refused (0: no float8 GEMMs).
+  EXPECT_EQ(h100.float8_gemm_speedup, 1.434);
+  EXPECT_EQ(h100.ep_inter_node_bw, 50e9);
+  loom::plan::Cluster::Overrides te;
+  te.float8_gemm_speedup = 2;
+  te.ep_inter_node_bw = 45e9;
+  EXPECT_EQ(h100.with(te).float8_gemm_speedup, 2.0);
+  EXPECT_EQ(h100.with(te).ep_inter_node_bw, 45e9);
+  te.float8_gemm_speedup = 0;
+  EXPECT_EQ(h100.with(te).float8_gemm_speedup, 0.0);
+  te.float8_gemm_speedup = 0.5;
+  try {
+    (void)h100.with(te);
+    FAIL() << "a Float8 speedup below 1 was accepted";
+  } catch (const loom::UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("Float8 GEMM speedup"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace plan_time_test
