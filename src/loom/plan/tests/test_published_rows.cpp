@@ -447,7 +447,7 @@ namespace plan_published_test {
 
 // NVIDIA's other stack on the same machines: Megatron-Bridge's performance summary, pre-training,
 // DGX-H100 (NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary-archive.md: the NeMo 25.11 and
-// 26.02 containers' tables; 25.09's repeat the same layouts within 3 %). Megatron's runs, not
+// 26.02 containers' tables; 25.09's repeat the same layouts within 4 %). Megatron's runs, not
 // Loom's: Transformer Engine's kernels (the efficiency above) and its FP8 "current scaling" --
 // per-tensor dynamic scales, the recipe Loom calls tensorwise -- on every linear of the blocks,
 // priced at the H100's FP8 / BF16 peak ratio, 2 (Cluster::float8_gemm_speedup; not fitted: the
