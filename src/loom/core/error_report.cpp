@@ -57,6 +57,16 @@ bool several_ranks_launched() {
   return false;
 }
 
+void report_current_exception_and_exit() {
+  const ErrorReport report = report_error(describe_exception(std::current_exception()));
+  if (several_ranks_launched()) {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(report.exit_code);
+  }
+  throw ReportedError(report.exit_code);
+}
+
 void set_stdout_line_open(bool open) { g_stdout_line_open = open; }
 
 ErrorReport describe_exception(std::exception_ptr error) {

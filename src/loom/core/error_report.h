@@ -52,6 +52,11 @@ void set_stdout_line_open(bool open);
 // Whether the launcher's environment says this process is one of several ranks.
 bool several_ranks_launched();
 
+// For a command's catch (...) block (`loom train`, `loom rl`): reports the exception in flight at
+// once, then, with several ranks, ends the process without unwinding into collectives the peers may
+// never join (the report tells them to stop); alone, throws ReportedError with its exit code.
+[[noreturn]] void report_current_exception_and_exit();
+
 // `hook(report)` runs inside report_error. Returns an id for remove_abort_hook.
 int add_abort_hook(std::function<void(ErrorReport&)> hook);
 void remove_abort_hook(int id);

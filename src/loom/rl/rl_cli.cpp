@@ -441,15 +441,7 @@ void register_rl_command(CLI::App& app) {
       LOOM_REQUIRE_USAGE(!config->empty(), "loom rl needs --config FILE (a job config with an [rl] section)");
       run_rl(*config, cmd->remaining());
     } catch (...) {
-      // As `loom train`: reported at once; with several ranks the process ends without unwinding
-      // into collectives the peers may never join (the report tells them to stop).
-      const ErrorReport report = report_error(describe_exception(std::current_exception()));
-      if (several_ranks_launched()) {
-        std::fflush(stdout);
-        std::fflush(stderr);
-        std::_Exit(report.exit_code);
-      }
-      throw ReportedError(report.exit_code);
+      report_current_exception_and_exit();  // as `loom train`
     }
   });
 }

@@ -52,13 +52,7 @@ void run_training(train::JobConfig config) {
     trainer = std::make_unique<train::Trainer>(std::move(config));
     trainer->train();
   } catch (...) {
-    const ErrorReport report = report_error(describe_exception(std::current_exception()));
-    if (several_ranks_launched()) {
-      std::fflush(stdout);
-      std::fflush(stderr);
-      std::_Exit(report.exit_code);
-    }
-    throw ReportedError(report.exit_code);
+    report_current_exception_and_exit();
   }
 }
 
