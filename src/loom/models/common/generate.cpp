@@ -32,6 +32,22 @@ void check_generation_fits(int64_t prompt_tokens, int64_t max_new_tokens, int64_
                               : std::string("; shorten the prompt to leave room for new tokens"));
 }
 
+namespace {
+// Both caches' attention core once the keys are gathered: q [B, t, H, D] against keys and values
+// [B, KV, Tk, D] under `mask` or `causal`, with GPT-OSS's sinks where the layer has them;
+// [B, t, H x Dv].
+torch::Tensor attend_cached(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                            const std::optional<torch::Tensor>& mask, bool causal, const nn::AttendFeatures& features) {
+  const int64_t t = q.size(1), heads = q.size(2), v_dim = values.size(3);
+  const torch::Tensor out =
+      features.sinks.defined()
+          ? nn::sink_attention(q.transpose(1, 2), keys, values, mask, causal, features.sinks)
+          : at::scaled_dot_product_attention(q.transpose(1, 2), keys, values, mask, 0.0, causal, std::nullopt,
+                                             heads != keys.size(1));
+  return out.transpose(1, 2).reshape({q.size(0), t, heads * v_dim});
+}
+}  // namespace
+
 int64_t kv_cache_bytes(const DecoderArgs& args, int64_t capacity, c10::ScalarType dtype, int64_t batch) {
   const int64_t per_token = args.n_layers * args.attention_kv_heads() * (args.qk_head_dim() + args.v_head_dim()) *
                             static_cast<int64_t>(c10::elementSize(dtype));
@@ -111,7 +127,7 @@ Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory
         [cache, cap](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const nn::TokenLayout&,
                      const nn::AttendFeatures& features) {
           // q [1, T, H, D], k [1, T, KV, D], v [1, T, KV, Dv], already rotated at their positions.
-          const int64_t t = q.size(1), heads = q.size(2), v_dim = v.size(3);
+          const int64_t t = q.size(1);
           const int64_t start = cache->length, end = start + t;
           LOOM_REQUIRE(end <= cap, "key/value cache full: ", end, " > ", cap);
           LOOM_REQUIRE(k.size(2) == cache->k.size(1), "key/value cache of ", cache->k.size(1),
@@ -147,12 +163,7 @@ Generator::Generator(Decoder& model, int64_t capacity, const std::string& memory
               causal = true;
             }
           }
-          const torch::Tensor out =
-              features.sinks.defined()
-                  ? nn::sink_attention(q.transpose(1, 2), keys, values, mask, causal, features.sinks)
-                  : at::scaled_dot_product_attention(q.transpose(1, 2), keys, values, mask, 0.0, causal,
-                                                     std::nullopt, heads != keys.size(1));
-          return out.transpose(1, 2).reshape({q.size(0), t, heads * v_dim});
+          return attend_cached(q, keys, values, mask, causal, features);
         });
   }
 }
@@ -266,7 +277,7 @@ BatchGenerator::BatchGenerator(Decoder& model, int64_t batch, int64_t capacity, 
                        const nn::AttendFeatures& features) {
           // q [rows, T, H, D], k [rows, T, KV, D], v [rows, T, KV, Dv], rotated at positions
           // length .. length + T - 1 (every row alike).
-          const int64_t t = q.size(1), heads = q.size(2), v_dim = v.size(3);
+          const int64_t t = q.size(1);
           const int64_t start = state->length, end = start + t;
           auto& [keys_cache, values_cache] = state->kv[index];
           LOOM_REQUIRE(end <= keys_cache.size(2), "key/value cache full: ", end, " > ", keys_cache.size(2));
@@ -280,12 +291,7 @@ BatchGenerator::BatchGenerator(Decoder& model, int64_t batch, int64_t capacity, 
           const torch::Tensor mask =
               nn::attention_mask(torch::arange(start, end, positions), torch::arange(end, positions),
                                  features.sliding_window, documents.narrow(1, start, t), documents);
-          const torch::Tensor out =
-              features.sinks.defined()
-                  ? nn::sink_attention(q.transpose(1, 2), keys, values, mask, false, features.sinks)
-                  : at::scaled_dot_product_attention(q.transpose(1, 2), keys, values, mask, 0.0, false,
-                                                     std::nullopt, heads != keys.size(1));
-          return out.transpose(1, 2).reshape({q.size(0), t, heads * v_dim});
+          return attend_cached(q, keys, values, mask, false, features);
         });
   }
 }
