@@ -49,7 +49,8 @@ torch::Tensor attention_mask(const torch::Tensor& q_positions, const torch::Tens
 // `causal` (keys 0..Tq-1 causal; Tq == Tk) says which keys are allowed; every query row must allow
 // at least one key. Differentiable in q, k, v and sinks. CPU: libtorch's flash kernel with its
 // log-sum-exp L (out = flash_out * sigmoid(L - sink)), its backward run on the sink-corrected output
-// and log-sum-exp; other devices: explicit softmax in float32.
+// and log-sum-exp; CUDA in bf16 / fp16, causal or unmasked: the same over CUDA's flash kernel
+// (tests/cuda/kernels/test_cuda_sink_attention.cpp); otherwise explicit softmax in float32.
 torch::Tensor sink_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const std::optional<torch::Tensor>& mask, bool causal, const torch::Tensor& sinks);
 
