@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "loom/core/error.h"
 #include "loom/nn/rope.h"
@@ -99,6 +100,22 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The sink's correction of a flash kernel's output o and log-sum-exp L over the keys (both the CPU
+// and the CUDA path): L' = logaddexp(L, sink), out = o * exp(L - L'). Returns {out, L'}.
+std::pair<torch::Tensor, torch::Tensor> sink_corrected(const torch::Tensor& o, const torch::Tensor& lse,
+                                                       const torch::Tensor& sinks, c10::ScalarType dtype) {
+  const torch::Tensor lse_all = torch::logaddexp(lse, sinks.to(torch::kFloat32).view({1, -1, 1}));  // [B, H, Tq]
+  return {(o.to(torch::kFloat32) * (lse - lse_all).exp().unsqueeze(-1)).to(dtype), lse_all};
+}
+
+// d sink = sum over rows of -P_sink * (dout . out), P_sink = exp(sink - L').
+torch::Tensor sink_gradient(const torch::Tensor& dout, const torch::Tensor& out, const torch::Tensor& sinks,
+                            const torch::Tensor& lse_all) {
+  const torch::Tensor row = (dout.to(torch::kFloat32) * out.to(torch::kFloat32)).sum(-1);  // [B, H, Tq]
+  const torch::Tensor p_sink = (sinks.to(torch::kFloat32).view({1, -1, 1}) - lse_all).exp();
+  return (-(p_sink * row)).sum({0, 2}).to(sinks.scalar_type());
+}
+
 // sink_attention on the CPU: the flash kernel's output o and log-sum-exp L over the keys; with the
 // sink the denominator becomes exp(L) + exp(sink), so out = o * exp(L - L') with
 // L' = logaddexp(L, sink). The sink is a key with logit `sink` and value 0, so flash attention's
@@ -109,9 +126,7 @@ struct SinkAttentionCPU : torch::autograd::Function<SinkAttentionCPU> {
                                const torch::Tensor& v, const torch::Tensor& sinks,
                                const std::optional<torch::Tensor>& mask, bool causal) {
     auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, mask);
-    const torch::Tensor sink = sinks.to(torch::kFloat32).view({1, -1, 1});
-    const torch::Tensor lse_all = torch::logaddexp(lse, sink);  // [B, H, Tq]
-    const torch::Tensor out = (o.to(torch::kFloat32) * (lse - lse_all).exp().unsqueeze(-1)).to(q.scalar_type());
+    const auto [out, lse_all] = sink_corrected(o, lse, sinks, q.scalar_type());
     ctx->save_for_backward({q, k, v, sinks, out, lse_all});
     if (mask) ctx->saved_data["mask"] = *mask;
     ctx->saved_data["causal"] = causal;
@@ -128,10 +143,7 @@ struct SinkAttentionCPU : torch::autograd::Function<SinkAttentionCPU> {
     const torch::Tensor dout = grads[0].contiguous();
     auto [dq, dk, dv] =
         at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse_all, 0.0, causal, mask);
-    const torch::Tensor row = (dout.to(torch::kFloat32) * out.to(torch::kFloat32)).sum(-1);  // [B, H, Tq]
-    const torch::Tensor p_sink = (sinks.to(torch::kFloat32).view({1, -1, 1}) - lse_all).exp();
-    const torch::Tensor dsinks = (-(p_sink * row)).sum({0, 2}).to(sinks.scalar_type());
-    return {dq, dk, dv, dsinks, torch::Tensor(), torch::Tensor()};
+    return {dq, dk, dv, sink_gradient(dout, out, sinks, lse_all), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -149,9 +161,7 @@ struct SinkAttentionFlashCUDA : torch::autograd::Function<SinkAttentionFlashCUDA
     auto [o, lse, cum_q, cum_k, max_q, max_k, seed, offset, debug_mask] =
         at::_scaled_dot_product_flash_attention(q, keys, values, 0.0, causal);
     (void)debug_mask;
-    const torch::Tensor sink = sinks.to(torch::kFloat32).view({1, -1, 1});
-    const torch::Tensor lse_all = torch::logaddexp(lse, sink);  // [B, H, Tq]
-    const torch::Tensor out = (o.to(torch::kFloat32) * (lse - lse_all).exp().unsqueeze(-1)).to(q.scalar_type());
+    const auto [out, lse_all] = sink_corrected(o, lse, sinks, q.scalar_type());
     ctx->save_for_backward({q, keys, values, sinks, out, lse_all, cum_q, cum_k, seed, offset});
     ctx->saved_data["max_q"] = max_q.expect_int();
     ctx->saved_data["max_k"] = max_k.expect_int();
@@ -172,10 +182,7 @@ struct SinkAttentionFlashCUDA : torch::autograd::Function<SinkAttentionFlashCUDA
     const auto fold = [&](const torch::Tensor& d) {  // [B, KV x groups, Tk, D] -> [B, KV, Tk, D]
       return groups == 1 ? d : d.unflatten(1, {d.size(1) / groups, groups}).sum(2);
     };
-    const torch::Tensor row = (dout.to(torch::kFloat32) * out.to(torch::kFloat32)).sum(-1);  // [B, H, Tq]
-    const torch::Tensor p_sink = (sinks.to(torch::kFloat32).view({1, -1, 1}) - lse_all).exp();
-    const torch::Tensor dsinks = (-(p_sink * row)).sum({0, 2}).to(sinks.scalar_type());
-    return {dq, fold(dkeys), fold(dvalues), dsinks, torch::Tensor()};
+    return {dq, fold(dkeys), fold(dvalues), sink_gradient(dout, out, sinks, lse_all), torch::Tensor()};
   }
 };
 
